@@ -1,0 +1,154 @@
+"""`llamatron <command>`: parses arguments and calls the modules that do the work."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ConfigError, add_config_arguments, load_config
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model (no data given: the embedded demo corpus)",
+                       description="Train a model. With no --data and no --mock-data it trains llama-tiny on the "
+                                   "Python standard library's source (the demo), then samples from it.")
+    add_config_arguments(p)
+    p.add_argument("--nproc-per-node", type=int, default=None, help="start torchrun with this many processes")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node:
+        return _relaunch_with_torchrun(args.nproc_per_node)
+    cfg = load_config(args)
+    demo = cfg.data.data is None and not cfg.data.mock_data
+    if demo and cfg.train.save is None:
+        from .train import DEMO_DIR
+
+        cfg.train.save = os.path.join(DEMO_DIR, "checkpoint")
+    from .train import run_training
+
+    result = run_training(cfg)
+    if demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
+        _print_demo_summary(result)
+    return 0
+
+
+def _print_demo_summary(result) -> None:
+    from .data.tokenizer import load_tokenizer
+    from .generate import load_for_generation, sample
+    from .train import DEMO_DIR
+
+    if result.valid:
+        first, last = result.valid[0], result.valid[-1]
+        print(f"validation loss {last['loss']:.3f} (perplexity {last['perplexity']:.1f}, "
+              f"accuracy {last['accuracy']:.1%}) after {result.steps} steps")
+    model, _ = load_for_generation(result.checkpoint)
+    tok = load_tokenizer(os.path.join(DEMO_DIR, "data", "tokenizer"))
+    ids = sample(model, tok.encode("def "), max_new_tokens=80, temperature=0.7, seed=0)
+    print(f"checkpoint: {result.checkpoint}\nsample (prompt 'def '):\n" + "-" * 40 + "\ndef " + tok.decode(ids) + "\n" + "-" * 40)
+
+
+def _relaunch_with_torchrun(nproc: int) -> int:
+    import subprocess
+
+    argv = sys.argv[1:]
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc-per-node":
+            skip = True
+            continue
+        if a.startswith("--nproc-per-node="):
+            continue
+        out.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "-m", "llamatron", *out]
+    return subprocess.call(cmd)
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("--load", required=True, help="checkpoint directory (DIR or DIR/step-N)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded with the checkpoint's data)")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .data.tokenizer import load_tokenizer
+    from .generate import load_for_generation, sample
+
+    model, meta = load_for_generation(args.load, args.device)
+    tokenizer = args.tokenizer or meta["config"]["data"].get("tokenizer")
+    if tokenizer is None:
+        from .train import DEMO_DIR
+
+        tokenizer = os.path.join(DEMO_DIR, "data", "tokenizer")
+    if not os.path.exists(tokenizer):
+        raise ConfigError(f"tokenizer {tokenizer} not found; pass --tokenizer PATH")
+    tok = load_tokenizer(tokenizer)
+    ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + tok.decode(ids))
+    return 0
+
+
+def _preprocess_parser(sub) -> None:
+    from .data.preprocess import add_preprocess_arguments, run_preprocess
+
+    p = sub.add_parser("preprocess", help="tokenize jsonl into Megatron-format .bin/.idx")
+    add_preprocess_arguments(p)
+    p.set_defaults(func=lambda a: run_preprocess(a) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llamatron", description="Distributed trainer for LLaMA-family models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _train_parser(sub)
+    _preprocess_parser(sub)
+    _generate_parser(sub)
+    for register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def _optional_commands() -> list:
+    """Commands living in their own modules; each registers its sub-parser."""
+    registers = []
+    for module, attr in (("llamatron.checkpoint.hf_cli", "register"), ("llamatron.bench", "register"),
+                         ("llamatron.plan", "register")):
+        try:
+            mod = __import__(module, fromlist=[attr])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        registers.append(getattr(mod, attr))
+    return registers
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        sys.exit(0)
+    try:
+        sys.exit(args.func(args))
+    except ConfigError as e:
+        print(f"llamatron {args.command}: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:
+        from .checkpoint.dist import CheckpointError
+
+        if isinstance(e, CheckpointError):
+            print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)
+            sys.exit(2)
+        raise

@@ -1,0 +1,262 @@
+"""Typed run configuration: dataclasses, YAML + command-line flags, validated in one place.
+
+Every field of the sections below is a flag (`--micro-batch-size`) and a YAML
+key (`micro_batch_size`), in one flat namespace. Precedence: defaults < YAML
+(`--config FILE`) < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .models import ModelConfig, get_preset
+from .models.presets import PRESET_NAMES
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says how to fix it."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel size (ranks sharing each layer)")
+    pp: int = _f(1, "pipeline-parallel size (stages)")
+    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved 1F1B)")
+    pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
+    sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
+    distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
+    overlap_grad_reduce: bool = _f(True, "reduce gradient buckets while backward runs")
+    overlap_param_gather: bool = _f(True, "all-gather updated parameters during the next forward")
+    bucket_size: int = _f(40_000_000, "gradient bucket size in elements")
+    grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction", ("fp32", "bf16"))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(3e-5, "learning-rate floor of the decay")
+    lr_schedule: str = _f("cosine", "learning-rate decay after warm-up", ("constant", "linear", "cosine"))
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.95, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)")
+
+
+@dataclass
+class DataConfig:
+    data: str | None = _f(None, "dataset prefix, or 'W1 PREFIX1 W2 PREFIX2 ...' to blend")
+    mock_data: bool = _f(False, "deterministic synthetic tokens with learnable structure")
+    tokenizer: str | None = _f(None, "tokenizer (HF directory, tokenizer.json or tokenizer.model)")
+    split: str = _f("98,2,0", "train,valid,test split of the documents")
+    seq_length: int = _f(512, "tokens per sample")
+
+
+@dataclass
+class TrainConfig:
+    model: str = _f("llama-tiny", f"model preset ({', '.join(PRESET_NAMES)})")
+    micro_batch_size: int = _f(4, "samples per forward/backward on one rank")
+    global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks")
+    train_steps: int = _f(100, "optimizer steps")
+    seed: int = _f(1234, "seed of initialisation, data order and dropout")
+    precision: str = _f("auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
+    recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
+    device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
+    save: str | None = _f(None, "checkpoint directory to save into")
+    load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
+    finetune: bool = _f(False, "with --load: weights only, fresh optimizer and step count")
+    save_interval: int = _f(0, "steps between checkpoints (0: only at the end when --save is set)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
+    eval_interval: int = _f(0, "steps between evaluations (0: only at the end)")
+    eval_iters: int = _f(4, "batches per evaluation")
+    log_interval: int = _f(1, "steps between metric records")
+    metrics_file: str | None = _f(None, "JSON-lines metrics file")
+    progress: bool = _f(True, "show a progress bar")
+
+
+SECTIONS = {"parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+
+
+@dataclass
+class RunConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model_overrides: dict = field(default_factory=dict)  # YAML `model_overrides:` changes preset fields
+
+    def model_config(self) -> ModelConfig:
+        cfg = get_preset(self.train.model)
+        for key, value in self.model_overrides.items():
+            if not hasattr(cfg, key):
+                raise ConfigError(f"model_overrides: unknown model field {key!r}")
+            setattr(cfg, key, value)
+        cfg.__post_init__()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in SECTIONS:
+            out.update(asdict(getattr(self, name)))
+        return out
+
+
+def _field_type(f) -> type:
+    hints = typing.get_type_hints(SECTIONS_OWNER[f.name])
+    t = hints[f.name]
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+SECTIONS_OWNER: dict[str, type] = {f.name: cls for cls in SECTIONS.values() for f in fields(cls)}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; defaults are suppressed so YAML values are not overridden by them."""
+    parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML file of settings (flag names with underscores)")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            t = _field_type(f)
+            default = f.default if f.default is not MISSING else None
+            help_text = f"{f.metadata.get('help', '')} (default: {default})"
+            if t is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(flag, type=t, default=argparse.SUPPRESS, choices=f.metadata.get("choices"),
+                                   help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper())
+
+
+def config_from_values(values: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from flat key/values (YAML keys or parsed flags)."""
+    values = dict(values)
+    overrides = values.pop("model_overrides", None) or {}
+    unknown = set(values) - set(SECTIONS_OWNER)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {sorted(unknown)}; see `llamatron train --help` for the names")
+    cfg = RunConfig(model_overrides=dict(overrides))
+    for key, value in values.items():
+        setattr(getattr(cfg, _section_of(key)), key, value)
+    return cfg
+
+
+def _section_of(key: str) -> str:
+    owner = SECTIONS_OWNER[key]
+    return next(name for name, cls in SECTIONS.items() if cls is owner)
+
+
+def load_config(args: argparse.Namespace) -> RunConfig:
+    """YAML file (if --config) then the flags given explicitly."""
+    values: dict[str, Any] = {}
+    given = vars(args).copy()
+    config_file = given.pop("config", None)
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of setting: value")
+        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    values.update({k: v for k, v in given.items() if k in SECTIONS_OWNER})
+    return config_from_values(values)
+
+
+@dataclass
+class Derived:
+    """Sizes that follow from the config and the world size."""
+
+    world_size: int
+    dp: int
+    grad_accum_steps: int  # micro-batches per data-parallel rank per step
+    device: str
+    dtype_name: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False) -> Derived:
+    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix."""
+    p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
+    model = cfg.model_config()
+    for name in ("tp", "pp", "vpp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1")
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
+                          f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
+    dp = world_size // (p.tp * p.pp)
+    if model.num_heads % p.tp:
+        ok = [x for x in _divisors(model.num_heads)]
+        raise ConfigError(f"num_attention_heads={model.num_heads} is not divisible by tp={p.tp}; use tp in {ok}")
+    kv = model.num_kv_heads
+    if kv % p.tp and p.tp % kv:
+        raise ConfigError(f"num_kv_heads={kv} and tp={p.tp}: one must divide the other "
+                          f"(tp in {[x for x in _divisors(model.num_heads) if kv % x == 0 or x % kv == 0]})")
+    if model.ffn_hidden_size % p.tp:
+        raise ConfigError(f"ffn_hidden_size={model.ffn_hidden_size} is not divisible by tp={p.tp}")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("--sequence-parallel needs --tp > 1")
+    if p.sequence_parallel and d.seq_length % p.tp:
+        raise ConfigError(f"--seq-length {d.seq_length} must be divisible by tp={p.tp} with --sequence-parallel")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers into chunks)")
+    if p.pp_layers is not None:
+        try:
+            split = [int(x) for x in p.pp_layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"--pp-layers {p.pp_layers!r} must be comma-separated integers") from None
+        if len(split) != p.pp * p.vpp or sum(split) != model.num_layers or min(split) < 1:
+            raise ConfigError(f"--pp-layers must give {p.pp * p.vpp} positive counts summing to "
+                              f"{model.num_layers} layers; got {p.pp_layers}")
+    elif model.num_layers % (p.pp * p.vpp):
+        raise ConfigError(f"{model.num_layers} layers are not divisible by pp*vpp = {p.pp * p.vpp}; "
+                          f"give an explicit split with --pp-layers")
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError("--micro-batch-size and --global-batch-size must be >= 1")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of micro-batch-size x "
+                          f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.pp > 1 and p.vpp > 1 and accum % p.pp:
+        raise ConfigError(f"interleaved pipeline needs micro-batches per step ({accum}) to be a multiple of pp={p.pp}; "
+                          f"raise --global-batch-size")
+    if d.seq_length < 1 or d.seq_length > model.max_seq_length * 64:
+        raise ConfigError(f"--seq-length {d.seq_length} is out of range for {t.model}")
+    if t.train_steps < 0 or o.warmup_steps < 0 or t.log_interval < 1:
+        raise ConfigError("--train-steps and --warmup-steps must be >= 0, --log-interval >= 1")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    device = t.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    dtype_name = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    if t.finetune and not t.load:
+        raise ConfigError("--finetune needs --load CHECKPOINT")
+    return Derived(world_size=world_size, dp=dp, grad_accum_steps=accum, device=device, dtype_name=dtype_name)

@@ -1,0 +1,130 @@
+"""Builds a trainable model for a config and a mesh, and runs one optimizer step.
+
+Order: plain model on meta -> tensor parallelism -> pipeline stage chunks ->
+materialise (layout-independent init) -> recompute -> gradient buffers ->
+optimizer. Nothing touches device memory before the config is validated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ConfigError, Derived, RunConfig
+from .models import ModelConfig, Transformer, build_model, materialize
+from .parallel.data import GradBuffer
+from .parallel.mesh import Mesh, all_reduce
+from .parallel.optimizer import DistributedAdamW, lr_at
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Engine:
+    cfg: RunConfig
+    derived: Derived
+    mesh: Mesh
+    model_cfg: ModelConfig
+    chunks: list[Transformer]
+    buffers: list[GradBuffer]
+    optimizer: DistributedAdamW
+    device: torch.device
+    dtype: torch.dtype
+    forward_backward: Callable  # (engine, micro_batches, total_tokens) -> summed loss on this rank (device)
+
+
+class _Recomputed(nn.Module):
+    """Runs the wrapped layer without keeping its activations; recomputes them in backward."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args):
+        return checkpoint(self.layer, *args, use_reentrant=False)
+
+
+def apply_full_recompute(model: Transformer) -> None:
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = _Recomputed(layer)
+
+
+def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
+    model_cfg = model_cfg or cfg.model_config()
+    device = torch.device(derived.device, torch.cuda.current_device()) if derived.device == "cuda" else torch.device("cpu")
+    dtype = DTYPES[derived.dtype_name]
+    p = cfg.parallel
+    model = build_model(model_cfg)
+    if p.tp > 1:
+        from .parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel)
+    if p.pp > 1:
+        from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
+
+        chunks, global_names = build_stage_chunks(model, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
+        forward_backward = pipeline_forward_backward
+    else:
+        chunks, global_names = [model], [lambda n: n]
+        forward_backward = forward_backward_no_pipeline
+    for chunk, names in zip(chunks, global_names):
+        materialize(chunk, model_cfg, cfg.train.seed, device, dtype, global_name=names)
+        if cfg.train.recompute == "full":
+            apply_full_recompute(chunk)
+    grad_dtype = torch.float32
+    reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
+    buffers = [GradBuffer(chunk, mesh.dp_group, mesh.dp, grad_dtype=grad_dtype, bucket_size=p.bucket_size,
+                          distributed=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
+                          reduce_dtype=reduce_dtype) for chunk in chunks]
+    o = cfg.optim
+    optimizer = DistributedAdamW(buffers, mesh, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                                 eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer)
+    return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward)
+
+
+def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
+    """Gradient accumulation over micro-batches; the loss is the mean over all tokens of the global batch."""
+    model, buffer = engine.chunks[0], engine.buffers[0]
+    loss_sum = torch.zeros((), device=engine.device)
+    for i, mb in enumerate(micro_batches):
+        buffer.is_last_microbatch = i == len(micro_batches) - 1
+        per_token = model(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"])
+        loss = per_token.sum() / total_tokens
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def to_device(micro_batches: list[dict], device: torch.device) -> list[dict]:
+    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+
+
+def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
+    """Tokens that count towards the loss in the whole global batch (summed over data-parallel ranks)."""
+    local = sum((mb["labels"] != -100).sum() for mb in micro_batches).to(engine.device, torch.float32)
+    return all_reduce(local, engine.mesh.dp_group).clamp_min(1.0)
+
+
+def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str, torch.Tensor | float]:
+    """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
+    cfg = engine.cfg
+    total = count_tokens(engine, micro_batches)
+    for buf in engine.buffers:
+        buf.zero_grad()
+    loss = engine.forward_backward(engine, micro_batches, total)
+    for buf in engine.buffers:
+        buf.finish_grad_sync()
+    lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
+    grad_norm, found_inf = engine.optimizer.step(lr)
+    engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
+    return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr}
+
+
+def check_engine_config(cfg: RunConfig) -> None:
+    """Features not available in this build fail here, before memory is allocated."""
+    if cfg.train.precision == "fp16":
+        raise ConfigError("--precision fp16 needs dynamic loss scaling, which is not implemented yet; use bf16")

@@ -1,0 +1,88 @@
+"""The architecture of one model, independent of how it is trained or laid out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass
+class RopeScaling:
+    """Rotary-embedding scaling for long context.
+
+    kind: "linear" (positions divided by factor), "dynamic" (NTK-aware base
+    growth past original_max_position), or "llama3" (Llama 3.1's
+    frequency-dependent scheme).
+    """
+
+    kind: str
+    factor: float
+    original_max_position: int = 8192
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama"  # "llama" (Llama 1/2/3, Code Llama, Mistral) or "falcon"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int | None = None  # None: multi-head (= num_heads); 1: multi-query
+    ffn_hidden_size: int = 11008
+    max_seq_length: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral: attend to at most this many past tokens
+    # Falcon only (attention and MLP always run in parallel from one residual)
+    separate_mlp_norm: bool = False  # Falcon 40B/180B: ln_attn and ln_mlp; 7B: one input_layernorm
+    bias: bool = False  # biases on the linear layers
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    def num_params(self) -> int:
+        """All parameters, embeddings included (the N of the FLOP formula)."""
+        h, d = self.hidden_size, self.head_dim
+        kv = self.num_kv_heads * d
+        attn = h * (h + 2 * kv) + h * h
+        if self.family == "falcon":
+            mlp = 2 * h * self.ffn_hidden_size
+            norms = (4 if self.separate_mlp_norm else 2) * h
+        else:
+            mlp = 3 * h * self.ffn_hidden_size
+            norms = 2 * h
+        bias = (h + 2 * kv + h + (self.ffn_hidden_size * (1 if self.family == "falcon" else 2)) + h) if self.bias else 0
+        per_layer = attn + mlp + norms + bias
+        final_norm = h * (2 if self.family == "falcon" else 1)
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + final_norm + embed
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Model FLOPs per trained token: 6·N + 12·L·h·S (DESIGN.md)."""
+        return 6.0 * self.num_params() + 12.0 * self.num_layers * self.hidden_size * seq_length
+
+
+__all__ = ["ModelConfig", "RopeScaling"]

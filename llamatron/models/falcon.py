@@ -1,0 +1,38 @@
+"""Falcon decoder layers: attention and MLP in parallel from the same residual.
+
+7B layout: one LayerNorm feeds both branches, multi-query attention.
+40B/180B layout: separate LayerNorms for the attention and MLP branches, grouped KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Attention
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class FalconBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.separate_mlp_norm else None
+        self.attn = Attention(cfg)
+        self.mlp = GeluMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        attn_in = self.attn_norm(x)
+        mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
+        return x + self.attn(attn_in, cos, sin) + self.mlp(mlp_in)

@@ -1,0 +1,119 @@
+"""Building blocks shared by every family: norms, rotary embeddings, attention.
+
+Written for one device. Tensor parallelism replaces the linear layers and sets
+`num_heads`/`num_kv_heads` to the local counts; the code below reshapes with
+those attributes, so it runs unchanged on a shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama's reference does), scale in the input dtype.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, seq_len: int,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with long-context scaling applied."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    if scaling is not None and scaling.kind == "dynamic" and seq_len > scaling.original_max_position:
+        # NTK-aware: grow the base once the sequence is longer than the trained context.
+        ratio = scaling.factor * seq_len / scaling.original_max_position - (scaling.factor - 1)
+        theta = theta * ratio ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (theta ** exponent)
+    if scaling is None or scaling.kind == "dynamic":
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        old = scaling.original_max_position
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"unknown rope scaling kind {scaling.kind!r}; use linear, dynamic or llama3")
+
+
+def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (batch, seq, head_dim) for the given positions."""
+    seq_len = int(position_ids.max()) + 1 if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic" else 0
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, seq_len, position_ids.device)
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); the half-split convention of Hugging Face checkpoints."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean (seq, seq) mask: query i sees keys j with i - window < j <= i."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads (GQA/MQA)."""
+    gqa = q.shape[1] != k.shape[1]
+    seq_len = q.shape[2]
+    if sliding_window is not None and seq_len > sliding_window:
+        mask = sliding_window_mask(seq_len, sliding_window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.sliding_window = cfg.sliding_window
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
+        self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(batch, seq, -1, d).transpose(1, 2)
+        k = k.view(batch, seq, -1, d).transpose(1, 2)
+        v = v.view(batch, seq, -1, d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention_core(q, k, v, self.sliding_window)
+        return self.o(out.transpose(1, 2).reshape(batch, seq, -1))

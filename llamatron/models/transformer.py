@@ -1,0 +1,85 @@
+"""The decoder-only language model, for every family, on one device.
+
+A pipeline stage is the same class with some parts absent: no `embed` on later
+stages (the input is then a hidden state), no `norm`/head on earlier ones (the
+output is then a hidden state), and a subset of `layers`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .falcon import FalconBlock
+from .layers import RMSNorm, rope_cos_sin
+from .llama import LlamaBlock
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """fp32 loss per token, 0 where labels == IGNORE_INDEX."""
+    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return loss.view(labels.shape)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        block = FalconBlock if cfg.family == "falcon" else LlamaBlock
+        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.family == "falcon" else RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm: nn.Module | None = norm
+        self.lm_head: nn.Module | None = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Swappable so tensor parallelism can install a vocabulary-parallel loss.
+        self.loss_fn = cross_entropy_per_token
+        # Sequence parallelism splits hidden states along the sequence into this many shards.
+        self.seq_shards = 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.norm is not None
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.head_weight())
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
+
+        Returns the per-token loss when labels are given, else logits; a stage
+        without the head returns its hidden states.
+        """
+        h = self.embed(inputs) if self.embed is not None else inputs
+        batch, seq = h.shape[0], self.full_seq_length(h)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=h.device).expand(batch, seq)
+        cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        if self.norm is None:
+            return h
+        if labels is None:
+            return self.logits(h)
+        return self.loss_fn(self.logits(h), labels)
+
+    def full_seq_length(self, h: torch.Tensor) -> int:
+        """Sequence length of the whole sample (sequence parallelism shards h)."""
+        return h.shape[1] * self.seq_shards
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:
+    """The full model with uninitialised parameters (on `meta` by default: see models/init.py)."""
+    with torch.device(device):
+        return Transformer(cfg)

@@ -1,0 +1,199 @@
+"""Contiguous gradient buffers cut into buckets, reduced over data-parallel ranks during backward.
+
+Each model chunk's parameters live in one flat parameter buffer and accumulate
+their gradients into one flat fp32 `main_grad` buffer (no per-parameter
+`.grad` survives a backward). Parameters are laid out in reverse order of use,
+so buckets fill up in the order backward produces them. A bucket is reduced
+(all-reduce, or reduce-scatter for the distributed optimizer) as soon as its
+last gradient of the step's *last* micro-batch has arrived: one collective per
+bucket per step, whatever the number of micro-batches.
+
+With the distributed optimizer each data-parallel rank owns the i-th 1/dp of
+every bucket; after the step the updated parameters are all-gathered bucket by
+bucket, and each bucket is waited on just before the first module that uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch 2.13 renamed the flat collectives; 2.11 has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Buckets are padded so every shard starts on a 128-byte boundary for any dtype used here.
+_ALIGN = 64
+
+
+@dataclass
+class Bucket:
+    index: int
+    start: int  # element offsets into the flat buffers
+    end: int
+    params: list[nn.Parameter]
+    pending: int = 0
+    reduce_handle: dist.Work | None = None
+    gather_handle: dist.Work | None = None
+    reduce_staging: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class CommStats:
+    """Counts of collectives issued, for tests and the benchmark breakdown."""
+
+    grad_reductions: int = 0
+    param_gathers: int = 0
+    wait_seconds: float = 0.0
+    per_step: list[int] = field(default_factory=list)
+
+
+class GradBuffer:
+    """Flat parameter and gradient storage of one model chunk, bucketed for data-parallel reduction."""
+
+    def __init__(self, module: nn.Module, dp_group: dist.ProcessGroup | None, dp: int, grad_dtype: torch.dtype = torch.float32,
+                 bucket_size: int = 40_000_000, distributed: bool = False, overlap_grad_reduce: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
+        self.module = module
+        self.dp_group, self.dp = dp_group, dp
+        self.distributed = distributed
+        self.overlap_grad_reduce = overlap_grad_reduce and dp > 1
+        self.reduce_dtype = reduce_dtype
+        self.stats = CommStats()
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("a model chunk without trainable parameters")
+        params = list(reversed(params))  # backward produces gradients roughly in reverse order
+        device, dtype = params[0].device, params[0].dtype
+        # Cut into buckets at parameter boundaries; pad each to a multiple of dp * _ALIGN.
+        self.buckets: list[Bucket] = []
+        self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
+        self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        offset, current, bucket_start = 0, [], 0
+        for i, p in enumerate(params):
+            self.param_range[p] = (offset, offset + p.numel())
+            offset += p.numel()
+            current.append(p)
+            if offset - bucket_start >= bucket_size or i == len(params) - 1:
+                multiple = dp * _ALIGN
+                padded_end = bucket_start + -(-(offset - bucket_start) // multiple) * multiple
+                self.buckets.append(Bucket(len(self.buckets), bucket_start, padded_end, current))
+                offset = bucket_start = padded_end
+                current = []
+        self.numel = offset
+        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                start, end = self.param_range[p]
+                self.param_data[start:end].copy_(p.data.flatten())
+                p.data = self.param_data[start:end].view_as(p)
+                p.main_grad = self.grad_data[start:end].view_as(p)
+                self.bucket_of[p] = bucket
+        self.is_last_microbatch = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        self._gather_hooks: list = []
+        self.reset_pending()
+
+    # ---- gradient side -------------------------------------------------------------------------
+
+    def reset_pending(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self.is_last_microbatch:
+            return
+        bucket = self.bucket_of[param]
+        bucket.pending -= 1
+        if bucket.pending == 0 and self.overlap_grad_reduce:
+            self._start_reduce(bucket)
+
+    def shard_range(self, bucket: Bucket, dp_rank: int) -> tuple[int, int]:
+        """Element range of the bucket owned by dp_rank (the whole bucket without the distributed optimizer)."""
+        if not self.distributed:
+            return bucket.start, bucket.end
+        size = bucket.numel // self.dp
+        return bucket.start + dp_rank * size, bucket.start + (dp_rank + 1) * size
+
+    def _start_reduce(self, bucket: Bucket) -> None:
+        if self.dp == 1 or bucket.reduce_handle is not None:
+            return
+        data = self.grad_data[bucket.start:bucket.end]
+        if self.reduce_dtype is not None and self.reduce_dtype != data.dtype:
+            bucket.reduce_staging = data.to(self.reduce_dtype)
+            data = bucket.reduce_staging
+        if self.distributed:
+            rank = dist.get_rank(self.dp_group)
+            size = bucket.numel // self.dp
+            bucket.reduce_handle = _reduce_scatter(data[rank * size:(rank + 1) * size], data,
+                                                              group=self.dp_group, async_op=True)
+        else:
+            bucket.reduce_handle = dist.all_reduce(data, group=self.dp_group, async_op=True)
+        self.stats.grad_reductions += 1
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what backward did not start, then wait for every bucket. Call after the last backward."""
+        for bucket in self.buckets:
+            self._start_reduce(bucket)
+        for bucket in self.buckets:
+            if bucket.reduce_handle is not None:
+                bucket.reduce_handle.wait()
+                bucket.reduce_handle = None
+            if bucket.reduce_staging is not None:
+                start, end = self.shard_range(bucket, dist.get_rank(self.dp_group) if self.dp > 1 else 0)
+                local = slice(start - bucket.start, end - bucket.start)
+                self.grad_data[start:end].copy_(bucket.reduce_staging[local])
+                bucket.reduce_staging = None
+        self.reset_pending()
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+        self.reset_pending()
+
+    # ---- parameter side (distributed optimizer) -------------------------------------------------
+
+    def start_param_gather(self, overlap: bool) -> None:
+        """All-gather every bucket's updated shards; with overlap, wait lazily in forward pre-hooks."""
+        if not self.distributed or self.dp == 1:
+            return
+        rank = dist.get_rank(self.dp_group)
+        # The first layers' parameters sit in the last buckets: gather those first.
+        for bucket in reversed(self.buckets):
+            size = bucket.numel // self.dp
+            data = self.param_data[bucket.start:bucket.end]
+            bucket.gather_handle = _all_gather(data, data[rank * size:(rank + 1) * size].clone(),
+                                                               group=self.dp_group, async_op=overlap)
+            self.stats.param_gathers += 1
+        if not overlap:
+            for bucket in self.buckets:
+                bucket.gather_handle = None
+        elif not self._gather_hooks:
+            self._install_gather_hooks()
+
+    def _install_gather_hooks(self) -> None:
+        for module in self.module.modules():
+            own = [p for p in module.parameters(recurse=False) if p in self.bucket_of]
+            if own:
+                buckets = sorted({self.bucket_of[p].index for p in own})
+                self._gather_hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _args, idx=buckets: self._wait_gather(idx)))
+
+    def _wait_gather(self, bucket_indices: list[int]) -> None:
+        for i in bucket_indices:
+            handle = self.buckets[i].gather_handle
+            if handle is not None:
+                handle.wait()
+                self.buckets[i].gather_handle = None
+
+    def finish_param_gather(self) -> None:
+        self._wait_gather(list(range(len(self.buckets))))

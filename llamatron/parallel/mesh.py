@@ -1,0 +1,133 @@
+"""Process groups and rank coordinates for tensor x data x pipeline parallelism.
+
+Rank order (fastest-varying first): tensor, data, pipeline.
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so the ranks of one tensor-parallel group are adjacent and stay inside a node
+(tp <= GPUs per node), data-parallel peers come next, and pipeline stages are
+farthest apart (their point-to-point traffic is the lightest).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class MeshError(ValueError):
+    pass
+
+
+@dataclass
+class Mesh:
+    world_size: int = 1
+    rank: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    mp_group: dist.ProcessGroup | None = None  # tp x pp: one model replica
+    pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
+    tp_ranks: list[int] = field(default_factory=lambda: [0])
+    dp_ranks: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that writes metrics: last pipeline stage (it has the loss), first tp and dp rank."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
+
+
+def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def check_sizes(world_size: int, tp: int, pp: int) -> int:
+    """The data-parallel size; raises before any group is built if the sizes cannot work."""
+    if tp < 1 or pp < 1:
+        raise MeshError(f"tp={tp} and pp={pp} must be >= 1")
+    if world_size % (tp * pp):
+        raise MeshError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                        f"launch a multiple of {tp * pp} processes or change --tp/--pp")
+    return world_size // (tp * pp)
+
+
+def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the torchrun job if there is one; returns (rank, world_size)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_mesh(tp: int = 1, pp: int = 1) -> Mesh:
+    """Groups for the current job (a single process gets a mesh of size 1 with no groups)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dp = check_sizes(world_size, tp, pp)
+    tp_rank, dp_rank, pp_rank = coordinates(rank, tp, dp)
+    mesh = Mesh(world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    if world_size == 1:
+        return mesh
+    # Every rank must create every group, in the same order, even those it is not in.
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [mesh.rank_of(t, d, p) for t in range(tp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mesh.tp_group, mesh.tp_ranks = group, ranks
+    for p in range(pp):
+        for t in range(tp):
+            ranks = [mesh.rank_of(t, d, p) for d in range(dp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mesh.dp_group, mesh.dp_ranks = group, ranks
+    for d in range(dp):
+        for t in range(tp):
+            ranks = [mesh.rank_of(t, d, p) for p in range(pp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mesh.pp_group, mesh.pp_ranks = group, ranks
+    for d in range(dp):
+        ranks = [mesh.rank_of(t, d, p) for p in range(pp) for t in range(tp)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mesh.mp_group = group
+    return mesh
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t

@@ -1,0 +1,138 @@
+"""AdamW over flat gradient buffers: fp32 master weights, optional sharding over data-parallel ranks.
+
+Memory per parameter (weights + gradients + optimizer state):
+  bf16 params, fp32 grads:  2 + 4 + (4 master + 8 moments) / s   = 18 (s=1) or 6 + 12/d
+  fp32 params, fp32 grads:  4 + 4 + 8 moments / s (master = param) = 16 (s=1) or 8 + 8/d
+where s = d with --distributed-optimizer, else 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adamw import adamw as functional_adamw
+
+from .data import GradBuffer
+from .mesh import Mesh, all_reduce
+
+
+@dataclass
+class Segment:
+    """The part of one parameter that this rank updates."""
+
+    param: nn.Parameter
+    buffer: GradBuffer
+    start: int  # in the buffer
+    end: int
+    param_offset: int  # where the segment starts inside the flattened parameter
+    decay: bool
+    count_in_norm: bool  # False for tensor-parallel replicas on tp_rank > 0 (counted once)
+
+
+class DistributedAdamW:
+    def __init__(self, buffers: list[GradBuffer], mesh: Mesh, lr: float, weight_decay: float, betas: tuple[float, float],
+                 eps: float, clip_grad: float, distributed: bool):
+        self.buffers, self.mesh = buffers, mesh
+        self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, betas, eps, clip_grad
+        self.distributed = distributed and mesh.dp > 1
+        self.segments: list[Segment] = []
+        for buf in buffers:
+            for bucket in buf.buckets:
+                lo, hi = buf.shard_range(bucket, mesh.dp_rank)
+                for p in bucket.params:
+                    start, end = buf.param_range[p]
+                    s, e = max(start, lo), min(end, hi)
+                    if s < e:
+                        replicated_copy = mesh.tp_rank > 0 and not getattr(p, "tensor_parallel", False)
+                        self.segments.append(Segment(p, buf, s, e, s - start, decay=p.ndim > 1,
+                                                     count_in_norm=not replicated_copy))
+        device = buffers[0].grad_data.device
+        self.master_is_param = buffers[0].param_data.dtype == torch.float32
+        self.master = [self._master_view(seg) for seg in self.segments]
+        self.exp_avg = [torch.zeros(seg.end - seg.start, device=device) for seg in self.segments]
+        self.exp_avg_sq = [torch.zeros(seg.end - seg.start, device=device) for seg in self.segments]
+        self.steps = [torch.zeros((), device=device) for _ in self.segments]
+        self.fused = device.type == "cuda"
+
+    def _master_view(self, seg: Segment) -> torch.Tensor:
+        data = seg.buffer.param_data[seg.start:seg.end]
+        return data if data.dtype == torch.float32 else data.float()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [seg.buffer.grad_data[seg.start:seg.end] for seg in self.segments]
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm over all data-, tensor- and pipeline-parallel shards, replicas counted once."""
+        counted = [g for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm]
+        device = self.buffers[0].grad_data.device
+        sq = torch.zeros((), device=device, dtype=torch.float32)
+        if counted:
+            sq = torch.stack(torch._foreach_norm([g.float() for g in counted])).pow(2).sum()
+        if self.distributed:
+            all_reduce(sq, self.mesh.dp_group)
+        all_reduce(sq, self.mesh.mp_group)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, update, and publish new parameters. Returns (grad_norm, found_inf) as device tensors."""
+        grads = self.grads()
+        norm = self.grad_norm()
+        found_inf = (~torch.isfinite(norm)).float()
+        if self.clip_grad > 0:
+            # Scale only when above the threshold; computed on device, no host sync.
+            coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+            coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+            torch._foreach_mul_(grads, coef)
+        for decay in (True, False):
+            idx = [i for i, s in enumerate(self.segments) if s.decay == decay]
+            if not idx:
+                continue
+            functional_adamw([self.master[i] for i in idx], [grads[i] for i in idx], [self.exp_avg[i] for i in idx],
+                             [self.exp_avg_sq[i] for i in idx], [], [self.steps[i] for i in idx],
+                             foreach=not self.fused, fused=self.fused or None, amsgrad=False,
+                             beta1=self.betas[0], beta2=self.betas[1], lr=lr,
+                             weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False,
+                             found_inf=found_inf if self.fused else None)
+        if not self.master_is_param:
+            for seg, master in zip(self.segments, self.master):
+                seg.buffer.param_data[seg.start:seg.end].copy_(master)
+        return norm, found_inf
+
+    def publish_params(self, overlap: bool) -> None:
+        """Make every rank's parameters whole again (distributed optimizer only)."""
+        for buf in self.buffers:
+            buf.start_param_gather(overlap)
+
+    def bytes_per_param(self) -> float:
+        """Weights + gradients + optimizer state allocated on this rank, per model parameter of this rank."""
+        n = sum(b.numel for b in self.buffers)
+        weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.buffers)
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers)
+        state = sum(t.numel() * 4 for t in self.exp_avg + self.exp_avg_sq)
+        if not self.master_is_param:
+            state += sum(m.numel() * 4 for m in self.master)
+        return (weights + grads + state) / n
+
+
+def lr_at(step: int, peak: float, floor: float, warmup: int, total: int, schedule: str) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then constant/linear/cosine to `floor`."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    if schedule == "cosine":
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
+def dist_barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,223 @@
+"""The training loop: build, step, evaluate, log, save."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, Derived, RunConfig, validate
+from .data.batches import micro_batches_for_step
+from .data.mock import MockDataset
+from .engine import Engine, build_engine, check_engine_config, count_tokens, to_device, train_step
+from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
+from .models import IGNORE_INDEX, ModelConfig
+from .parallel.mesh import Mesh, all_reduce, build_mesh, init_distributed
+
+DEMO_DIR = "runs/demo"
+
+
+@dataclass
+class Datasets:
+    train: Sequence
+    valid: Sequence | None
+    tokenizer_path: str | None = None
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    consumed_samples: int
+    losses: list[float] = field(default_factory=list)
+    valid: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datasets:
+    d, t = cfg.data, cfg.train
+    n_evals = (t.train_steps // t.eval_interval if t.eval_interval else 0) + 1
+    train_samples = max(1, t.train_steps * t.global_batch_size)
+    valid_samples = max(1, n_evals * t.eval_iters * t.global_batch_size)
+    if d.mock_data:
+        return Datasets(MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
+                        MockDataset(model_cfg.vocab_size, d.seq_length, t.seed + 1))
+    from .data import samples
+
+    prefix, tokenizer = d.data, d.tokenizer
+    if prefix is None:  # the embedded demo corpus
+        from .data.demo import prepare_demo_data
+
+        if mesh.rank == 0:
+            info = prepare_demo_data(os.path.join(DEMO_DIR, "data"))
+        if dist.is_initialized():
+            dist.barrier()
+        info = prepare_demo_data(os.path.join(DEMO_DIR, "data")) if mesh.rank != 0 else info
+        prefix, tokenizer = info["prefix"], info["tokenizer"]
+    if tokenizer is not None:
+        from .data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tokenizer).vocab_size
+        if vocab > model_cfg.vocab_size:
+            raise ConfigError(f"tokenizer {tokenizer} has {vocab} tokens but model {t.model} only {model_cfg.vocab_size}; "
+                              f"pick a model with a large enough vocabulary")
+    train, valid = samples.build_datasets(prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed)
+    return Datasets(train, valid, tokenizer)
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, dataset: Sequence, iters: int, start_sample: int = 0) -> dict[str, float]:
+    """Mean loss, perplexity and next-token accuracy over `iters` global batches of the validation set."""
+    cfg, mesh = engine.cfg, engine.mesh
+    if engine.cfg.parallel.pp > 1:
+        from .parallel.pipeline import pipeline_evaluate
+
+        return pipeline_evaluate(engine, dataset, iters, start_sample)
+    model = engine.chunks[0]
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, device=engine.device, dtype=torch.float64)  # loss sum, correct, tokens
+    for it in range(iters):
+        mbs = micro_batches_for_step(dataset, start_sample + it * cfg.train.global_batch_size, cfg.train.global_batch_size,
+                                     cfg.train.micro_batch_size, mesh.dp, mesh.dp_rank)
+        for mb in to_device(mbs, engine.device):
+            logits = model(mb["input_ids"], position_ids=mb.get("position_ids"))
+            labels = mb["labels"]
+            valid = labels != IGNORE_INDEX
+            loss = model.loss_fn(logits, labels)
+            totals[0] += loss.sum().double()
+            predicted = gather_argmax(model, logits)
+            totals[1] += ((predicted == labels) & valid).sum()
+            totals[2] += valid.sum()
+    all_reduce(totals, mesh.dp_group)
+    model.train(was_training)
+    loss = (totals[0] / totals[2].clamp_min(1)).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": (totals[1] / totals[2].clamp_min(1)).item()}
+
+
+def gather_argmax(model, logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the vocabulary (tensor parallelism overrides this for vocabulary shards)."""
+    fn = getattr(model, "argmax_fn", None)
+    return fn(logits) if fn is not None else logits.argmax(-1)
+
+
+def run_training(cfg: RunConfig) -> TrainResult:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    derived = validate(cfg, world_size, torch.cuda.is_available())  # before any memory is touched
+    check_engine_config(cfg)
+    init_distributed(derived.device)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
+    model_cfg = cfg.model_config()
+    t = cfg.train
+    if t.load:
+        from .checkpoint.dist import read_model_config
+
+        model_cfg = read_model_config(t.load, model_cfg)
+    datasets = build_datasets(cfg, model_cfg, mesh)
+    torch.manual_seed(t.seed)
+    engine = build_engine(cfg, derived, mesh, model_cfg)
+    start_step, consumed = 0, 0
+    if t.load:
+        from .checkpoint.dist import load_checkpoint
+
+        state = load_checkpoint(engine, t.load, weights_only=t.finetune)
+        if not t.finetune:
+            start_step, consumed = state["step"], state["consumed_samples"]
+    try:
+        return train_loop(engine, datasets, start_step, consumed)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int) -> TrainResult:
+    cfg, mesh, derived = engine.cfg, engine.mesh, engine.derived
+    t = cfg.train
+    logging_rank = mesh.is_logging_rank
+    sink = MetricsSink(t.metrics_file if logging_rank else None)
+    if logging_rank:
+        for hook in metric_sinks(cfg):
+            sink.extra_sinks.append(hook)
+    result = TrainResult(steps=start_step, consumed_samples=consumed)
+    flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
+    peak = peak_tflops(engine.device)
+    tokens_per_step = t.global_batch_size * cfg.data.seq_length
+    progress = _progress_bar(t.train_steps, start_step) if (logging_rank and t.progress) else None
+    timer = Timer(engine.device)
+    pending: list[tuple[int, dict]] = []
+    step = start_step
+    for step in range(start_step, t.train_steps):
+        mbs = micro_batches_for_step(datasets.train, consumed, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank)
+        out = train_step(engine, to_device(mbs, engine.device), step)
+        consumed += t.global_batch_size
+        pending.append((step + 1, out))
+        if (step + 1) % t.log_interval == 0 or step + 1 == t.train_steps:
+            elapsed = timer.elapsed()
+            timer.reset()
+            losses = _reduce_step_losses(engine, [o["loss"] for _, o in pending])
+            speed = throughput(tokens_per_step * len(pending), elapsed, flops_per_token, mesh.world_size, peak)
+            for (s, o), loss in zip(pending, losses):
+                record = {"step": s, "loss": loss, "lr": o["lr"], "grad_norm": float(o["grad_norm"]),
+                          "skipped": bool(o["found_inf"] > 0), **speed, "peak_mem_gib": peak_memory_gib(engine.device),
+                          "consumed_samples": consumed - (pending[-1][0] - s) * t.global_batch_size}
+                result.losses.append(loss)
+                sink.write(record)
+            if progress is not None:
+                progress.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{pending[-1][1]['lr']:.2e}",
+                                     tok_s=f"{speed['tokens_per_sec']:.0f}",
+                                     mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
+                progress.update(len(pending))
+            pending = []
+        last = step + 1 == t.train_steps
+        if datasets.valid is not None and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
+            metrics = evaluate(engine, datasets.valid, t.eval_iters)
+            record = {"step": step + 1, "split": "valid", **metrics, "consumed_samples": consumed}
+            result.valid.append(record)
+            sink.write(record)
+            if logging_rank and t.progress:
+                _print(progress, f"step {step + 1}: valid loss {metrics['loss']:.4f}, perplexity {metrics['perplexity']:.2f}, "
+                                 f"accuracy {metrics['accuracy']:.3f}")
+            timer.reset()
+        if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last):
+            from .checkpoint.dist import save_checkpoint
+
+            result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed)
+            timer.reset()
+    for buf in engine.buffers:  # no collective may be left in flight
+        buf.finish_param_gather()
+    if progress is not None:
+        progress.close()
+    sink.close()
+    result.steps, result.consumed_samples = t.train_steps, consumed
+    return result
+
+
+def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[float]:
+    """Per-step global losses: summed over data-parallel ranks, sent from the last pipeline stage to all."""
+    stacked = torch.stack(losses).float()
+    all_reduce(stacked, engine.mesh.dp_group)
+    if engine.mesh.pp > 1:
+        dist.broadcast(stacked, src=engine.mesh.pp_ranks[-1], group=engine.mesh.pp_group)
+    return stacked.tolist()
+
+
+def metric_sinks(cfg: RunConfig) -> list:
+    return []
+
+
+def _progress_bar(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _print(progress, message: str) -> None:
+    if progress is not None:
+        progress.write(message)
+    else:
+        print(message, flush=True)

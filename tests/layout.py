@@ -1,0 +1,51 @@
+"""Run `llamatron train` under a layout and compare it with the single-process reference.
+
+The correctness method of DESIGN.md (Testing): same seed and data, per-step
+loss and grad norm must agree with the single-process fp32 run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+BASE_ARGS = ["--mock-data", "--device", "cpu", "--precision", "fp32", "--seq-length", "32", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--train-steps", "5", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "1",
+             "--no-progress", "--eval-iters", "1", "--log-interval", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-test", timeout: int = 300) -> list[dict]:
+    """Train through the public command; returns the per-step metric records (evaluation lines dropped)."""
+    metrics = workdir / f"metrics-{nproc}-{abs(hash(tuple(args))) % 10**8}.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}"]
+    cmd += ["-m", "llamatron", "train", "--model", model, *BASE_ARGS, *args, "--metrics-file", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    if proc.returncode != 0:
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if r.get("split") is None]
+
+
+def assert_matches(reference: list[dict], got: list[dict], rtol: float = 1e-4, keys=("loss", "grad_norm")) -> None:
+    assert len(reference) == len(got) > 0, (len(reference), len(got))
+    for ref, rec in zip(reference, got):
+        assert ref["step"] == rec["step"]
+        for key in keys:
+            a, b = ref[key], rec[key]
+            assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {ref['step']} {key}: reference {a} vs {b}"
