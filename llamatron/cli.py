@@ -7,6 +7,7 @@ import os
 import sys
 
 from .config import ConfigError, add_config_arguments, load_config
+from .data.indexed import DataError
 
 
 def _train_parser(sub) -> None:
@@ -22,17 +23,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node:
         return _relaunch_with_torchrun(args.nproc_per_node)
     cfg = load_config(args)
-    demo = cfg.data.data is None and not cfg.data.mock_data
-    if demo and cfg.train.save is None:
-        from .train import DEMO_DIR
-
-        cfg.train.save = os.path.join(DEMO_DIR, "checkpoint")
+    demo = cfg.data.data is None and not cfg.data.mock_data and cfg.data.sft_data is None
+    if demo:
+        _apply_demo_defaults(cfg)
     from .train import run_training
 
     result = run_training(cfg)
     if demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         _print_demo_summary(result)
     return 0
+
+
+# The demo's settings where the user gave none: llama-tiny learns code in a few CPU minutes.
+DEMO_DEFAULTS = {"seq_length": 256, "micro_batch_size": 8, "global_batch_size": 16, "train_steps": 200, "lr": 2e-3,
+                 "min_lr": 2e-4, "warmup_steps": 20, "eval_interval": 50, "eval_iters": 8, "save": "runs/demo/checkpoint"}
+
+
+def _apply_demo_defaults(cfg) -> None:
+    from .config import _section_of
+
+    for key, value in DEMO_DEFAULTS.items():
+        if key not in cfg.explicit:
+            setattr(getattr(cfg, _section_of(key)), key, value)
 
 
 def _print_demo_summary(result) -> None:
@@ -42,8 +54,8 @@ def _print_demo_summary(result) -> None:
 
     if result.valid:
         first, last = result.valid[0], result.valid[-1]
-        print(f"validation loss {last['loss']:.3f} (perplexity {last['perplexity']:.1f}, "
-              f"accuracy {last['accuracy']:.1%}) after {result.steps} steps")
+        print(f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step {last['step']} "
+              f"(perplexity {last['perplexity']:.1f}, next-token accuracy {last['accuracy']:.1%})")
     model, _ = load_for_generation(result.checkpoint)
     tok = load_tokenizer(os.path.join(DEMO_DIR, "data", "tokenizer"))
     ids = sample(model, tok.encode("def "), max_new_tokens=80, temperature=0.7, seed=0)
@@ -103,9 +115,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _preprocess_parser(sub) -> None:
     from .data.preprocess import add_preprocess_arguments, run_preprocess
 
-    p = sub.add_parser("preprocess", help="tokenize jsonl into Megatron-format .bin/.idx")
+    p = sub.add_parser("preprocess", help="tokenize jsonl/parquet (text or conversations) into Megatron-format .bin/.idx")
     add_preprocess_arguments(p)
-    p.set_defaults(func=lambda a: run_preprocess(a) or 0)
+    p.set_defaults(func=lambda a: run_preprocess(a) and 0)  # the summary is printed, not an exit status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,24 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _preprocess_parser(sub)
     _generate_parser(sub)
-    for register in _optional_commands():
+    for register in _module_commands():
         register(sub)
     return parser
 
 
-def _optional_commands() -> list:
-    """Commands living in their own modules; each registers its sub-parser."""
-    registers = []
-    for module, attr in (("llamatron.checkpoint.hf_cli", "register"), ("llamatron.bench", "register"),
-                         ("llamatron.plan", "register")):
-        try:
-            mod = __import__(module, fromlist=[attr])
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        registers.append(getattr(mod, attr))
-    return registers
+def _module_commands() -> list:
+    """Commands living in their own modules; each module's `register` adds its sub-parser."""
+    from . import bench, plan
+    from .checkpoint import hf_cli
+
+    return [hf_cli.register, bench.register, plan.register]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,10 +150,19 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"llamatron {args.command}: configuration error: {e}", file=sys.stderr)
         sys.exit(2)
+    except DataError as e:  # a bad input or data file: the message names it
+        print(f"llamatron {args.command}: data error: {e}", file=sys.stderr)
+        sys.exit(2)
     except Exception as e:
         from .checkpoint.dist import CheckpointError
 
         if isinstance(e, CheckpointError):
             print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)
             sys.exit(2)
+        from .faults import TrainingAborted
+
+        if isinstance(e, TrainingAborted):  # too many non-finite steps, a hung rank: the message says what to do
+            if e.rank_specific or os.environ.get("RANK", "0") == "0":
+                print(f"llamatron {args.command}: stopped: {e}", file=sys.stderr)
+            sys.exit(1)
         raise

@@ -67,6 +67,11 @@ class DataConfig:
     tokenizer: str | None = _f(None, "tokenizer (HF directory, tokenizer.json or tokenizer.model)")
     split: str = _f("98,2,0", "train,valid,test split of the documents")
     seq_length: int = _f(512, "tokens per sample")
+    reset_position_ids: bool = _f(False, "positions restart at 0 after each end-of-document (EOD) token")
+    reset_attention_mask: bool = _f(False, "attention does not cross EOD tokens (each document attends only to itself)")
+    eod_mask_loss: bool = _f(False, "no loss on predicting the EOD token")
+    sft_data: str | None = _f(None, "instruction-tuning prefix written by `preprocess --sft` (PREFIX + PREFIX_mask)")
+    pack: bool = _f(True, "--sft-data: pack conversations into full sequences (--no-pack: one padded per sample)")
 
 
 @dataclass
@@ -78,17 +83,36 @@ class TrainConfig:
     seed: int = _f(1234, "seed of initialisation, data order and dropout")
     precision: str = _f("auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
+    recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
+    compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
     finetune: bool = _f(False, "with --load: weights only, fresh optimizer and step count")
     save_interval: int = _f(0, "steps between checkpoints (0: only at the end when --save is set)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
+    async_save: bool = _f(False, "write checkpoints in a background thread while training goes on (published at the "
+                                 "next save or at the end)")
     eval_interval: int = _f(0, "steps between evaluations (0: only at the end)")
     eval_iters: int = _f(4, "batches per evaluation")
     log_interval: int = _f(1, "steps between metric records")
     metrics_file: str | None = _f(None, "JSON-lines metrics file")
     progress: bool = _f(True, "show a progress bar")
+    # Watching a run (logging_sinks.py, evaluation.py)
+    eval_metrics: list[str] = _f(["loss", "perplexity", "accuracy"],
+                                 "evaluation metrics by name (llamatron.evaluation; MODULE:NAME imports MODULE first)")
+    tensorboard_dir: str | None = _f(None, "write TensorBoard event files of the metric records here")
+    wandb_project: str | None = _f(None, "log the metric records to this Weights & Biases project")
+    wandb_mode: str = _f("online", "W&B mode (offline: no network, upload later with `wandb sync`)",
+                         ("online", "offline", "disabled"))
+    wandb_name: str | None = _f(None, "W&B run name (None: W&B generates one)")
+    # Faults (faults.py)
+    max_skipped_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss or gradient "
+                                    "norm (each is skipped; 0: never stop)")
+    exit_duration_mins: float | None = _f(None, "save and exit cleanly once this many minutes have passed since "
+                                                "start (set below the job's time limit, leaving time to save)")
+    dist_timeout: float = _f(1800.0, "seconds a collective may wait before failing with the ranks it waited for "
+                                     "(checkpoint saves must fit in it)")
 
 
 SECTIONS = {"parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
@@ -101,6 +125,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     model_overrides: dict = field(default_factory=dict)  # YAML `model_overrides:` changes preset fields
+    explicit: set = field(default_factory=set, repr=False)  # settings given by YAML or flags, not defaulted
 
     def model_config(self) -> ModelConfig:
         cfg = get_preset(self.train.model)
@@ -112,7 +137,9 @@ class RunConfig:
         return cfg
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("explicit")
+        return out
 
     def flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -140,10 +167,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             t = _field_type(f)
-            default = f.default if f.default is not MISSING else None
+            default = f.default if f.default is not MISSING else (
+                f.default_factory() if f.default_factory is not MISSING else None)
             help_text = f"{f.metadata.get('help', '')} (default: {default})"
             if t is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+            elif typing.get_origin(t) is list:  # space-separated values: --eval-metrics loss accuracy
+                group.add_argument(flag, nargs="+", type=typing.get_args(t)[0], default=argparse.SUPPRESS,
+                                   help=help_text, metavar=f.name.upper())
             else:
                 group.add_argument(flag, type=t, default=argparse.SUPPRESS, choices=f.metadata.get("choices"),
                                    help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper())
@@ -156,7 +187,7 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
     unknown = set(values) - set(SECTIONS_OWNER)
     if unknown:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; see `llamatron train --help` for the names")
-    cfg = RunConfig(model_overrides=dict(overrides))
+    cfg = RunConfig(model_overrides=dict(overrides), explicit=set(values) | ({"model"} if overrides else set()))
     for key, value in values.items():
         setattr(getattr(cfg, _section_of(key)), key, value)
     return cfg
@@ -195,14 +226,47 @@ class Derived:
     dtype_name: str
 
 
+def _validate_data(d: DataConfig) -> None:
+    boundaries = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+                  if getattr(d, n)]
+    if d.sft_data is not None and (d.data is not None or d.mock_data):
+        raise ConfigError("--sft-data replaces --data / --mock-data; give only one of them")
+    if boundaries and (d.mock_data or d.sft_data is not None):
+        raise ConfigError(f"{', '.join(boundaries)} apply to --data corpora with EOD tokens; --mock-data has none and "
+                          "--sft-data already keeps attention and positions inside each conversation")
+    if boundaries and d.data is not None and d.tokenizer is None:
+        raise ConfigError(f"{', '.join(boundaries)} need the end-of-document token id: pass --tokenizer (the one "
+                          "the data was preprocessed with)")
+
+
+def _validate_ops(cfg: RunConfig) -> None:
+    """Evaluation metrics, logging packages and fault settings (their modules hold the details)."""
+    from .evaluation import resolve_eval_metrics
+    from .logging_sinks import check_sink_dependencies
+
+    t = cfg.train
+    resolve_eval_metrics(t.eval_metrics, cfg.parallel.pp)
+    check_sink_dependencies(t)
+    if t.max_skipped_steps < 0:
+        raise ConfigError("--max-skipped-steps must be >= 0 (0: never stop)")
+    if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
+        raise ConfigError("--exit-duration-mins must be > 0")
+    if t.dist_timeout <= 0:
+        raise ConfigError("--dist-timeout must be > 0 seconds")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False) -> Derived:
-    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix."""
+def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
+             model: ModelConfig | None = None) -> Derived:
+    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
+
+    `model` is the architecture to check against (default: the preset of --model).
+    """
     p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
-    model = cfg.model_config()
+    model = model or cfg.model_config()
     for name in ("tp", "pp", "vpp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"--{name} must be >= 1")
@@ -259,4 +323,6 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False) 
     dtype_name = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
     if t.finetune and not t.load:
         raise ConfigError("--finetune needs --load CHECKPOINT")
+    _validate_data(d)
+    _validate_ops(cfg)
     return Derived(world_size=world_size, dp=dp, grad_accum_steps=accum, device=device, dtype_name=dtype_name)

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ConfigError, Derived, RunConfig
 from .models import ModelConfig, Transformer, build_model, materialize
+from .models.transformer import cross_entropy_per_token
 from .parallel.data import GradBuffer
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
@@ -48,9 +49,25 @@ class _Recomputed(nn.Module):
         return checkpoint(self.layer, *args, use_reentrant=False)
 
 
-def apply_full_recompute(model: Transformer) -> None:
+def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> None:
+    """full: keep only each layer's input; selective: recompute the attention core (its softmax inputs)."""
     for i, layer in enumerate(model.layers):
-        model.layers[i] = _Recomputed(layer)
+        if num_layers is not None and i >= num_layers:
+            break
+        if mode == "full":
+            model.layers[i] = _Recomputed(layer)
+        elif mode == "selective":
+            core = layer.attn.core
+            layer.attn.core = lambda *a, _core=core: checkpoint(_core, *a, use_reentrant=False)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each decoder layer's forward (fuses norms, rotary, SwiGLU); hooks on the layer stay eager."""
+    for layer in model.layers:
+        inner = layer.layer if isinstance(layer, _Recomputed) else layer
+        inner.forward = torch.compile(inner.forward, dynamic=False)
+    if model.loss_fn is cross_entropy_per_token:  # fuse the fp32 upcast into the loss; TP installs its own
+        model.loss_fn = torch.compile(cross_entropy_per_token, dynamic=False)
 
 
 def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
@@ -73,8 +90,10 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         forward_backward = forward_backward_no_pipeline
     for chunk, names in zip(chunks, global_names):
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, global_name=names)
-        if cfg.train.recompute == "full":
-            apply_full_recompute(chunk)
+        if cfg.train.recompute != "none":
+            apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_layers)
+        if cfg.train.compile if cfg.train.compile is not None else device.type == "cuda":
+            apply_compile(chunk)
     grad_dtype = torch.float32
     reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
     buffers = [GradBuffer(chunk, mesh.dp_group, mesh.dp, grad_dtype=grad_dtype, bucket_size=p.bucket_size,
@@ -92,7 +111,8 @@ def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], tota
     loss_sum = torch.zeros((), device=engine.device)
     for i, mb in enumerate(micro_batches):
         buffer.is_last_microbatch = i == len(micro_batches) - 1
-        per_token = model(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"])
+        per_token = model(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"],
+                          document_ids=mb.get("document_ids"))
         loss = per_token.sum() / total_tokens
         loss.backward()
         loss_sum += loss.detach()
@@ -118,6 +138,10 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
     loss = engine.forward_backward(engine, micro_batches, total)
     for buf in engine.buffers:
         buf.finish_grad_sync()
+    if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
+        from .parallel.tensor import sync_tensor_parallel_grads
+
+        sync_tensor_parallel_grads(engine.chunks, engine.mesh.tp_group)
     lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
     grad_norm, found_inf = engine.optimizer.step(lr)
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)

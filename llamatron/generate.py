@@ -33,15 +33,12 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 64, 
 
 def load_for_generation(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
     """Model weights of a checkpoint, on one device, in fp32."""
-    from safetensors.torch import load_file
-
-    from .checkpoint.dist import MODEL_FILE, read_meta, resolve_checkpoint
+    from .checkpoint.dist import open_weights
     from .models import ModelConfig, build_model
 
-    step_dir = resolve_checkpoint(path)
-    meta = read_meta(path)
+    weights = open_weights(path)  # full tensors, whatever layout saved them
+    meta = weights.run_meta
     cfg = ModelConfig.from_dict(meta["model_config"])
     model = build_model(cfg, device="meta")
-    state = load_file(str(step_dir / MODEL_FILE), device=device)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+    model.load_state_dict({k: weights.get(k).to(device, torch.float32) for k in weights.keys()}, assign=True)
     return model.eval(), meta

@@ -65,6 +65,10 @@ class MetricsSink:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        for sink in self.extra_sinks:  # TensorBoard / W&B flush and finish their runs
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
 
 
 class Timer:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,8 +15,10 @@ from .config import ConfigError, Derived, RunConfig, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
 from .engine import Engine, build_engine, check_engine_config, count_tokens, to_device, train_step
+from .evaluation import evaluate, format_metrics, gather_argmax  # noqa: F401 (pipeline.py imports gather_argmax from here)
+from .faults import FaultGuard, explain_collective_failure, restore_signal_handlers
 from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
-from .models import IGNORE_INDEX, ModelConfig
+from .models import ModelConfig
 from .parallel.mesh import Mesh, all_reduce, build_mesh, init_distributed
 
 DEMO_DIR = "runs/demo"
@@ -47,6 +48,14 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     if d.mock_data:
         return Datasets(MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
                         MockDataset(model_cfg.vocab_size, d.seq_length, t.seed + 1))
+    if d.sft_data is not None:
+        from .data.sft_dataset import build_sft_datasets
+
+        train, valid = _rank0_first(mesh, lambda: build_sft_datasets(
+            d.sft_data, d.split, d.seq_length, train_samples, valid_samples, t.seed, d.pack, model_cfg.vocab_size))
+        if mesh.is_logging_rank:
+            print(train.describe(), flush=True)
+        return Datasets(train, valid, d.tokenizer)
     from .data import samples
 
     prefix, tokenizer = d.data, d.tokenizer
@@ -66,58 +75,44 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
         if vocab > model_cfg.vocab_size:
             raise ConfigError(f"tokenizer {tokenizer} has {vocab} tokens but model {t.model} only {model_cfg.vocab_size}; "
                               f"pick a model with a large enough vocabulary")
-    train, valid = samples.build_datasets(prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed)
+    train, valid = _rank0_first(mesh, lambda: samples.build_datasets(
+        prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed, vocab_size=model_cfg.vocab_size))
+    if mesh.is_logging_rank:
+        print(train.describe(), flush=True)
+    if d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss:
+        from .data.boundaries import DocumentBoundaries
+        from .data.tokenizer import load_tokenizer
+
+        eod = load_tokenizer(tokenizer).eod_id
+        if eod is None:
+            raise ConfigError(f"tokenizer {tokenizer} has no end-of-document token; document-boundary flags need one")
+        train, valid = (None if ds is None else DocumentBoundaries(ds, eod, d.reset_position_ids,
+                        d.reset_attention_mask, d.eod_mask_loss) for ds in (train, valid))
     return Datasets(train, valid, tokenizer)
 
 
-@torch.no_grad()
-def evaluate(engine: Engine, dataset: Sequence, iters: int, start_sample: int = 0) -> dict[str, float]:
-    """Mean loss, perplexity and next-token accuracy over `iters` global batches of the validation set."""
-    cfg, mesh = engine.cfg, engine.mesh
-    if engine.cfg.parallel.pp > 1:
-        from .parallel.pipeline import pipeline_evaluate
-
-        return pipeline_evaluate(engine, dataset, iters, start_sample)
-    model = engine.chunks[0]
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(3, device=engine.device, dtype=torch.float64)  # loss sum, correct, tokens
-    for it in range(iters):
-        mbs = micro_batches_for_step(dataset, start_sample + it * cfg.train.global_batch_size, cfg.train.global_batch_size,
-                                     cfg.train.micro_batch_size, mesh.dp, mesh.dp_rank)
-        for mb in to_device(mbs, engine.device):
-            logits = model(mb["input_ids"], position_ids=mb.get("position_ids"))
-            labels = mb["labels"]
-            valid = labels != IGNORE_INDEX
-            loss = model.loss_fn(logits, labels)
-            totals[0] += loss.sum().double()
-            predicted = gather_argmax(model, logits)
-            totals[1] += ((predicted == labels) & valid).sum()
-            totals[2] += valid.sum()
-    all_reduce(totals, mesh.dp_group)
-    model.train(was_training)
-    loss = (totals[0] / totals[2].clamp_min(1)).item()
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": (totals[1] / totals[2].clamp_min(1)).item()}
-
-
-def gather_argmax(model, logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the vocabulary (tensor parallelism overrides this for vocabulary shards)."""
-    fn = getattr(model, "argmax_fn", None)
-    return fn(logits) if fn is not None else logits.argmax(-1)
+def _rank0_first(mesh: Mesh, build):
+    """Rank 0 builds the index files (cached next to the data) first; the other ranks then load them."""
+    if mesh.rank == 0:
+        result = build()
+    if dist.is_initialized():
+        dist.barrier()
+    return result if mesh.rank == 0 else build()
 
 
 def run_training(cfg: RunConfig) -> TrainResult:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    derived = validate(cfg, world_size, torch.cuda.is_available())  # before any memory is touched
-    check_engine_config(cfg)
-    init_distributed(derived.device)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
-    model_cfg = cfg.model_config()
     t = cfg.train
-    if t.load:
+    model_cfg = cfg.model_config()
+    if t.load and "model" not in cfg.explicit:
+        # The architecture comes from the checkpoint unless --model is given (then they must match).
         from .checkpoint.dist import read_model_config
 
-        model_cfg = read_model_config(t.load, model_cfg)
+        model_cfg = read_model_config(t.load)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
+    check_engine_config(cfg)
+    init_distributed(derived.device, t.dist_timeout)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
     datasets = build_datasets(cfg, model_cfg, mesh)
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -130,7 +125,13 @@ def run_training(cfg: RunConfig) -> TrainResult:
             start_step, consumed = state["step"], state["consumed_samples"]
     try:
         return train_loop(engine, datasets, start_step, consumed)
+    except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
+        failure = explain_collective_failure(e, t.dist_timeout)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
+        restore_signal_handlers()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -150,13 +151,18 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     progress = _progress_bar(t.train_steps, start_step) if (logging_rank and t.progress) else None
     timer = Timer(engine.device)
     pending: list[tuple[int, dict]] = []
-    step = start_step
+    guard = FaultGuard(cfg, mesh, engine.chunks, engine.device, echo=lambda m: _print(progress, m) if logging_rank else None)
+    stop: str | None = None
+    if datasets.valid is not None and start_step == 0 and t.eval_interval:
+        _evaluate_and_record(engine, datasets, 0, consumed, result, sink, progress)
     for step in range(start_step, t.train_steps):
         mbs = micro_batches_for_step(datasets.train, consumed, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank)
+        guard.start_step(step + 1)
         out = train_step(engine, to_device(mbs, engine.device), step)
         consumed += t.global_batch_size
         pending.append((step + 1, out))
-        if (step + 1) % t.log_interval == 0 or step + 1 == t.train_steps:
+        stop = guard.stop_reason()  # a pre-emption signal or --exit-duration-mins, agreed by all ranks
+        if (step + 1) % t.log_interval == 0 or step + 1 == t.train_steps or stop:
             elapsed = timer.elapsed()
             timer.reset()
             losses = _reduce_step_losses(engine, [o["loss"] for _, o in pending])
@@ -165,6 +171,7 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
                 record = {"step": s, "loss": loss, "lr": o["lr"], "grad_norm": float(o["grad_norm"]),
                           "skipped": bool(o["found_inf"] > 0), **speed, "peak_mem_gib": peak_memory_gib(engine.device),
                           "consumed_samples": consumed - (pending[-1][0] - s) * t.global_batch_size}
+                guard.count(record)
                 result.losses.append(loss)
                 sink.write(record)
             if progress is not None:
@@ -173,28 +180,40 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
                                      mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
                 progress.update(len(pending))
             pending = []
+            guard.check_skipped(on_abort=sink.close)
         last = step + 1 == t.train_steps
         if datasets.valid is not None and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
-            metrics = evaluate(engine, datasets.valid, t.eval_iters)
-            record = {"step": step + 1, "split": "valid", **metrics, "consumed_samples": consumed}
-            result.valid.append(record)
-            sink.write(record)
-            if logging_rank and t.progress:
-                _print(progress, f"step {step + 1}: valid loss {metrics['loss']:.4f}, perplexity {metrics['perplexity']:.2f}, "
-                                 f"accuracy {metrics['accuracy']:.3f}")
+            _evaluate_and_record(engine, datasets, step + 1, consumed, result, sink, progress)
             timer.reset()
-        if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last):
+        if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last or stop):
             from .checkpoint.dist import save_checkpoint
 
             result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed)
             timer.reset()
+        if stop:
+            guard.echo(guard.stop_message(step + 1, stop, result.checkpoint if t.save else None, t.save))
+            break
     for buf in engine.buffers:  # no collective may be left in flight
         buf.finish_param_gather()
+    if t.save:  # an --async-save still writing: wait for it and publish it (collective)
+        from .checkpoint.dist import finish_pending_save
+
+        finish_pending_save(engine)
     if progress is not None:
         progress.close()
     sink.close()
-    result.steps, result.consumed_samples = t.train_steps, consumed
+    result.steps, result.consumed_samples = (step + 1 if stop else t.train_steps), consumed
     return result
+
+
+def _evaluate_and_record(engine: Engine, datasets: Datasets, step: int, consumed: int, result: TrainResult,
+                         sink: MetricsSink, progress) -> None:
+    metrics = evaluate(engine, datasets.valid, engine.cfg.train.eval_iters)
+    record = {"step": step, "split": "valid", **metrics, "consumed_samples": consumed}
+    result.valid.append(record)
+    sink.write(record)
+    if engine.mesh.is_logging_rank and engine.cfg.train.progress:
+        _print(progress, f"step {step}: valid {format_metrics(metrics)}")
 
 
 def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[float]:
@@ -207,7 +226,9 @@ def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[floa
 
 
 def metric_sinks(cfg: RunConfig) -> list:
-    return []
+    from .logging_sinks import build_metric_sinks
+
+    return build_metric_sinks(cfg)
 
 
 def _progress_bar(total: int, initial: int):

@@ -26,14 +26,24 @@ def micro_batches_for_step(dataset: Sequence, consumed_samples: int, global_batc
 
 
 def collate(samples: list) -> dict[str, torch.Tensor]:
-    """Samples of seq+1 tokens (optionally dicts with a loss mask) -> input_ids / labels."""
-    if isinstance(samples[0], dict):
-        tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
-        mask = torch.from_numpy(np.stack([s["loss_mask"] for s in samples]).astype(bool))
-    else:
-        tokens = torch.from_numpy(np.stack(samples).astype(np.int64))
-        mask = None
+    """Samples of seq+1 tokens -> input_ids / labels.
+
+    A sample may be a dict of seq+1 arrays: "tokens", and optionally "loss_mask" (True where the
+    token is a target), "position_ids" and "document_ids" (data/boundaries.py, data/sft_dataset.py),
+    which become (batch, seq) "position_ids" / "document_ids" for the model.
+    """
+    if not isinstance(samples[0], dict):
+        samples = [{"tokens": s} for s in samples]
+
+    def stack(key: str, dtype: type) -> torch.Tensor:
+        return torch.from_numpy(np.stack([s[key] for s in samples]).astype(dtype))
+
+    tokens = stack("tokens", np.int64)
     labels = tokens[:, 1:].clone()
-    if mask is not None:
-        labels[~mask[:, 1:]] = IGNORE_INDEX
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels}
+    if "loss_mask" in samples[0]:
+        labels[~stack("loss_mask", bool)[:, 1:]] = IGNORE_INDEX
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": labels}
+    for key in ("position_ids", "document_ids"):
+        if key in samples[0]:
+            batch[key] = stack(key, np.int64)[:, :-1].contiguous()
+    return batch

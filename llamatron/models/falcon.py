@@ -32,7 +32,7 @@ class FalconBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = GeluMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
         attn_in = self.attn_norm(x)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
-        return x + self.attn(attn_in, cos, sin) + self.mlp(mlp_in)
+        return x + self.attn(attn_in, cos, sin, doc_mask) + self.mlp(mlp_in)

@@ -46,8 +46,12 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
     renumber layers).
     """
     device = torch.device(device)
+    # to_empty replaces meta parameters by new objects: carry their attributes (tensor-parallel metadata) over.
+    attributes = {name: dict(p.__dict__) for name, p in model.named_parameters()}
     model.to(dtype=dtype)  # still on meta: free
     model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        param.__dict__.update(attributes[name])
     with torch.no_grad():
         for name, param in model.named_parameters():
             full_shape = getattr(param, "full_shape", param.shape)

@@ -83,10 +83,61 @@ def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torc
     return (j <= i) & (j > i - window)
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads (GQA/MQA)."""
+def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None, flex: bool | None = None):
+    """The attention mask for packed documents: query i sees key j iff j <= i, both lie in the same
+    document (equal ids in a (batch, seq) tensor) and, with a window, i - window < j.
+
+    Built once per forward and shared by every layer. On CUDA (or flex=True) a flex-attention
+    BlockMask, whose kernel skips the blocks between documents; elsewhere a dense boolean
+    (batch, 1, seq, seq) mask for scaled_dot_product_attention.
+    """
+    flex = document_ids.is_cuda if flex is None else flex
+    seq_len = document_ids.shape[1]
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document(b, h, q, kv):
+            keep = (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+            return keep & (q - kv < sliding_window) if sliding_window is not None else keep
+
+        # _compile builds the block structure without materialising a (seq, seq) mask.
+        return create_block_mask(same_document, document_ids.shape[0], None, seq_len, seq_len,
+                                 device=document_ids.device, _compile=document_ids.is_cuda)
+    window = sliding_window if sliding_window is not None else seq_len  # a window of seq_len: plain causal
+    causal = sliding_window_mask(seq_len, window, document_ids.device)
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+_compiled_flex_attention = None
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, gqa: bool) -> torch.Tensor:
+    """flex_attention compiled once on CUDA (eager flex attention materialises the full score matrix)."""
+    global _compiled_flex_attention
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if not q.is_cuda or torch.compiler.is_compiling():
+        # CPU: the eager reference implementation (tests, tiny shapes); inside a compiled layer the
+        # layer's own compilation turns it into a fused kernel.
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None,
+                   doc_mask=None) -> torch.Tensor:
+    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads (GQA/MQA).
+
+    doc_mask (from `document_mask`, the sliding window already in it) keeps each token inside its document.
+    """
     gqa = q.shape[1] != k.shape[1]
     seq_len = q.shape[2]
+    if isinstance(doc_mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, enable_gqa=gqa)
+    if doc_mask is not None:
+        return flex_attention(q, k, v, doc_mask, gqa)
     if sliding_window is not None and seq_len > sliding_window:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -105,15 +156,17 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
+        self.core = attention_core  # replaceable: selective recompute wraps it
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)
+        batch, seq, _ = qkv.shape  # sequence parallelism: x is a sequence shard, qkv the whole sequence
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, seq, -1, d).transpose(1, 2)
         k = k.view(batch, seq, -1, d).transpose(1, 2)
         v = v.view(batch, seq, -1, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention_core(q, k, v, self.sliding_window)
+        out = self.core(q, k, v, self.sliding_window, doc_mask)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -51,6 +51,9 @@ _PRESETS = {
     "mistral-test": lambda: _llama(64, 2, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5, sliding_window=16),
     "llama3-test": lambda: _llama(64, 2, 4, 160, kv=1, vocab=256, seq=128, theta=500000.0, eps=1e-5,
                                   rope_scaling=RopeScaling("llama3", 8.0, 32, 1.0, 4.0)),
+    "llama-test4": lambda: _llama(64, 4, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5),  # pipeline tests: 4 layers
+    "falcon-test4": lambda: ModelConfig(family="falcon", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
+                                        num_kv_heads=1, ffn_hidden_size=256, max_seq_length=128, tie_embeddings=True),
     "falcon-test": lambda: ModelConfig(family="falcon", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                                        num_kv_heads=1, ffn_hidden_size=256, max_seq_length=128, tie_embeddings=True),
     "falcon40b-test": lambda: ModelConfig(family="falcon", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,

@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .falcon import FalconBlock
-from .layers import RMSNorm, rope_cos_sin
+from .layers import RMSNorm, document_mask, rope_cos_sin
 from .llama import LlamaBlock
 
 IGNORE_INDEX = -100
@@ -55,19 +55,21 @@ class Transformer(nn.Module):
         return F.linear(self.norm(hidden), self.head_weight())
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
 
-        Returns the per-token loss when labels are given, else logits; a stage
-        without the head returns its hidden states.
+        document_ids (batch, seq), when given, confine attention to tokens of the same
+        document (packed sequences). Returns the per-token loss when labels are given,
+        else logits; a stage without the head returns its hidden states.
         """
         h = self.embed(inputs) if self.embed is not None else inputs
         batch, seq = h.shape[0], self.full_seq_length(h)
         if position_ids is None:
             position_ids = torch.arange(seq, device=h.device).expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
+        doc_mask = None if document_ids is None else document_mask(document_ids, self.cfg.sliding_window)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, doc_mask)
         if self.norm is None:
             return h
         if labels is None:

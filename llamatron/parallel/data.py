@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.13 renamed the flat collectives; 2.11 has only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .mesh import all_gather_flat as _all_gather
+from .mesh import reduce_scatter_flat as _reduce_scatter
 
 # Buckets are padded so every shard starts on a 128-byte boundary for any dtype used here.
 _ALIGN = 64
@@ -115,7 +114,9 @@ class GradBuffer:
             return
         bucket = self.bucket_of[param]
         bucket.pending -= 1
-        if bucket.pending == 0 and self.overlap_grad_reduce:
+        # A weight shared across pipeline stages (tied embedding) is summed over them first: finish_grad_sync reduces it.
+        deferred = any(getattr(q, "defer_grad_reduce", False) for q in bucket.params)
+        if bucket.pending == 0 and self.overlap_grad_reduce and not deferred:
             self._start_reduce(bucket)
 
     def shard_range(self, bucket: Bucket, dp_rank: int) -> tuple[int, int]:
@@ -181,11 +182,15 @@ class GradBuffer:
             self._install_gather_hooks()
 
     def _install_gather_hooks(self) -> None:
-        for module in self.module.modules():
-            own = [p for p in module.parameters(recurse=False) if p in self.bucket_of]
+        """Wait for a bucket just before the first unit that uses it: a decoder layer, the embedding, the head.
+
+        Hooks sit on whole layers (not inner linears) so compiled layers run their hooks outside the graph.
+        """
+        for unit in _forward_units(self.module):
+            own = [p for p in unit.parameters() if p in self.bucket_of]
             if own:
                 buckets = sorted({self.bucket_of[p].index for p in own})
-                self._gather_hooks.append(module.register_forward_pre_hook(
+                self._gather_hooks.append(unit.register_forward_pre_hook(
                     lambda _m, _args, idx=buckets: self._wait_gather(idx)))
 
     def _wait_gather(self, bucket_indices: list[int]) -> None:
@@ -197,3 +202,14 @@ class GradBuffer:
 
     def finish_param_gather(self) -> None:
         self._wait_gather(list(range(len(self.buckets))))
+
+
+def _forward_units(module: nn.Module) -> list[nn.Module]:
+    """Top-level children in forward order, with layer lists flattened into their layers."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, nn.ModuleList):
+            units.extend(child)
+        else:
+            units.append(child)
+    return units or [module]

@@ -73,8 +73,14 @@ def check_sizes(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
+# Collectives of every group wait at most this long (--dist-timeout); new_group does not inherit it by itself.
+_group_timeout: datetime.timedelta | None = None
+
+
 def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the torchrun job if there is one; returns (rank, world_size)."""
+    global _group_timeout
+    _group_timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -100,27 +106,37 @@ def build_mesh(tp: int = 1, pp: int = 1) -> Mesh:
     for p in range(pp):
         for d in range(dp):
             ranks = [mesh.rank_of(t, d, p) for t in range(tp)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 mesh.tp_group, mesh.tp_ranks = group, ranks
     for p in range(pp):
         for t in range(tp):
             ranks = [mesh.rank_of(t, d, p) for d in range(dp)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 mesh.dp_group, mesh.dp_ranks = group, ranks
     for d in range(dp):
         for t in range(tp):
             ranks = [mesh.rank_of(t, d, p) for p in range(pp)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 mesh.pp_group, mesh.pp_ranks = group, ranks
     for d in range(dp):
         ranks = [mesh.rank_of(t, d, p) for p in range(pp) for t in range(tp)]
-        group = dist.new_group(ranks)
+        group = new_group(ranks)
         if rank in ranks:
             mesh.mp_group = group
     return mesh
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group whose collectives time out after --dist-timeout (like the default group's)."""
+    return dist.new_group(ranks, timeout=_group_timeout)
+
+
+# torch 2.13 renamed the flat collectives; 2.11 has only the old names.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

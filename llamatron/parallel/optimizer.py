@@ -48,6 +48,7 @@ class DistributedAdamW:
                     s, e = max(start, lo), min(end, hi)
                     if s < e:
                         replicated_copy = mesh.tp_rank > 0 and not getattr(p, "tensor_parallel", False)
+                        replicated_copy |= getattr(p, "shared_weight_replica", False)  # last stage's tied embedding
                         self.segments.append(Segment(p, buf, s, e, s - start, decay=p.ndim > 1,
                                                      count_in_norm=not replicated_copy))
         device = buffers[0].grad_data.device
@@ -67,7 +68,8 @@ class DistributedAdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all data-, tensor- and pipeline-parallel shards, replicas counted once."""
-        counted = [g for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm]
+        counted = [part for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm
+                   for part in _norm_parts(g, seg)]
         device = self.buffers[0].grad_data.device
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
@@ -83,6 +85,9 @@ class DistributedAdamW:
         grads = self.grads()
         norm = self.grad_norm()
         found_inf = (~torch.isfinite(norm)).float()
+        if not self.fused and found_inf.item():
+            # Skip the step: the foreach AdamW has no found_inf (fused CUDA skips on device); on CPU .item() is free.
+            return norm, found_inf
         if self.clip_grad > 0:
             # Scale only when above the threshold; computed on device, no host sync.
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
@@ -109,14 +114,34 @@ class DistributedAdamW:
             buf.start_param_gather(overlap)
 
     def bytes_per_param(self) -> float:
-        """Weights + gradients + optimizer state allocated on this rank, per model parameter of this rank."""
-        n = sum(b.numel for b in self.buffers)
+        """Weights + gradients + optimizer state allocated on this rank, per model parameter of this rank.
+
+        Buffers are padded to data-parallel-divisible buckets, so this exceeds the formula by at most
+        18 bytes per padding element.
+        """
+        n = sum(p.numel() for b in self.buffers for p in b.param_range)
         weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.buffers)
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers)
         state = sum(t.numel() * 4 for t in self.exp_avg + self.exp_avg_sq)
         if not self.master_is_param:
             state += sum(m.numel() * 4 for m in self.master)
         return (weights + grads + state) / n
+
+
+def _norm_parts(grad: torch.Tensor, seg: Segment) -> list[torch.Tensor]:
+    """The views of a segment's gradient this rank counts in the norm.
+
+    `param.grad_norm_exclude` lists flat element ranges of the parameter that
+    another tensor-parallel rank counts (replicated KV heads).
+    """
+    parts, pos, end = [], seg.param_offset, seg.param_offset + grad.numel()
+    for lo, hi in getattr(seg.param, "grad_norm_exclude", ()):
+        lo, hi = max(lo, pos), min(hi, end)
+        if lo < hi:
+            parts.append(grad[pos - seg.param_offset:lo - seg.param_offset])
+            pos = hi
+    parts.append(grad[pos - seg.param_offset:])
+    return [p for p in parts if p.numel()]
 
 
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int, schedule: str) -> float:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
+# Single-GPU rows run two at a time (one per GPU) when two GPUs are present.
+# usage: benchmarks/gpu_suite.sh [GROUP...]   groups: single, dp, tp, tests
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+B1="--model llama-1b --seq-length 4096 --global-batch-size 8 --steps 10 --warmup 3"
+B7="--model llama2-7b --seq-length 4096 --global-batch-size 8 --steps 4 --warmup 2"
+one() {  # one GPU ARGS...: a single-GPU row on GPU $1
+  local gpu=$1; shift
+  CUDA_VISIBLE_DEVICES=$gpu timeout 500 python3 -m llamatron bench --json "$@" >"$OUT/row-$gpu.tmp" 2>>"$OUT/log.txt"
+  echo "== 1 GPU: $* -> rc $?" >>"$OUT/log.txt"; tail -1 "$OUT/row-$gpu.tmp" >>"$OUT/bench.jsonl"
+}
+multi() {  # multi N ARGS...
+  local n=$1; shift
+  timeout 500 python3 -m torch.distributed.run --nproc-per-node "$n" -m llamatron bench --json "$@" >"$OUT/row-m.tmp" 2>>"$OUT/log.txt"
+  echo "== $n GPUs: $* -> rc $?" >>"$OUT/log.txt"; tail -1 "$OUT/row-m.tmp" >>"$OUT/bench.jsonl"
+}
+for group in ${@:-single dp tests}; do
+  case $group in
+    single)
+      (one 0 $B1 --micro-batch-size 8 --compile; one 0 $B1 --micro-batch-size 8 --no-compile) &
+      (one 1 $B7 --micro-batch-size 2 --compile --recompute full; one 1 $B1 --micro-batch-size 4 --compile) &
+      wait ;;
+    dp)
+      multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer
+      multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --no-overlap-grad-reduce --no-overlap-param-gather ;;
+    tp)
+      multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel
+      multi 2 $B7 --micro-batch-size 1 --compile --tp 2 --sequence-parallel ;;
+    tests)
+      timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider >>"$OUT/pytest_gpu.txt" 2>&1
+      echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;
+  esac
+done
+cat "$OUT/bench.jsonl"; grep "==" "$OUT/log.txt"

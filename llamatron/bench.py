@@ -1,0 +1,140 @@
+"""`llamatron bench`: synthetic training steps, one table row of throughput and where the time goes.
+
+The headline numbers come from plain, un-instrumented steps (no host sync
+inside a step). The breakdown comes from separate instrumented steps that
+synchronise between phases:
+  forward    forward passes of all micro-batches (graph kept, as in training)
+  backward   forward+backward minus forward
+  grad_sync  waiting for gradient reductions after the last backward (exposed communication)
+  optimizer  clipping, AdamW and publishing parameters
+Pipeline bubble is the schedule's idle fraction, (pp-1) / (m*vpp + pp-1), for m micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .config import add_config_arguments, load_config, validate
+from .data.batches import micro_batches_for_step
+from .data.mock import MockDataset
+from .engine import build_engine, count_tokens, to_device, train_step
+from .metrics import peak_memory_gib, peak_tflops, throughput
+from .parallel.mesh import build_mesh, init_distributed
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure training throughput on synthetic data")
+    add_config_arguments(p)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table row")
+    p.set_defaults(func=cmd_bench)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    cfg.data.mock_data = True
+    cfg.train.train_steps = args.warmup + args.steps + 2
+    derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+    init_distributed(derived.device)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
+    model_cfg = cfg.model_config()
+    torch.manual_seed(cfg.train.seed)
+    engine = build_engine(cfg, derived, mesh, model_cfg)
+    t, device = cfg.train, engine.device
+    data = MockDataset(model_cfg.vocab_size, cfg.data.seq_length, t.seed)
+    batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), device)
+    for step in range(args.warmup):
+        train_step(engine, batch, step)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        out = train_step(engine, batch, args.warmup + step)
+    loss = float(out["loss"])  # one host sync, after the timed steps
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    peak_mem = peak_memory_gib(device)
+    breakdown = _breakdown(engine, batch, args.warmup + args.steps)
+    tokens = t.global_batch_size * cfg.data.seq_length * args.steps
+    speed = throughput(tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device))
+    p = cfg.parallel
+    m = derived.grad_accum_steps
+    row = {"model": t.model, "gpus": mesh.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp,
+           "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer, "recompute": t.recompute,
+           "compile": bool(t.compile if t.compile is not None else device.type == "cuda"),
+           "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
+           "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **breakdown,
+           "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__}
+    if mesh.rank == 0:
+        print(json.dumps(row) if args.json else format_row(row), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _breakdown(engine, batch: list[dict], step: int) -> dict[str, float]:
+    """Milliseconds per phase from one instrumented step (syncs between phases)."""
+    device = engine.device
+    total = count_tokens(engine, batch)
+    for buf in engine.buffers:
+        buf.zero_grad()
+        buf.finish_param_gather()
+    times = {}
+    if engine.cfg.parallel.pp == 1:
+        model = engine.chunks[0]
+        _sync(device)
+        t0 = time.perf_counter()
+        losses = [model(mb["input_ids"], labels=mb["labels"]).sum() for mb in batch]
+        _sync(device)
+        times["forward_ms"] = 1000 * (time.perf_counter() - t0)
+        del losses
+    for buf in engine.buffers:
+        buf.zero_grad()
+    _sync(device)
+    t0 = time.perf_counter()
+    engine.forward_backward(engine, batch, total)
+    _sync(device)
+    t1 = time.perf_counter()
+    for buf in engine.buffers:
+        buf.finish_grad_sync()
+    _sync(device)
+    t2 = time.perf_counter()
+    engine.optimizer.step(engine.cfg.optim.lr)
+    engine.optimizer.publish_params(overlap=False)
+    _sync(device)
+    t3 = time.perf_counter()
+    fwd_bwd = 1000 * (t1 - t0)
+    if "forward_ms" in times:
+        times["backward_ms"] = fwd_bwd - times["forward_ms"]
+    else:
+        times["forward_backward_ms"] = fwd_bwd
+    times["grad_sync_ms"] = 1000 * (t2 - t1)
+    times["optimizer_ms"] = 1000 * (t3 - t2)
+    return times
+
+
+def format_row(row: dict) -> str:
+    mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    layout = f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']}" + (" sp" if row["sp"] else "") + \
+        (" distopt" if row["dist_opt"] else "") + (f" rc={row['recompute']}" if row["recompute"] != "none" else "")
+    phases = " ".join(f"{k[:-3]}={row[k]:.0f}ms" for k in
+                      ("forward_ms", "backward_ms", "forward_backward_ms", "grad_sync_ms", "optimizer_ms") if k in row)
+    header = f"{'model':<12} {'layout':<34} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}  breakdown"
+    line = (f"{row['model']:<12} {layout:<34} {row['tokens_per_sec']:>10.0f} {row['tflops_per_gpu']:>8.1f} {mfu:>6} "
+            f"{row['peak_mem_gib']:>8.1f}  {phases} step={row['step_ms']:.0f}ms bubble={row['bubble_frac']:.0%}")
+    return header + "\n" + line

@@ -1,0 +1,151 @@
+"""`llamatron import-hf`, `export-hf` and `verify`: the Hugging Face round trip, and the check that it is exact."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .hf_io import DTYPES, export_hf, import_hf
+from .tensor_io import parse_size
+
+# Mean absolute logit difference allowed by `verify`, per precision. bf16: the seeds' documented bar.
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import-hf", help="convert a Hugging Face (or Meta consolidated) model into a checkpoint",
+                       description="Convert a Hugging Face directory (config.json, safetensors or .bin, single or "
+                                   "sharded; tokenizer files) or Meta's consolidated.*.pth + params.json into the "
+                                   "llamatron checkpoint OUT (OUT/step-0, OUT/latest, OUT/tokenizer). The result "
+                                   "holds weights only: train from it with --load OUT --finetune.")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="store weights in this dtype (default: as given)")
+    p.set_defaults(func=cmd_import_hf)
+
+    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face directory",
+                       description="Write checkpoint CKPT (DIR or DIR/step-N, saved under any layout) as a directory "
+                                   "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, sharded "
+                                   "safetensors with an index, tokenizer files.")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default: 5GB)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or file to ship (default: the checkpoint's)")
+    p.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload OUT_DIR to this Hub repository")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    p.set_defaults(func=cmd_export_hf)
+
+    p = sub.add_parser("verify", help="compare a checkpoint's logits with transformers' on the same batches",
+                       description="Run llamatron on CKPT and transformers on HF_DIR over the same random batches; "
+                                   "print max and mean absolute logit difference and loss difference; exit 1 when "
+                                   "the mean difference is above the tolerance.")
+    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("--hf", required=True, metavar="HF_DIR", help="Hugging Face directory to compare with")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help=f"largest mean |logit difference| (default: {DEFAULT_TOLERANCE})")
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=None, help="default: min(128, max positions)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    step_dir = import_hf(args.hf_dir, args.out, DTYPES[args.dtype] if args.dtype else None)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    c = meta["model_config"]
+    print(f"imported {args.hf_dir} ({meta['hf']['format']}) -> {step_dir}\n"
+          f"  {c['family']}: {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']} "
+          f"(kv {c['num_kv_heads']}), vocab {c['vocab_size']}\n"
+          f"  tokenizer: {meta['tokenizer'] or 'none found'}\n"
+          f"  weights only: train with `llamatron train --load {args.out} --finetune ...`")
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    summary = export_hf(args.ckpt, args.out_dir, parse_size(args.max_shard_size),
+                        DTYPES[args.dtype] if args.dtype else None, args.tokenizer)
+    print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
+    print(f"  tokenizer: {summary['tokenizer'] or 'none found (pass --tokenizer)'}")
+    if args.push_to_hub:
+        url = push_to_hub(Path(args.out_dir), args.push_to_hub, args.private)
+        print(f"  uploaded to {url}")
+    return 0
+
+
+def push_to_hub(folder: Path, repo: str, private: bool = False) -> str:
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:
+        raise ConfigError("--push-to-hub needs the huggingface_hub package: pip install huggingface_hub") from None
+    if repo.count("/") != 1:
+        raise ConfigError(f"--push-to-hub {repo!r}: give the repository as OWNER/NAME")
+    api = HfApi()
+    api.create_repo(repo_id=repo, private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload model exported by llamatron")
+    return f"https://huggingface.co/{repo}"
+
+
+def load_transformers_model(hf_dir: str, dtype: torch.dtype, device: str = "cpu"):
+    import transformers
+
+    dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
+                                                              **{dtype_arg: dtype})
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def compare_with_hf(ckpt: str, hf_dir: str, dtype_name: str = "fp32", batches: int = 4, batch_size: int = 2,
+                    seq_length: int | None = None, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """Both implementations on the same random batches: per-batch and overall logit and loss differences."""
+    from ..generate import load_for_generation
+
+    dtype = DTYPES[dtype_name]
+    model, _ = load_for_generation(ckpt, device)
+    model = model.to(dtype)
+    hf_model = load_transformers_model(hf_dir, dtype, device)
+    vocab = min(hf_model.config.vocab_size, model.cfg.vocab_size)  # padded rows are not compared
+    seq = seq_length or min(128, model.cfg.max_seq_length, hf_model.config.max_position_embeddings)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(batches):
+        tokens = torch.randint(0, vocab, (batch_size, seq), generator=gen).to(device)
+        ours = model(tokens)[..., :vocab].float()
+        theirs = hf_model(tokens).logits[..., :vocab].float()
+        diff = (ours - theirs).abs()
+        losses = [F.cross_entropy(x[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1)).item()
+                  for x in (ours, theirs)]
+        rows.append({"batch": b, "max_abs": diff.max().item(), "mean_abs": diff.mean().item(),
+                     "loss_llamatron": losses[0], "loss_hf": losses[1], "loss_diff": abs(losses[0] - losses[1])})
+    return {"rows": rows, "max_abs": max(r["max_abs"] for r in rows),
+            "mean_abs": sum(r["mean_abs"] for r in rows) / len(rows), "loss_diff": max(r["loss_diff"] for r in rows),
+            "seq_length": seq, "vocab": vocab}
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
+    result = compare_with_hf(args.ckpt, args.hf, args.dtype, args.batches, args.batch_size, args.seq_length,
+                             args.seed, args.device)
+    print(f"{'batch':>5}  {'max |dlogit|':>12}  {'mean |dlogit|':>13}  {'loss llamatron':>14}  {'loss hf':>9}  "
+          f"{'|dloss|':>9}")
+    for r in result["rows"]:
+        print(f"{r['batch']:>5}  {r['max_abs']:>12.3e}  {r['mean_abs']:>13.3e}  {r['loss_llamatron']:>14.6f}  "
+              f"{r['loss_hf']:>9.6f}  {r['loss_diff']:>9.3e}")
+    ok = result["mean_abs"] <= tolerance
+    print(f"{args.dtype}, {len(result['rows'])} x {args.batch_size} x {result['seq_length']} tokens: max abs logit "
+          f"difference {result['max_abs']:.3e}, mean {result['mean_abs']:.3e}, loss difference "
+          f"{result['loss_diff']:.3e}; tolerance mean <= {tolerance:g}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+__all__ = ["DEFAULT_TOLERANCE", "compare_with_hf", "load_transformers_model", "push_to_hub", "register"]

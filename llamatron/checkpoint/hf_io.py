@@ -1,0 +1,208 @@
+"""`import-hf` and `export-hf`: Hugging Face directories <-> llamatron checkpoints, streamed tensor by tensor.
+
+An imported checkpoint is `OUT/step-0/` (model.safetensors, meta.json) with
+`OUT/latest` and the tokenizer files in `OUT/tokenizer/`. Its meta.json marks
+it `weights_only` (there is no optimizer state: train from it with
+--finetune) and keeps the source `config.json` under "hf", so an export
+writes back what llamatron does not model (token ids, Falcon's QKV layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..models import ModelConfig, build_model
+from .dist import META_FILE, MODEL_FILE, CheckpointError, open_weights, resolve_checkpoint
+from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
+from .meta_llama import MetaLlamaSource, is_meta_checkpoint
+from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | MetaLlamaSource, str]:
+    """The config, the lazily read weights and the format name of a Hugging Face (or Meta) directory."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"{d} is not a directory")
+    if is_meta_checkpoint(d):
+        source = MetaLlamaSource(d)
+        return source.hf_config, source, "meta-consolidated"
+    config_file = d / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{d}: no config.json (nor Meta's params.json + consolidated.*.pth)")
+    hf = json.loads(config_file.read_text())
+    for weights in _WEIGHT_FILES:
+        index = d / f"{weights}.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return hf, TensorSource(d / f for f in files), f"{weights.split('.')[-1]} (sharded)"
+        if (d / weights).is_file():
+            return hf, TensorSource([d / weights]), weights.split(".")[-1]
+    raise CheckpointError(f"{d}: no weights; expected model.safetensors, pytorch_model.bin or their "
+                          f"*.index.json with shards")
+
+
+def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    expected = {n: tuple(p.shape) for n, p in build_model(cfg, device="meta").named_parameters()}
+    problems = [f"{n}: converted {shapes.get(n)} vs model {s}" for n, s in expected.items() if shapes.get(n) != s]
+    problems += [f"unexpected {n}" for n in shapes if n not in expected]
+    if problems:
+        raise CheckpointError("converted weights do not fit the model built from config.json:\n  "
+                              + "\n  ".join(problems[:40]))
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Convert a Hugging Face (or Meta) directory into the llamatron checkpoint `out`; returns OUT/step-0."""
+    hf, source, fmt = open_hf_dir(hf_dir)
+    cfg = config_from_hf(hf)
+    rules = weight_rules(cfg, hf)
+    check_hf_names(rules, source.keys(), cfg, str(hf_dir))
+    specs: list[TensorSpec] = []
+    for rule in rules:  # shapes and dtypes from the file headers; no data read yet
+        fused = rule.fuse([source.meta(n) for n in rule.hf_names])
+        specs.append((rule.name, dtype or fused.dtype, tuple(fused.shape)))
+    _check_rules_fit_model(rules, cfg, {n: s for n, _, s in specs})
+    out = Path(out)
+    final, tmp = out / "step-0", out / ".tmp-step-0"
+    if (out / "latest").exists() or final.exists():
+        raise CheckpointError(f"{out} already holds a checkpoint; import into a new directory")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with StreamingSafetensorsWriter(tmp / MODEL_FILE, specs) as writer:
+        for rule in rules:  # one fused tensor in memory at a time
+            tensor = rule.fuse([source.get(n) for n in rule.hf_names])
+            writer.write(rule.name, tensor.to(dtype) if dtype else tensor)
+    tokenizer = _copy_tokenizer(Path(hf_dir), out / "tokenizer")
+    from ..config import RunConfig
+
+    run = RunConfig()
+    run.data.tokenizer = str(tokenizer.resolve()) if tokenizer else None
+    generation = Path(hf_dir) / "generation_config.json"
+    meta = {"step": 0, "consumed_samples": 0, "weights_only": True, "config": run.to_dict(),
+            "model_config": cfg.to_dict(), "tokenizer": run.data.tokenizer,
+            "hf": {"config": hf, "source": str(Path(hf_dir).resolve()), "format": fmt,
+                   "generation_config": json.loads(generation.read_text()) if generation.is_file() else None}}
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, final)
+    latest_tmp = out / ".latest.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, out / "latest")
+    return final
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> Path | None:
+    """Copy the tokenizer files of `src` (a directory or one tokenizer file) into `dst`; None if there are none."""
+    files = [src] if src.is_file() else [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not files:
+        return None
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, dst / f.name)
+    return dst
+
+
+def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = None) -> Path | None:
+    """The tokenizer to ship with an export: --tokenizer, else the one recorded with the checkpoint."""
+    if explicit is not None:
+        if not Path(explicit).exists():
+            raise CheckpointError(f"tokenizer {explicit} not found")
+        return Path(explicit)
+    candidates = [meta.get("tokenizer"), step_dir.parent / "tokenizer",
+                  (meta.get("config") or {}).get("data", {}).get("tokenizer")]
+    for c in candidates:
+        if c and Path(c).exists() and (Path(c).is_file() or any((Path(c) / n).is_file() for n in TOKENIZER_FILES)):
+            return Path(c)
+    return None
+
+
+def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9,
+              dtype: torch.dtype | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+    """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config)."""
+    step_dir = resolve_checkpoint(str(ckpt))
+    meta = json.loads((step_dir / META_FILE).read_text())
+    cfg = ModelConfig.from_dict(meta["model_config"])
+    hf_meta = meta.get("hf") or {}
+    base = hf_meta.get("config")
+    vocab = min(cfg.vocab_size, (base or {}).get("vocab_size") or cfg.vocab_size)
+    source = open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
+    rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
+    missing = sorted({r.name for r in rules} - source.keys())
+    extra = sorted(source.keys() - {r.name for r in rules})
+    if missing or extra:
+        raise CheckpointError(f"{step_dir} does not match its model_config:\n  "
+                              + "\n  ".join([f"missing {n}" for n in missing] + [f"unexpected {n}" for n in extra]))
+    specs: list[TensorSpec] = []
+    for rule in rules:
+        for name, part in zip(rule.hf_names, rule.split(_strip_padding(rule.name, source.meta(rule.name), vocab))):
+            specs.append((name, dtype or part.dtype, tuple(part.shape)))
+    out_dtype = dtype or specs[0][1]
+    hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stale = [p.name for p in out.iterdir() if p.name.startswith(("model", "pytorch_model"))]
+    if stale:
+        raise CheckpointError(f"{out} already holds model weights ({', '.join(sorted(stale)[:3])}); export into "
+                              f"an empty directory")
+    files = _write_shards(out, specs, _hf_tensors(rules, source, vocab, dtype), max_shard_size)
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if hf_meta.get("generation_config"):
+        (out / "generation_config.json").write_text(json.dumps(hf_meta["generation_config"], indent=2) + "\n")
+    tok = find_tokenizer(step_dir, meta, tokenizer)
+    if tok is not None:
+        _copy_tokenizer(tok, out)
+    return {"files": files, "tokenizer": str(tok) if tok else None, "config": hf, "step_dir": str(step_dir)}
+
+
+def _strip_padding(name: str, t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Vocabulary rows beyond `vocab` (padding for tensor parallelism) are not part of the model."""
+    if name in ("embed.weight", "lm_head.weight") and t.shape[0] > vocab:
+        return t[:vocab]
+    return t
+
+
+def _hf_tensors(rules: list[TensorRule], source: TensorSource, vocab: int,
+                dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for rule in rules:  # one llamatron tensor in memory at a time
+        for name, part in zip(rule.hf_names, rule.split(_strip_padding(rule.name, source.get(rule.name), vocab))):
+            yield name, part.to(dtype) if dtype else part
+
+
+def _write_shards(out: Path, specs: list[TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]],
+                  max_shard_size: int) -> list[str]:
+    """Hugging Face's sharding: fill a file up to max_shard_size (one tensor may exceed it alone), plus an index."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = spec[1].itemsize * int(torch.Size(spec[2]).numel())
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for fname, shard in zip(names, shards):
+        with StreamingSafetensorsWriter(out / fname, shard) as writer:
+            for _ in shard:
+                writer.write(*next(tensors))
+    if n > 1:
+        total = sum(s[1].itemsize * int(torch.Size(s[2]).numel()) for s in specs)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {spec[0]: fname for fname, shard in zip(names, shards) for spec in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        names.append("model.safetensors.index.json")
+    return names
+
+
+__all__ = ["DTYPES", "TOKENIZER_FILES", "export_hf", "find_tokenizer", "import_hf", "open_hf_dir"]

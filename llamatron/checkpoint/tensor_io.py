@@ -1,0 +1,141 @@
+"""Reading and writing weights one tensor at a time, so host memory stays near the largest tensor.
+
+`TensorSource` gives lazy access to the tensors of a set of files (safetensors
+through `safe_open`, PyTorch pickles through memory-mapped `torch.load`).
+`StreamingSafetensorsWriter` writes a `.safetensors` file whose header (names,
+dtypes, shapes) is known up front, then the tensors in order; the format is
+the documented one (8-byte little-endian header length, JSON header, raw
+little-endian data), readable by `safetensors.safe_open` and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+from .dist import CheckpointError
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_TO_TORCH = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+class TensorSource:
+    """Lazy tensors from safetensors or PyTorch files, by name."""
+
+    def __init__(self, files: Iterable[str | Path]):
+        self._where: dict[str, object] = {}  # name -> open safetensors handle or memory-mapped state dict
+        self._handles = []
+        for path in files:
+            path = Path(path)
+            if not path.is_file():
+                raise CheckpointError(f"{path}: weight file not found")
+            if path.suffix == ".safetensors":
+                handle = safe_open(str(path), framework="pt")
+                self._handles.append(handle)
+                for name in handle.keys():
+                    self._where[name] = handle
+            else:
+                state = load_pickled(path)
+                for name in state:
+                    self._where[name] = state
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        owner = self._where[name]
+        return owner.get_tensor(name) if hasattr(owner, "get_tensor") else owner[name]
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A `meta` tensor of the right shape and dtype, without reading the data."""
+        owner = self._where[name]
+        if hasattr(owner, "get_slice"):
+            s = owner.get_slice(name)
+            return torch.empty(s.get_shape(), dtype=_SAFETENSORS_TO_TORCH[s.get_dtype()], device="meta")
+        t = owner[name]
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def load_pickled(path: Path) -> dict[str, torch.Tensor]:
+    try:  # zip-format files (torch >= 1.6) map lazily: a tensor is read when it is used
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # the legacy format cannot be memory-mapped: that file is read whole
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a state dict of tensors, found {type(state).__name__}")
+    return state
+
+
+class StreamingSafetensorsWriter:
+    """Writes `specs` (name, dtype, shape) to `path`; then `write` each tensor in that order."""
+
+    def __init__(self, path: str | Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
+        header: dict[str, object] = {}
+        offset = 0
+        for name, dtype, shape in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt", **(metadata or {})}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors itself writes it
+        self.path, self._specs, self._next = Path(path), specs, 0
+        self._file = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, dtype, shape = self._specs[self._next]
+        if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: expected {want_name} {dtype} {tuple(shape)}, "
+                                  f"got {name} {tensor.dtype} {tuple(tensor.shape)}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(data.numpy().data)
+        self._next += 1
+
+    def close(self) -> None:
+        self._file.close()
+        if self._next != len(self._specs):
+            raise CheckpointError(f"{self.path}: only {self._next} of {len(self._specs)} tensors were written")
+
+    def __enter__(self) -> "StreamingSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20, '1000' -> 1000 (the units of Hugging Face's max_shard_size)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            t, factor = t[: -len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        value = float(t) * factor
+    except ValueError:
+        raise CheckpointError(f"size {text!r} not understood; use e.g. 5GB, 500MB, 2GiB or a byte count") from None
+    if value <= 0:
+        raise CheckpointError(f"size {text!r} must be positive")
+    return int(value)
+
+
+__all__ = ["StreamingSafetensorsWriter", "TensorSource", "TensorSpec", "load_pickled", "parse_size"]

@@ -1,0 +1,309 @@
+"""Writing checkpoints: every rank writes its own pieces, in parallel; rank 0 publishes them atomically.
+
+Who writes what (each element of every tensor exactly once):
+  * data parallel: dp rank r writes the r-th 1/dp of every gradient bucket: with
+    --distributed-optimizer exactly the optimizer shard it owns; without it
+    every dp rank holds everything, and the writing is spread the same way;
+  * tensor parallel: a sharded parameter's rows by the rank holding them (a
+    replicated KV row by its lowest holder, padding rows by nobody); a
+    replicated parameter (norms, row-parallel biases) by tp rank 0;
+  * pipeline: each stage its own layers; the last stage's copy of a tied
+    embedding (`shared_weight_replica`) is not written.
+
+Why pieces in safetensors files with a JSON index rather than
+torch.distributed.checkpoint: a rank's shard is not one box of the full
+tensor (fused QKV rows, [gate; up], vocabulary padding, replicated KV heads)
+and a distributed-optimizer shard is a flat range across rows, so DCP would
+need custom planners on its private planner helpers anyway; this way the
+files are plain safetensors (no pickle), any tool can read any piece lazily,
+and the full-tensor layout of imports is the one-piece case of the same index.
+
+A save: rank 0 makes DIR/.tmp-step-N; every rank writes rank-NNNNN.safetensors
+and its RNG state there (with --async-save from CPU copies, in a background
+thread while training goes on); then `finish` collects every rank's outcome,
+and rank 0 writes index.json and meta.json, renames the directory to
+DIR/step-N and only then rewrites DIR/latest. If any rank failed, the
+temporary directory is removed and every rank raises: `latest` still names
+the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, CheckpointError, full_shape_of, local_pieces
+from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
+                     rng_file)
+
+FAIL_ENV = "LLAMATRON_TEST_FAIL_SAVE"  # "STEP:RANK": that rank's write of that step fails half-way (tests)
+
+
+@dataclass
+class PieceToWrite:
+    kind: str
+    name: str
+    full_shape: tuple[int, ...]
+    box: Box
+    data: torch.Tensor
+
+
+@dataclass
+class PendingSave:
+    """A save whose files are being (or have been) written; `finish` publishes it."""
+
+    root: Path
+    step: int
+    tmp: Path
+    meta: dict[str, Any]
+    listing: list[tuple]  # (kind, name, full shape, dtype name, offsets, sizes) of this rank's pieces
+    file: str | None
+    thread: threading.Thread | None = None
+    error: str | None = None
+    keep_last: int = 0
+
+    @property
+    def final(self) -> Path:
+        return self.root / f"step-{self.step}"
+
+
+def plain_name(name: str) -> str:
+    """Parameter names without wrapper prefixes (recompute wraps layers as `.layer.`)."""
+    return name.replace(".layer.", ".")
+
+
+def global_named_params(engine) -> list[tuple[str, nn.Parameter]]:
+    out = []
+    for chunk in engine.chunks:
+        names = getattr(chunk, "global_name", lambda n: n)
+        for name, p in chunk.named_parameters():
+            out.append((names(plain_name(name)), p))
+    return out
+
+
+def _responsible_for(param: nn.Parameter, tp_rank: int) -> bool:
+    if getattr(param, "shared_weight_replica", False):
+        return False
+    return getattr(param, "tensor_parallel", False) or tp_rank == 0
+
+
+def rank_pieces(engine) -> list[PieceToWrite]:
+    """The pieces this rank writes: weights, optimizer state and step counts, as views of the live tensors."""
+    mesh, opt = engine.mesh, engine.optimizer
+    name_of = {id(p): n for n, p in global_named_params(engine)}
+    segment_of = {id(seg.param): i for i, seg in enumerate(opt.segments)}
+    out: list[PieceToWrite] = []
+    for buf in engine.buffers:
+        for bucket in buf.buckets:
+            share = bucket.numel // mesh.dp
+            lo = bucket.start + mesh.dp_rank * share
+            for p in bucket.params:
+                start, end = buf.param_range[p]
+                a, b = max(start, lo) - start, min(end, lo + share) - start
+                if a >= b or not _responsible_for(p, mesh.tp_rank):
+                    continue
+                i = segment_of[id(p)]
+                seg = opt.segments[i]
+                first = a - seg.param_offset
+                if first < 0 or first + (b - a) > seg.end - seg.start:
+                    raise CheckpointError(f"{name_of[id(p)]}: range [{a}, {b}) is not in this rank's optimizer shard")
+                sources = {"model": p.detach().reshape(-1)[a:b], "exp_avg": opt.exp_avg[i][first:first + b - a],
+                           "exp_avg_sq": opt.exp_avg_sq[i][first:first + b - a]}
+                if not opt.master_is_param:
+                    sources["master"] = opt.master[i][first:first + b - a]
+                name, full = name_of[id(p)], full_shape_of(p)
+                for lp in local_pieces(p, a, b, owned_only=True):
+                    out += [PieceToWrite(kind, name, full, lp.box, lp.view(flat)) for kind, flat in sources.items()]
+                    if not any(lp.box.offsets):  # the writer of the tensor's first element also writes its step
+                        out.append(PieceToWrite("step", name, (1,), Box((0,), (1,)), opt.steps[i].reshape(1)))
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _injected_failure(step: int, rank: int) -> bool:
+    return os.environ.get(FAIL_ENV, "") == f"{step}:{rank}"
+
+
+def write_files(tmp: Path, rank: int, step: int, pieces: list[PieceToWrite], rng: dict[str, Any]) -> None:
+    """This rank's safetensors file and RNG state, flushed to disk."""
+    from .tensor_io import StreamingSafetensorsWriter  # (tensor_io imports this package's errors)
+
+    fail = _injected_failure(step, rank)
+    if pieces:
+        specs = [(piece_key(p.kind, p.name, p.box), p.data.dtype, p.box.sizes) for p in pieces]
+        path = tmp / rank_file(rank)
+        with StreamingSafetensorsWriter(path, specs) as writer:
+            for n, (spec, piece) in enumerate(zip(specs, pieces)):
+                if fail and n == len(pieces) // 2:
+                    raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_ENV})", str(path))
+                writer.write(spec[0], piece.data)
+        _fsync(path)
+    elif fail:
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_ENV})")
+    torch.save(rng, tmp / rng_file(rank))
+
+
+def _snapshot(pieces: list[PieceToWrite]) -> list[PieceToWrite]:
+    """CPU copies, so training can go on changing the live tensors (one copy, from any device)."""
+    out = []
+    for p in pieces:
+        copy = torch.empty(p.data.shape, dtype=p.data.dtype, device="cpu")
+        copy.copy_(p.data)
+        out.append(PieceToWrite(p.kind, p.name, p.full_shape, p.box, copy))
+    return out
+
+
+def start_save(engine, root: str | Path, step: int, meta: dict[str, Any], background: bool) -> PendingSave:
+    """Write this rank's files of checkpoint `step` (in a thread with `background`); publish with `finish`."""
+    mesh = engine.mesh
+    root = Path(root)
+    tmp = root / f".tmp-step-{step}"
+    if mesh.rank == 0:
+        if tmp.exists():  # left by a save that crashed
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    for buf in engine.buffers:  # the distributed optimizer's parameter all-gather may still be in flight
+        buf.finish_param_gather()
+    pieces = rank_pieces(engine)
+    listing = [(p.kind, p.name, p.full_shape, SAFETENSORS_DTYPES[p.data.dtype], p.box.offsets, p.box.sizes)
+               for p in pieces]
+    pending = PendingSave(root, step, tmp, meta, listing, rank_file(mesh.rank) if pieces else None,
+                          keep_last=engine.cfg.train.keep_last)
+    rng = rng_state()
+
+    def write(to_write: list[PieceToWrite]) -> None:
+        try:
+            write_files(tmp, mesh.rank, step, to_write, rng)
+        except Exception as e:  # reported to every rank by `finish`
+            pending.error = f"rank {mesh.rank}: {type(e).__name__}: {e}"
+
+    if background:
+        pending.thread = threading.Thread(target=write, args=(_snapshot(pieces),), name=f"checkpoint-{step}")
+        pending.thread.start()
+    else:
+        write(pieces)
+    return pending
+
+
+def finish(engine, pending: PendingSave) -> str:
+    """Wait for every rank's writes, then publish step-N and `latest` (rank 0), or discard it everywhere."""
+    if pending.thread is not None:
+        pending.thread.join()
+    report = (pending.error, pending.file, pending.listing)
+    reports = [report]
+    outcome: list[str | None] = [None]
+    if dist.is_initialized():
+        reports = [None] * dist.get_world_size() if engine.mesh.rank == 0 else None
+        dist.gather_object(report, reports, dst=0)
+    if engine.mesh.rank == 0:
+        errors = [r[0] for r in reports if r[0]]
+        try:
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            _publish(pending, reports)
+        except Exception as e:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            outcome[0] = (f"saving {pending.final} failed ({e}); nothing was published and {pending.root}/latest "
+                          f"still names the previous checkpoint")
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise CheckpointError(outcome[0])
+    return str(pending.final)
+
+
+def _publish(pending: PendingSave, reports: list[tuple]) -> None:
+    """Rank 0: index and meta into the temporary directory, rename it into place, then `latest`, then retention."""
+    tensors: dict[str, dict[str, StoredTensor]] = {}
+    files = sorted(r[1] for r in reports if r[1])
+    for _, fname, listing in reports:
+        for kind, name, shape, dtype, offsets, sizes in listing:
+            box = Box(tuple(offsets), tuple(sizes))
+            entry = tensors.setdefault(kind, {}).setdefault(
+                name, StoredTensor(tuple(shape), TORCH_DTYPES[dtype], []))
+            entry.pieces.append(StoredPiece(fname, piece_key(kind, name, box), box))
+    for kind, by_name in tensors.items():  # every element written exactly once (pieces are disjoint by construction)
+        for name, t in by_name.items():
+            stored, want = sum(p.box.numel() for p in t.pieces), int(torch.Size(t.shape).numel())
+            if stored != want:
+                raise CheckpointError(f"{kind} {name}: the ranks wrote {stored} of its {want} elements")
+    model_names = set(tensors.get("model", {}))
+    for kind in ("exp_avg", "exp_avg_sq", "step"):
+        if set(tensors.get(kind, {})) != model_names:
+            raise CheckpointError(f"the ranks wrote {kind} for a different set of tensors than the weights")
+    tmp, root, final = pending.tmp, pending.root, pending.final
+    for name, data in ((INDEX_FILE, index_to_json(files, tensors)), (META_FILE, pending.meta)):
+        (tmp / name).write_text(json.dumps(data, indent=1))
+        _fsync(tmp / name)
+    aside = root / f".old-{final.name}"
+    if final.exists():  # saving a step again (a resumed run): keep the old one until the new one is in place
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(root)
+    write_latest(root, final.name)
+    shutil.rmtree(aside, ignore_errors=True)
+    apply_retention(root, pending.keep_last, keep=final.name)
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / ".latest.tmp"
+    tmp.write_text(name + "\n")
+    _fsync(tmp)
+    os.replace(tmp, root / "latest")
+    _fsync(root)
+
+
+def apply_retention(root: Path, keep_last: int, keep: str) -> None:
+    """Remove what crashed saves left behind; with keep_last K, all but `keep` and the newest K-1 others."""
+    for stale in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    steps = sorted((int(p.name[5:]), p) for p in root.glob("step-*") if p.name[5:].isdigit() and p.name != keep)
+    for _, path in steps[:max(0, len(steps) - (keep_last - 1))]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+__all__ = ["FAIL_ENV", "PendingSave", "apply_retention", "finish", "global_named_params", "rank_pieces", "rng_state",
+           "set_rng_state", "start_save", "write_latest"]

@@ -1,0 +1,155 @@
+"""Training samples from preprocessed conversations: packed (or padded) sequences with loss masks.
+
+A sample holds ``seq_length + 1`` tokens like a pre-training sample, as a dict
+that ``batches.collate`` understands:
+
+- ``tokens``: int64; padding is token 0.
+- ``loss_mask``: bool, True where the token is a training target (assistant
+  tokens; never padding, never the first token of a conversation).
+- packed only: ``document_ids`` (which conversation of the sample each token
+  belongs to; the padding is one more document) and ``position_ids`` (restart
+  at 0 for each conversation), so attention and rotary positions stay inside
+  a conversation exactly as if it were alone.
+
+Packing is best-fit decreasing over conversation lengths, which wastes little
+space; the resulting sequences are shuffled anew each epoch from the seed.
+A conversation longer than a sample is truncated (counted in ``truncated``).
+With ``pack=False`` each sample is one conversation followed by padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from llamatron.data.cache import ArrayCache, cache_key
+from llamatron.data.indexed import DataError, IndexedDataset, index_path
+from llamatron.data.samples import check_token_ids, split_documents
+from llamatron.data.sft import mask_prefix
+
+
+def pack_conversations(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing bin packing: (offsets, items) with bin b = items[offsets[b]:offsets[b+1]].
+
+    Items are indices into ``lengths``; every length must be in [1, capacity]. Longest first,
+    each into the fullest bin it still fits (ties: the earliest item, the earliest bin).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > capacity):
+        raise ValueError(f"lengths must lie in [1, {capacity}]")
+    bins: list[list[int]] = []
+    open_bins: list[tuple[int, int]] = []  # (space left, bin id), sorted
+    for item in np.argsort(-lengths, kind="stable").tolist():
+        size = int(lengths[item])
+        at = bisect.bisect_left(open_bins, (size, -1))  # the fullest bin that still fits
+        if at < len(open_bins):
+            space, bin_id = open_bins.pop(at)
+            bins[bin_id].append(item)
+        else:
+            space, bin_id = capacity, len(bins)
+            bins.append([item])
+        if space - size > 0:
+            bisect.insort(open_bins, (space - size, bin_id))
+    offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in bins], out=offsets[1:])
+    items = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(offsets[-1]))
+    return offsets, items
+
+
+class SFTDataset:
+    """Packed or padded conversation samples over ``conversations`` of the token/mask datasets."""
+
+    CACHE_NAMES = ("bin_offsets", "bin_items", "sample_order")
+
+    def __init__(self, tokens: IndexedDataset, mask: IndexedDataset, conversations: np.ndarray, seq_length: int,
+                 num_samples: int, seed: int, pack: bool = True, cache_dir: str | None = None) -> None:
+        if tokens.sizes.shape != mask.sizes.shape or not np.array_equal(tokens.sizes, mask.sizes):
+            raise DataError(f"{index_path(mask.prefix)} does not match {index_path(tokens.prefix)} (different "
+                            "conversation sizes): the token and mask datasets come from different preprocess runs")
+        self.tokens, self.mask = tokens, mask
+        self.seq_length, self.num_samples, self.seed, self.pack = seq_length, num_samples, seed, pack
+        capacity = seq_length + 1
+        conversations = np.asarray(conversations, dtype=np.int64)
+        sizes = tokens.sizes[conversations].astype(np.int64)
+        self.conversations = conversations[sizes > 0]
+        self.truncated = int((sizes > capacity).sum())
+        lengths = np.minimum(sizes[sizes > 0], capacity)
+        if self.conversations.size == 0:
+            raise DataError(f"{tokens.prefix}: no conversations in this split; cannot build {num_samples} samples")
+        start = time.perf_counter()
+        key = cache_key("sft", seq_length, num_samples, seed, pack, self.conversations, lengths)
+        cache = ArrayCache(cache_dir, os.path.basename(tokens.prefix), key, self.CACHE_NAMES)
+        (self.bin_offsets, self.bin_items, self.sample_order), self.loaded_from_cache = cache.get_or_build(
+            lambda: self._build(lengths, capacity))
+        self.build_seconds = time.perf_counter() - start
+        self.num_sequences = self.bin_offsets.size - 1
+        # Share of sample tokens that are conversation tokens rather than padding.
+        self.fill = float(lengths.sum() / (self.num_sequences * capacity))
+
+    def _build(self, lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.pack:
+            offsets, positions = pack_conversations(lengths, capacity)
+            items = self.conversations[positions]
+        else:
+            offsets, items = np.arange(lengths.size + 1, dtype=np.int64), self.conversations
+        # Epoch e visits every sequence once, in its own order; as many epochs as the samples need.
+        num_bins = offsets.size - 1
+        rng = np.random.RandomState(self.seed)
+        epochs = max(1, -(-self.num_samples // num_bins))
+        order = np.concatenate([rng.permutation(num_bins) for _ in range(epochs)])[: self.num_samples]
+        return offsets, items, order.astype(np.int64)
+
+    def describe(self) -> str:
+        packing = f"packed into {self.num_sequences} sequences" if self.pack else "one per sequence (--no-pack)"
+        return (f"sft data {self.tokens.prefix}: {self.conversations.size} conversations {packing} of "
+                f"{self.seq_length + 1} tokens, {self.fill:.0%} filled; {self.truncated} truncated to "
+                f"{self.seq_length + 1} tokens")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        capacity = self.seq_length + 1
+        sequence = int(self.sample_order[index])
+        members = self.bin_items[self.bin_offsets[sequence]: self.bin_offsets[sequence + 1]]
+        tokens = np.zeros(capacity, dtype=np.int64)
+        loss_mask = np.zeros(capacity, dtype=bool)
+        document_ids = np.full(capacity, len(members), dtype=np.int64)  # padding: a document of its own
+        position_ids = np.zeros(capacity, dtype=np.int64)
+        at = 0
+        for k, conversation in enumerate(members.tolist()):
+            n = min(int(self.tokens.sizes[conversation]), capacity - at)
+            tokens[at: at + n] = self.tokens.get(conversation, 0, n)
+            loss_mask[at: at + n] = self.mask.get(conversation, 0, n) != 0
+            loss_mask[at] = False  # a conversation's first token is never predicted from the one before
+            document_ids[at: at + n] = k
+            position_ids[at: at + n] = np.arange(n)
+            at += n
+        position_ids[at:] = np.arange(capacity - at)
+        sample: dict[str, Any] = {"tokens": tokens, "loss_mask": loss_mask}
+        if self.pack:
+            sample["document_ids"], sample["position_ids"] = document_ids, position_ids
+        return sample
+
+
+def build_sft_datasets(prefix: str, split: str, seq_length: int, train_samples: int, valid_samples: int, seed: int,
+                       pack: bool = True, vocab_size: int | None = None) -> tuple[SFTDataset, SFTDataset | None]:
+    """Train and validation datasets for ``--sft-data PREFIX`` (conversations split by ``split``)."""
+    tokens, mask = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
+    cache_dir = os.path.dirname(os.path.abspath(prefix))
+    if vocab_size is not None:
+        check_token_ids(tokens, vocab_size, cache_dir)
+    train_ids, valid_ids, _ = split_documents(len(tokens), split)
+    if train_ids.size == 0:
+        raise DataError(f"--sft-data {prefix} split={split!r}: the train split has no conversations")
+    train = SFTDataset(tokens, mask, train_ids, seq_length, train_samples, seed, pack, cache_dir)
+    valid = None
+    if valid_ids.size and valid_samples > 0 and tokens.sizes[valid_ids].sum() > 0:
+        valid = SFTDataset(tokens, mask, valid_ids, seq_length, valid_samples, seed, pack, cache_dir)
+    return train, valid

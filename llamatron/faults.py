@@ -1,0 +1,222 @@
+"""Surviving faults: non-finite steps, pre-emption signals, time limits and hung ranks.
+
+- A step whose gradient norm is not finite is skipped: parameters and optimizer state stay as they were
+  (parallel/optimizer.py). A NaN/Inf loss reaches the gradients through backward, so the same test catches
+  it. `FaultGuard` counts skipped steps and stops the run after --max-skipped-steps of them in a row.
+- SIGTERM / SIGUSR1 (SLURM pre-emption or time limit) and --exit-duration-mins only raise a flag. At the
+  next step boundary every rank contributes its flags to one all-reduce, so all ranks stop after the same
+  step; the loop then saves a checkpoint (with --save) and returns normally (exit code 0).
+- --dist-timeout bounds every collective. When one fails, `explain_collective_failure` finds out through
+  the rendezvous store which ranks did not see the failure themselves (the hung or dead ones) and names them.
+
+Test hooks (environment variables, read when the guard is built):
+  LLAMATRON_TEST_NAN_STEPS="3,4"         the loss of these (1-based) steps becomes NaN before backward
+  LLAMATRON_TEST_HANG="RANK:STEP:SECONDS" rank RANK sleeps before step STEP (until SECONDS pass or a signal)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PROCESS_START = time.monotonic()  # --exit-duration-mins counts from here (module import = start of `train`)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+NAN_STEPS_ENV, HANG_ENV = "LLAMATRON_TEST_NAN_STEPS", "LLAMATRON_TEST_HANG"
+
+
+class TrainingAborted(Exception):
+    """The run cannot usefully continue; the message says why and what to do.
+
+    `rank_specific`: the message differs between ranks (then every rank prints it, else only rank 0).
+    """
+
+    rank_specific = False
+
+
+class CollectiveTimeout(TrainingAborted):
+    rank_specific = True
+
+
+# Signal handlers are process-wide, so the received signal is too. The handler only records it: anything
+# more (printing, saving) inside a handler could interrupt the same work in the main thread.
+_received_signal = 0
+_previous_handlers: dict[int, Any] = {}
+
+
+def _record_signal(signum: int, frame) -> None:
+    global _received_signal
+    _received_signal = max(_received_signal, signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM/SIGUSR1 request a clean stop at the next step boundary (main thread only, as Python requires)."""
+    global _received_signal
+    if _previous_handlers or not _in_main_thread():
+        return
+    _received_signal = 0
+    for sig in STOP_SIGNALS:
+        _previous_handlers[sig] = signal.signal(sig, _record_signal)
+
+
+def restore_signal_handlers() -> None:
+    for sig, handler in _previous_handlers.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    _previous_handlers.clear()
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class FaultGuard:
+    """Per-run fault state: skipped-step counts, stop requests agreed across ranks, test hooks."""
+
+    def __init__(self, cfg, mesh, chunks: list[torch.nn.Module], device: torch.device,
+                 echo: Callable[[str], None] = print):
+        t = cfg.train
+        self.max_skipped = t.max_skipped_steps
+        self.exit_duration_mins = t.exit_duration_mins
+        self.mesh, self.echo = mesh, echo
+        self.skipped_total = 0
+        self.streak: list[dict] = []  # records of the current run of consecutive skipped steps
+        self.too_many_skipped: str | None = None
+        # NCCL reduces device tensors only; gloo CPU ones.
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.flag_device = device if nccl else torch.device("cpu")
+        install_signal_handlers()
+        self.nan_steps = _parse_steps(os.environ.get(NAN_STEPS_ENV, ""))
+        self.inject_nan = False
+        if self.nan_steps:
+            _install_nan_injection(chunks, self)
+        self.hang = _parse_hang(os.environ.get(HANG_ENV, ""))
+
+    def start_step(self, step: int) -> None:
+        """Called before the (1-based) step `step` runs: test hooks only."""
+        self.inject_nan = step in self.nan_steps
+        if self.hang is not None and self.hang[0] == self.mesh.rank and self.hang[1] == step:
+            end = time.monotonic() + self.hang[2]
+            while time.monotonic() < end and not _received_signal:
+                time.sleep(0.05)
+
+    def stop_reason(self) -> str | None:
+        """Whether to stop after the step just run; the same answer on every rank (one all-reduce)."""
+        time_up = self.exit_duration_mins is not None and self.elapsed_mins() >= self.exit_duration_mins
+        flags = torch.tensor([_received_signal, int(time_up)], dtype=torch.int32, device=self.flag_device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signum, time_up = flags.tolist()
+        if signum:
+            return f"received {signal.Signals(signum).name} (pre-emption or job time limit)"
+        if time_up:
+            return (f"--exit-duration-mins {self.exit_duration_mins:g} reached "
+                    f"({self.elapsed_mins():.2f} minutes since start)")
+        return None
+
+    @staticmethod
+    def elapsed_mins() -> float:
+        return (time.monotonic() - PROCESS_START) / 60.0
+
+    def count(self, record: dict) -> None:
+        """Add the running `skipped_steps` count to a step record; note a streak that reaches the limit."""
+        if record["skipped"]:
+            self.skipped_total += 1
+            self.streak.append(record)
+            self.echo(f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}: not finite, "
+                      f"step skipped ({len(self.streak)} in a row, {self.skipped_total} in total)")
+            if self.max_skipped and len(self.streak) >= self.max_skipped and self.too_many_skipped is None:
+                self.too_many_skipped = self._streak_message()
+        else:
+            self.streak = []
+        record["skipped_steps"] = self.skipped_total
+
+    def check_skipped(self, on_abort: Callable[[], None] = lambda: None) -> None:
+        """Raise once --max-skipped-steps consecutive steps were skipped (after their records are written)."""
+        if self.too_many_skipped is not None:
+            on_abort()
+            raise TrainingAborted(self.too_many_skipped)
+
+    @staticmethod
+    def stop_message(step: int, reason: str, checkpoint: str | None, save_dir: str | None) -> str:
+        if checkpoint is None:
+            return f"stopping after step {step}: {reason}; nothing saved (no --save given)"
+        return f"stopping after step {step}: {reason}; saved {checkpoint}, resume with --load {save_dir}"
+
+    def _streak_message(self) -> str:
+        first, last = self.streak[0], self.streak[-1]
+        return (f"{len(self.streak)} steps in a row (steps {first['step']}-{last['step']}) had a non-finite loss or "
+                f"gradient norm and were skipped (--max-skipped-steps {self.max_skipped}); the parameters are those "
+                f"after step {first['step'] - 1}. Resume from the last checkpoint with a lower --lr, more "
+                f"--warmup-steps or a smaller --clip-grad, or inspect the data those steps read (consumed samples "
+                f"up to {last['consumed_samples']}).")
+
+
+def _parse_steps(text: str) -> set[int]:
+    return {int(s) for s in text.replace(",", " ").split()}
+
+
+def _parse_hang(text: str) -> tuple[int, int, float] | None:
+    if not text:
+        return None
+    rank, step, seconds = text.split(":")
+    return int(rank), int(step), float(seconds)
+
+
+def _install_nan_injection(chunks: list[torch.nn.Module], guard: FaultGuard) -> None:
+    """Test hook: multiply the final norm's output by NaN on chosen steps, so loss and gradients become NaN."""
+    def hook(module, inputs, output):
+        return output * float("nan") if guard.inject_nan and module.training else output
+
+    for chunk in chunks:
+        norm = getattr(chunk, "norm", None)
+        if norm is not None:  # the last pipeline stage's chunk
+            norm.register_forward_hook(hook)
+
+
+def explain_collective_failure(error: BaseException, timeout_s: float, grace_s: float = 10.0) -> CollectiveTimeout | None:
+    """A collective timed out or lost a peer: name the ranks that did not report the failure themselves.
+
+    Every rank that catches the error writes a key into the rendezvous store and waits up to `grace_s`
+    (at most the timeout) for the others; ranks still silent then are hung, dead, or stuck elsewhere.
+    Returns None for errors that do not come from a collective.
+    """
+    if not (dist.is_initialized() and _is_collective_error(error)):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    silent: list[int] | None = None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"llamatron/collective-failure/{rank}", "1")
+        deadline = time.monotonic() + min(grace_s, timeout_s)
+        while True:
+            silent = [r for r in range(world) if not store.check([f"llamatron/collective-failure/{r}"])]
+            if not silent or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    except (RuntimeError, OSError):  # the store can be gone too (its host died); then say what is known
+        silent = None
+    what = "did not complete within --dist-timeout" if "timed out" in str(error).lower() else "failed"
+    message = f"rank {rank}: a collective operation {what} ({timeout_s:g} s) — {first_line}"
+    if silent:
+        names = ", ".join(str(r) for r in silent)
+        message += (f"\nrank(s) {names} did not report this failure: they are hung, crashed or killed. Look at "
+                    f"their log and stack (`py-spy dump --pid PID`); --dist-timeout sets how long to wait.")
+    elif silent is not None:
+        message += "\nevery rank reports the failure: a peer's connection broke (see the first error in the logs)."
+    return CollectiveTimeout(message)
+
+
+def _is_collective_error(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return any(s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
+                                   "gloo/transport"))

@@ -1,0 +1,377 @@
+"""Pipeline parallelism: cutting the model into stage chunks, moving activations between them, running a step.
+
+`build_stage_chunks` cuts the (meta) model's decoder layers into pp*vpp chunks;
+chunk c lives on pipeline rank c % pp (see schedules.py for the order they run
+in). Each chunk is the same `Transformer` class with the parts it does not
+hold set to None, and maps its local parameter names to the unsplit model's
+(`layers.0.attn.qkv.weight` on the second of two stages is
+`layers.2.attn.qkv.weight`), so initialisation and checkpoints are the same
+under every layout.
+
+Tied embeddings (Falcon): the last chunk gets its own copy of the embedding
+matrix as its head, under the same global name `embed.weight` (so it is
+initialised identically and checkpoints hold it once). Each step the two
+copies' gradients are summed between the first and the last stage before the
+data-parallel reduction, so both copies take the same update; the head copy is
+left out of the gradient norm.
+
+Activations travel as (micro_batch, seq / seq_shards, hidden) tensors of the
+compute dtype: every rank knows that shape from its own micro-batches, so only
+data crosses the wire.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import types
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError
+from ..models import Transformer
+from .mesh import Mesh, all_reduce
+from .schedules import Action, Message, ScheduleError, Step, build_program, input_message, output_message
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+
+# ---- stages ----------------------------------------------------------------------------------------
+
+
+def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: str | Sequence[int] | None = None) -> list[int]:
+    """Decoder layers of each of the pp*vpp chunks, in model order."""
+    chunks = pp * vpp
+    if vpp > 1 and pp == 1:
+        raise ConfigError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers into chunks)")
+    if pp_layers is not None:
+        try:
+            split = [int(x) for x in (pp_layers.split(",") if isinstance(pp_layers, str) else pp_layers)]
+        except ValueError:
+            raise ConfigError(f"--pp-layers {pp_layers!r} must be comma-separated integers") from None
+        if len(split) != chunks or sum(split) != num_layers or min(split) < 1:
+            raise ConfigError(f"--pp-layers must give {chunks} positive counts (pp*vpp = {pp}*{vpp}) summing to "
+                              f"{num_layers} layers; got {pp_layers}")
+        return split
+    if num_layers % chunks:
+        raise ConfigError(f"{num_layers} layers are not divisible by pp*vpp = {pp}*{vpp}; "
+                          f"give an explicit split with --pp-layers")
+    return [num_layers // chunks] * chunks
+
+
+class TiedHead(nn.Module):
+    """The last stage's copy of a tied embedding matrix, used as the output projection."""
+
+    def __init__(self, embedding_weight: nn.Parameter):
+        super().__init__()
+        weight = nn.Parameter(torch.empty_like(embedding_weight, device="meta"))
+        # Keep what tensor parallelism attached (full_shape, shard_fn, gather_fn, ...): it is the same matrix.
+        for key, value in vars(embedding_weight).items():
+            setattr(weight, key, value)
+        weight.shared_weight_replica = True  # counted once in the grad norm, saved once
+        weight.defer_grad_reduce = True  # summed with the first stage's copy before the data-parallel reduction
+        self.weight = weight
+
+
+def _stage_chunk(model: Transformer, first: int, last: int, has_embed: bool, has_head: bool) -> Transformer:
+    """A shallow copy of `model` with layers [first, last) and only the ends it holds."""
+    chunk = copy.copy(model)
+    # copy.copy shares the module's registries; give the chunk its own before changing them.
+    for key, value in list(vars(chunk).items()):
+        if isinstance(value, dict):
+            chunk.__dict__[key] = type(value)(value)
+        elif isinstance(value, types.MethodType) and value.__self__ is model:
+            chunk.__dict__[key] = types.MethodType(value.__func__, chunk)  # rebind overrides to the chunk
+    chunk.layers = nn.ModuleList(list(model.layers)[first:last])
+    if not has_embed:
+        chunk.embed = None
+    if not has_head:
+        chunk.norm = None
+        chunk.lm_head = None
+    elif model.lm_head is None:  # tied embeddings, and the embedding lives on another stage
+        chunk.lm_head = TiedHead(model.embed.weight)
+    return chunk
+
+
+def _global_name_fn(first_layer: int, tied_head: bool) -> Callable[[str], str]:
+    def global_name(local: str) -> str:
+        m = _LAYER.match(local)
+        if m:
+            return f"layers.{int(m.group(1)) + first_layer}.{m.group(2)}"
+        if tied_head and local == "lm_head.weight":
+            return "embed.weight"
+        return local
+
+    return global_name
+
+
+def build_stage_chunks(model: Transformer, mesh: Mesh, vpp: int = 1, pp_layers: str | Sequence[int] | None = None
+                       ) -> tuple[list[Transformer], list[Callable[[str], str]]]:
+    """This rank's model chunks (local chunk v is global chunk v*pp + pp_rank) and their local->global name maps."""
+    pp = mesh.pp
+    split = split_layers(len(model.layers), pp, vpp, pp_layers)
+    starts = [sum(split[:c]) for c in range(len(split))]
+    tied = model.lm_head is None
+    group = _tied_embedding_group(mesh) if tied and pp > 1 else None
+    chunks, names = [], []
+    for v in range(vpp):
+        c = v * pp + mesh.pp_rank
+        is_first, is_last = c == 0, c == pp * vpp - 1
+        chunk = _stage_chunk(model, starts[c], starts[c] + split[c], is_first, is_last)
+        chunk.global_name = _global_name_fn(starts[c], tied and is_last and not is_first)
+        chunk.tied_embedding_group = group if (is_first or is_last) else None
+        if tied and is_first and not is_last:
+            chunk.embed.weight.defer_grad_reduce = True
+        chunks.append(chunk)
+        names.append(chunk.global_name)
+    return chunks, names
+
+
+def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    """The group of the first and last stage of my pipeline. Every rank creates every group, in one order."""
+    if not dist.is_initialized():
+        return None
+    mine = None
+    for d in range(mesh.dp):
+        for t in range(mesh.tp):
+            ranks = [mesh.rank_of(t, d, 0), mesh.rank_of(t, d, mesh.pp - 1)]
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mine = group
+    return mine
+
+
+def _tied_params(chunk: Transformer) -> list[nn.Parameter]:
+    if getattr(chunk, "tied_embedding_group", None) is None:
+        return []
+    out = []
+    if chunk.embed is not None:
+        out.append(chunk.embed.weight)
+    if isinstance(chunk.lm_head, TiedHead):
+        out.append(chunk.lm_head.weight)
+    return out
+
+
+def sum_tied_embedding_grads(chunks: list[Transformer]) -> None:
+    """Add the first and last stage's gradients of a tied embedding (before the data-parallel reduction)."""
+    for chunk in chunks:
+        for p in _tied_params(chunk):
+            dist.all_reduce(p.main_grad, group=chunk.tied_embedding_group)
+
+
+# ---- point-to-point ----------------------------------------------------------------------------------
+
+
+class _Batch:
+    """One batch_isend_irecv: its requests and the send buffers they must keep alive."""
+
+    def __init__(self, works: list, sends: list[torch.Tensor]):
+        self.works, self.sends = works, sends
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.sends = [], []
+
+
+_warmed_groups: set[int] = set()
+
+
+class P2P:
+    """Sends and receives between the stages of this rank's pipeline, in the order the schedule fixes."""
+
+    def __init__(self, mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.group, self.ranks, self.me = mesh.pp_group, mesh.pp_ranks, mesh.pp_rank
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.inbox: dict[Message, tuple[torch.Tensor, _Batch]] = {}
+        self.in_flight: list[_Batch] = []
+        key = id(self.group)
+        if key not in _warmed_groups:
+            # NCCL: the first operation on a group must involve all its ranks; later p2p batches need not.
+            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            _warmed_groups.add(key)
+
+    def issue(self, messages: list[Message]) -> None:
+        if not messages:
+            return
+        ops, sends, received = [], [], []
+        for m in messages:
+            if m.src == self.me:
+                t = self.outbox.pop(m).contiguous()
+                if t.shape != self.shape or t.dtype != self.dtype:  # the receiver allocated by the known shape
+                    raise RuntimeError(f"pipeline stage output {tuple(t.shape)} {t.dtype} differs from the "
+                                       f"transfer shape {self.shape} {self.dtype}")
+                sends.append(t)
+                ops.append(dist.P2POp(dist.isend, t, self.ranks[m.dst], self.group))
+            else:
+                t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                received.append((m, t))
+                ops.append(dist.P2POp(dist.irecv, t, self.ranks[m.src], self.group))
+        batch = _Batch(dist.batch_isend_irecv(ops), sends)
+        for m, t in received:
+            self.inbox[m] = (t, batch)
+        self.in_flight.append(batch)
+        self._release_finished()
+
+    def _release_finished(self) -> None:
+        """Drop finished batches so their send buffers are freed without waiting for the end of the step."""
+        still = []
+        for batch in self.in_flight:
+            if batch.works and batch.done():
+                batch.wait()
+            if batch.works:
+                still.append(batch)
+        self.in_flight = still
+
+    def take(self, m: Message) -> torch.Tensor:
+        t, batch = self.inbox.pop(m)
+        batch.wait()
+        return t
+
+    def finish(self) -> None:
+        for batch in self.in_flight:
+            batch.wait()
+        self.in_flight = []
+        if self.inbox or self.outbox:
+            raise RuntimeError(f"pipeline step ended with messages left: {list(self.inbox) + list(self.outbox)}")
+
+
+# ---- running a step ----------------------------------------------------------------------------------
+
+
+def _activation_shape(engine, micro_batches: list[dict]) -> tuple[int, int, int]:
+    batch, seq = micro_batches[0]["input_ids"].shape
+    shards = getattr(engine.chunks[0], "seq_shards", 1)
+    return batch, seq // shards, engine.model_cfg.hidden_size
+
+
+def _side_inputs(mb: dict) -> dict:
+    """What every stage reads from its own copy of the micro-batch (rotary positions, document masks)."""
+    return {"position_ids": mb.get("position_ids"), "document_ids": mb.get("document_ids")}
+
+
+def _program(engine, num_micro_batches: int, forward_only: bool) -> tuple[Step, ...]:
+    try:
+        return build_program(engine.mesh.pp, len(engine.chunks), num_micro_batches, engine.mesh.pp_rank, forward_only)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+
+
+class _Runner:
+    """Runs one rank's program: forwards, backwards and the transfers between them."""
+
+    def __init__(self, engine, micro_batches: list[dict], forward_only: bool):
+        self.engine = engine
+        self.pp = engine.mesh.pp
+        self.num_chunks = self.pp * len(engine.chunks)
+        self.program = _program(engine, len(micro_batches), forward_only)
+        self.p2p = P2P(engine.mesh, _activation_shape(engine, micro_batches), engine.dtype, engine.device)
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # awaiting backward
+
+    def run(self, forward: Callable[[Action, torch.Tensor], torch.Tensor | None], backward: Callable | None) -> None:
+        for step in self.program:
+            for round_ in step.rounds:
+                self.p2p.issue(round_.messages)
+            a = step.action
+            if a is None:
+                continue
+            needs = input_message(a, self.pp, self.num_chunks)
+            received = self.p2p.take(needs) if needs is not None else None
+            out = forward(a, received) if a.forward else backward(a, received)
+            sends = output_message(a, self.pp, self.num_chunks)
+            if sends is not None:
+                self.p2p.outbox[sends] = out
+        self.p2p.finish()
+
+    def chunk(self, a: Action) -> Transformer:
+        return self.engine.chunks[a.chunk // self.pp]
+
+    def is_last(self, a: Action) -> bool:
+        return a.chunk == self.num_chunks - 1
+
+
+def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
+    """One step of pipelined forward and backward over this rank's micro-batches.
+
+    Returns the step's loss (sum over micro-batches of token-loss sum / total_tokens) on the last stage, 0 elsewhere.
+    """
+    runner = _Runner(engine, micro_batches, forward_only=False)
+    loss_sum = torch.zeros((), device=engine.device)
+    last_mb = len(micro_batches) - 1
+
+    def forward(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal loss_sum
+        mb = micro_batches[a.micro_batch]
+        x = mb["input_ids"] if a.chunk == 0 else received.requires_grad_()
+        if runner.is_last(a):
+            out = runner.chunk(a)(x, labels=mb["labels"], **_side_inputs(mb)).sum() / total_tokens
+            loss_sum = loss_sum + out.detach()
+        else:
+            out = runner.chunk(a)(x, **_side_inputs(mb))
+        runner.saved[(a.chunk, a.micro_batch)] = (x, out)
+        return None if runner.is_last(a) else out.detach()
+
+    def backward(a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
+        x, out = runner.saved.pop((a.chunk, a.micro_batch))
+        # Buckets of this chunk reduce during the backward of its last micro-batch, once per step.
+        engine.buffers[a.chunk // runner.pp].is_last_microbatch = a.micro_batch == last_mb
+        torch.autograd.backward(out, grad_tensors=grad)
+        return x.grad if a.chunk > 0 else None
+
+    runner.run(forward, backward)
+    if runner.saved:
+        raise RuntimeError(f"pipeline step ended with activations never backpropagated: {sorted(runner.saved)}")
+    sum_tied_embedding_grads(engine.chunks)
+    return loss_sum
+
+
+@torch.no_grad()
+def pipeline_evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0) -> dict[str, float]:
+    """Mean loss, perplexity and next-token accuracy over `iters` global batches; the result is known on every rank."""
+    from ..data.batches import micro_batches_for_step
+    from ..engine import to_device
+    from ..models import IGNORE_INDEX
+    from ..train import gather_argmax
+
+    cfg, mesh = engine.cfg, engine.mesh
+    t = cfg.train
+    micro_batches = []
+    for it in range(iters):
+        micro_batches += micro_batches_for_step(dataset, start_sample + it * t.global_batch_size, t.global_batch_size,
+                                                t.micro_batch_size, mesh.dp, mesh.dp_rank)
+    micro_batches = to_device(micro_batches, engine.device)
+    was_training = [c.training for c in engine.chunks]
+    for c in engine.chunks:
+        c.eval()
+    totals = torch.zeros(3, device=engine.device, dtype=torch.float64)  # loss sum, correct, tokens
+    runner = _Runner(engine, micro_batches, forward_only=True)
+
+    def forward(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        mb = micro_batches[a.micro_batch]
+        chunk = runner.chunk(a)
+        out = chunk(mb["input_ids"] if a.chunk == 0 else received, **_side_inputs(mb))
+        if not runner.is_last(a):
+            return out
+        labels = mb["labels"]
+        valid = labels != IGNORE_INDEX
+        totals[0] += chunk.loss_fn(out, labels).sum().double()
+        totals[1] += ((gather_argmax(chunk, out) == labels) & valid).sum()
+        totals[2] += valid.sum()
+        return None
+
+    runner.run(forward, None)
+    for c, training in zip(engine.chunks, was_training):
+        c.train(training)
+    all_reduce(totals, mesh.dp_group)
+    dist.broadcast(totals, src=mesh.pp_ranks[-1], group=mesh.pp_group)
+    loss = (totals[0] / totals[2].clamp_min(1)).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+            "accuracy": (totals[1] / totals[2].clamp_min(1)).item()}

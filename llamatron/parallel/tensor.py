@@ -1,0 +1,243 @@
+"""Tensor and sequence parallelism, applied to the plain model (DESIGN.md principle 1).
+
+`apply_tensor_parallel` runs on the meta model, before anything is allocated,
+and swaps layers for their parallel versions (tensor_layers.py):
+
+    attn.qkv            column-parallel: this rank's query heads and the KV heads they use
+    attn.o, mlp.down    row-parallel
+    mlp.gate_up         column-parallel: the same slice of gate and of up, kept [gate; up] locally
+    mlp.up (Falcon)     column-parallel
+    embed               vocabulary-parallel embedding
+    lm_head             column-parallel over the vocabulary; tied (Falcon): the embedding shard is the head
+    loss_fn, argmax_fn  vocabulary-parallel cross-entropy and argmax: full logits never exist on a rank
+
+Each sharded parameter carries `tensor_parallel = True`, `full_shape` (the
+unpadded shape of the single-device model), `shard_fn(full) -> local` (init
+and checkpoint load) and `gather_fn(local) -> full` (checkpoint save; a
+collective over the tp group, so every tp rank must call it in the same order).
+
+Vocabulary padding. The embedding and head hold a vocabulary padded to a
+multiple of 128 x tp (rank r: ids [r*V/tp, (r+1)*V/tp) of the padded range).
+`ModelConfig.vocab_size` stays the real vocabulary: padding exists only in the
+local shards. `shard_fn` appends zero rows, `gather_fn` strips them, so init,
+checkpoints and exports see the unpadded tensors. Padding rows are never looked
+up (ids < vocab_size), their logits are -inf in the loss and argmax, so their
+gradient is zero and they stay zero.
+
+KV heads when tp > num_kv_heads. Rank r holds KV head r // (tp / num_kv_heads):
+a replica of the head its query heads use. Each replica's gradient covers only
+its rank's query heads, so `sync_tensor_parallel_grads` sums it over the ranks
+that hold it; the grad norm counts it on the lowest of them only
+(`param.grad_norm_exclude`, read by the optimizer).
+
+Sequence parallelism. Hidden states between layers are split along the
+sequence (dim 1); norms run on shards; the embedding output is reduce-scattered;
+column-parallel layers all-gather their input, row-parallel ones
+reduce-scatter their output; the final norm's output is all-gathered before
+the head. Replicated parameters used on shards (norm weights and biases,
+row-parallel biases) get `sequence_parallel_grad = True`: their per-rank
+gradients are partial sums, added over the tp group by
+`sync_tensor_parallel_grads`. The engine calls it after
+`GradBuffer.finish_grad_sync()`, on `param.main_grad` (data-parallel and tensor
+sums commute; one coalesced all-reduce per step instead of one per parameter
+per micro-batch in a hook). With the distributed optimizer the parts of
+`main_grad` this data-parallel rank does not own hold unreduced values; summing
+them too is harmless, as nothing reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.config import ModelConfig
+from ..models.falcon import GeluMLP
+from ..models.layers import Attention
+from ..models.llama import SwiGLU
+from ..models.transformer import Transformer
+from .mesh import Mesh
+from .tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
+                            VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout, to_parallel_input,
+                            tp_size)
+
+VOCAB_MULTIPLE = 128  # per tp rank: the vocabulary is padded to a multiple of 128 * tp
+
+
+class TensorParallelError(ValueError):
+    pass
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = VOCAB_MULTIPLE * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """Raise if `cfg` cannot be split over `tp` ranks (config.validate reports the same with the fix)."""
+    kv = cfg.num_kv_heads
+    if tp < 1 or cfg.num_heads % tp:
+        raise TensorParallelError(f"num_attention_heads={cfg.num_heads} is not divisible by tp={tp}")
+    if kv % tp and tp % kv:
+        raise TensorParallelError(f"num_kv_heads={kv} and tp={tp}: one must divide the other")
+    if cfg.ffn_hidden_size % tp:
+        raise TensorParallelError(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by tp={tp}")
+
+
+# ---- layouts -----------------------------------------------------------------------------------
+
+
+def vocab_layout(vocab_size: int, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> ShardLayout:
+    """Rows of the embedding / head: contiguous ranges of the padded vocabulary, ids >= vocab_size are padding."""
+    per_rank = padded_vocab_size(vocab_size, tp) // tp
+    indices = []
+    for r in range(tp):
+        ids = torch.arange(r * per_rank, (r + 1) * per_rank)
+        indices.append(torch.where(ids < vocab_size, ids, torch.full_like(ids, -1)))
+    return ShardLayout(0, vocab_size, indices, tp_rank, group)
+
+
+def local_kv_heads(num_kv_heads: int, tp: int) -> int:
+    return max(num_kv_heads // tp, 1)
+
+
+def qkv_layout(cfg: ModelConfig, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> ShardLayout:
+    """Rows of the fused [Q heads; K heads; V heads]: each rank keeps [its Q; its K; its V] in that order."""
+    d, nh, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q_local, kv_local = nh // tp, local_kv_heads(kv, tp)
+
+    def rows(heads: range, offset: int) -> torch.Tensor:
+        return torch.cat([torch.arange(offset + h * d, offset + (h + 1) * d) for h in heads])
+
+    indices = []
+    for r in range(tp):
+        first_kv = r * kv // tp  # tp > kv: r // (tp / kv), the head of this rank's query heads
+        kv_heads = range(first_kv, first_kv + kv_local)
+        indices.append(torch.cat([rows(range(r * q_local, (r + 1) * q_local), 0), rows(kv_heads, nh * d),
+                                  rows(kv_heads, (nh + kv) * d)]))
+    return ShardLayout(0, (nh + 2 * kv) * d, indices, tp_rank, group)
+
+
+def gate_up_layout(ffn: int, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> ShardLayout:
+    """Rows of the fused [gate; up]: each rank keeps [gate slice; up slice] so SwiGLU's chunk(2) still splits them."""
+    n = ffn // tp
+    indices = [torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange(ffn + r * n, ffn + (r + 1) * n)])
+               for r in range(tp)]
+    return ShardLayout(0, 2 * ffn, indices, tp_rank, group)
+
+
+# ---- applying it to the model ------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
+    """Shard `model` (on meta, before materialize) over the tensor-parallel group of `mesh`, in place."""
+    cfg, tp, rank, group = model.cfg, mesh.tp, mesh.tp_rank, mesh.tp_group
+    check_tensor_parallel(cfg, tp)
+    sp, ffn = sequence_parallel, cfg.ffn_hidden_size
+    # Every layer is split the same way: build each layout once.
+    qkv, o = qkv_layout(cfg, tp, rank, group), contiguous_layout(1, cfg.num_heads * cfg.head_dim, tp, rank, group)
+    up, down = contiguous_layout(0, ffn, tp, rank, group), contiguous_layout(1, ffn, tp, rank, group)
+    gate_up = gate_up_layout(ffn, tp, rank, group)
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.qkv, module.o = _column(module.qkv, qkv, group, sp), _row(module.o, o, group, sp)
+            module.num_heads = cfg.num_heads // tp
+            module.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
+        elif isinstance(module, SwiGLU):
+            module.gate_up = _column(module.gate_up, gate_up, group, sp)
+            module.down = _row(module.down, down, group, sp)
+        elif isinstance(module, GeluMLP):
+            module.up, module.down = _column(module.up, up, group, sp), _row(module.down, down, group, sp)
+    vocab = vocab_layout(cfg.vocab_size, tp, rank, group)
+    if model.embed is not None:
+        weight = model.embed.weight
+        model.embed = VocabParallelEmbedding(vocab, cfg.hidden_size, group, sp, weight.device, weight.dtype)
+    if model.lm_head is not None:
+        model.lm_head = _column(model.lm_head, vocab, group, sp)
+    if model.norm is not None:
+        # The head (F.linear in Transformer.logits) is column-parallel: give it the whole sequence.
+        model.norm.register_forward_hook(lambda _m, _args, out: to_parallel_input(out, group, sp))
+    vocab_start, num_real = rank * vocab.local_size, int((vocab.local_index >= 0).sum())
+    model.loss_fn = VocabParallelCrossEntropy(vocab_start, num_real, group)
+    model.argmax_fn = VocabParallelArgmax(vocab_start, num_real, group)
+    if sp:
+        model.seq_shards = tp
+        for p in model.parameters():
+            if not getattr(p, "tensor_parallel", False):
+                p.sequence_parallel_grad = True
+    _check_all_sharded(model)
+    return model
+
+
+def _column(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> ColumnParallelLinear:
+    if layout.full_size != linear.out_features:
+        raise TensorParallelError(f"layout of {layout.full_size} rows for a linear with {linear.out_features} outputs")
+    return ColumnParallelLinear(linear.in_features, layout, linear.bias is not None, group, sp,
+                                linear.weight.device, linear.weight.dtype)
+
+
+def _row(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> RowParallelLinear:
+    if layout.full_size != linear.in_features:
+        raise TensorParallelError(f"layout of {layout.full_size} columns for a linear with {linear.in_features} inputs")
+    return RowParallelLinear(linear.out_features, layout, linear.bias is not None, group, sp,
+                             linear.weight.device, linear.weight.dtype)
+
+
+def _check_all_sharded(model: nn.Module) -> None:
+    """A plain Linear/Embedding left behind would silently be replicated: fail instead."""
+    left = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    if left:
+        raise TensorParallelError(f"tensor parallelism does not know how to split {left}")
+
+
+# ---- gradients that each rank holds only part of -----------------------------------------------
+
+
+def _grad_of(p: nn.Parameter) -> torch.Tensor | None:
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def sync_tensor_parallel_grads(modules: Iterable[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """Sum over the tp group the gradients of sequence-parallel replicated parameters and of replicated KV rows.
+
+    Call on every tp rank after backward (after `finish_grad_sync` with gradient buffers): one all-reduce.
+    """
+    whole: list[torch.Tensor] = []
+    replicas: list[tuple[torch.Tensor, ShardLayout]] = []
+    seen: set[int] = set()
+    for module in modules:
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            grad = _grad_of(p)
+            if grad is None:
+                continue
+            if getattr(p, "sequence_parallel_grad", False):
+                whole.append(grad)
+            layout = getattr(p, "tp_layout", None)
+            if layout is not None and layout.num_replicated:
+                replicas.append((grad, layout))
+    if tp_size(group) == 1 or not (whole or replicas):
+        return
+    pieces = [g.reshape(-1) for g in whole]
+    for grad, layout in replicas:
+        # Every replicated row has a slot; each rank fills the slots of the rows it holds; the sum adds the replicas.
+        slots = grad.new_zeros((layout.num_replicated, *grad.shape[1:]))
+        slots.index_copy_(0, layout.replicated_slots.to(grad.device),
+                          grad.index_select(0, layout.replicated_positions.to(grad.device)))
+        pieces.append(slots.reshape(-1))
+    flat = torch.cat(pieces)
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in whole:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    for grad, layout in replicas:
+        n = layout.num_replicated * grad[0].numel()
+        slots = flat[offset:offset + n].view(layout.num_replicated, *grad.shape[1:])
+        offset += n
+        grad.index_copy_(0, layout.replicated_positions.to(grad.device),
+                         slots.index_select(0, layout.replicated_slots.to(grad.device)))

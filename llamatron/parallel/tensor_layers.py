@@ -1,0 +1,381 @@
+"""Tensor-parallel building blocks: collectives with their autograd duals, shard layouts, sharded layers.
+
+A column-parallel linear splits its output features over the tp ranks, a
+row-parallel linear its input features; a column-parallel layer followed by a
+row-parallel one needs one collective in forward and one in backward.
+
+Between those pairs the hidden states (batch, seq, hidden) are either
+replicated on every tp rank, or, with sequence parallelism, split along the
+sequence (dim 1). The collectives and their backward duals:
+
+    column input, replicated:    identity      / all-reduce      (copy_to_tp)
+    row output,   replicated:    all-reduce    / identity        (reduce_from_tp)
+    column input, sequence split: all-gather   / reduce-scatter  (gather_sequence)
+    row output,   sequence split: reduce-scatter / all-gather    (reduce_scatter_sequence)
+
+With `group=None` every collective is the identity, so the layers also run in
+one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from ..models.transformer import IGNORE_INDEX
+
+from .mesh import all_gather_flat as _all_gather
+from .mesh import all_reduce as _all_reduce
+from .mesh import group_size as tp_size
+from .mesh import reduce_scatter_flat as _reduce_scatter
+
+SEQ_DIM = 1
+
+
+def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate the ranks' sequence shards along dim 1 (collectives work on dim 0: transpose there)."""
+    n = tp_size(group)
+    if n == 1:
+        return x
+    shard = x.transpose(0, SEQ_DIM).contiguous()
+    out = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))
+    _all_gather(out, shard, group=group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the ranks, keep this rank's 1/tp of the sequence."""
+    n = tp_size(group)
+    if n == 1:
+        return x
+    full = x.transpose(0, SEQ_DIM).contiguous()
+    if full.shape[0] % n:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={n} (sequence parallelism)")
+    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
+    _reduce_scatter(out, full, group=group)
+    return out.transpose(0, SEQ_DIM)
+
+
+class _CopyToTP(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceFromTP(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone(memory_format=torch.contiguous_format)
+        return _all_reduce(out, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if tp_size(group) > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if tp_size(group) > 1 else x
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _GatherSequence.apply(x, group) if tp_size(group) > 1 else x
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _ReduceScatterSequence.apply(x, group) if tp_size(group) > 1 else x
+
+
+def to_parallel_input(x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel layer: the whole sequence, with gradients summed over the tp ranks."""
+    return gather_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
+def from_parallel_output(x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:
+    """The output of a row-parallel layer (partial sums): summed, and split along the sequence under SP."""
+    return reduce_scatter_sequence(x, group) if sequence_parallel else reduce_from_tp(x, group)
+
+
+# ---- which part of a full tensor each rank holds ---------------------------------------------------
+
+
+class ShardLayout:
+    """Along `dim`, local position i of rank r holds full index `indices[r][i]` (-1: padding, not in the full tensor).
+
+    A full index may be held by several ranks (replicated KV heads); the first
+    (lowest tp rank) holder is its owner, which counts it in the grad norm.
+    """
+
+    def __init__(self, dim: int, full_size: int, indices: list[torch.Tensor], tp_rank: int,
+                 group: dist.ProcessGroup | None):
+        self.dim, self.full_size, self.group, self.tp_rank = dim, full_size, group, tp_rank
+        self.tp = len(indices)
+        self.local_size = len(indices[0])
+        if any(len(ix) != self.local_size for ix in indices):
+            raise ValueError("every tp rank must hold the same number of rows")
+        concat = torch.cat(indices)
+        self.local_index = indices[tp_rank].long()
+        real = self.local_index >= 0
+        self.real_positions = real.nonzero().flatten()
+        self.real_full_index = self.local_index[real]
+        # Position in the rank-concatenated tensor of each full index's owner (the first holder).
+        first = torch.full((full_size,), -1, dtype=torch.long)
+        positions = torch.arange(len(concat))
+        held = concat >= 0
+        first.scatter_reduce_(0, concat[held], positions[held], reduce="amin", include_self=False)
+        if (first < 0).any():
+            raise ValueError("a shard layout must cover every full index")
+        self.gather_index = first
+        holders = torch.bincount(concat[held], minlength=full_size)
+        replicated = holders > 1
+        # Local positions whose row other ranks also hold, and their index among all replicated full rows.
+        local_replicated = real.clone()
+        local_replicated[real] = replicated[self.real_full_index]
+        self.replicated_positions = local_replicated.nonzero().flatten()
+        slot_of_full = torch.cumsum(replicated.long(), 0) - 1
+        self.replicated_slots = slot_of_full[self.local_index[self.replicated_positions]]
+        self.num_replicated = int(replicated.sum())
+        owner = first // self.local_size
+        self.not_owned_positions = self.replicated_positions[
+            owner[self.local_index[self.replicated_positions]] != tp_rank]
+
+    def local_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(full_shape)
+        shape[self.dim] = self.local_size
+        return tuple(shape)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `full` (padding positions zero)."""
+        out = full.new_zeros(self.local_shape(full.shape))
+        source = full.index_select(self.dim, self.real_full_index.to(full.device))
+        return out.index_copy_(self.dim, self.real_positions.to(full.device), source)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's part (a collective over the tp group), padding stripped."""
+        if tp_size(self.group) > 1:
+            local = local.contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(parts, local, group=self.group)
+            concat = torch.cat(parts, self.dim)
+        elif self.tp == 1:
+            concat = local
+        else:
+            raise RuntimeError("gathering a tensor-parallel shard needs the tp process group")
+        return concat.index_select(self.dim, self.gather_index.to(local.device))
+
+    def norm_exclude_ranges(self, full_shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Flat element ranges of the local tensor that another rank counts in the grad norm."""
+        if len(self.not_owned_positions) == 0:
+            return []
+        if self.dim != 0:
+            raise ValueError("replicated rows are only supported along dim 0")
+        row = 1
+        for s in full_shape[1:]:
+            row *= s
+        ranges: list[tuple[int, int]] = []
+        for pos in self.not_owned_positions.tolist():
+            lo, hi = pos * row, (pos + 1) * row
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        return ranges
+
+
+def contiguous_layout(dim: int, full_size: int, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> ShardLayout:
+    """Rank r holds the r-th 1/tp of the indices."""
+    if full_size % tp:
+        raise ValueError(f"{full_size} rows or columns cannot be split evenly over tp={tp}")
+    n = full_size // tp
+    return ShardLayout(dim, full_size, [torch.arange(r * n, (r + 1) * n) for r in range(tp)], tp_rank, group)
+
+
+def mark_sharded(param: nn.Parameter, layout: ShardLayout, full_shape: tuple[int, ...]) -> nn.Parameter:
+    """Attach what init, the optimizer and checkpoints need to know about a sharded parameter."""
+    param.tensor_parallel = True
+    param.full_shape = torch.Size(full_shape)
+    param.tp_layout = layout
+    param.shard_fn = layout.shard
+    param.gather_fn = layout.gather
+    param.grad_norm_exclude = layout.norm_exclude_ranges(tuple(full_shape))
+    return param
+
+
+# ---- layers ------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T + b_local, W_local = the rows of W this rank holds (`layout`, along dim 0)."""
+
+    def __init__(self, in_features: int, layout: ShardLayout, bias: bool, group: dist.ProcessGroup | None,
+                 sequence_parallel: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.layout = in_features, layout
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(layout.local_size, in_features, device=device, dtype=dtype))
+        mark_sharded(self.weight, layout, (layout.full_size, in_features))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(layout.local_size, device=device, dtype=dtype))
+            mark_sharded(self.bias, layout, (layout.full_size,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(to_parallel_input(x, self.group, self.sequence_parallel), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out_local={self.layout.local_size}, out_full={self.layout.full_size}, " \
+               f"sequence_parallel={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local W_local^T, + b (replicated, added once after the reduction)."""
+
+    def __init__(self, out_features: int, layout: ShardLayout, bias: bool, group: dist.ProcessGroup | None,
+                 sequence_parallel: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        if layout.dim != 1:
+            raise ValueError("a row-parallel linear splits its weight along dim 1 (input features)")
+        self.out_features, self.layout = out_features, layout
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, layout.local_size, device=device, dtype=dtype))
+        mark_sharded(self.weight, layout, (out_features, layout.full_size))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel_grad = True  # added on sequence shards: each rank has part of its gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = from_parallel_output(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.layout.local_size}, in_full={self.layout.full_size}, out={self.out_features}, " \
+               f"sequence_parallel={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous range of the (padded) vocabulary; other ids contribute zeros, summed over ranks."""
+
+    def __init__(self, layout: ShardLayout, hidden_size: int, group: dist.ProcessGroup | None,
+                 sequence_parallel: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.layout, self.group, self.sequence_parallel = layout, group, sequence_parallel
+        self.vocab_start = layout.tp_rank * layout.local_size
+        self.weight = nn.Parameter(torch.empty(layout.local_size, hidden_size, device=device, dtype=dtype))
+        mark_sharded(self.weight, layout, (layout.full_size, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.layout.local_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return from_parallel_output(out, self.group, self.sequence_parallel)
+
+
+# ---- loss and prediction over vocabulary shards ------------------------------------------------
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Per-token cross-entropy from logits split over the vocabulary; never builds the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, num_real, group):
+        x = logits.float()
+        if num_real < x.shape[-1]:  # padding columns: never predicted
+            x = x.clone()
+            x[..., num_real:] = float("-inf")
+        row_max = x.max(dim=-1).values
+        _all_reduce(row_max, group, dist.ReduceOp.MAX)
+        shifted = x - row_max.unsqueeze(-1)
+        local_label = labels - vocab_start
+        here = (local_label >= 0) & (local_label < num_real)
+        local_label = local_label.masked_fill(~here, 0)
+        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        probs = shifted.exp_()  # shifted is a fresh tensor
+        sum_exp = probs.sum(dim=-1)
+        both = torch.stack([sum_exp, target])  # one collective for the two sums
+        _all_reduce(both, group)
+        sum_exp, target = both[0], both[1]
+        valid = labels != IGNORE_INDEX
+        loss = (sum_exp.log() - target).masked_fill(~valid, 0.0)
+        probs.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(probs, local_label, here & valid, valid)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        probs, local_label, target_here, valid = ctx.saved_tensors
+        grad = probs  # softmax - one_hot, in place: this graph node runs backward once
+        grad.scatter_add_(-1, local_label.unsqueeze(-1), -target_here.unsqueeze(-1).to(grad.dtype))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy:
+    """`model.loss_fn` under tensor parallelism: (local logits, full labels) -> fp32 loss per token."""
+
+    def __init__(self, vocab_start: int, num_real: int, group: dist.ProcessGroup | None):
+        self.vocab_start, self.num_real, self.group = vocab_start, num_real, group
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCrossEntropy.apply(logits, labels, self.vocab_start, self.num_real, self.group)
+
+
+class VocabParallelArgmax:
+    """`model.argmax_fn`: the argmax over the whole vocabulary from each rank's logits shard (ties: lowest id)."""
+
+    def __init__(self, vocab_start: int, num_real: int, group: dist.ProcessGroup | None):
+        self.vocab_start, self.num_real, self.group = vocab_start, num_real, group
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits.float()
+        if self.num_real < x.shape[-1]:
+            x = x.clone()
+            x[..., self.num_real:] = float("-inf")
+        value, index = x.max(dim=-1)
+        index = index + self.vocab_start
+        n = tp_size(self.group)
+        if n == 1:
+            return index
+        values = [torch.empty_like(value) for _ in range(n)]
+        indices = [torch.empty_like(index) for _ in range(n)]
+        dist.all_gather(values, value.contiguous(), group=self.group)
+        dist.all_gather(indices, index.contiguous(), group=self.group)
+        best = torch.stack(values, -1).argmax(-1, keepdim=True)  # first maximum: the lowest rank, lowest id
+        return torch.stack(indices, -1).gather(-1, best).squeeze(-1)

@@ -1,0 +1,617 @@
+"""`llamatron plan`: which layouts fit a model on a cluster, their memory per GPU, and which should run fastest.
+
+Memory model (bytes on the busiest GPU: every pipeline rank is evaluated, the largest is reported)
+---------------------------------------------------------------------------------------------------
+Weights, gradients, optimizer state: per parameter the rank holds, as parallel/optimizer.py allocates them:
+bf16 params 2 + fp32 grads 4 + (fp32 master 4 + moments 8) / s; fp32 params 4 + 4 + 8 / s (s = dp with the
+distributed optimizer, else 1). Tensor-parallel shards divide by tp (KV heads stay >= 1 per rank), norms are
+replicated, the vocabulary is padded to 128*tp (parallel/tensor.py); the embedding sits on the first stage,
+the head and final norm on the last, and a tied embedding keeps a copy there when pp > 1.
+
+Activations: the tensors autograd saves in one decoder layer, per token, for the code in models/ (the tests
+measure them with saved_tensors_hooks). a = bytes per activation element (2 in bf16), h hidden, kv =
+num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the default on GPU):
+  norm_inputs   Llama: per RMSNorm the fp32 copy of its input 4h, the normalised a*h and rsqrt 4
+                       | the rsqrt 4 per norm and one residual a*h (the rest is re-derived in backward)
+                Falcon: the layer input a*h, mean/rstd 8 per LayerNorm | the layer input and one LayerNorm's 8
+  norm_outputs  the inputs of the QKV and MLP projections a*h each (Falcon eager with one LayerNorm: shared)
+                | Llama 2 a*h, Falcon one a*h
+  qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it)
+  rope          roped q and k a*(h + kv): the attention kernel's inputs
+  softmax_stats logsumexp 4 per head (flash / cuDNN attention: no S^2 term)
+  attn_output   the input of the output projection a*h | plus the kernel's own output: 2 a*h
+  mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f | silu re-derived: 3a*f
+                Falcon GELU: its input and output 2a*f
+With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
+too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
+Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
+kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps each layer's input a*h
+(/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*head_dim, token ids 8 (first chunk), the final
+norm (last chunk), and on pipeline stages the received input and the sent output a*h (/tp with sp).
+In flight on pipeline rank r: parallel/schedules.max_alive: min(pp - r, m) micro-batches under 1F1B; with vpp
+chunks per rank min(pp*vpp - r, m*vpp) chunk activations (each 1/vpp of the rank's layers); one micro-batch
+at a time without a pipeline.
+
+Buffers:
+  temporaries   the larger of the loss peak on the last stage (per token and local vocabulary entry: 12 bytes
+                for torch's cross-entropy at tp = 1 (fp32 log-softmax saved, its gradient, the incoming one);
+                10 for the vocabulary-parallel one, 14 when the shard holds padding) and the backward of one
+                layer (gradients and re-computed tensors: about one layer's eager activations)
+  staging       bf16 copies of the gradient buckets (--grad-reduce-dtype bf16, 2 per param, during backward);
+                the distributed optimizer's all-gather sources (a/dp per param) live after the step, when the
+                activations are freed, and count only by how much they exceed the backward peak
+  param_grad    the largest parameter's .grad in the parameter dtype before it is added into main_grad
+  batch         the step's token ids and labels on the device, 16 bytes per token
+  fragmentation 15% of the dynamic part (activations + the above); the flat parameter/gradient/optimizer
+                buffers are few and large and do not fragment
+  runtime       outside PyTorch's allocator: CUDA context and libraries 1 GiB, plus 0.5 GiB of NCCL buffers
+                per parallel dimension in use
+`allocated` (everything but fragmentation and runtime) is what torch.cuda.max_memory_allocated() should read.
+
+Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see SpeedAssumptions)
+---------------------------------------------------------------------------------------------------
+  compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency);
+    hardware FLOPs = 6N + 12LhS plus one more layer forward (full recompute) or attention forward (selective);
+    GEMM efficiency = tokens/(tokens+256) x (h/tp)/((h/tp)+64): small micro-batches and thin shards run slower;
+  tensor parallelism: 8 (12 with full recompute) all-gathers/reduce-scatters of (tokens x h) per layer over
+    NVLink (tp never leaves a node), not overlapped with compute;
+  pipeline: point-to-point sends per virtual stage, across nodes when the job spans nodes, and the bubble:
+    time x (1 + (pp-1)/(m*vpp));
+  data parallelism: the gradient reduction (and the distributed optimizer's all-gather) overlaps the last
+    micro-batch's backward (forward); the rest is exposed, never less than one bucket;
+  optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+from .config import ConfigError, RunConfig, config_from_values, validate
+from .models import ModelConfig, get_preset
+from .parallel.schedules import max_alive
+from .parallel.tensor import local_kv_heads, padded_vocab_size
+
+GB = 1e9
+GiB = 2**30
+RECOMPUTE_MODES = ("none", "selective", "full")
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+MAX_VPP = 8
+DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
+FRAGMENTATION = 0.15
+RUNTIME_BASE, RUNTIME_PER_COMM = 1 * GiB, 0.5 * GiB
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    recompute: str
+    micro_batch_size: int
+    global_batch_size: int
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per data-parallel rank per step (m)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the run computes: parameter/activation dtype, compiled layers, gradient-reduction dtype."""
+
+    dtype: str = "bf16"
+    compiled: bool = True
+    grad_reduce_dtype: str = "fp32"
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+
+@dataclass
+class Memory:
+    """Bytes on the busiest GPU (pipeline rank `stage`)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: dict[str, float]
+    stage: int = 0
+    temporaries_kind: str = ""
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def buffers_total(self) -> float:
+        return sum(self.buffers.values())
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations + self.buffers_total
+
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated() should read."""
+        return self.total - self.buffers["fragmentation"] - self.buffers["runtime"]
+
+
+@dataclass(frozen=True)
+class SpeedAssumptions:
+    peak_flops: float = 989e12  # dense bf16, H100/H200
+    base_mfu: float = 0.55  # a large GEMM-bound step (Megatron-core's 7B on one H200 in GPU_FACTS, recompute counted)
+    nvlink_bw: float = 200e9  # bus bandwidth of 32-64 MiB collectives inside a node (GPU_FACTS: all-gather 212 GB/s)
+    internode_bw: float = 40e9  # per GPU across nodes (400 Gb/s NIC, ~80% achieved)
+    hbm_bw: float = 3.0e12
+    gemm_tokens_half: float = 256.0
+    gemm_width_half: float = 64.0
+    bucket_size: int = 40_000_000
+
+
+@dataclass
+class Speed:
+    step_seconds: float
+    tokens_per_sec_per_gpu: float
+    mfu: float
+    bubble: float
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per step
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: Memory
+    speed: Speed
+
+    def to_dict(self) -> dict:
+        m = self.memory
+        return {**asdict(self.layout), "micro_batches": self.layout.micro_batches,
+                "memory_gb": {"weights": m.weights / GB, "gradients": m.gradients / GB, "optimizer": m.optimizer / GB,
+                              "activations": m.activations / GB, "buffers": m.buffers_total / GB, "total": m.total / GB,
+                              "buffer_parts": {k: v / GB for k, v in m.buffers.items()}},
+                "peak_stage": m.stage, "tokens_per_sec_per_gpu": self.speed.tokens_per_sec_per_gpu,
+                "mfu": self.speed.mfu, "bubble": self.speed.bubble, "step_seconds": self.speed.step_seconds}
+
+
+# ---- parameters ---------------------------------------------------------------------------------------------
+
+def local_vocab(model: ModelConfig, tp: int) -> int:
+    """Vocabulary rows of the embedding/head on one tensor-parallel rank."""
+    return model.vocab_size if tp == 1 else padded_vocab_size(model.vocab_size, tp) // tp
+
+
+def layer_params(model: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one decoder layer on one tensor-parallel rank."""
+    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size // tp
+    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
+    falcon = model.family == "falcon"
+    count = h * (q + 2 * kv) * d + q * d * h + (2 if falcon else 3) * h * f
+    count += ((4 if model.separate_mlp_norm else 2) if falcon else 2) * h  # LayerNorm weight+bias / RMSNorm weight
+    if model.bias:
+        count += (q + 2 * kv) * d + f * (1 if falcon else 2) + 2 * h  # row-parallel biases are replicated
+    return count
+
+
+def stage_layers(model: ModelConfig, pp: int, vpp: int, pp_layers: str | None = None) -> list[list[int]]:
+    """Decoder layers of each chunk of each pipeline rank; chunk c (model order) lives on rank c % pp."""
+    chunks = pp * vpp
+    counts = [int(x) for x in pp_layers.split(",")] if pp_layers else [model.num_layers // chunks] * chunks
+    return [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
+
+
+def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int) -> tuple[int, int]:
+    """(parameters on pipeline rank `rank`, the largest single parameter there)."""
+    h, vocab = model.hidden_size, local_vocab(model, tp)
+    count = layers * layer_params(model, tp)
+    largest = h * model.ffn_hidden_size // tp * (1 if model.family == "falcon" else 2) if layers else 0
+    if rank == 0:
+        count += vocab * h
+        largest = max(largest, vocab * h)
+    if rank == pp - 1:
+        count += (2 if model.family == "falcon" else 1) * h  # final norm
+        if not model.tie_embeddings or pp > 1:  # tied: the last stage keeps a copy of the embedding
+            count += vocab * h
+            largest = max(largest, vocab * h)
+    return count, largest
+
+
+def bytes_per_param(dtype: str, distributed_optimizer: bool, dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter held, as parallel/optimizer.py allocates them."""
+    shards = dp if distributed_optimizer else 1
+    if dtype == "fp32":
+        return 4.0, 4.0, 8.0 / shards
+    return 2.0, 4.0, 12.0 / shards
+
+
+# ---- activations --------------------------------------------------------------------------------------------
+
+def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequence_parallel: bool = False,
+                           compiled: bool = False) -> dict[str, float]:
+    """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
+    a, h, d = act_bytes, model.hidden_size, model.head_dim
+    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
+    f = model.ffn_hidden_size // tp
+    if model.family == "falcon":
+        layer_norms = 2 if model.separate_mlp_norm else 1
+        norm_inputs = a * h + 8 * (1 if compiled else layer_norms)
+        norm_outputs = a * h * (2 if sequence_parallel else 1 if compiled else layer_norms)
+        mlp = 2 * a * f
+    else:
+        norm_inputs = 2 * 4 + a * h if compiled else 2 * (4 * h + a * h + 4)
+        norm_outputs = 2 * a * h
+        mlp = (3 if compiled else 4) * a * f
+    return {"norm_inputs": norm_inputs / (tp if sequence_parallel else 1), "norm_outputs": norm_outputs,
+            "qkv": a * (q + 2 * kv) * d, "rope": a * (q + kv) * d, "softmax_stats": 4 * q,
+            "attn_output": (2 if compiled else 1) * a * q * d, "mlp": mlp}
+
+
+def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool) -> float:
+    """The last chunk's final norm per token (eager), its output saved whole by the head."""
+    a, h = act_bytes, model.hidden_size
+    inputs = (a * h + 8) if model.family == "falcon" else (4 * h + a * h + 4)
+    return inputs / (tp if sequence_parallel else 1) + a * h
+
+
+def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, recompute: str,
+                           compiled: bool = False) -> float:
+    """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
+    if recompute == "full":
+        return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
+    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled)
+    if recompute == "selective":
+        terms.pop("softmax_stats")
+    return sum(terms.values())
+
+
+def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: bool, act_bytes: int, tp: int,
+                           sequence_parallel: bool, recompute: str, pipelined: bool, compiled: bool = False,
+                           recompute_layers: int | None = None) -> float:
+    """Bytes per token one model chunk keeps for one micro-batch until its backward.
+
+    recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
+    """
+    hidden = act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
+    recomputed = layers if recompute == "none" or recompute_layers is None else min(layers, recompute_layers)
+    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, compiled)
+    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", compiled)
+    total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
+    if first:
+        total += 8  # token ids saved by the embedding
+    elif pipelined:
+        total += hidden  # the received input, kept for its gradient
+    if last:
+        total += final_norm_bytes(model, act_bytes, tp, sequence_parallel)
+    elif pipelined:
+        total += hidden  # the sent output, kept to run backward from
+    return total
+
+
+def loss_bytes_per_token(model: ModelConfig, tp: int) -> float:
+    """Peak of the loss's temporaries per token on the last stage (see the module docstring)."""
+    vocab = local_vocab(model, tp)
+    if tp == 1:
+        return 12.0 * vocab
+    padded = padded_vocab_size(model.vocab_size, tp) > model.vocab_size
+    return (14.0 if padded else 10.0) * vocab
+
+
+def chunks_in_flight(pp: int, vpp: int, micro_batches: int, rank: int) -> int:
+    """Chunk activations pipeline rank `rank` holds at its peak (one micro-batch at a time without a pipeline)."""
+    return 1 if pp == 1 else max_alive(pp, vpp, rank, micro_batches)
+
+
+# ---- memory of a layout -------------------------------------------------------------------------------------
+
+def layout_memory(model: ModelConfig, layout: Layout, seq_length: int, precision: Precision = Precision(),
+                  pp_layers: str | None = None, recompute_layers: int | None = None) -> Memory:
+    """Peak memory per GPU of a layout: the largest over its pipeline ranks."""
+    ranks = [_rank_memory(model, layout, seq_length, precision, pp_layers, recompute_layers, r) for r in range(layout.pp)]
+    return max(ranks, key=lambda m: m.total)
+
+
+def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precision, pp_layers: str | None,
+                 recompute_layers: int | None, rank: int) -> Memory:
+    a = prec.act_bytes
+    chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)[rank]
+    params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks))
+    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.dp)
+    tokens = lay.micro_batch_size * seq_length
+    per_chunk = [chunk_activation_bytes(model, layers, rank == 0 and v == 0, rank == lay.pp - 1 and v == lay.vpp - 1,
+                                        a, lay.tp, lay.sequence_parallel, lay.recompute, lay.pp > 1, prec.compiled,
+                                        recompute_layers) for v, layers in enumerate(chunks)]
+    in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
+    activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
+    one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
+    loss = loss_bytes_per_token(model, lay.tp) * tokens if rank == lay.pp - 1 else 0.0
+    temporaries, kind = (loss, "logits/loss") if loss > one_layer else (one_layer, "one layer's backward")
+    reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.dp > 1 else 0.0
+    gather_staging = a * params / lay.dp if lay.distributed_optimizer and lay.dp > 1 else 0.0
+    during_backward = activations + temporaries + a * largest + reduce_staging
+    staging = reduce_staging + max(0.0, gather_staging - during_backward)
+    buffers = {"temporaries": temporaries, "staging": staging, "param_grad": float(a * largest),
+               "batch": 16.0 * seq_length * lay.global_batch_size / lay.dp}
+    buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest)
+    buffers["runtime"] = RUNTIME_BASE + RUNTIME_PER_COMM * sum(1 for n in (lay.tp, lay.pp, lay.dp) if n > 1)
+    return Memory(weights=w * params, gradients=g * params, optimizer=o * params, activations=activations,
+                  buffers=buffers, stage=rank, temporaries_kind=kind)
+
+
+def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
+    """Predicted peak memory per GPU (bytes) of a training run, for comparing with a measured peak.
+
+    `allocated` compares with torch.cuda.max_memory_allocated() (the metrics' peak_mem_gib is that in GiB);
+    `total` adds the allocator's fragmentation and memory outside PyTorch, and is what must fit in the GPU.
+    """
+    derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
+    p, t = run_config.parallel, run_config.train
+    compiled = t.compile if t.compile is not None else derived.device == "cuda"
+    precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", compiled, p.grad_reduce_dtype)
+    layout = Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
+                    t.micro_batch_size, t.global_batch_size)
+    mem = layout_memory(run_config.model_config(), layout, run_config.data.seq_length, precision, p.pp_layers,
+                        t.recompute_layers)
+    return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
+            "activations": mem.activations, "buffers": mem.buffers_total, "buffer_parts": dict(mem.buffers),
+            "allocated": mem.allocated, "total": mem.total, "stage": mem.stage,
+            "allocated_gib": mem.allocated / GiB, "total_gib": mem.total / GiB}
+
+
+# ---- speed --------------------------------------------------------------------------------------------------
+
+def estimate_speed(model: ModelConfig, lay: Layout, seq_length: int, gpus: int, gpus_per_node: int,
+                   hw: SpeedAssumptions = SpeedAssumptions(), precision: str = "bf16") -> Speed:
+    """Expected step time and throughput of a layout (see the module docstring)."""
+    a = 4 if precision == "fp32" else 2
+    h, L = model.hidden_size, model.num_layers
+    tokens = lay.micro_batch_size * seq_length
+    model_flops = model.flops_per_token(seq_length)
+    attention_fwd = 4.0 * L * h * seq_length
+    layers_fwd = 2.0 * L * layer_params(model) + attention_fwd
+    extra = {"none": 0.0, "selective": attention_fwd, "full": layers_fwd}[lay.recompute]
+    width = h / lay.tp
+    efficiency = (hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half))
+    compute = tokens * (model_flops + extra) / (lay.tp * lay.pp) / (hw.peak_flops * efficiency)
+    layers_here = L / lay.pp
+    tp_comm = 0.0
+    if lay.tp > 1:
+        collectives = 12 if lay.recompute == "full" else 8
+        tp_comm = layers_here * collectives * (lay.tp - 1) / lay.tp * tokens * h * a / hw.nvlink_bw
+    p2p = 0.0
+    if lay.pp > 1:
+        bw = hw.nvlink_bw if gpus <= gpus_per_node else hw.internode_bw
+        p2p = 2 * lay.vpp * tokens * h * a / (lay.tp if lay.sequence_parallel else 1) / bw
+    per_micro_batch = compute + tp_comm + p2p
+    m = lay.micro_batches
+    bubble = (lay.pp - 1) / (m * lay.vpp)
+    pipeline = per_micro_batch * m * (1 + bubble)
+    params = max(stage_params(model, lay.tp, lay.pp, r, L // lay.pp)[0] for r in range(lay.pp))
+    reduce_exposed = gather_exposed = 0.0
+    if lay.dp > 1:
+        bw = hw.nvlink_bw if lay.tp * lay.dp <= gpus_per_node else hw.internode_bw
+        share = (lay.dp - 1) / lay.dp
+        last_bucket = min(1.0, hw.bucket_size / params)
+        reduce = (1 if lay.distributed_optimizer else 2) * share * params * 4 / bw
+        reduce_exposed = max(reduce - per_micro_batch * 2 / 3, reduce * last_bucket)
+        if lay.distributed_optimizer:
+            gather = share * params * a / bw
+            gather_exposed = max(gather - per_micro_batch / 3, gather * last_bucket)
+    owned = params / (lay.dp if lay.distributed_optimizer else 1)
+    optimizer = (30 * owned + 8 * params) / hw.hbm_bw
+    step = pipeline + reduce_exposed + gather_exposed + optimizer
+    tokens_per_gpu = lay.global_batch_size * seq_length / step / gpus
+    return Speed(step, tokens_per_gpu, tokens_per_gpu * model_flops / hw.peak_flops, bubble,
+                 {"compute": compute * m, "tp_comm": tp_comm * m, "p2p": p2p * m, "bubble": pipeline - per_micro_batch * m,
+                  "dp_exposed": reduce_exposed + gather_exposed, "optimizer": optimizer})
+
+
+# ---- search -------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length: int) -> RunConfig:
+    values = {"model": model_name, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "sequence_parallel": lay.sequence_parallel,
+              "distributed_optimizer": lay.distributed_optimizer, "recompute": lay.recompute,
+              "micro_batch_size": lay.micro_batch_size, "global_batch_size": lay.global_batch_size,
+              "seq_length": seq_length, "precision": "bf16", "device": "cuda"}
+    if overrides:
+        values["model_overrides"] = overrides
+    return config_from_values(values)
+
+
+def candidate_layouts(model_name: str, gpus: int, seq_length: int, gpus_per_node: int,
+                      global_batch_size: int | None = None, model_overrides: dict | None = None) -> Iterator[Layout]:
+    """Every layout the trainer accepts (config.validate) with tp inside a node, even pipeline splits and
+    sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple of
+    micro-batch x dp (x pp when interleaved) closest to ~4M tokens."""
+    model = _model(model_name, model_overrides)
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or gpus_per_node % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
+            for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):
+                gbs = global_batch_size
+                if gbs is None:
+                    step = mb * dp * (pp if vpp > 1 else 1)
+                    gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
+                for dist_opt in ((False, True) if dp > 1 else (False,)):
+                    lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs)
+                    try:
+                        validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
+                    except ConfigError:
+                        continue
+                    yield lay
+
+
+@dataclass
+class PlanResult:
+    model: str
+    gpus: int
+    gpu_memory: float
+    seq_length: int
+    fits: list[Plan]
+    explanation: str = ""
+
+
+def plan(model_name: str, gpus: int, gpu_memory: float, seq_length: int, global_batch_size: int | None = None,
+         gpus_per_node: int = 8, model_overrides: dict | None = None, precision: Precision = Precision(),
+         explain: bool = True) -> PlanResult:
+    """All layouts that fit, fastest first; when none does, an explanation of why."""
+    _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
+    model = _model(model_name, model_overrides)
+    fits, rejected = [], []
+    for lay in candidate_layouts(model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides):
+        mem = layout_memory(model, lay, seq_length, precision)
+        if mem.total <= gpu_memory:
+            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
+        else:
+            rejected.append((lay, mem))
+    fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
+    result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
+    if not fits and explain:
+        result.explanation = _explain(model_name, model, gpus, gpu_memory, seq_length, gpus_per_node,
+                                      global_batch_size, model_overrides, precision, rejected)
+    return result
+
+
+def _model(model_name: str, overrides: dict | None) -> ModelConfig:
+    cfg = RunConfig(model_overrides=dict(overrides or {}))
+    cfg.train.model = model_name
+    return cfg.model_config()
+
+
+def _check_inputs(model_name: str, gpus: int, gpu_memory: float, seq_length: int, gpus_per_node: int,
+                  global_batch_size: int | None) -> None:
+    try:
+        model = get_preset(model_name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if gpus < 1 or gpus_per_node < 1:
+        raise ConfigError("--gpus and --gpus-per-node must be >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ConfigError(f"--gpus {gpus} spans nodes but is not a multiple of --gpus-per-node {gpus_per_node}")
+    if gpu_memory <= 0:
+        raise ConfigError("--gpu-memory must be positive")
+    if seq_length < 1 or seq_length > 64 * model.max_seq_length:
+        raise ConfigError(f"--seq-length {seq_length} is out of range for {model_name}")
+    if global_batch_size is not None and global_batch_size < 1:
+        raise ConfigError("--global-batch-size must be >= 1")
+
+
+def minimum_gpus(model_name: str, gpu_memory: float, seq_length: int, gpus_per_node: int = 8,
+                 global_batch_size: int | None = None, model_overrides: dict | None = None,
+                 precision: Precision = Precision(), start: int = 1, limit: int = 16384) -> int | None:
+    """The smallest GPU count >= start (powers of two inside a node, whole nodes beyond) where a layout fits."""
+    model = _model(model_name, model_overrides)
+    counts = [2**i for i in range(32) if 2**i < gpus_per_node] + list(range(gpus_per_node, limit + 1, gpus_per_node))
+    for gpus in (g for g in counts if g >= start):
+        # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share.
+        if model.num_params() * 6 / gpus > gpu_memory:
+            continue
+        if plan(model_name, gpus, gpu_memory, seq_length, global_batch_size, gpus_per_node, model_overrides,
+                precision, explain=False).fits:
+            return gpus
+    return None
+
+
+def _explain(model_name: str, model: ModelConfig, gpus: int, gpu_memory: float, seq_length: int, gpus_per_node: int,
+             global_batch_size: int | None, overrides: dict | None, precision: Precision,
+             rejected: list[tuple[Layout, Memory]]) -> str:
+    setup = f"{model_name} ({model.num_params() / 1e9:.1f}B parameters) does not fit on {gpus} x {gpu_memory / GB:.0f} GB"
+    if not rejected:
+        batch = f" and global batch size {global_batch_size}" if global_batch_size else ""
+        return (f"{setup}: no layout of {gpus} GPUs is valid for this model{batch} (tp must divide the heads and "
+                f"stay within a node of {gpus_per_node}, pp*vpp must divide its {model.num_layers} layers)")
+    static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
+    if static_mem.static > gpu_memory:
+        why = (f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU even at the largest "
+               f"model-parallel size tp*pp = {static_lay.tp * static_lay.pp} (tp {static_lay.tp} x pp {static_lay.pp}, "
+               f"dp {static_lay.dp}{', distributed optimizer' if static_lay.distributed_optimizer else ''})")
+    else:
+        lay, mem = min(rejected, key=lambda r: r[1].total)
+        why = (f"the smallest layout (tp {lay.tp} x pp {lay.pp}, dp {lay.dp}, recompute {lay.recompute}, micro-batch "
+               f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
+               f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}")
+    needed = minimum_gpus(model_name, gpu_memory, seq_length, gpus_per_node, global_batch_size, overrides, precision,
+                          start=gpus + 1)
+    more = f"; it needs at least {needed} GPUs of this size" if needed else ""
+    return f"{setup}: {why}, and a GPU has {gpu_memory / GB:.1f} GB{more}"
+
+
+# ---- command line -------------------------------------------------------------------------------------------
+
+def parse_memory(text: str) -> float:
+    """'80GB' (10^9 bytes), '80GiB' (2^30), '80' (GB) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GB|GiB|G|TB|TiB)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GB or 141GB")
+    scale = {"gb": GB, "g": GB, "gib": GiB, "tb": 1e12, "tib": 2**40}[(match.group(2) or "GB").lower()]
+    return float(match.group(1)) * scale
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="list the parallel layouts that fit a model on a cluster, fastest first",
+                       description="Memory per GPU and expected speed of every tp/pp/vpp/dp/optimizer/recompute/"
+                                   "micro-batch layout that fits. Memory is given in GB (10^9 bytes); a GPU sold as "
+                                   "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin.")
+    p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB")
+    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step (default: about 4M tokens, rounded per layout)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
+    p.add_argument("--top", type=int, default=10, help="show the K fastest layouts")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="the run compiles its decoder layers (the GPU default), which saves fewer activations")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    memory = parse_memory(args.gpu_memory)
+    result = plan(args.model, args.gpus, memory, args.seq_length, args.global_batch_size, args.gpus_per_node,
+                  precision=Precision(compiled=args.compile))
+    shown = result.fits[:max(args.top, 0)]
+    if args.json:
+        print(json.dumps({"model": result.model, "gpus": result.gpus, "gpu_memory_gb": memory / GB,
+                          "seq_length": result.seq_length, "fits": len(result.fits),
+                          "layouts": [p.to_dict() for p in shown], "explanation": result.explanation or None}, indent=2))
+    else:
+        print(format_table(result, shown))
+    return 0 if result.fits else 1
+
+
+def format_table(result: PlanResult, shown: list[Plan]) -> str:
+    if not result.fits:
+        return result.explanation
+    head = (f"{result.model} on {result.gpus} x {result.gpu_memory / GB:.0f} GB, seq {result.seq_length}: "
+            f"{len(result.fits)} layouts fit; the {len(shown)} fastest (memory per GPU in GB, busiest pipeline stage)")
+    cols = ["#", "tp", "pp", "vpp", "dp", "dist-opt", "recompute", "mb", "gbs", "weights", "grads", "optim",
+            "activ", "buffers", "total", "tok/s/gpu", "mfu"]
+    rows = [cols]
+    for i, p in enumerate(shown, 1):
+        lay, m = p.layout, p.memory
+        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.vpp), str(lay.dp),
+                     "yes" if lay.distributed_optimizer else "no", lay.recompute, str(lay.micro_batch_size),
+                     str(lay.global_batch_size)] +
+                    [f"{x / GB:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.buffers_total, m.total)] +
+                    [f"{p.speed.tokens_per_sec_per_gpu:,.0f}", f"{p.speed.mfu:.0%}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    note = ("sequence parallelism is on whenever tp > 1; buffers = logits/loss or backward temporaries, staging, "
+            "batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc llamatron.plan`)")
+    return "\n".join([head, *lines, note])

@@ -1,0 +1,60 @@
+import argparse
+
+import pytest
+import yaml
+
+from llamatron.config import ConfigError, add_config_arguments, config_from_values, load_config, validate
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    return load_config(p.parse_args(argv))
+
+
+def test_flags_override_yaml_and_defaults(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"micro_batch_size": 2, "lr": 0.5, "tp": 2, "sequence_parallel": True}))
+    cfg = parse(["--config", str(f), "--lr", "0.25"])
+    assert cfg.train.micro_batch_size == 2
+    assert cfg.optim.lr == 0.25
+    assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel is True
+    assert cfg.train.global_batch_size == 16  # default untouched
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("micro_batch: 3\n")
+    with pytest.raises(ConfigError, match="micro_batch"):
+        parse(["--config", str(f)])
+
+
+def test_model_overrides():
+    cfg = config_from_values({"model": "llama-test", "model_overrides": {"num_layers": 3}})
+    assert cfg.model_config().num_layers == 3
+    with pytest.raises(ConfigError, match="nonsense"):
+        config_from_values({"model_overrides": {"nonsense": 1}}).model_config()
+
+
+@pytest.mark.parametrize("values, world, message", [
+    ({"model": "llama-test", "tp": 3}, 3, r"not divisible by tp=3; use tp in \[1, 2, 4\]"),
+    ({"model": "llama-test", "global_batch_size": 6, "micro_batch_size": 2}, 2, "not a multiple of micro-batch-size x data-parallel size"),
+    ({"model": "llama-test", "tp": 2}, 3, "world size 3 is not divisible by tp\\*pp"),
+    ({"model": "llama-test", "vpp": 2}, 1, "--vpp needs --pp > 1"),
+    ({"model": "llama-test", "pp": 2, "pp_layers": "1,2"}, 2, "--pp-layers must give 2 positive counts summing to 2"),
+    ({"model": "llama-7b", "pp": 3}, 3, "32 layers are not divisible by pp\\*vpp = 3"),
+    ({"model": "llama-test", "sequence_parallel": True}, 1, "--sequence-parallel needs --tp > 1"),
+    ({"model": "llama-test", "device": "cuda"}, 1, "no CUDA GPU"),
+    ({"model": "no-such-model"}, 1, "unknown model preset 'no-such-model'; choose one of"),
+    ({"model": "llama-test", "min_lr": 1.0, "lr": 0.1}, 1, "--min-lr 1.0 is above --lr"),
+    ({"model": "llama-test", "finetune": True}, 1, "--finetune needs --load"),
+])
+def test_bad_configs_name_the_fix(values, world, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        validate(config_from_values(values), world_size=world, cuda_available=False)
+
+
+def test_derived_sizes():
+    cfg = config_from_values({"model": "llama-test", "tp": 2, "global_batch_size": 16, "micro_batch_size": 2})
+    d = validate(cfg, world_size=8)
+    assert (d.dp, d.grad_accum_steps, d.device, d.dtype_name) == (4, 2, "cpu", "fp32")

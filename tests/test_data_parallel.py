@@ -1,0 +1,90 @@
+"""Data parallelism and the distributed optimizer against the single-process run (issue 5)."""
+
+import pytest
+import torch
+from llamatron.checkpoint.reader import load_full_tensors
+
+from dist_utils import spawn
+from layout import assert_matches, run_train
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dp")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    return run_train(["--save", "ref"], 1, workdir)
+
+
+def _final_params(workdir, name):
+    return load_full_tensors(workdir / name / "step-5")
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, []),
+    (2, ["--distributed-optimizer"]),
+    (4, ["--distributed-optimizer", "--micro-batch-size", "1"]),  # 2 micro-batches per rank
+    (4, ["--no-overlap-grad-reduce", "--micro-batch-size", "1"]),
+    (2, ["--distributed-optimizer", "--bucket-size", "3000", "--no-overlap-param-gather"]),
+])
+def test_data_parallel_matches_single_process(workdir, reference, nproc, extra):
+    name = f"ck-{nproc}-{'-'.join(x.strip('-') for x in extra)}"
+    got = run_train(extra + ["--save", name], nproc, workdir)
+    assert_matches(reference, got)
+    ref, final = _final_params(workdir, "ref"), _final_params(workdir, name)
+    for k, v in ref.items():
+        assert (v - final[k]).abs().max() <= 1e-5, k
+
+
+def _count_reductions(rank, world, micro_batches, distributed):
+    from llamatron.config import config_from_values, validate
+    from llamatron.data.batches import micro_batches_for_step
+    from llamatron.data.mock import MockDataset
+    from llamatron.engine import build_engine, train_step
+    from llamatron.parallel.mesh import build_mesh
+
+    cfg = config_from_values({"model": "llama-test", "mock_data": True, "seq_length": 16, "micro_batch_size": 1,
+                              "global_batch_size": world * micro_batches, "bucket_size": 20000,
+                              "distributed_optimizer": distributed, "device": "cpu"})
+    derived = validate(cfg, world)
+    engine = build_engine(cfg, derived, build_mesh())
+    buffer = engine.buffers[0]
+    assert len(buffer.buckets) >= 3
+    data = MockDataset(256, 16, 0)
+    for step in range(2):
+        mbs = micro_batches_for_step(data, step * world * micro_batches, world * micro_batches, 1, world, rank)
+        before = buffer.stats.grad_reductions
+        train_step(engine, mbs, step)
+        # One collective per bucket per step, however many micro-batches.
+        assert buffer.stats.grad_reductions - before == len(buffer.buckets)
+    buffer.finish_param_gather()
+
+
+@pytest.mark.parametrize("micro_batches, distributed", [(1, False), (4, False), (4, True)])
+def test_one_reduction_per_bucket_per_step(micro_batches, distributed):
+    spawn(_count_reductions, 2, micro_batches, distributed)
+
+
+def _bytes_per_param(rank, world, precision, distributed, expected):
+    from llamatron.config import config_from_values, validate
+    from llamatron.engine import build_engine
+    from llamatron.parallel.mesh import build_mesh
+
+    cfg = config_from_values({"model": "llama-test", "mock_data": True, "precision": precision, "device": "cpu",
+                              "distributed_optimizer": distributed, "global_batch_size": 8, "micro_batch_size": 1})
+    engine = build_engine(cfg, validate(cfg, world), build_mesh())
+    measured = engine.optimizer.bytes_per_param()
+    n_model = sum(p.numel() for p in engine.chunks[0].parameters())
+    padding = (engine.buffers[0].numel - n_model) / n_model  # buckets are padded to dp-divisible sizes
+    assert padding < 0.01
+    assert abs(measured - expected) <= 18 * padding + 1e-9, (measured, expected, padding)
+
+
+@pytest.mark.parametrize("world, precision, distributed, expected", [
+    (1, "bf16", False, 18.0), (2, "bf16", True, 6 + 12 / 2), (4, "bf16", True, 6 + 12 / 4),
+    (1, "fp32", False, 16.0), (2, "fp32", True, 8 + 8 / 2),
+])
+def test_memory_per_parameter_matches_theory(world, precision, distributed, expected):
+    spawn(_bytes_per_param, world, precision, distributed, expected)

@@ -1,0 +1,57 @@
+"""The built-in demo corpus (standard library sources): build, read back, reuse."""
+
+import json
+import os
+import time
+
+import numpy as np
+
+from llamatron.data.demo import prepare_demo_data, stdlib_source_files
+from llamatron.data.indexed import IndexedDataset
+from llamatron.data.samples import build_datasets
+from llamatron.data.tokenizer import load_tokenizer
+
+
+def test_demo_data_builds_reads_and_is_reused(tmp_path):
+    result = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=400_000)
+    dataset = IndexedDataset(result["prefix"])
+    assert len(dataset) == result["documents"] == result["files"] > 10
+    assert dataset.num_tokens == result["tokens"]
+    assert result["bytes"] <= 400_000
+
+    tokenizer = load_tokenizer(result["tokenizer"])
+    assert tokenizer.vocab_size == 512
+    text = 'def greet(name: str) -> str:\n    return f"Hello, {name}!"  # ünïcode\n'
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    # documents decode back to the collected files, each followed by the EOD token
+    first = dataset[0]
+    assert first[-1] == tokenizer.eod_id
+    with open(result["jsonl"], encoding="utf-8") as f:
+        assert tokenizer.decode(first[:-1]) == json.loads(f.readline())["text"]
+
+    train, valid = build_datasets(result["prefix"], "90,10,0", 64, 32, 4, seed=0)
+    assert train[0].shape == (65,) and train[0].max() < 512 and valid is not None
+
+    marker_time = os.path.getmtime(tmp_path / "demo" / "demo_data.json")
+    start = time.perf_counter()
+    again = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=400_000)
+    assert time.perf_counter() - start < 1.0
+    assert again["prefix"] == result["prefix"] and again["tokens"] == result["tokens"]
+    assert os.path.getmtime(tmp_path / "demo" / "demo_data.json") == marker_time
+
+
+def test_source_selection_is_deterministic_and_capped():
+    first = stdlib_source_files(200_000)
+    assert first == stdlib_source_files(200_000)
+    assert sum(len(text.encode()) for _, text in first) <= 200_000
+    names = [name for name, _ in first]
+    assert all(name.endswith(".py") for name in names)
+    assert not any("site-packages" in n or "/test/" in n or n.startswith("test/") for n in names)
+
+
+def test_incomplete_build_is_redone(tmp_path):
+    work_dir = str(tmp_path / "demo")
+    result = prepare_demo_data(work_dir, vocab_size=300, max_bytes=100_000)
+    os.remove(result["prefix"] + ".bin")  # as if a crash lost it
+    redone = prepare_demo_data(work_dir, vocab_size=300, max_bytes=100_000)
+    assert np.array_equal(IndexedDataset(redone["prefix"])[0], IndexedDataset(result["prefix"])[0])

@@ -1,0 +1,129 @@
+"""configs/ and scripts/: every example config validates for its world size and fits its GPUs by the planner;
+the launch scripts parse and, run as two local "nodes" on CPU, train."""
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llamatron.config import config_from_values, validate
+from llamatron.plan import predict_peak_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = [ROOT / "scripts" / "slurm_train.sbatch", ROOT / "scripts" / "multinode_torchrun.sh"]
+
+# config -> (world size it is written for, GPU memory in bytes; None: CPU)
+CONFIGS = {
+    "demo-cpu.yaml": (1, None),
+    "llama-1b-1gpu.yaml": (1, 80e9),
+    "llama2-7b-8gpu.yaml": (8, 80e9),
+    "llama2-70b-32gpu.yaml": (32, 80e9),
+    "falcon-40b-16gpu.yaml": (16, 80e9),
+}
+
+
+def _load(name: str):
+    return config_from_values(yaml.safe_load((ROOT / "configs" / name).read_text()))
+
+
+def test_every_config_is_listed():
+    assert sorted(p.name for p in (ROOT / "configs").glob("*.yaml")) == sorted(CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_validates_for_its_world_size(name):
+    world_size, gpu_memory = CONFIGS[name]
+    cfg = _load(name)
+    derived = validate(cfg, world_size, cuda_available=gpu_memory is not None)
+    assert derived.dp * cfg.parallel.tp * cfg.parallel.pp == world_size
+    if gpu_memory is None:
+        assert derived.device == "cpu"
+        return
+    assert derived.dtype_name == "bf16"
+    predicted = predict_peak_memory(cfg, world_size)
+    assert predicted["total"] <= gpu_memory, f"{name}: planner predicts {predicted['total'] / 1e9:.1f} GB per GPU"
+
+
+def test_large_configs_keep_tensor_parallelism_inside_a_node():
+    for name in ("llama2-70b-32gpu.yaml", "falcon-40b-16gpu.yaml"):
+        cfg = _load(name)
+        assert 8 % cfg.parallel.tp == 0 and cfg.parallel.sequence_parallel
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses_and_launches_llamatron(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "-m llamatron train --config" in text and "--rdzv-endpoint" in text
+    assert script.stat().st_mode & stat.S_IXUSR
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TINY_RUN = ["--model", "llama-test", "--mock-data", "--device", "cpu", "--precision", "fp32", "--train-steps", "2",
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-progress",
+            "--eval-iters", "1", "--log-interval", "1"]
+
+
+def _records(metrics: Path) -> list[dict]:
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("split") is None]
+
+
+def _env(**extra) -> dict:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", "GPUS_PER_NODE": "1", **extra}
+
+
+def test_multinode_torchrun_script_trains_on_two_local_nodes(tmp_path):
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
+    cmd = ["bash", str(SCRIPTS[1]), str(ROOT / "configs" / "demo-cpu.yaml"), *TINY_RUN,
+           "--metrics-file", str(tmp_path / "m.jsonl")]
+    nodes = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(rank)}, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (1, 0)]
+    logs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
+    records = _records(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+
+
+def test_slurm_script_trains_with_srun_and_scontrol_stand_ins(tmp_path):
+    """The batch script as SLURM would run it on 2 nodes: `srun` starts one agent per node (here both local)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\necho node2\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\n"
+                                  "while [[ $1 == -* ]]; do shift; done\n"
+                                  "pids=()\n"
+                                  "for _ in $(seq \"$SLURM_NNODES\"); do \"$@\" & pids+=($!); done\n"
+                                  "status=0; for p in \"${pids[@]}\"; do wait \"$p\" || status=1; done; exit $status\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = _env(SLURM_JOB_NODELIST="localhost,node2", SLURM_NNODES="2", SLURM_JOB_ID="4242",
+               MASTER_PORT=str(_free_port()))
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(["bash", str(SCRIPTS[0]), str(ROOT / "configs" / "demo-cpu.yaml"), *TINY_RUN,
+                           "--metrics-file", str(tmp_path / "m.jsonl")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rendezvous at localhost:" in proc.stdout
+    assert [r["step"] for r in _records(tmp_path / "m.jsonl")] == [1, 2]
+
+
+def test_check_plan_memory_dry_run_prints_the_prediction():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_plan_memory.py"), "--model", "llama-1b",
+                           "--seq-length", "4096", "--micro-batch-size", "4", "--global-batch-size", "8",
+                           "--device", "cuda", "--steps", "2", "--dry-run"], capture_output=True, text=True, check=True)
+    row = json.loads(proc.stdout)
+    assert row["predicted_total_gib"] > row["predicted_allocated_gib"] > sum(row["breakdown_gib"][k] for k in
+                                                                             ("weights", "gradients", "optimizer"))
+    assert "--steps" not in row["flags"] and "--dry-run" not in row["flags"] and "--model" in row["flags"]

@@ -1,0 +1,107 @@
+"""Model pieces against their definitions (equivalence with transformers is in test_hf_equivalence.py)."""
+
+import pytest
+import torch
+
+from llamatron.models import PRESET_NAMES, build_model, get_preset, materialize
+from llamatron.models.layers import Attention, rope_inv_freq
+from llamatron.models.config import RopeScaling
+
+
+def make(name, seed=0, **overrides):
+    cfg = get_preset(name)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    model = materialize(build_model(cfg), cfg, seed, "cpu", torch.float32)
+    return cfg, model
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_parameter_count_formula_matches_modules(name):
+    cfg = get_preset(name)
+    model = build_model(cfg)  # meta: no memory even for 70B
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
+def test_published_sizes():
+    assert round(get_preset("llama2-7b").num_params() / 1e9, 2) == 6.74
+    assert round(get_preset("llama2-70b").num_params() / 1e9, 2) == 68.98
+    assert round(get_preset("llama3-8b").num_params() / 1e9, 2) == 8.03
+    assert round(get_preset("mistral-7b").num_params() / 1e9, 2) == 7.24
+    assert round(get_preset("falcon-7b").num_params() / 1e9, 2) == 6.92
+
+
+def test_init_is_deterministic_and_seed_dependent():
+    _, a = make("llama-test", seed=1)
+    _, b = make("llama-test", seed=1)
+    _, c = make("llama-test", seed=2)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q), n
+        if p.ndim == 2:
+            assert not torch.equal(p, r), n
+
+
+def test_gqa_equals_multi_head_with_repeated_kv():
+    cfg, _ = make("llama-test")
+    torch.manual_seed(0)
+    gqa = Attention(cfg)
+    mha_cfg = get_preset("llama-test")
+    mha_cfg.num_kv_heads = mha_cfg.num_heads
+    mha = Attention(mha_cfg)
+    d, nq, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q, k, v = gqa.qkv.weight.split([nq * d, nkv * d, nkv * d])
+    rep = lambda w: w.view(nkv, d, -1).repeat_interleave(nq // nkv, dim=0).reshape(nq * d, -1)
+    with torch.no_grad():
+        mha.qkv.weight.copy_(torch.cat([q, rep(k), rep(v)]))
+        mha.qkv.bias = None
+        mha.o.weight.copy_(gqa.o.weight)
+    x = torch.randn(2, 10, cfg.hidden_size)
+    pos = torch.arange(10).expand(2, 10)
+    from llamatron.models.layers import rope_cos_sin
+    cos, sin = rope_cos_sin(cfg, pos, x.dtype)
+    torch.testing.assert_close(gqa(x, cos, sin), mha(x, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+def test_causality_and_sliding_window():
+    cfg, model = make("mistral-test")  # window 16
+    x = torch.randint(0, cfg.vocab_size, (1, 40))
+    base = model(x)
+    changed = x.clone()
+    changed[0, 30] = (changed[0, 30] + 1) % cfg.vocab_size
+    out = model(changed)
+    torch.testing.assert_close(out[:, :30], base[:, :30])  # the future never leaks
+    assert not torch.allclose(out[:, 30:], base[:, 30:])
+    # With 2 layers the receptive field is 2 * (window - 1) tokens back.
+    early = x.clone()
+    early[0, 2] = (early[0, 2] + 1) % cfg.vocab_size
+    out = model(early)
+    torch.testing.assert_close(out[:, 2 + 2 * 15 + 1:], base[:, 2 + 2 * 15 + 1:])
+    assert not torch.allclose(out[:, 3:10], base[:, 3:10])
+
+
+def test_rope_scaling_kinds():
+    plain = rope_inv_freq(64, 10000.0, None, 0)
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, RopeScaling("linear", 4.0), 0), plain / 4)
+    dyn = RopeScaling("dynamic", 2.0, original_max_position=128)
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, dyn, 100), plain)  # inside the trained context
+    assert (rope_inv_freq(64, 10000.0, dyn, 512)[1:] < plain[1:]).all()  # longer: lower frequencies
+    l3 = rope_inv_freq(64, 500000.0, RopeScaling("llama3", 8.0, 8192, 1.0, 4.0), 0)
+    base = rope_inv_freq(64, 500000.0, None, 0)
+    assert torch.equal(l3[0], base[0])  # highest frequency kept
+    torch.testing.assert_close(l3[-1], base[-1] / 8)  # lowest slowed by the factor
+    with pytest.raises(ValueError, match="unknown rope scaling"):
+        rope_inv_freq(64, 1e4, RopeScaling("yarn", 2.0), 0)
+
+
+def test_tied_embeddings_share_one_tensor():
+    cfg, model = make("falcon-test")
+    assert model.lm_head is None and model.head_weight() is model.embed.weight
+
+
+def test_loss_ignores_masked_labels():
+    cfg, model = make("llama-test")
+    x = torch.randint(0, cfg.vocab_size, (2, 12))
+    labels = x.clone()
+    labels[:, :6] = -100
+    loss = model(x, labels=labels)
+    assert (loss[:, :6] == 0).all() and (loss[:, 6:] > 0).all()

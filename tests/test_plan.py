@@ -1,0 +1,336 @@
+"""`llamatron plan`: the memory model against hand counts and autograd, known minimums, ranking, errors."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from llamatron import plan as P
+from llamatron.cli import main
+from llamatron.config import ConfigError, config_from_values
+from llamatron.engine import apply_recompute
+from llamatron.models import PRESET_NAMES, build_model, get_preset, materialize
+from llamatron.models.falcon import FalconBlock
+from llamatron.models.layers import rope_cos_sin
+from llamatron.models.llama import LlamaBlock
+
+GB = 1e9
+EAGER = P.Precision(compiled=False)
+
+
+# ---- parameters ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_parameter_counts_match_the_model(name):
+    cfg = get_preset(name)
+    model = build_model(cfg)  # on meta: free
+    assert P.layer_params(cfg) == sum(p.numel() for p in model.layers[0].parameters())
+    assert P.stage_params(cfg, 1, 1, 0, cfg.num_layers)[0] == sum(p.numel() for p in model.parameters())
+
+
+def test_tensor_parallel_parameters_by_hand():
+    # Llama 2 70B on tp 8: 8 query heads and 1 KV head of 128 per rank, ffn 28672 / 8, norms replicated.
+    cfg = get_preset("llama2-70b")
+    qkv = 8192 * (8 + 2 * 1) * 128
+    out = 8 * 128 * 8192
+    mlp = 3 * 8192 * (28672 // 8)
+    assert P.layer_params(cfg, 8) == qkv + out + mlp + 2 * 8192
+    # Falcon 40B on tp 16: 8 KV heads, so each rank holds one replicated KV head.
+    falcon = get_preset("falcon-40b")
+    expected = 8192 * (8 + 2) * 64 + 8 * 64 * 8192 + 2 * 8192 * (32768 // 16) + 4 * 8192
+    assert P.layer_params(falcon, 16) == expected
+    # Tied embeddings: the last pipeline stage keeps its own copy of the (padded, sharded) vocabulary.
+    vocab_rows = P.local_vocab(falcon, 8)
+    assert vocab_rows * 8 >= falcon.vocab_size and vocab_rows % 128 == 0
+    first, _ = P.stage_params(falcon, 8, 2, 0, 30)
+    last, _ = P.stage_params(falcon, 8, 2, 1, 30)
+    assert last - first == 2 * 8192  # the final LayerNorm; both hold vocab_rows x h
+    assert first == 30 * P.layer_params(falcon, 8) + vocab_rows * 8192
+
+
+# ---- activations against what autograd really saves ---------------------------------------------------------
+
+def _saved_bytes(fn, exclude: set[int]) -> int:
+    """Bytes of distinct storages autograd saves while running fn (parameters excluded)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_activations_match_autograd(name, dtype):
+    cfg = get_preset(name)
+    torch.manual_seed(0)
+    block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).to(dtype)
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(cfg, torch.arange(seq).expand(batch, seq), dtype)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
+    a = 2 if dtype == torch.bfloat16 else 4
+    predicted = sum(P.layer_activation_terms(cfg, a).values()) + 2 * a * cfg.head_dim  # + the layer's cos/sin
+    # CPU LayerNorm keeps mean/rstd in bf16 (4 bytes), CUDA in fp32 (8, the model's figure): within 1%.
+    assert measured == pytest.approx(predicted, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_model_activations_match_autograd(name, recompute):
+    cfg = get_preset(name)
+    model = build_model(cfg)
+    materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
+    if recompute != "none":
+        apply_recompute(model, recompute, None)
+    batch, seq = 2, 64
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = _saved_bytes(lambda: model(ids, labels=ids), params)
+    chunk = P.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False)
+    saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
+    assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama-1b", "falcon40b-test"])
+def test_compiled_layer_activations_match_autograd_on_gpu(name):
+    cfg = get_preset(name)
+    block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).cuda().bfloat16()
+    block.forward = torch.compile(block.forward, dynamic=False)
+    batch, seq = 1, 1024
+    x = torch.randn(batch, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_cos_sin(cfg, torch.arange(seq, device="cuda").expand(batch, seq), torch.bfloat16)
+    block(x, cos, sin)  # compile outside the measurement
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
+    predicted = sum(P.layer_activation_terms(cfg, 2, compiled=True).values()) + 4 * cfg.head_dim
+    assert measured == pytest.approx(predicted, rel=0.05)
+
+
+def test_tensor_and_sequence_parallel_activation_terms():
+    cfg = get_preset("llama2-70b")
+    base, tp = P.layer_activation_terms(cfg, 2), P.layer_activation_terms(cfg, 2, tp=8)
+    sp = P.layer_activation_terms(cfg, 2, tp=8, sequence_parallel=True)
+    for part in ("qkv", "rope", "softmax_stats", "attn_output", "mlp"):
+        assert tp[part] * 8 == base[part]  # 8 KV heads over tp 8: one each, so the division is exact
+    assert tp["norm_inputs"] == base["norm_inputs"] and sp["norm_inputs"] * 8 == base["norm_inputs"]
+    assert sp["norm_outputs"] == base["norm_outputs"]  # projections save their all-gathered input
+    full = P.layer_activation_bytes(cfg, 2, 8, True, "full")
+    assert full == 2 * 8192 / 8
+
+
+def test_pipeline_in_flight_counts():
+    assert [P.chunks_in_flight(4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]  # 1F1B: pp - rank
+    assert [P.chunks_in_flight(4, 1, 2, r) for r in range(4)] == [2, 2, 2, 1]  # fewer micro-batches than stages
+    assert P.chunks_in_flight(4, 2, 8, 0) == 8  # interleaved: pp*vpp chunks of 1/vpp stage each
+    assert P.chunks_in_flight(1, 1, 64, 0) == 1  # no pipeline: one micro-batch at a time
+
+
+# ---- whole-layout memory by hand ----------------------------------------------------------------------------
+
+def test_layout_memory_by_hand():
+    """llama-test (h 64, 2 layers, 4 heads / 2 KV heads of 16, ffn 160, vocab 256), dp 4 + distributed optimizer."""
+    cfg = get_preset("llama-test")
+    h, layers, kv, f, vocab, heads, d = 64, 2, 32, 160, 256, 4, 16
+    lay = P.Layout(tp=1, pp=1, vpp=1, dp=4, sequence_parallel=False, distributed_optimizer=True, recompute="none",
+                   micro_batch_size=2, global_batch_size=16)
+    seq, tokens = 32, 2 * 32
+    mem = P.layout_memory(cfg, lay, seq, EAGER)
+
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    params = layers * per_layer + h + 2 * vocab * h  # + final norm, embedding and head
+    assert mem.weights == 2 * params and mem.gradients == 4 * params
+    assert mem.optimizer == pytest.approx(12 * params / 4)
+
+    a = 2
+    layer = (2 * (4 * h + a * h + 4)  # per RMSNorm: fp32 input, normalised, rsqrt
+             + 2 * a * h  # the QKV and gate_up projections' inputs
+             + a * (h + 2 * kv) + a * (h + kv) + 4 * heads  # QKV output, roped q/k, logsumexp
+             + a * h + 4 * a * f)  # attention output, SwiGLU
+    per_token = layers * layer + 2 * a * d + 8 + (4 * h + a * h + 4) + a * h  # cos/sin, token ids, final norm
+    assert mem.activations == pytest.approx(per_token * tokens)
+
+    loss = 12 * vocab * tokens
+    largest = max(2 * f * h, vocab * h)
+    assert mem.buffers["temporaries"] == pytest.approx(max(loss, layer * tokens))
+    assert mem.buffers["param_grad"] == a * largest
+    assert mem.buffers["batch"] == 16 * seq * 16 / 4
+    assert mem.buffers["staging"] == 0  # the all-gather source (2N/4) is smaller than the backward peak
+    dynamic = mem.activations + mem.buffers["temporaries"] + a * largest
+    assert mem.buffers["fragmentation"] == pytest.approx(0.15 * dynamic)
+    assert mem.buffers["runtime"] == 2**30 + 2**29  # one parallel dimension (dp)
+    assert mem.total == pytest.approx(mem.static + mem.activations + sum(mem.buffers.values()))
+
+
+def test_pipeline_stage_memory_by_hand():
+    """llama-test4 on tp 2 (sp) x pp 2, compiled: rank 0 holds 2 layers + the embedding and 2 micro-batches."""
+    cfg = get_preset("llama-test4")
+    h, kv_local, q_local, d, f_local, a = 64, 16, 32, 16, 80, 2
+    layer = ((2 * 4 + a * h) / 2  # rsqrt x2 and one residual, sequence-sharded
+             + 2 * a * h  # the projections' all-gathered inputs
+             + a * (q_local + 2 * kv_local) + a * (q_local + kv_local) + 4 * 2  # QKV, roped q/k, logsumexp
+             + 2 * a * q_local + 3 * a * f_local)  # attention kernel output + projection input, SwiGLU
+    first_chunk = 2 * layer + 2 * a * d + 8 + a * h / 2  # cos/sin, token ids, the sent output
+    got = P.chunk_activation_bytes(cfg, 2, True, False, a, 2, True, "none", pipelined=True, compiled=True)
+    assert got == pytest.approx(first_chunk)
+    lay = P.Layout(2, 2, 1, 1, True, False, "none", 1, 4)
+    mem = P.layout_memory(cfg, lay, 32, P.Precision())
+    assert mem.stage == 0  # two micro-batches in flight outweigh the last stage's (tiny) loss temporaries
+    assert mem.activations == pytest.approx(2 * first_chunk * 32)
+    embed_rows = 128  # vocab 256 padded to a multiple of 128 * tp, split over 2 ranks
+    assert mem.weights == 2 * (2 * P.layer_params(cfg, 2) + embed_rows * h)
+
+
+def test_predict_peak_memory_reads_the_run_config():
+    values = {"model": "llama-1b", "micro_batch_size": 2, "global_batch_size": 16, "seq_length": 4096,
+              "device": "cuda", "precision": "bf16"}
+    cfg = config_from_values(values)
+    out = P.predict_peak_memory(cfg, world_size=1)
+    model = get_preset("llama-1b")
+    assert out["weights"] == 2 * model.num_params() and out["optimizer"] == 12 * model.num_params()
+    parts = out["buffer_parts"]
+    assert out["total"] == pytest.approx(out["allocated"] + parts["fragmentation"] + parts["runtime"])
+    assert out["allocated_gib"] == pytest.approx(out["allocated"] / 2**30)
+    eager = P.predict_peak_memory(config_from_values({**values, "compile": False}), 1)
+    assert eager["activations"] > out["activations"]  # compiled layers save less
+    sharded = P.predict_peak_memory(config_from_values({**values, "distributed_optimizer": True}), 4)
+    assert sharded["optimizer"] == pytest.approx(out["optimizer"] / 4)
+    cpu = P.predict_peak_memory(config_from_values({**values, "device": "cpu", "precision": "auto"}), 1)
+    assert cpu["weights"] == 4 * model.num_params()  # auto precision on CPU is fp32
+
+
+# ---- known minimums and explanations ------------------------------------------------------------------------
+
+def _fits(model, gpus, memory_gb, seq, **kw):
+    return P.plan(model, gpus, memory_gb * GB, seq, **kw)
+
+
+def test_llama2_7b_minimum_is_two_80gb_gpus_with_tp2():
+    two = _fits("llama2-7b", 2, 80, 4096)
+    assert any(p.layout.tp == 2 and p.layout.pp == 1 for p in two.fits)
+    one = _fits("llama2-7b", 1, 80, 4096)
+    assert not one.fits
+    static = 18 * get_preset("llama2-7b").num_params() / GB
+    assert f"weights+grads+optimizer alone need {static:.1f} GB" in one.explanation
+    assert "at least 2 GPUs" in one.explanation
+
+
+def test_llama2_7b_on_one_141gb_gpu_needs_full_recompute():
+    result = _fits("llama2-7b", 1, 141, 4096)
+    assert result.fits and {p.layout.recompute for p in result.fits} == {"full"}
+
+
+def test_llama2_70b_minimum_is_32_gpus_with_tp8_pp4():
+    result = _fits("llama2-70b", 32, 80, 4096)
+    assert any((p.layout.tp, p.layout.pp) == (8, 4) for p in result.fits)
+    assert all(p.memory.total <= 80 * GB for p in result.fits)
+    assert not _fits("llama2-70b", 16, 80, 4096, explain=False).fits
+    eight = _fits("llama2-70b", 8, 80, 4096)
+    assert not eight.fits and "at least 32 GPUs" in eight.explanation
+    needed = float(re.search(r"alone need ([0-9.]+) GB per GPU", eight.explanation).group(1))
+    assert needed == pytest.approx(18 * get_preset("llama2-70b").num_params() / 8 / GB, rel=0.02)
+    assert "model-parallel size tp*pp = 8" in eight.explanation
+
+
+def test_falcon_40b_minimum_is_16_gpus():
+    assert _fits("falcon-40b", 16, 80, 2048).fits
+    eight = _fits("falcon-40b", 8, 80, 2048)
+    assert not eight.fits and "at least 16 GPUs" in eight.explanation
+
+
+# ---- ranking ------------------------------------------------------------------------------------------------
+
+def test_tensor_parallelism_stays_inside_a_node():
+    result = _fits("llama2-70b", 32, 80, 4096, gpus_per_node=4)
+    assert result.fits and max(p.layout.tp for p in result.fits) == 4
+
+
+def test_ranking_is_by_expected_speed_and_prefers_no_recompute_when_memory_allows():
+    result = _fits("llama2-7b", 8, 141, 4096)
+    speeds = [p.speed.tokens_per_sec_per_gpu for p in result.fits]
+    assert speeds == sorted(speeds, reverse=True)
+    best = result.fits[0].layout
+    assert best.recompute == "none" and best.tp == 1  # 7B fits in 141 GB without paying for tp or recompute
+
+
+def test_speed_model_penalties():
+    cfg = get_preset("llama2-7b")
+
+    def speed(gpus=8, per_node=8, **kw):
+        base = dict(tp=1, pp=2, vpp=1, dp=4, sequence_parallel=False, distributed_optimizer=True, recompute="none",
+                    micro_batch_size=1, global_batch_size=16)
+        return P.estimate_speed(cfg, P.Layout(**{**base, **kw}), 4096, gpus, per_node)
+
+    assert speed().tokens_per_sec_per_gpu > speed(recompute="selective").tokens_per_sec_per_gpu \
+        > speed(recompute="full").tokens_per_sec_per_gpu
+    assert speed(vpp=2).bubble == pytest.approx(speed().bubble / 2)  # (pp-1)/(m*vpp)
+    assert speed(micro_batch_size=2, global_batch_size=32).tokens_per_sec_per_gpu > speed().tokens_per_sec_per_gpu
+    # data parallelism across nodes exposes more of the gradient reduction than inside one
+    assert speed(per_node=2).parts["dp_exposed"] > speed().parts["dp_exposed"]
+    tp_layout = dict(tp=2, pp=1, dp=4, sequence_parallel=True)
+    assert speed(**tp_layout).parts["tp_comm"] > 0 and speed().parts["tp_comm"] == 0
+
+
+# ---- errors and the command ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model_name="llama-9000b"), "unknown model preset"),
+    (dict(gpus=0), "must be >= 1"),
+    (dict(gpus=12), "not a multiple of --gpus-per-node 8"),
+    (dict(seq_length=10**7), "out of range"),
+    (dict(gpu_memory=0), "must be positive"),
+])
+def test_impossible_inputs_raise(kwargs, message):
+    args = dict(model_name="llama2-7b", gpus=8, gpu_memory=80 * GB, seq_length=4096)
+    with pytest.raises(ConfigError, match=message):
+        P.plan(**{**args, **kwargs})
+
+
+def test_no_valid_layout_is_explained():
+    # Falcon 7B has 71 heads (tp 1 only): on 64 GPUs dp >= 2, so a global batch of 1 sample cannot be split.
+    result = P.plan("falcon-7b", 64, 80 * GB, 2048, global_batch_size=1)
+    assert not result.fits and "no layout of 64 GPUs is valid" in result.explanation
+
+
+@pytest.mark.parametrize("text, expected", [("80GB", 80e9), ("80 GiB", 80 * 2**30), ("141", 141e9), ("1.5TB", 1.5e12)])
+def test_parse_memory(text, expected):
+    assert P.parse_memory(text) == expected
+
+
+def test_parse_memory_rejects_nonsense():
+    with pytest.raises(ConfigError, match="give a size"):
+        P.parse_memory("eighty")
+
+
+def test_command_json_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama2-7b", "--gpus", "2", "--gpu-memory", "80GB", "--seq-length", "4096",
+              "--top", "3", "--json"])
+    assert exit_info.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] >= len(out["layouts"]) == 3
+    first = out["layouts"][0]
+    parts = first["memory_gb"]
+    assert parts["total"] == pytest.approx(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations",
+                                                                  "buffers")))
+    assert first["tp"] * first["pp"] * first["dp"] == 2
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama2-70b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-length", "4096"])
+    assert exit_info.value.code == 1
+    assert "weights+grads+optimizer alone need" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama2-7b", "--gpus", "2", "--gpu-memory", "lots", "--seq-length", "4096"])
+    assert exit_info.value.code == 2
+    assert "configuration error" in capsys.readouterr().err

@@ -1,0 +1,314 @@
+"""Instruction tuning: chat rendering, assistant-only loss mask, packing, truncation, and a fine-tuning run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from llamatron.data.batches import collate
+from llamatron.data.indexed import DataError, IndexedDataset
+from llamatron.data.preprocess import BadInputError
+from llamatron.data.sft import (
+    ChatRenderer,
+    ConversationEncoder,
+    conversation_from_record,
+    mask_prefix,
+    preprocess_conversations,
+)
+from llamatron.data.sft_dataset import SFTDataset, build_sft_datasets, pack_conversations
+from llamatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+from llamatron.models import IGNORE_INDEX
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+    {"role": "assistant", "content": "Green, obviously."},
+]
+ANIMALS = ["llama", "alpaca", "camel", "vicuna", "guanaco", "dromedary"]
+
+
+def animal_conversations(count, seed=0):
+    """Learnable: the answer is fixed by the question; answers differ in length."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        a, times = ANIMALS[int(rng.integers(len(ANIMALS)))], int(rng.integers(1, 5))
+        turns = [{"role": "user", "content": f"Say {a} {times} times."},
+                 {"role": "assistant", "content": " ".join([a] * times) + "."}]
+        if i % 3 == 0:
+            turns = [{"role": "system", "content": "Answer about animals."}] + turns
+        if i % 4 == 0:
+            turns += [{"role": "user", "content": "Again?"}, {"role": "assistant", "content": f"{a}!"}]
+        out.append({"messages": turns})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sft_tokenizer"))
+    texts = [json.dumps(c) for c in animal_conversations(200)] + [json.dumps(CONVERSATION)] * 5
+    texts += ["<|im_start|>assistant\n<|im_end|>\n [INST] [/INST] <<SYS>> <</SYS>>"] * 20
+    train_bpe_tokenizer(texts, vocab_size=400, out_dir=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def template_tokenizer_dir(tokenizer_dir, tmp_path_factory):
+    """The same tokenizer with a Llama-2 style chat template in tokenizer_config.json."""
+    out = str(tmp_path_factory.mktemp("template_tokenizer"))
+    load_tokenizer(tokenizer_dir).save(out)
+    config_path = os.path.join(out, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["chat_template"] = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ '<<SYS>> ' + m['content'] + ' <</SYS>> ' }}"
+        "{% elif m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}"
+        "{% endfor %}"
+    )
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def trained_runs(tokens, mask):
+    """Contiguous runs of tokens under the mask."""
+    runs, current = [], []
+    for token, m in zip(tokens.tolist(), mask.tolist()):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def test_chatml_rendering_and_assistant_only_mask(tokenizer_dir):
+    encoder = ConversationEncoder(tokenizer_dir)
+    assert encoder.renderer.format == "chatml"
+    [(tokens, mask)] = encoder.encode([{"messages": CONVERSATION}])
+    tok = load_tokenizer(tokenizer_dir)
+    expected_text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION)
+    assert tok.decode(tokens) == expected_text
+    assert mask.dtype == np.uint8 and set(mask.tolist()) == {0, 1}
+    # exactly the assistant replies and their end-of-turn marker are trained
+    assert [tok.decode(run) for run in trained_runs(tokens, mask)] == ["Blue.<|im_end|>", "Green, obviously.<|im_end|>"]
+    untrained = tok.decode(tokens[mask == 0])
+    assert "You are terse." in untrained and "Name a colour." in untrained and "Blue" not in untrained
+
+
+def test_chat_template_from_tokenizer_directory(template_tokenizer_dir):
+    transformers = pytest.importorskip("transformers")
+    encoder = ConversationEncoder(template_tokenizer_dir)
+    assert encoder.renderer.format == "chat template"
+    [(tokens, mask)] = encoder.encode([{"messages": CONVERSATION}])
+    tok = load_tokenizer(template_tokenizer_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(template_tokenizer_dir)
+    assert tok.decode(tokens) == hf.apply_chat_template(CONVERSATION, tokenize=False)
+    eos = tok.eod_token
+    assert [tok.decode(run) for run in trained_runs(tokens, mask)] == [f" Blue.{eos}", f" Green, obviously.{eos}"]
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(template_tokenizer_dir, tmp_path):
+    pytest.importorskip("transformers")
+    renderer = ChatRenderer(template_tokenizer_dir)
+    # a template that numbers turns from the end changes earlier text as turns are added
+    renderer._hf.chat_template = (
+        "{% for m in messages %}{{ (messages|length - loop.index)|string + m['content'] }}{% endfor %}")
+    with pytest.raises(DataError, match="changes the text of earlier messages"):
+        renderer.segments(CONVERSATION)
+
+
+def test_prompt_response_records_match_messages(tokenizer_dir):
+    pair = {"instruction": "Name a colour.", "output": "Blue.", "sys": "You are terse."}
+    encoder = ConversationEncoder(tokenizer_dir, prompt_key="instruction", response_key="output", system_key="sys")
+    [(tokens, mask)] = encoder.encode([pair])
+    [(expected_tokens, expected_mask)] = ConversationEncoder(tokenizer_dir).encode([{"messages": CONVERSATION[:3]}])
+    assert tokens.tolist() == expected_tokens.tolist() and mask.tolist() == expected_mask.tolist()
+
+
+@pytest.mark.parametrize("record, kind", [
+    ({"text": "no messages"}, "missing key 'messages'"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "empty document"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "needs a role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "no string content"),
+])
+def test_bad_conversations_are_named(record, kind):
+    from llamatron.data.preprocess import RecordError
+
+    with pytest.raises(RecordError, match=kind):
+        conversation_from_record(record)
+
+
+def test_preprocess_sft_writes_tokens_and_mask(tokenizer_dir, tmp_path):
+    records = animal_conversations(40) + ['{"messages": [oops', {"messages": [{"role": "user", "content": "x"}]}]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    with pytest.raises(BadInputError, match=r"chat\.jsonl:41: malformed JSON"):
+        preprocess_conversations(path, str(tmp_path / "strict"), tokenizer_dir, progress=False)
+    summary = preprocess_conversations(path, str(tmp_path / "out"), tokenizer_dir, skip_bad_lines=True,
+                                       progress=False, workers=2)
+    assert summary["documents"] == 40 and summary["bad_lines"] == 2
+    assert summary["bad_line_kinds"] == {"malformed JSON": 1, "no assistant message": 1}
+    tokens, mask = IndexedDataset(str(tmp_path / "out_sft")), IndexedDataset(mask_prefix(str(tmp_path / "out_sft")))
+    assert summary["outputs"]["tokens"] == str(tmp_path / "out_sft")
+    assert np.array_equal(tokens.sizes, mask.sizes) and mask.dtype == np.uint8
+    assert summary["tokens"] == tokens.num_tokens
+    assert summary["trained_tokens"] == sum(int(mask[i].sum()) for i in range(len(mask))) > 0
+    encoder = ConversationEncoder(tokenizer_dir)
+    for i in (0, 7, 39):  # same as encoding in this process
+        [(t, m)] = encoder.encode([records[i]])
+        assert tokens[i].tolist() == t.tolist() and mask[i].tolist() == m.tolist()
+
+
+def test_cli_sft_flags(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"q": "Name a colour.", "a": "Blue."}])
+    cmd = [sys.executable, "-m", "llamatron", "preprocess", "--sft", "--input", path, "--output-prefix",
+           str(tmp_path / "pairs"), "--tokenizer", tokenizer_dir, "--prompt-key", "q", "--response-key", "a",
+           "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--sft-data " + str(tmp_path / "pairs_sft") in done.stderr and "assistant (trained) tokens" in done.stderr
+    assert len(IndexedDataset(str(tmp_path / "pairs_sft"))) == 1
+
+
+def test_pack_conversations_best_fit():
+    offsets, items = pack_conversations(np.array([6, 4, 5, 5, 3, 7]), capacity=10)
+    bins = [sorted(items[offsets[b]:offsets[b + 1]].tolist()) for b in range(offsets.size - 1)]
+    assert sorted(bins) == [[0, 1], [2, 3], [4, 5]]  # 6+4, 5+5, 7+3: three full bins
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, size=500)
+    offsets, items = pack_conversations(lengths, capacity=64)
+    assert sorted(items.tolist()) == list(range(500))  # every conversation exactly once
+    sums = np.add.reduceat(lengths[items], offsets[:-1])
+    assert sums.max() <= 64
+    assert offsets.size - 1 <= int(np.ceil(lengths.sum() / 64 * 1.1)) + 1  # close to the lower bound
+    again = pack_conversations(lengths, capacity=64)
+    assert np.array_equal(again[0], offsets) and np.array_equal(again[1], items)
+    with pytest.raises(ValueError):
+        pack_conversations(np.array([65]), capacity=64)
+
+
+@pytest.fixture(scope="module")
+def sft_prefix(tokenizer_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("sft_data")
+    path = write_jsonl(work / "animals.jsonl", animal_conversations(300))
+    return preprocess_conversations(path, str(work / "animals"), tokenizer_dir, progress=False)["outputs"]["tokens"]
+
+
+def test_packed_samples(sft_prefix):
+    tokens, mask = IndexedDataset(sft_prefix), IndexedDataset(mask_prefix(sft_prefix))
+    seq = 48
+    conversations = np.arange(len(tokens))
+    num_sequences = SFTDataset(tokens, mask, conversations, seq, 1, seed=0).num_sequences
+    dataset = SFTDataset(tokens, mask, conversations, seq, num_sequences * 2, seed=0)
+    assert dataset.truncated == int((tokens.sizes > seq + 1).sum()) > 0  # some conversations exceed 49 tokens
+    assert dataset.fill > 0.8
+    seen = []
+    for i in range(num_sequences):  # one epoch: every conversation once
+        sample = dataset[i]
+        assert {k: v.shape for k, v in sample.items()} == {k: (seq + 1,) for k in
+                                                          ("tokens", "loss_mask", "document_ids", "position_ids")}
+        docs = sample["document_ids"]
+        members = dataset.bin_items[dataset.bin_offsets[int(dataset.sample_order[i])]:
+                                    dataset.bin_offsets[int(dataset.sample_order[i]) + 1]]
+        for k, conversation in enumerate(members.tolist()):
+            where = np.flatnonzero(docs == k)
+            n = min(int(tokens.sizes[conversation]), seq + 1)
+            assert where.tolist() == list(range(where[0], where[0] + n))  # contiguous, whole (or truncated)
+            assert sample["tokens"][where].tolist() == tokens[conversation][:n].tolist()
+            assert sample["position_ids"][where].tolist() == list(range(n))
+            expected_mask = mask[conversation][:n].astype(bool)
+            expected_mask[0] = False
+            assert sample["loss_mask"][where].tolist() == expected_mask.tolist()
+            seen.append(conversation)
+        padding = docs == len(members)
+        assert not sample["loss_mask"][padding].any()
+    assert sorted(seen) == list(range(len(tokens)))
+    second_epoch = sorted(int(s) for s in dataset.sample_order[num_sequences:])
+    assert second_epoch == list(range(num_sequences))
+
+
+def test_labels_never_cross_conversations(sft_prefix):
+    tokens, mask = IndexedDataset(sft_prefix), IndexedDataset(mask_prefix(sft_prefix))
+    dataset = SFTDataset(tokens, mask, np.arange(len(tokens)), 48, 16, seed=1)
+    batch = collate([dataset[i] for i in range(16)])
+    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
+    trained = batch["labels"] != IGNORE_INDEX
+    # a label is trained only where the next token belongs to the same conversation
+    next_docs = torch.from_numpy(np.stack([dataset[i]["document_ids"][1:] for i in range(16)]))
+    assert (next_docs[trained] == batch["document_ids"][trained]).all()
+    assert trained.sum() > 0
+
+
+def test_no_pack_pads_one_conversation_per_sample(sft_prefix):
+    tokens, mask = IndexedDataset(sft_prefix), IndexedDataset(mask_prefix(sft_prefix))
+    dataset = SFTDataset(tokens, mask, np.arange(len(tokens)), 48, 20, seed=0, pack=False)
+    assert dataset.num_sequences == len(tokens)
+    for i in range(20):
+        sample = dataset[i]
+        assert set(sample) == {"tokens", "loss_mask"}
+        conversation = int(dataset.sample_order[i])
+        n = min(int(tokens.sizes[conversation]), 49)
+        assert sample["tokens"][:n].tolist() == tokens[conversation][:n].tolist()
+        assert not sample["tokens"][n:].any() and not sample["loss_mask"][n:].any()
+
+
+def test_build_sft_datasets_split_cache_and_checks(sft_prefix, tokenizer_dir, tmp_path):
+    train, valid = build_sft_datasets(sft_prefix, "90,10,0", 48, 30, 5, seed=0)
+    assert len(train) == 30 and len(valid) == 5
+    assert set(train.conversations.tolist()).isdisjoint(valid.conversations.tolist())
+    again, _ = build_sft_datasets(sft_prefix, "90,10,0", 48, 30, 5, seed=0)
+    assert again.loaded_from_cache and all(np.array_equal(train[i]["tokens"], again[i]["tokens"]) for i in range(30))
+    with pytest.raises(DataError, match=r"animals_sft\.bin: holds token id \d+, outside the model's vocabulary of 100"):
+        build_sft_datasets(sft_prefix, "90,10,0", 48, 30, 5, seed=0, vocab_size=100)
+    # a mask written by another preprocess run is refused
+    other = write_jsonl(tmp_path / "other.jsonl", animal_conversations(299))
+    other_summary = preprocess_conversations(other, str(tmp_path / "other"), tokenizer_dir, progress=False)
+    other_prefix = other_summary["outputs"]["tokens"]
+    with pytest.raises(DataError, match="does not match"):
+        SFTDataset(IndexedDataset(sft_prefix), IndexedDataset(mask_prefix(other_prefix)), np.arange(10), 48, 4, seed=0)
+
+
+def run_sft_training(workdir, prefix, steps, micro_batch_size, name):
+    config = workdir / "tiny.yaml"
+    config.write_text("model: llama-test\nmodel_overrides:\n  vocab_size: 512\n")  # the tokenizer has 400 ids
+    metrics = workdir / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "llamatron", "train", "--config", str(config), "--sft-data", prefix, "--device", "cpu",
+           "--precision", "fp32", "--seq-length", "96", "--micro-batch-size", str(micro_batch_size),
+           "--global-batch-size", "8", "--train-steps", str(steps), "--lr", "3e-3", "--lr-schedule", "constant",
+           "--no-progress", "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["loss"] for r in records if r.get("split") is None], done.stdout
+
+
+def test_sft_training_loss_falls_and_is_a_global_token_mean(sft_prefix, tmp_path):
+    losses, stdout = run_sft_training(tmp_path, sft_prefix, steps=30, micro_batch_size=2, name="mbs2")
+    assert "sft data" in stdout and "truncated" in stdout and "packed into" in stdout
+    assert np.mean(losses[-5:]) < 0.5 * losses[0], losses
+    # One micro-batch of 8 must give the same losses as four of 2: the loss is the mean over the
+    # trained tokens of the whole global batch, and the micro-batches hold different numbers of them.
+    whole, _ = run_sft_training(tmp_path, sft_prefix, steps=4, micro_batch_size=8, name="mbs8")
+    np.testing.assert_allclose(whole, losses[:4], rtol=1e-5)
+    train, _ = build_sft_datasets(sft_prefix, "98,2,0", 96, 30 * 8, 8, seed=1234)
+    per_micro_batch = [int((collate([train[i] for i in range(j, j + 2)])["labels"] != IGNORE_INDEX).sum())
+                       for j in range(0, 8, 2)]
+    assert len(set(per_micro_batch)) > 1, per_micro_batch  # else a mean of means would agree too

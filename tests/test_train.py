@@ -1,0 +1,89 @@
+"""The single-process trainer through its public command."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layout import BASE_ARGS, run_train
+
+PY = sys.executable
+
+
+def llamatron(*args, cwd, check=True):
+    proc = subprocess.run([PY, "-m", "llamatron", *args], capture_output=True, text=True, cwd=cwd,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stdout[-2000:] + proc.stderr[-4000:])
+    return proc
+
+
+def _pythonpath():
+    import os
+    return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "HOME", "VIRTUAL_ENV")}
+
+
+def test_issue_command_writes_30_records_and_loss_falls(tmp_path):
+    # The issue's command, with a short sequence to keep the suite fast.
+    llamatron("train", "--model", "llama-tiny", "--mock-data", "--train-steps", "30", "--device", "cpu",
+              "--metrics-file", "m.jsonl", "--seq-length", "64", "--lr", "3e-3", "--no-progress", cwd=tmp_path)
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r for r in records if r.get("split") is None]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for r in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "peak_mem_gib",
+                "consumed_samples"} <= set(r)
+        assert r["mfu"] is None  # CPU: unknown peak, never a guess
+    assert steps[-1]["consumed_samples"] == 30 * 16
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    valid = [r for r in records if r.get("split") == "valid"]
+    assert valid and {"loss", "perplexity", "accuracy"} <= set(valid[-1])
+
+
+def test_bad_config_fails_before_training(tmp_path):
+    proc = llamatron("train", "--model", "llama-test", "--mock-data", "--tp", "3", "--metrics-file", "m.jsonl",
+                     cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "world size 1 is not divisible by tp*pp = 3*1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_seed_makes_runs_repeatable_and_accumulation_matches(tmp_path):
+    a = run_train([], 1, tmp_path)
+    b = run_train([], 1, tmp_path)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    # 4 micro-batches of 2 vs one of 8: the same global batch, the same training.
+    c = run_train(["--micro-batch-size", "8"], 1, tmp_path)
+    for x, y in zip(a, c):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"]
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"]
+
+
+def test_resume_is_exact(tmp_path):
+    full = run_train(["--train-steps", "6"], 1, tmp_path)
+    run_train(["--train-steps", "6", "--save", "ck", "--save-interval", "3"], 1, tmp_path)
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-6"
+    resumed = run_train(["--train-steps", "6", "--load", "ck/step-3"], 1, tmp_path)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[3:]]
+    assert resumed[-1]["consumed_samples"] == full[-1]["consumed_samples"]
+
+
+def test_keep_last_and_generate(tmp_path):
+    run_train(["--train-steps", "4", "--save", "ck", "--save-interval", "1", "--keep-last", "2"], 1, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-3", "step-4"]
+    from llamatron.generate import load_for_generation, sample
+    model, meta = load_for_generation(str(tmp_path / "ck"))
+    assert meta["step"] == 4
+    out = sample(model, [1, 2, 3], max_new_tokens=5, seed=0)
+    assert len(out) == 5 and all(0 <= t < model.cfg.vocab_size for t in out)
+
+
+def test_load_of_other_architecture_lists_mismatches(tmp_path):
+    run_train(["--train-steps", "1", "--save", "ck"], 1, tmp_path)
+    with pytest.raises(AssertionError, match=r"does not fit this model[\s\S]*layers.0.attn.qkv.weight"):
+        run_train(["--train-steps", "1", "--load", "ck", "--finetune"], 1, tmp_path, model="llama3-test")
