@@ -84,6 +84,7 @@ class TrainConfig:
     precision: str = _f("auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
     recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
+    initial_loss_scale: float = _f(2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)")
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")

@@ -18,6 +18,7 @@ from .config import ConfigError, Derived, RunConfig
 from .models import ModelConfig, Transformer, build_model, materialize
 from .models.transformer import cross_entropy_per_token
 from .parallel.data import GradBuffer
+from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
 
@@ -36,6 +37,7 @@ class Engine:
     device: torch.device
     dtype: torch.dtype
     forward_backward: Callable  # (engine, micro_batches, total_tokens) -> summed loss on this rank (device)
+    loss_scaler: DynamicLossScaler | None = None  # fp16 only
 
 
 class _Recomputed(nn.Module):
@@ -102,7 +104,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     o = cfg.optim
     optimizer = DistributedAdamW(buffers, mesh, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                  eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer)
-    return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward)
+    scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
+    return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler)
 
 
 def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
@@ -135,7 +138,11 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
     total = count_tokens(engine, micro_batches)
     for buf in engine.buffers:
         buf.zero_grad()
-    loss = engine.forward_backward(engine, micro_batches, total)
+    scaler = engine.loss_scaler
+    if scaler is None:
+        loss = engine.forward_backward(engine, micro_batches, total)
+    else:  # fp16: dividing by total/scale multiplies every gradient by the scale
+        loss = engine.forward_backward(engine, micro_batches, total / scaler.scale) / scaler.scale
     for buf in engine.buffers:
         buf.finish_grad_sync()
     if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
@@ -143,12 +150,15 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
 
         sync_tensor_parallel_grads(engine.chunks, engine.mesh.tp_group)
     lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
-    grad_norm, found_inf = engine.optimizer.step(lr)
+    grad_norm, found_inf = engine.optimizer.step(lr, None if scaler is None else scaler.scale)
+    if scaler is not None:
+        scaler.update(found_inf)
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
-    return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr}
+    return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr,
+            "loss_scale": None if scaler is None else scaler.scale}
 
 
 def check_engine_config(cfg: RunConfig) -> None:
     """Features not available in this build fail here, before memory is allocated."""
-    if cfg.train.precision == "fp16":
-        raise ConfigError("--precision fp16 needs dynamic loss scaling, which is not implemented yet; use bf16")
+    if cfg.train.precision == "fp16" and cfg.parallel.grad_reduce_dtype == "bf16":
+        raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")

@@ -169,7 +169,7 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
             speed = throughput(tokens_per_step * len(pending), elapsed, flops_per_token, mesh.world_size, peak)
             for (s, o), loss in zip(pending, losses):
                 record = {"step": s, "loss": loss, "lr": o["lr"], "grad_norm": float(o["grad_norm"]),
-                          "skipped": bool(o["found_inf"] > 0), **speed, "peak_mem_gib": peak_memory_gib(engine.device),
+                          "skipped": bool(o["found_inf"] > 0), **_loss_scale(o), **speed, "peak_mem_gib": peak_memory_gib(engine.device),
                           "consumed_samples": consumed - (pending[-1][0] - s) * t.global_batch_size}
                 guard.count(record)
                 result.losses.append(loss)
@@ -204,6 +204,11 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     sink.close()
     result.steps, result.consumed_samples = (step + 1 if stop else t.train_steps), consumed
     return result
+
+
+def _loss_scale(step_out: dict) -> dict:
+    scale = step_out.get("loss_scale")
+    return {} if scale is None else {"loss_scale": float(scale)}
 
 
 def _evaluate_and_record(engine: Engine, datasets: Datasets, step: int, consumed: int, result: TrainResult,

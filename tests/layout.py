@@ -24,8 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-test", timeout: int = 300) -> list[dict]:
-    """Train through the public command; returns the per-step metric records (evaluation lines dropped)."""
+def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-test", timeout: int = 300,
+              include_eval: bool = False) -> list[dict]:
+    """Train through the public command; returns the per-step metric records (evaluation lines only if asked)."""
     metrics = workdir / f"metrics-{nproc}-{abs(hash(tuple(args))) % 10**8}.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -41,7 +42,7 @@ def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-te
     if proc.returncode != 0:
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in records if r.get("split") is None]
+    return records if include_eval else [r for r in records if r.get("split") is None]
 
 
 def assert_matches(reference: list[dict], got: list[dict], rtol: float = 1e-4, keys=("loss", "grad_norm")) -> None:

@@ -97,6 +97,8 @@ class GradBuffer:
                 p.main_grad = self.grad_data[start:end].view_as(p)
                 self.bucket_of[p] = bucket
         self.is_last_microbatch = True
+        # NCCL gathers in place (input = this rank's slice of the output); gloo needs a separate input.
+        self._in_place_gather = dp_group is not None and dist.get_backend(dp_group) == "nccl"
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self._gather_hooks: list = []
         self.reset_pending()
@@ -172,7 +174,10 @@ class GradBuffer:
         for bucket in reversed(self.buckets):
             size = bucket.numel // self.dp
             data = self.param_data[bucket.start:bucket.end]
-            bucket.gather_handle = _all_gather(data, data[rank * size:(rank + 1) * size].clone(),
+            shard = data[rank * size:(rank + 1) * size]
+            if not self._in_place_gather:
+                shard = shard.clone()
+            bucket.gather_handle = _all_gather(data, shard,
                                                                group=self.dp_group, async_op=overlap)
             self.stats.param_gathers += 1
         if not overlap:

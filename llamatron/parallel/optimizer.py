@@ -80,18 +80,27 @@ class DistributedAdamW:
         return sq.sqrt()
 
     @torch.no_grad()
-    def step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip, update, and publish new parameters. Returns (grad_norm, found_inf) as device tensors."""
+    def step(self, lr: float, loss_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale, clip, update. Returns (grad_norm, found_inf) as device tensors.
+
+        `loss_scale` (fp16): gradients arrive multiplied by it and are divided back here.
+        """
         grads = self.grads()
         norm = self.grad_norm()
+        if loss_scale is not None:
+            norm = norm / loss_scale
         found_inf = (~torch.isfinite(norm)).float()
         if not self.fused and found_inf.item():
             # Skip the step: the foreach AdamW has no found_inf (fused CUDA skips on device); on CPU .item() is free.
             return norm, found_inf
+        coef = None
         if self.clip_grad > 0:
             # Scale only when above the threshold; computed on device, no host sync.
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
             coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+        if loss_scale is not None:
+            coef = (1.0 / loss_scale) if coef is None else coef / loss_scale
+        if coef is not None:
             torch._foreach_mul_(grads, coef)
         for decay in (True, False):
             idx = [i for i, s in enumerate(self.segments) if s.decay == decay]
