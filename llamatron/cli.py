@@ -77,7 +77,9 @@ def _relaunch_with_torchrun(nproc: int) -> int:
         if a.startswith("--nproc-per-node="):
             continue
         out.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "-m", "llamatron", *out]
+    # --standalone: a single-node job with its own rendezvous on a free local port.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "llamatron", *out]
     return subprocess.call(cmd)
 
 

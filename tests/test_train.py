@@ -87,3 +87,14 @@ def test_load_of_other_architecture_lists_mismatches(tmp_path):
     run_train(["--train-steps", "1", "--save", "ck"], 1, tmp_path)
     with pytest.raises(AssertionError, match=r"does not fit this model[\s\S]*layers.0.attn.qkv.weight"):
         run_train(["--train-steps", "1", "--load", "ck", "--finetune"], 1, tmp_path, model="llama3-test")
+
+
+def test_nproc_per_node_starts_torchrun_itself(tmp_path):
+    ref = run_train([], 1, tmp_path)
+    llamatron("train", "--nproc-per-node", "2", "--model", "llama-test", *BASE_ARGS, "--distributed-optimizer",
+              "--metrics-file", "m2.jsonl", cwd=tmp_path)
+    got = [json.loads(line) for line in (tmp_path / "m2.jsonl").read_text().splitlines()]
+    got = [r for r in got if r.get("split") is None]
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]

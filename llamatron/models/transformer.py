@@ -30,7 +30,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         block = FalconBlock if cfg.family == "falcon" else LlamaBlock
-        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Weights come from models/init.py; passing _weight skips nn.Embedding's own init (slow to import).
+        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                                    _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
         norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.family == "falcon" else RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.norm: nn.Module | None = norm
