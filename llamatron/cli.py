@@ -54,8 +54,11 @@ def _print_demo_summary(result) -> None:
 
     if result.valid:
         first, last = result.valid[0], result.valid[-1]
+        from .evaluation import format_metrics
+
+        metrics = {k: v for k, v in last.items() if k not in ("step", "split", "consumed_samples")}
         print(f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step {last['step']} "
-              f"(perplexity {last['perplexity']:.1f}, next-token accuracy {last['accuracy']:.1%})")
+              f"({format_metrics(metrics)})")
     model, _ = load_for_generation(result.checkpoint)
     tok = load_tokenizer(os.path.join(DEMO_DIR, "data", "tokenizer"))
     ids = sample(model, tok.encode("def "), max_new_tokens=80, temperature=0.7, seed=0)

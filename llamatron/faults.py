@@ -2,7 +2,9 @@
 
 - A step whose gradient norm is not finite is skipped: parameters and optimizer state stay as they were
   (parallel/optimizer.py). A NaN/Inf loss reaches the gradients through backward, so the same test catches
-  it. `FaultGuard` counts skipped steps and stops the run after --max-skipped-steps of them in a row.
+  it. `FaultGuard` counts skipped steps and stops the run after --max-skipped-steps of them in a row. Under
+  fp16 an overflow while the loss scale can still back off is the scaler calibrating, not a fault: it is
+  counted in `skipped_steps` but neither reported nor part of a streak.
 - SIGTERM / SIGUSR1 (SLURM pre-emption or time limit) and --exit-duration-mins only raise a flag. At the
   next step boundary every rank contributes its flags to one all-reduce, so all ranks stop after the same
   step; the loop then saves a checkpoint (with --save) and returns normally (exit code 0).
@@ -79,23 +81,27 @@ def _in_main_thread() -> bool:
 class FaultGuard:
     """Per-run fault state: skipped-step counts, stop requests agreed across ranks, test hooks."""
 
-    def __init__(self, cfg, mesh, chunks: list[torch.nn.Module], device: torch.device,
-                 echo: Callable[[str], None] = print):
-        t = cfg.train
+    def __init__(self, engine, echo: Callable[[str], None] = print):
+        t = engine.cfg.train
         self.max_skipped = t.max_skipped_steps
         self.exit_duration_mins = t.exit_duration_mins
-        self.mesh, self.echo = mesh, echo
+        self.mesh, self.echo = engine.mesh, echo
+        scaler = getattr(engine, "loss_scaler", None)
+        self.min_loss_scale = None if scaler is None else scaler.min_scale
         self.skipped_total = 0
         self.streak: list[dict] = []  # records of the current run of consecutive skipped steps
         self.too_many_skipped: str | None = None
-        # NCCL reduces device tensors only; gloo CPU ones.
-        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-        self.flag_device = device if nccl else torch.device("cpu")
+        self.last_update_step: int | None = None  # the last step that changed the parameters
+        # The stop flags travel over a gloo group even on GPU: a CPU all-reduce between steps does not
+        # make the host wait for the GPU, so the next step's kernels can still be queued ahead.
+        self.flag_group = None
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            self.flag_group = dist.new_group(backend="gloo")
         install_signal_handlers()
         self.nan_steps = _parse_steps(os.environ.get(NAN_STEPS_ENV, ""))
         self.inject_nan = False
         if self.nan_steps:
-            _install_nan_injection(chunks, self)
+            _install_nan_injection(engine.chunks, self)
         self.hang = _parse_hang(os.environ.get(HANG_ENV, ""))
 
     def start_step(self, step: int) -> None:
@@ -109,9 +115,9 @@ class FaultGuard:
     def stop_reason(self) -> str | None:
         """Whether to stop after the step just run; the same answer on every rank (one all-reduce)."""
         time_up = self.exit_duration_mins is not None and self.elapsed_mins() >= self.exit_duration_mins
-        flags = torch.tensor([_received_signal, int(time_up)], dtype=torch.int32, device=self.flag_device)
+        flags = torch.tensor([_received_signal, int(time_up)], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flag_group)
         signum, time_up = flags.tolist()
         if signum:
             return f"received {signal.Signals(signum).name} (pre-emption or job time limit)"
@@ -128,6 +134,10 @@ class FaultGuard:
         """Add the running `skipped_steps` count to a step record; note a streak that reaches the limit."""
         if record["skipped"]:
             self.skipped_total += 1
+            # fp16: the record holds the scale after the step's back-off; above the floor it can still adapt.
+            if self.min_loss_scale is not None and record.get("loss_scale", 0.0) > self.min_loss_scale:
+                record["skipped_steps"] = self.skipped_total
+                return
             self.streak.append(record)
             self.echo(f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}: not finite, "
                       f"step skipped ({len(self.streak)} in a row, {self.skipped_total} in total)")
@@ -135,6 +145,7 @@ class FaultGuard:
                 self.too_many_skipped = self._streak_message()
         else:
             self.streak = []
+            self.last_update_step = record["step"]
         record["skipped_steps"] = self.skipped_total
 
     def check_skipped(self, on_abort: Callable[[], None] = lambda: None) -> None:
@@ -153,7 +164,8 @@ class FaultGuard:
         first, last = self.streak[0], self.streak[-1]
         return (f"{len(self.streak)} steps in a row (steps {first['step']}-{last['step']}) had a non-finite loss or "
                 f"gradient norm and were skipped (--max-skipped-steps {self.max_skipped}); the parameters are those "
-                f"after step {first['step'] - 1}. Resume from the last checkpoint with a lower --lr, more "
+                f"{'as loaded' if self.last_update_step is None else f'after step {self.last_update_step}'}. "
+                f"Resume from the last checkpoint with a lower --lr, more "
                 f"--warmup-steps or a smaller --clip-grad, or inspect the data those steps read (consumed samples "
                 f"up to {last['consumed_samples']}).")
 

@@ -151,7 +151,7 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     progress = _progress_bar(t.train_steps, start_step) if (logging_rank and t.progress) else None
     timer = Timer(engine.device)
     pending: list[tuple[int, dict]] = []
-    guard = FaultGuard(cfg, mesh, engine.chunks, engine.device, echo=lambda m: _print(progress, m) if logging_rank else None)
+    guard = FaultGuard(engine, echo=lambda m: _print(progress, m) if logging_rank else None)
     stop: str | None = None
     if datasets.valid is not None and start_step == 0 and t.eval_interval:
         _evaluate_and_record(engine, datasets, 0, consumed, result, sink, progress)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -77,11 +77,22 @@ def test_consecutive_nan_steps_stop_the_run_with_a_clear_message(tmp_path):
                            LLAMATRON_TEST_NAN_STEPS="2,4,5")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "stopped: 2 steps in a row (steps 4-5) had a non-finite loss or gradient norm" in proc.stderr
-    assert "--max-skipped-steps 2" in proc.stderr and "after step 3" in proc.stderr
+    assert "--max-skipped-steps 2" in proc.stderr and "those after step 3." in proc.stderr
     assert "Traceback" not in proc.stderr
     # Step 2's skip was not part of the streak (step 3 succeeded); the records up to the stop are all written.
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert [r["skipped_steps"] for r in steps] == [0, 1, 1, 2, 3]
+
+
+def test_fp16_overflow_while_the_loss_scale_backs_off_is_not_a_fault(tmp_path):
+    # Scale 4 -> 2 (step 2: the scaler calibrating) -> 1 (step 3, the floor) -> 1 (step 4): only 3 and 4 count.
+    proc, steps, _ = train(tmp_path, ["--train-steps", "6", "--precision", "fp16", "--initial-loss-scale", "4",
+                                      "--max-skipped-steps", "2"], check=False, LLAMATRON_TEST_NAN_STEPS="2,3,4")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "stopped: 2 steps in a row (steps 3-4)" in proc.stderr and "those after step 1." in proc.stderr
+    assert [r["loss_scale"] for r in steps] == [4.0, 2.0, 1.0, 1.0]
+    assert [r["skipped_steps"] for r in steps] == [0, 1, 2, 3]
+    assert "step 2:" not in proc.stdout and "step 3: loss nan" in proc.stdout  # calibration is not reported
 
 
 # --- pre-emption: SIGTERM / SIGUSR1 -----------------------------------------------------------------------------
@@ -183,9 +194,17 @@ def test_hung_rank_fails_within_dist_timeout_naming_it(tmp_path):
 
 # --- TensorBoard and W&B ----------------------------------------------------------------------------------------
 
+def _installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def test_tensorboard_event_file_has_the_metric_records(tmp_path):
     args = ["--train-steps", "3", "--tensorboard-dir", "tb", "--eval-metrics", "accuracy"]
-    if importlib.util.find_spec("tensorboard") is None:  # the optional package is missing: a clear error instead
+    if not _installed("tensorboard"):  # the optional package is missing: a clear error instead
         proc, _, _ = train(tmp_path, args, check=False)
         assert proc.returncode == 2 and "pip install tensorboard" in proc.stderr
         return
@@ -206,7 +225,7 @@ def test_tensorboard_event_file_has_the_metric_records(tmp_path):
 
 def test_wandb_offline_run_is_written_without_network(tmp_path):
     args = ["--train-steps", "2", "--wandb-project", "llamatron-test", "--wandb-mode", "offline"]
-    if importlib.util.find_spec("wandb") is None:
+    if not _installed("wandb"):
         proc, _, _ = train(tmp_path, args, check=False)
         assert proc.returncode == 2 and "--wandb-project needs the 'wandb' package" in proc.stderr
         assert "pip install wandb" in proc.stderr
