@@ -34,7 +34,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..models import Transformer
-from .mesh import Mesh, all_reduce
+from .mesh import Mesh, all_reduce, new_group
 from .schedules import Action, Message, ScheduleError, Step, build_program, input_message, output_message
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -139,7 +139,7 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
     for d in range(mesh.dp):
         for t in range(mesh.tp):
             ranks = [mesh.rank_of(t, d, 0), mesh.rank_of(t, d, mesh.pp - 1)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)  # carries --dist-timeout
             if mesh.rank in ranks:
                 mine = group
     return mine
