@@ -18,7 +18,6 @@ schedule is a function of the step, so restoring the step restores it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from ..config import ConfigError
 from ..models import ModelConfig, build_model
 from ..parallel.optimizer import lr_at
-from .pieces import CheckpointError, full_shape_of, local_pieces
+from .pieces import CheckpointError, local_pieces
 from .reader import (META_FILE, MODEL_FILE, CheckpointReader, load_full_tensors, open_weights, read_meta,
                      resolve_checkpoint, rng_file)
 from .writer import PendingSave, finish, global_named_params, set_rng_state, start_save
@@ -44,12 +43,13 @@ def _layout(engine) -> dict[str, Any]:
 
 def _meta(engine, step: int, consumed_samples: int) -> dict[str, Any]:
     cfg, o = engine.cfg, engine.cfg.optim
+    scaler = getattr(engine, "loss_scaler", None)  # fp16: the same on every rank
     return {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
             "config": cfg.to_dict(), "model_config": engine.model_cfg.to_dict(), "layout": _layout(engine),
             "has_master_weights": not engine.optimizer.master_is_param,
             "lr_schedule": {"completed_steps": step, "next_lr": lr_at(step, o.lr, o.min_lr, o.warmup_steps,
                                                                        cfg.train.train_steps, o.lr_schedule)},
-            **getattr(engine, "inherited_meta", {})}
+            "loss_scaler": None if scaler is None else scaler.state_dict(), **getattr(engine, "inherited_meta", {})}
 
 
 def save_checkpoint(engine, root: str, step: int, consumed_samples: int) -> str:
@@ -98,6 +98,13 @@ def _read_into(reader: CheckpointReader, kind: str, name: str, param: nn.Paramet
         piece.view(dst).copy_(reader.read(kind, name, piece.box))
 
 
+@torch.no_grad()
+def _fill_master(reader: CheckpointReader, opt, i: int, name: str) -> None:
+    """Separate fp32 master weights: the stored ones, else the weights (a checkpoint saved in fp32, or imported)."""
+    seg = opt.segments[i]
+    _read_into(reader, "master" if reader.has("master") else "model", name, seg.param, opt.master[i], seg.param_offset)
+
+
 def load_checkpoint(engine, path: str, weights_only: bool = False) -> dict[str, Any]:
     reader = CheckpointReader(path)
     meta = reader.run_meta
@@ -109,31 +116,30 @@ def load_checkpoint(engine, path: str, weights_only: bool = False) -> dict[str, 
     _check_architecture(reader, engine)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
-    weights_kind = "master" if opt.master_is_param and reader.has("master") and not weights_only else "model"
+    weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
     named = global_named_params(engine)
+    name_of = {id(p): n for n, p in named}
     with torch.no_grad():
         for name, p in named:
             _read_into(reader, weights_kind, name, p, p.detach().view(-1), 0)
     if weights_only:
-        with torch.no_grad():  # fresh optimizer: master weights start from the loaded weights
+        if not opt.master_is_param:  # a fresh optimizer, whose master weights start from the loaded ones
             for i, seg in enumerate(opt.segments):
-                if not opt.master_is_param:
-                    opt.master[i].copy_(seg.buffer.param_data[seg.start:seg.end])
+                _fill_master(reader, opt, i, name_of[id(seg.param)])
         return meta
     if not all(reader.has(kind) for kind in ("exp_avg", "exp_avg_sq", "step")):
         raise CheckpointError(f"{reader.step_dir} has no optimizer state; resume it with --finetune")
-    name_of = {id(p): n for n, p in named}
     with torch.no_grad():
         for i, seg in enumerate(opt.segments):
             name, start = name_of[id(seg.param)], seg.param_offset
             _read_into(reader, "exp_avg", name, seg.param, opt.exp_avg[i], start)
             _read_into(reader, "exp_avg_sq", name, seg.param, opt.exp_avg_sq[i], start)
             if not opt.master_is_param:
-                if reader.has("master"):
-                    _read_into(reader, "master", name, seg.param, opt.master[i], start)
-                else:  # saved in fp32: the weights were the master weights
-                    _read_into(reader, "model", name, seg.param, opt.master[i], start)
+                _fill_master(reader, opt, i, name)
             opt.steps[i].fill_(reader.read("step", name).item())
+    scaler = getattr(engine, "loss_scaler", None)
+    if scaler is not None and meta.get("loss_scaler"):  # else (from bf16/fp32) the initial scale, as at the start
+        scaler.load_state_dict(meta["loss_scaler"])
     _restore_rng(reader, engine)
     return meta
 
@@ -149,6 +155,5 @@ def _restore_rng(reader: CheckpointReader, engine) -> None:
         set_rng_state(torch.load(path, weights_only=False))
 
 
-__all__ = ["CheckpointError", "ConfigError", "META_FILE", "MODEL_FILE", "finish_pending_save", "full_shape_of",
-           "load_checkpoint", "load_full_tensors", "open_weights", "read_meta", "read_model_config",
-           "resolve_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "ConfigError", "META_FILE", "MODEL_FILE", "finish_pending_save", "load_checkpoint",
+           "load_full_tensors", "open_weights", "read_meta", "read_model_config", "resolve_checkpoint", "save_checkpoint"]

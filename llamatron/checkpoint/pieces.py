@@ -81,7 +81,10 @@ class LocalPiece:
         return block.narrow(self.dim, self.start, self.length)
 
 
-def contiguous_blocks(shape: tuple[int, ...], start: int, end: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+Block = tuple[int, tuple[int, ...], tuple[int, ...]]  # flat start, offsets, sizes
+
+
+def contiguous_blocks(shape: tuple[int, ...], start: int, end: int) -> list[Block]:
     """The flat range [start, end) of a row-major tensor as (flat start, offsets, sizes) blocks, in order."""
     if start >= end:
         return []

@@ -95,7 +95,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _index_from_json(data: dict[str, Any], where: Path) -> dict[str, dict[str, StoredTensor]]:
     if data.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: unknown checkpoint format {data.get('format')!r} (this version reads {FORMAT})")
+        raise CheckpointError(f"{where}: unknown checkpoint format {data.get('format')!r} "
+                              f"(this version reads {FORMAT})")
     files = data["files"]
     out: dict[str, dict[str, StoredTensor]] = {}
     for kind, by_name in data["tensors"].items():

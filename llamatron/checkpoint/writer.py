@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models import build_model
 from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, CheckpointError, full_shape_of, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
                      rng_file)
@@ -73,6 +74,7 @@ class PendingSave:
     thread: threading.Thread | None = None
     error: str | None = None
     keep_last: int = 0
+    expected: dict[str, tuple[int, ...]] | None = None  # every weight's full shape (rank 0 checks the index)
 
     @property
     def final(self) -> Path:
@@ -188,36 +190,54 @@ def _snapshot(pieces: list[PieceToWrite]) -> list[PieceToWrite]:
 
 
 def start_save(engine, root: str | Path, step: int, meta: dict[str, Any], background: bool) -> PendingSave:
-    """Write this rank's files of checkpoint `step` (in a thread with `background`); publish with `finish`."""
+    """Write this rank's files of checkpoint `step` (in a thread with `background`); publish with `finish`.
+
+    Failures are kept in the returned PendingSave, not raised: `finish` tells every rank, so none hangs.
+    """
     mesh = engine.mesh
     root = Path(root)
-    tmp = root / f".tmp-step-{step}"
+    pending = PendingSave(root, step, root / f".tmp-step-{step}", meta, [], None, keep_last=engine.cfg.train.keep_last)
     if mesh.rank == 0:
-        if tmp.exists():  # left by a save that crashed
-            shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
+        model = build_model(engine.model_cfg, device="meta")
+        pending.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        try:
+            if pending.tmp.exists():  # left by a save that crashed
+                shutil.rmtree(pending.tmp)
+            (pending.tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            pending.error = _describe(mesh.rank, e)
     _barrier()
     for buf in engine.buffers:  # the distributed optimizer's parameter all-gather may still be in flight
         buf.finish_param_gather()
     pieces = rank_pieces(engine)
-    listing = [(p.kind, p.name, p.full_shape, SAFETENSORS_DTYPES[p.data.dtype], p.box.offsets, p.box.sizes)
-               for p in pieces]
-    pending = PendingSave(root, step, tmp, meta, listing, rank_file(mesh.rank) if pieces else None,
-                          keep_last=engine.cfg.train.keep_last)
+    pending.listing = [(p.kind, p.name, p.full_shape, SAFETENSORS_DTYPES[p.data.dtype], p.box.offsets, p.box.sizes)
+                       for p in pieces]
+    pending.file = rank_file(mesh.rank) if pieces else None
     rng = rng_state()
 
     def write(to_write: list[PieceToWrite]) -> None:
         try:
-            write_files(tmp, mesh.rank, step, to_write, rng)
-        except Exception as e:  # reported to every rank by `finish`
-            pending.error = f"rank {mesh.rank}: {type(e).__name__}: {e}"
+            write_files(pending.tmp, mesh.rank, step, to_write, rng)
+        except Exception as e:
+            pending.error = pending.error or _describe(mesh.rank, e)
 
-    if background:
-        pending.thread = threading.Thread(target=write, args=(_snapshot(pieces),), name=f"checkpoint-{step}")
-        pending.thread.start()
-    else:
+    if pending.error:
+        return pending
+    if not background:
         write(pieces)
+        return pending
+    try:
+        snapshot = _snapshot(pieces)
+    except Exception as e:  # e.g. no host memory for the copies
+        pending.error = _describe(mesh.rank, e)
+        return pending
+    pending.thread = threading.Thread(target=write, args=(snapshot,), name=f"checkpoint-step-{step}")
+    pending.thread.start()
     return pending
+
+
+def _describe(rank: int, e: Exception) -> str:
+    return f"rank {rank}: {type(e).__name__}: {e}"
 
 
 def finish(engine, pending: PendingSave) -> str:
@@ -238,7 +258,7 @@ def finish(engine, pending: PendingSave) -> str:
             _publish(pending, reports)
         except Exception as e:
             shutil.rmtree(pending.tmp, ignore_errors=True)
-            outcome[0] = (f"saving {pending.final} failed ({e}); nothing was published and {pending.root}/latest "
+            outcome[0] = (f"saving {pending.final} failed ({e}); nothing was published: {pending.root}/latest "
                           f"still names the previous checkpoint")
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
@@ -262,13 +282,17 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
             stored, want = sum(p.box.numel() for p in t.pieces), int(torch.Size(t.shape).numel())
             if stored != want:
                 raise CheckpointError(f"{kind} {name}: the ranks wrote {stored} of its {want} elements")
-    model_names = set(tensors.get("model", {}))
+    written = {n: t.shape for n, t in tensors.get("model", {}).items()}
+    if pending.expected is not None and written != pending.expected:
+        wrong = sorted(set(written.items()) ^ set(pending.expected.items()))[:10]
+        raise CheckpointError(f"the weights written do not match the model: {wrong}")
     for kind in ("exp_avg", "exp_avg_sq", "step"):
-        if set(tensors.get(kind, {})) != model_names:
+        if set(tensors.get(kind, {})) != set(written):
             raise CheckpointError(f"the ranks wrote {kind} for a different set of tensors than the weights")
     tmp, root, final = pending.tmp, pending.root, pending.final
-    for name, data in ((INDEX_FILE, index_to_json(files, tensors)), (META_FILE, pending.meta)):
-        (tmp / name).write_text(json.dumps(data, indent=1))
+    for name, text in ((INDEX_FILE, json.dumps(index_to_json(files, tensors), separators=(",", ":"))),
+                       (META_FILE, json.dumps(pending.meta, indent=1))):
+        (tmp / name).write_text(text)
         _fsync(tmp / name)
     aside = root / f".old-{final.name}"
     if final.exists():  # saving a step again (a resumed run): keep the old one until the new one is in place
