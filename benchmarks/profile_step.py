@@ -1,0 +1,105 @@
+"""Where a training step's GPU time goes, by kernel category, from torch.profiler.
+
+    python benchmarks/profile_step.py --model llama-1b --seq-length 4096 --micro-batch-size 8 \
+        --global-batch-size 8 --compile [--json]
+
+Runs warm-up steps, then profiles `--steps` steps and prints the device time per category
+(matmul, attention, communication, optimizer, other elementwise) and the top kernels. Any
+`llamatron train` flag is accepted. On CPU it profiles CPU operators instead (for smoke tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from llamatron.config import add_config_arguments, load_config, validate  # noqa: E402
+from llamatron.data.batches import micro_batches_for_step  # noqa: E402
+from llamatron.data.mock import MockDataset  # noqa: E402
+from llamatron.engine import build_engine, to_device, train_step  # noqa: E402
+from llamatron.parallel.mesh import build_mesh, init_distributed  # noqa: E402
+
+# Kernel-name fragments per category, first match wins (lower-case).
+CATEGORIES = [
+    ("communication", ("nccl", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "flex")),
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "addmm", "aten::mm", "aten::bmm", "linear")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "norm_kernel")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "elementwise/other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cfg = load_config(args)
+    cfg.data.mock_data = True
+    cfg.train.train_steps = args.warmup + args.steps
+    derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+    init_distributed(derived.device)
+    engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp))
+    t = cfg.train
+    data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
+    batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp,
+                                             engine.mesh.dp_rank), engine.device)
+    for step in range(args.warmup):
+        train_step(engine, batch, step)
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for step in range(args.steps):
+            train_step(engine, batch, args.warmup + step)
+        if cuda:
+            torch.cuda.synchronize()
+    per_cat: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = evt.device_time_total if cuda else evt.self_cpu_time_total
+        if us <= 0 or (not cuda and evt.key.startswith("ProfilerStep")):
+            continue
+        per_cat[category(evt.key)] += us
+        per_kernel[evt.key] += us
+    total = sum(per_cat.values()) or 1.0
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "ms_per_step": {k: v / 1000 / args.steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "share": {k: v / total for k, v in per_cat.items()},
+        "top_kernels": [(k[:90], v / 1000 / args.steps) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]],
+    }
+    if engine.mesh.rank != 0:
+        return
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{'category':<20} {'ms/step':>9} {'share':>7}")
+    for k, ms in result["ms_per_step"].items():
+        print(f"{k:<20} {ms:>9.1f} {result['share'][k]:>7.1%}")
+    print("\ntop kernels (ms/step):")
+    for name, ms in result["top_kernels"]:
+        print(f"  {ms:8.2f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
