@@ -276,10 +276,10 @@ def test_fine_tuning_path_from_a_fresh_shell(tmp_path, capsys):
     assert "weights-only checkpoint: add --finetune" in capsys.readouterr().err
     proc = _llamatron(*train, "--finetune", "--metrics-file", "single.jsonl", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # The same fine-tuning under tensor parallelism (checkpoints cannot be saved under tp > 1 yet: no --save).
-    no_save = [a for a in train if a not in ("--save", "tuned")]
+    # The same fine-tuning under tensor parallelism, saved from 2 ranks and exported below.
+    tp2 = [a if a != "tuned" else "tuned-tp2" for a in train]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "llamatron", *no_save,
+                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "llamatron", *tp2,
                            "--finetune", "--tp", "2", "--metrics-file", "tp2.jsonl"], capture_output=True, text=True,
                           cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -287,16 +287,20 @@ def test_fine_tuning_path_from_a_fresh_shell(tmp_path, capsys):
               for f in ("single.jsonl", "tp2.jsonl")]
     assert len(losses[0]) == 5
     assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses)), losses
-    proc = _llamatron("export-hf", "tuned", "exported", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    for ckpt, out in (("tuned", "exported"), ("tuned-tp2", "exported-tp2")):
+        proc = _llamatron("export-hf", ckpt, out, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
 
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    exported_tp2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported-tp2").eval()
     tuned, meta = load_for_generation(str(tmp_path / "tuned"))
     assert meta["step"] == 5
     tokens = random_tokens(2, 32)
     with torch.no_grad():
         theirs, ours, before = exported(tokens).logits, tuned(tokens), hf_model(tokens).logits
+        theirs_tp2 = exported_tp2(tokens).logits
     assert (theirs - ours).abs().max() <= 1e-4
+    assert (theirs_tp2 - ours).abs().max() <= 1e-4  # tp=2 training saved, exported and loaded the same model
     assert (theirs - before).abs().max() > 1e-3  # training changed the model
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
     assert tokenizer.convert_tokens_to_ids("t7") == 7
