@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Single-GPU rows run two at a time (one per GPU) when two GPUs are present.
-# usage: benchmarks/gpu_suite.sh [GROUP...]   groups: single, dp, tp, tests
+# usage: benchmarks/gpu_suite.sh [GROUP...]   groups: single, dp, tp, tp7, tests, plan
+# The 2-GPU groups need `nvidia-h200-x2`.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
@@ -25,12 +26,20 @@ for group in ${@:-single dp tests}; do
       wait ;;
     dp)
       multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer
-      multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --no-overlap-grad-reduce --no-overlap-param-gather ;;
+      multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --no-overlap-grad-reduce --no-overlap-param-gather
+      multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --grad-reduce-dtype bf16 ;;
     tp)
-      multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel
-      multi 2 $B7 --micro-batch-size 1 --compile --tp 2 --sequence-parallel ;;
+      multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
+    tp7)  # Llama 2 7B on 2 GPUs: tensor parallel vs data parallel with the distributed optimizer
+      multi 2 $B7 --micro-batch-size 2 --compile --tp 2 --sequence-parallel
+      multi 2 $B7 --global-batch-size 16 --micro-batch-size 2 --compile --distributed-optimizer --recompute full ;;
+    plan)  # the planner's prediction against measured peak memory
+      for a in "--micro-batch-size 4" "--micro-batch-size 8 --recompute full"; do
+        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/check_plan_memory.py --model llama-1b --seq-length 4096 \
+          --global-batch-size 8 $a >>"$OUT/plan.jsonl" 2>>"$OUT/log.txt"
+      done ;;
     tests)
-      timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider >>"$OUT/pytest_gpu.txt" 2>&1
+      timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider >>"$OUT/pytest_gpu.txt" 2>&1
       echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;
   esac
 done

@@ -67,6 +67,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _sync(device)
     elapsed = time.perf_counter() - start
     peak_mem = peak_memory_gib(device)
+    state = _state_memory(engine)
     breakdown = _breakdown(engine, batch, args.warmup + args.steps)
     tokens = t.global_batch_size * cfg.data.seq_length * args.steps
     speed = throughput(tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device))
@@ -76,7 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
            "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer, "recompute": t.recompute,
            "compile": bool(t.compile if t.compile is not None else device.type == "cuda"),
            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
-           "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **breakdown,
+           "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
@@ -85,6 +86,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _state_memory(engine) -> dict[str, float]:
+    """Weights + gradients + optimizer state: allocated between steps (no activations alive) vs the formula.
+
+    Formula per parameter: bf16 params 2 + grads 4 + (master 4 + moments 8) / s, s = dp with the
+    distributed optimizer (fp32 params: 4 + 4 + 8 / s). The measured figure also holds the step's batch
+    and the small tensors of the optimizer's bookkeeping.
+    """
+    if engine.device.type != "cuda":
+        return {}
+    for buf in engine.buffers:
+        buf.finish_param_gather()
+    torch.cuda.synchronize(engine.device)
+    params = sum(p.numel() for b in engine.buffers for p in b.param_range)
+    shards = engine.mesh.dp if engine.optimizer.distributed else 1
+    per_param = (4 + 4 + 8 / shards) if engine.dtype == torch.float32 else (engine.dtype.itemsize + 4 + 12 / shards)
+    return {"state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
+            "state_formula_gib": params * per_param / 2**30}
 
 
 def _breakdown(engine, batch: list[dict], step: int) -> dict[str, float]:
