@@ -20,9 +20,12 @@ def _train_parser(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc_per_node:
-        return _relaunch_with_torchrun(args.nproc_per_node)
     cfg = load_config(args)
+    if args.nproc_per_node:
+        from .config import validate
+
+        validate(cfg, args.nproc_per_node)  # fail once, here, rather than once per spawned rank
+        return _relaunch_with_torchrun(args.nproc_per_node)
     demo = cfg.data.data is None and not cfg.data.mock_data and cfg.data.sft_data is None
     if demo:
         _apply_demo_defaults(cfg)
@@ -90,12 +93,12 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--load", required=True, help="checkpoint directory (DIR or DIR/step-N)")
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded with the checkpoint's data)")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded in the checkpoint)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: 100)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -104,14 +107,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .generate import load_for_generation, sample
 
     model, meta = load_for_generation(args.load, args.device)
-    tokenizer = args.tokenizer or meta["config"]["data"].get("tokenizer")
+    tokenizer = args.tokenizer or meta.get("tokenizer") or (meta.get("config") or {}).get("data", {}).get("tokenizer")
     if tokenizer is None:
-        from .train import DEMO_DIR
-
-        tokenizer = os.path.join(DEMO_DIR, "data", "tokenizer")
+        raise ConfigError(f"checkpoint {args.load} records no tokenizer (trained on --mock-data?); "
+                          f"pass --tokenizer PATH")
     if not os.path.exists(tokenizer):
-        raise ConfigError(f"tokenizer {tokenizer} not found; pass --tokenizer PATH")
+        raise ConfigError(f"tokenizer {tokenizer} (recorded in the checkpoint) not found; pass --tokenizer PATH")
     tok = load_tokenizer(tokenizer)
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens but the model only "
+                          f"{model.cfg.vocab_size}: it is not this model's tokenizer")
     ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tok.decode(ids))
     return 0
@@ -150,10 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         sys.exit(0)
+    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank fails alike: say it once
     try:
         sys.exit(args.func(args))
     except ConfigError as e:
-        print(f"llamatron {args.command}: configuration error: {e}", file=sys.stderr)
+        if first_rank:
+            print(f"llamatron {args.command}: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FileNotFoundError as e:  # an input path that does not exist
+        if first_rank:
+            print(f"llamatron {args.command}: file not found: {e.filename or e}", file=sys.stderr)
         sys.exit(2)
     except DataError as e:  # a bad input or data file: the message names it
         print(f"llamatron {args.command}: data error: {e}", file=sys.stderr)

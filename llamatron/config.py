@@ -129,7 +129,10 @@ class RunConfig:
     explicit: set = field(default_factory=set, repr=False)  # settings given by YAML or flags, not defaulted
 
     def model_config(self) -> ModelConfig:
-        cfg = get_preset(self.train.model)
+        try:
+            cfg = get_preset(self.train.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for key, value in self.model_overrides.items():
             if not hasattr(cfg, key):
                 raise ConfigError(f"model_overrides: unknown model field {key!r}")
@@ -208,7 +211,10 @@ def load_config(args: argparse.Namespace) -> RunConfig:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of setting: value")
         values.update({k.replace("-", "_"): v for k, v in loaded.items()})

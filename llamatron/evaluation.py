@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -107,6 +109,8 @@ def resolve_eval_metrics(names: Sequence[str] | str, pp: int = 1) -> list[str]:
     for name in names:
         if ":" in name:  # module:metric -- the module registers the metric when imported
             module, name = name.split(":", 1)
+            if os.getcwd() not in sys.path:  # the `llamatron` script, unlike `python -m`, does not search it
+                sys.path.insert(0, os.getcwd())
             try:
                 importlib.import_module(module)
             except ImportError as e:

@@ -67,7 +67,8 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
         if dist.is_initialized():
             dist.barrier()
         info = prepare_demo_data(os.path.join(DEMO_DIR, "data")) if mesh.rank != 0 else info
-        prefix, tokenizer = info["prefix"], info["tokenizer"]
+        prefix, tokenizer = info["prefix"], os.path.abspath(info["tokenizer"])
+        cfg.data.tokenizer = tokenizer  # recorded in checkpoints, so `generate` finds it from anywhere
     if tokenizer is not None:
         from .data.tokenizer import load_tokenizer
 
@@ -102,6 +103,8 @@ def _rank0_first(mesh: Mesh, build):
 
 def run_training(cfg: RunConfig) -> TrainResult:
     t = cfg.train
+    if cfg.data.tokenizer and os.path.exists(cfg.data.tokenizer):
+        cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)  # checkpoints must name it from anywhere
     model_cfg = cfg.model_config()
     if t.load and "model" not in cfg.explicit:
         # The architecture comes from the checkpoint unless --model is given (then they must match).
@@ -217,7 +220,7 @@ def _evaluate_and_record(engine: Engine, datasets: Datasets, step: int, consumed
     record = {"step": step, "split": "valid", **metrics, "consumed_samples": consumed}
     result.valid.append(record)
     sink.write(record)
-    if engine.mesh.is_logging_rank and engine.cfg.train.progress:
+    if engine.mesh.is_logging_rank:  # also with --no-progress: batch logs want the evaluations
         _print(progress, f"step {step}: valid {format_metrics(metrics)}")
 
 

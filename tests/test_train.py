@@ -98,3 +98,14 @@ def test_nproc_per_node_starts_torchrun_itself(tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]
+
+
+def test_user_mistakes_exit_2_with_a_message(tmp_path):
+    proc = llamatron("train", "--model", "llama-tinyy", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "unknown model preset 'llama-tinyy'" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "bad.yaml").write_text("lr: [\n")
+    proc = llamatron("train", "--config", "bad.yaml", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "is not valid YAML" in proc.stderr
+    run_train(["--train-steps", "1", "--save", "ck"], 1, tmp_path)  # mock data: no tokenizer
+    proc = llamatron("generate", "--load", "ck", "--prompt", "x", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "records no tokenizer" in proc.stderr and "--tokenizer" in proc.stderr
