@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,8 @@ def run_training(cfg: RunConfig) -> TrainResult:
     check_engine_config(cfg)
     init_distributed(derived.device, t.dist_timeout)
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
+    if mesh.rank == 0:
+        _warn_if_save_dir_has_another_run(cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -207,6 +210,19 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     sink.close()
     result.steps, result.consumed_samples = (step + 1 if stop else t.train_steps), consumed
     return result
+
+
+def _warn_if_save_dir_has_another_run(cfg: RunConfig) -> None:
+    """A fresh run saving into a directory with newer checkpoints would move its `latest` backwards."""
+    save, load = cfg.train.save, cfg.train.load
+    latest = os.path.join(save, "latest") if save else None
+    if latest is None or not os.path.isfile(latest) or load:
+        return
+    with open(latest) as f:
+        previous = f.read().strip()
+    print(f"warning: --save {save} already holds checkpoints ({previous} is its latest) and this run starts from "
+          f"step 0 without --load: its saves will replace that `latest`. Pass --load {save} to resume instead.",
+          file=sys.stderr, flush=True)
 
 
 def _loss_scale(step_out: dict) -> dict:
