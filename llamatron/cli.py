@@ -143,10 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _module_commands() -> list:
     """Commands living in their own modules; each module's `register` adds its sub-parser."""
-    from . import bench, plan
+    from . import bench, plan_cli
     from .checkpoint import hf_cli
 
-    return [hf_cli.register, bench.register, plan.register]
+    return [hf_cli.register, bench.register, plan_cli.register]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from llamatron import plan as P
+from llamatron.plan_cli import parse_memory
 from llamatron.cli import main
 from llamatron.config import ConfigError, config_from_values
 from llamatron.engine import apply_recompute
@@ -304,12 +305,12 @@ def test_no_valid_layout_is_explained():
 
 @pytest.mark.parametrize("text, expected", [("80GB", 80e9), ("80 GiB", 80 * 2**30), ("141", 141e9), ("1.5TB", 1.5e12)])
 def test_parse_memory(text, expected):
-    assert P.parse_memory(text) == expected
+    assert parse_memory(text) == expected
 
 
 def test_parse_memory_rejects_nonsense():
     with pytest.raises(ConfigError, match="give a size"):
-        P.parse_memory("eighty")
+        parse_memory("eighty")
 
 
 def test_command_json_and_exit_codes(capsys):

@@ -1,0 +1,73 @@
+"""`llamatron plan` on the command line: arguments and the table (the model lives in plan.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from .config import ConfigError
+from .plan import GB, GiB, Plan, PlanResult, Precision, plan
+
+def parse_memory(text: str) -> float:
+    """'80GB' (10^9 bytes), '80GiB' (2^30), '80' (GB) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GB|GiB|G|TB|TiB)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GB or 141GB")
+    scale = {"gb": GB, "g": GB, "gib": GiB, "tb": 1e12, "tib": 2**40}[(match.group(2) or "GB").lower()]
+    return float(match.group(1)) * scale
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="list the parallel layouts that fit a model on a cluster, fastest first",
+                       description="Memory per GPU and expected speed of every tp/pp/vpp/dp/optimizer/recompute/"
+                                   "micro-batch layout that fits. Memory is given in GB (10^9 bytes); a GPU sold as "
+                                   "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin.")
+    p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB")
+    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step (default: about 4M tokens, rounded per layout)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
+    p.add_argument("--top", type=int, default=10, help="show the K fastest layouts")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="the run compiles its decoder layers (the GPU default), which saves fewer activations")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    memory = parse_memory(args.gpu_memory)
+    result = plan(args.model, args.gpus, memory, args.seq_length, args.global_batch_size, args.gpus_per_node,
+                  precision=Precision(compiled=args.compile))
+    shown = result.fits[:max(args.top, 0)]
+    if args.json:
+        print(json.dumps({"model": result.model, "gpus": result.gpus, "gpu_memory_gb": memory / GB,
+                          "seq_length": result.seq_length, "fits": len(result.fits),
+                          "layouts": [p.to_dict() for p in shown], "explanation": result.explanation or None}, indent=2))
+    else:
+        print(format_table(result, shown))
+    return 0 if result.fits else 1
+
+
+def format_table(result: PlanResult, shown: list[Plan]) -> str:
+    if not result.fits:
+        return result.explanation
+    head = (f"{result.model} on {result.gpus} x {result.gpu_memory / GB:.0f} GB, seq {result.seq_length}: "
+            f"{len(result.fits)} layouts fit; the {len(shown)} fastest (memory per GPU in GB, busiest pipeline stage)")
+    cols = ["#", "tp", "pp", "vpp", "dp", "dist-opt", "recompute", "mb", "gbs", "weights", "grads", "optim",
+            "activ", "buffers", "total", "tok/s/gpu", "mfu"]
+    rows = [cols]
+    for i, p in enumerate(shown, 1):
+        lay, m = p.layout, p.memory
+        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.vpp), str(lay.dp),
+                     "yes" if lay.distributed_optimizer else "no", lay.recompute, str(lay.micro_batch_size),
+                     str(lay.global_batch_size)] +
+                    [f"{x / GB:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.buffers_total, m.total)] +
+                    [f"{p.speed.tokens_per_sec_per_gpu:,.0f}", f"{p.speed.mfu:.0%}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    note = ("sequence parallelism is on whenever tp > 1; buffers = logits/loss or backward temporaries, staging, "
+            "batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc llamatron.plan`)")
+    return "\n".join([head, *lines, note])
