@@ -251,3 +251,14 @@ def test_token_id_range_reads_in_chunks(tmp_path):
         assert dataset.token_id_range(chunk_bytes) == (int(every.min()), int(every.max()))
     IndexedDatasetWriter(str(tmp_path / "empty"), np.uint16).finalize()
     assert IndexedDataset(str(tmp_path / "empty")).token_id_range() == (0, -1)
+
+
+def test_missing_prefix_suggests_the_preprocess_output_name(tmp_path):
+    from llamatron.data.indexed import IndexedDataset, IndexedDatasetWriter
+    import numpy as np
+    import pytest
+
+    with IndexedDatasetWriter(str(tmp_path / "corpus_text_document")) as w:
+        w.add_document(np.arange(5))
+    with pytest.raises(Exception, match=r"did you mean .*corpus_text_document"):
+        IndexedDataset(str(tmp_path / "corpus"))

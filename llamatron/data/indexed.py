@@ -18,6 +18,7 @@ All integers are little-endian. Corpora written by Megatron-LM load as they are.
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 from array import array
@@ -61,6 +62,12 @@ def data_path(prefix: str) -> str:
 def best_token_dtype(vocab_size: int) -> np.dtype:
     """The smallest dtype that holds every token id (Megatron's rule)."""
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def _prefix_hint(prefix: str) -> str:
+    """`preprocess --output-prefix P` writes P_<key>_document: name those if the user gave P itself."""
+    found = sorted(p[:-len(".idx")] for p in glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    return f"; did you mean {' or '.join(repr(f) for f in found)}?" if found else ""
 
 
 class IndexedDatasetWriter:
@@ -207,7 +214,8 @@ class IndexedDataset:
         idx_file, bin_file = index_path(self.prefix), data_path(self.prefix)
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
-                raise MissingDataError(f"{path}: file not found (indexed dataset prefix {self.prefix!r})")
+                raise MissingDataError(f"{path}: file not found (indexed dataset prefix {self.prefix!r})"
+                                       + _prefix_hint(self.prefix))
 
         idx_bytes = os.path.getsize(idx_file)
         with open(idx_file, "rb") as f:
