@@ -75,7 +75,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     m = derived.grad_accum_steps
     row = {"model": t.model, "gpus": mesh.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp,
            "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer, "recompute": t.recompute,
-           "compile": bool(t.compile if t.compile is not None else device.type == "cuda"),
+           "compile": derived.compile,
            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
            "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,

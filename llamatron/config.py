@@ -231,6 +231,7 @@ class Derived:
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
     device: str
     dtype_name: str
+    compile: bool  # --compile, defaulting to on for cuda
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -332,4 +333,6 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError("--finetune needs --load CHECKPOINT")
     _validate_data(d)
     _validate_ops(cfg)
-    return Derived(world_size=world_size, dp=dp, grad_accum_steps=accum, device=device, dtype_name=dtype_name)
+    compile_layers = t.compile if t.compile is not None else device == "cuda"
+    return Derived(world_size=world_size, dp=dp, grad_accum_steps=accum, device=device, dtype_name=dtype_name,
+                   compile=compile_layers)

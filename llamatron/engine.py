@@ -94,7 +94,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, global_name=names)
         if cfg.train.recompute != "none":
             apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_layers)
-        if cfg.train.compile if cfg.train.compile is not None else device.type == "cuda":
+        if derived.compile:
             apply_compile(chunk)
     grad_dtype = torch.float32
     reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None

@@ -351,8 +351,7 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p, t = run_config.parallel, run_config.train
-    compiled = t.compile if t.compile is not None else derived.device == "cuda"
-    precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", compiled, p.grad_reduce_dtype)
+    precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype)
     layout = Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
                     t.micro_batch_size, t.global_batch_size)
     mem = layout_memory(run_config.model_config(), layout, run_config.data.seq_length, precision, p.pp_layers,
