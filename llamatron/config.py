@@ -329,6 +329,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
     if device == "cuda" and not cuda_available:
         raise ConfigError("--device cuda but no CUDA GPU is visible; use --device cpu")
     dtype_name = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    if dtype_name == "fp16" and p.grad_reduce_dtype == "bf16":
+        raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")
     if t.finetune and not t.load:
         raise ConfigError("--finetune needs --load CHECKPOINT")
     _validate_data(d)

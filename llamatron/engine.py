@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ConfigError, Derived, RunConfig
+from .config import Derived, RunConfig
 from .models import ModelConfig, Transformer, build_model, materialize
-from .models.transformer import cross_entropy_per_token
+from .models.transformer import IGNORE_INDEX, cross_entropy_per_token
 from .parallel.data import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
@@ -128,7 +128,7 @@ def to_device(micro_batches: list[dict], device: torch.device) -> list[dict]:
 
 def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
     """Tokens that count towards the loss in the whole global batch (summed over data-parallel ranks)."""
-    local = sum((mb["labels"] != -100).sum() for mb in micro_batches).to(engine.device, torch.float32)
+    local = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(engine.device, torch.float32)
     return all_reduce(local, engine.mesh.dp_group).clamp_min(1.0)
 
 
@@ -156,9 +156,3 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
     return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr,
             "loss_scale": None if scaler is None else scaler.scale}
-
-
-def check_engine_config(cfg: RunConfig) -> None:
-    """Features not available in this build fail here, before memory is allocated."""
-    if cfg.train.precision == "fp16" and cfg.parallel.grad_reduce_dtype == "bf16":
-        raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")

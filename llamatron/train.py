@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .config import ConfigError, Derived, RunConfig, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
-from .engine import Engine, build_engine, check_engine_config, count_tokens, to_device, train_step
+from .engine import Engine, build_engine, to_device, train_step
 from .evaluation import evaluate, format_metrics, gather_argmax  # noqa: F401 (pipeline.py imports gather_argmax from here)
 from .faults import FaultGuard, explain_collective_failure, restore_signal_handlers
 from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
@@ -114,7 +114,6 @@ def run_training(cfg: RunConfig) -> TrainResult:
         model_cfg = read_model_config(t.load)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
-    check_engine_config(cfg)
     init_distributed(derived.device, t.dist_timeout)
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
     if mesh.rank == 0:

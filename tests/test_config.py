@@ -58,3 +58,9 @@ def test_derived_sizes():
     cfg = config_from_values({"model": "llama-test", "tp": 2, "global_batch_size": 16, "micro_batch_size": 2})
     d = validate(cfg, world_size=8)
     assert (d.dp, d.grad_accum_steps, d.device, d.dtype_name) == (4, 2, "cpu", "fp32")
+
+
+def test_fp16_with_bf16_gradient_reduction_is_refused():
+    cfg = config_from_values({"model": "llama-test", "precision": "fp16", "grad_reduce_dtype": "bf16"})
+    with pytest.raises(ConfigError, match="mixes two half types"):
+        validate(cfg, world_size=1)
