@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Single-GPU rows run two at a time (one per GPU) when two GPUs are present.
-# usage: benchmarks/gpu_suite.sh [GROUP...]   groups: single, dp, tp, tp7, tests, plan
+# usage: benchmarks/gpu_suite.sh [GROUP...]
+#   groups: single, dp, overlap, tp, tp7, single7, fastpath, profile, tests, plan
 # The 2-GPU groups need `nvidia-h200-x2`.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,6 +13,10 @@ one() {  # one GPU ARGS...: a single-GPU row on GPU $1
   local gpu=$1; shift
   CUDA_VISIBLE_DEVICES=$gpu timeout 500 python3 -m llamatron bench --json "$@" >"$OUT/row-$gpu.tmp" 2>>"$OUT/log.txt"
   echo "== 1 GPU: $* -> rc $?" >>"$OUT/log.txt"; tail -1 "$OUT/row-$gpu.tmp" >>"$OUT/bench.jsonl"
+}
+ab() {  # ab ARGS...: overlapped vs not, alternating in one 2-GPU process (benchmarks/overlap_ab.py)
+  timeout 300 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap_ab.py "$@" >"$OUT/row-ab.tmp" 2>>"$OUT/log.txt"
+  echo "== overlap A/B: $* -> rc $?" >>"$OUT/log.txt"; tail -1 "$OUT/row-ab.tmp" >>"$OUT/overlap.jsonl"
 }
 multi() {  # multi N ARGS...
   local n=$1; shift
@@ -28,19 +33,39 @@ for group in ${@:-single dp tests}; do
       multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer
       multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --no-overlap-grad-reduce --no-overlap-param-gather
       multi 2 $B1 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --grad-reduce-dtype bf16 ;;
+    overlap)  # issue 5: does overlapping the data-parallel traffic beat not overlapping it?
+      A="--model llama-1b --seq-length 4096 --global-batch-size 16 --micro-batch-size 8 --compile --distributed-optimizer --rounds 4 --steps 6"
+      ab $A
+      ab $A --dp-comm-max-ctas 4
+      ab $A --dp-comm-max-ctas 4 --grad-reduce-dtype bf16 ;;
     tp)
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
     tp7)  # Llama 2 7B on 2 GPUs: tensor parallel vs data parallel with the distributed optimizer
-      multi 2 $B7 --micro-batch-size 2 --compile --tp 2 --sequence-parallel
-      multi 2 $B7 --global-batch-size 16 --micro-batch-size 2 --compile --distributed-optimizer --recompute full ;;
+      # (12 B/param with the optimizer sharded over 2 leaves ~55 GB for activations: no recompute needed)
+      multi 2 $B7 --global-batch-size 16 --micro-batch-size 1 --compile --distributed-optimizer
+      multi 2 $B7 --micro-batch-size 2 --compile --tp 2 --sequence-parallel ;;
+    single7)  # Llama 2 7B on 1 GPU: recompute only some layers at micro-batch 1 (two rows at once, one per GPU)
+      one 0 $B7 --micro-batch-size 1 --compile --recompute full --recompute-layers 24 &
+      one 1 $B7 --micro-batch-size 1 --compile --recompute full --recompute-layers 28 &
+      wait ;;
+    fastpath)  # each fast path off, one at a time, against the compiled default (llama-1b, 1 GPU)
+      (one 0 $B1 --micro-batch-size 8 --compile --attention-backend flash
+       one 0 $B1 --micro-batch-size 8 --compile --recompute selective) &
+      (one 1 $B1 --micro-batch-size 8 --compile --recompute full
+       one 1 $B1 --micro-batch-size 8 --compile --attention-backend efficient) &
+      wait ;;
+    profile)  # where llama-1b's step time goes, by kernel category
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_step.py --model llama-1b --seq-length 4096 \
+        --micro-batch-size 8 --global-batch-size 8 --compile --top 40 >"$OUT/profile.txt" 2>>"$OUT/log.txt"
+      echo "== profile rc $?" >>"$OUT/log.txt" ;;
     plan)  # the planner's prediction against measured peak memory
       for a in "--micro-batch-size 4" "--micro-batch-size 8 --recompute full"; do
         CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/check_plan_memory.py --model llama-1b --seq-length 4096 \
           --global-batch-size 8 $a >>"$OUT/plan.jsonl" 2>>"$OUT/log.txt"
       done ;;
     tests)
-      timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider >>"$OUT/pytest_gpu.txt" 2>&1
+      timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations 15 >>"$OUT/pytest_gpu.txt" 2>&1
       echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;
   esac
 done
-cat "$OUT/bench.jsonl"; grep "==" "$OUT/log.txt"
+cat "$OUT"/bench.jsonl "$OUT"/overlap.jsonl 2>/dev/null; tail -5 "$OUT/pytest_gpu.txt" 2>/dev/null; grep "==" "$OUT/log.txt"

@@ -57,7 +57,7 @@ def main() -> None:
     cfg.train.train_steps = args.warmup + args.steps
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
-    engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp))
+    engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas))
     t = cfg.train
     data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
     batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp,

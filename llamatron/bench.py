@@ -48,7 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg.train.train_steps = args.warmup + args.steps + 2
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -67,7 +67,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _sync(device)
     elapsed = time.perf_counter() - start
     peak_mem = peak_memory_gib(device)
-    state = _state_memory(engine)
+    state = state_memory(engine)
     breakdown = _breakdown(engine, batch, args.warmup + args.steps)
     tokens = t.global_batch_size * cfg.data.seq_length * args.steps
     speed = throughput(tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device))
@@ -88,7 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _state_memory(engine) -> dict[str, float]:
+def state_memory(engine) -> dict[str, float]:
     """Weights + gradients + optimizer state: allocated between steps (no activations alive) vs the formula.
 
     Formula per parameter: bf16 params 2 + grads 4 + (master 4 + moments 8) / s, s = dp with the

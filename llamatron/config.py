@@ -45,6 +45,9 @@ class ParallelConfig:
     overlap_param_gather: bool = _f(True, "all-gather updated parameters during the next forward")
     bucket_size: int = _f(40_000_000, "gradient bucket size in elements")
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction", ("fp32", "bf16"))
+    dp_comm_max_ctas: int | None = _f(None, "NCCL: at most this many thread blocks (SMs) for the data-parallel "
+                                            "group's collectives, so overlapped ones slow the compute less "
+                                            "(default: NCCL's choice)")
 
 
 @dataclass
@@ -86,6 +89,9 @@ class TrainConfig:
     recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
     initial_loss_scale: float = _f(2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)")
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
+    attention_backend: str = _f("auto", "scaled_dot_product_attention kernel (auto: the fastest available, cuDNN "
+                                        "on Hopper); for comparison and debugging",
+                                ("auto", "cudnn", "flash", "efficient", "math"))
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
@@ -333,6 +339,10 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")
     if t.finetune and not t.load:
         raise ConfigError("--finetune needs --load CHECKPOINT")
+    if p.dp_comm_max_ctas is not None and p.dp_comm_max_ctas < 1:
+        raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} must be >= 1 (or left unset for NCCL's choice)")
+    if t.attention_backend != "auto" and device != "cuda":
+        raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig
 from .models import ModelConfig, Transformer, build_model, materialize
+from .models.layers import set_attention_backend
 from .models.transformer import IGNORE_INDEX, cross_entropy_per_token
 from .parallel.data import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
@@ -77,6 +78,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     device = torch.device(derived.device, torch.cuda.current_device()) if derived.device == "cuda" else torch.device("cpu")
     dtype = DTYPES[derived.dtype_name]
     p = cfg.parallel
+    if device.type == "cuda":
+        set_attention_backend(cfg.train.attention_backend)
     model = build_model(model_cfg)
     if p.tp > 1:
         from .parallel.tensor import apply_tensor_parallel

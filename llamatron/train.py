@@ -115,7 +115,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     init_distributed(derived.device, t.dist_timeout)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
         _warn_if_save_dir_has_another_run(cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)

@@ -48,6 +48,8 @@ def test_model_overrides():
     ({"model": "no-such-model"}, 1, "unknown model preset 'no-such-model'; choose one of"),
     ({"model": "llama-test", "min_lr": 1.0, "lr": 0.1}, 1, "--min-lr 1.0 is above --lr"),
     ({"model": "llama-test", "finetune": True}, 1, "--finetune needs --load"),
+    ({"model": "llama-test", "dp_comm_max_ctas": 0}, 1, "--dp-comm-max-ctas 0 must be >= 1"),
+    ({"model": "llama-test", "attention_backend": "flash"}, 1, "--attention-backend flash picks a CUDA kernel"),
 ])
 def test_bad_configs_name_the_fix(values, world, message):
     with pytest.raises((ConfigError, ValueError), match=message):

@@ -109,6 +109,24 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
     return (same & causal)[:, None]
 
 
+_SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+def set_attention_backend(name: str) -> None:
+    """Restrict scaled_dot_product_attention to one kernel ("auto": every kernel allowed, the fastest wins).
+
+    Process-wide switches, read when a layer is compiled or run, so call this before the first step.
+    """
+    if name != "auto" and name not in _SDPA_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; use auto or one of {', '.join(_SDPA_BACKENDS)}")
+    for backend in _SDPA_BACKENDS:
+        enabled = name in ("auto", backend)
+        if backend == "efficient":
+            torch.backends.cuda.enable_mem_efficient_sdp(enabled)
+        else:
+            getattr(torch.backends.cuda, f"enable_{backend}_sdp")(enabled)
+
+
 _compiled_flex_attention = None
 
 

@@ -93,8 +93,12 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(tp: int = 1, pp: int = 1) -> Mesh:
-    """Groups for the current job (a single process gets a mesh of size 1 with no groups)."""
+def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None) -> Mesh:
+    """Groups for the current job (a single process gets a mesh of size 1 with no groups).
+
+    dp_comm_max_ctas caps the thread blocks NCCL gives the data-parallel group's collectives: those run
+    beside backward/forward compute, and every SM they take is one the matmuls lose.
+    """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     dp = check_sizes(world_size, tp, pp)
@@ -112,7 +116,7 @@ def build_mesh(tp: int = 1, pp: int = 1) -> Mesh:
     for p in range(pp):
         for t in range(tp):
             ranks = [mesh.rank_of(t, d, p) for d in range(dp)]
-            group = new_group(ranks)
+            group = new_group(ranks, max_ctas=dp_comm_max_ctas)
             if rank in ranks:
                 mesh.dp_group, mesh.dp_ranks = group, ranks
     for d in range(dp):
@@ -129,9 +133,17 @@ def build_mesh(tp: int = 1, pp: int = 1) -> Mesh:
     return mesh
 
 
-def new_group(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group whose collectives time out after --dist-timeout (like the default group's)."""
-    return dist.new_group(ranks, timeout=_group_timeout)
+def new_group(ranks: list[int], max_ctas: int | None = None) -> dist.ProcessGroup:
+    """A process group whose collectives time out after --dist-timeout (like the default group's).
+
+    max_ctas (NCCL only; ignored on gloo) limits the thread blocks of the group's collectives.
+    """
+    options = None
+    if max_ctas is not None and dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        options.config.min_ctas = 1
+    return dist.new_group(ranks, timeout=_group_timeout, pg_options=options)
 
 
 # torch 2.13 renamed the flat collectives; 2.11 has only the old names.
