@@ -23,6 +23,13 @@ multi() {  # multi N ARGS...
   timeout 500 python3 -m torch.distributed.run --nproc-per-node "$n" -m llamatron bench --json "$@" >"$OUT/row-m.tmp" 2>>"$OUT/log.txt"
   echo "== $n GPUs: $* -> rc $?" >>"$OUT/log.txt"; tail -1 "$OUT/row-m.tmp" >>"$OUT/bench.jsonl"
 }
+plan_check() {  # the planner's prediction against measured peak memory, on GPU ${PLAN_GPU:-0}
+  for a in "--micro-batch-size 4" "--micro-batch-size 8 --recompute full"; do
+    CUDA_VISIBLE_DEVICES=${PLAN_GPU:-0} timeout 300 python3 scripts/check_plan_memory.py --model llama-1b --seq-length 4096 \
+      --global-batch-size 8 $a >>"$OUT/plan.jsonl" 2>>"$OUT/log.txt"
+    echo "== plan check $a -> rc $?" >>"$OUT/log.txt"
+  done
+}
 for group in ${@:-single dp tests}; do
   case $group in
     single)
@@ -43,6 +50,7 @@ for group in ${@:-single dp tests}; do
     tp7)  # Llama 2 7B on 2 GPUs: tensor parallel vs data parallel with the distributed optimizer
       # (12 B/param with the optimizer sharded over 2 leaves ~55 GB for activations: no recompute needed)
       multi 2 $B7 --global-batch-size 16 --micro-batch-size 1 --compile --distributed-optimizer
+      multi 2 $B7 --global-batch-size 16 --micro-batch-size 2 --compile --distributed-optimizer
       multi 2 $B7 --micro-batch-size 2 --compile --tp 2 --sequence-parallel ;;
     single7)  # Llama 2 7B on 1 GPU: recompute only some layers at micro-batch 1 (two rows at once, one per GPU)
       one 0 $B7 --micro-batch-size 1 --compile --recompute full --recompute-layers 24 &
@@ -51,21 +59,17 @@ for group in ${@:-single dp tests}; do
     fastpath)  # each fast path off, one at a time, against the compiled default (llama-1b, 1 GPU)
       (one 0 $B1 --micro-batch-size 8 --compile --attention-backend flash
        one 0 $B1 --micro-batch-size 8 --compile --recompute selective) &
-      (one 1 $B1 --micro-batch-size 8 --compile --recompute full
-       one 1 $B1 --micro-batch-size 8 --compile --attention-backend efficient) &
+      (one 1 $B1 --micro-batch-size 8 --compile --recompute full; PLAN_GPU=1 plan_check) &
       wait ;;
     profile)  # where llama-1b's step time goes, by kernel category
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_step.py --model llama-1b --seq-length 4096 \
         --micro-batch-size 8 --global-batch-size 8 --compile --top 40 >"$OUT/profile.txt" 2>>"$OUT/log.txt"
       echo "== profile rc $?" >>"$OUT/log.txt" ;;
     plan)  # the planner's prediction against measured peak memory
-      for a in "--micro-batch-size 4" "--micro-batch-size 8 --recompute full"; do
-        CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/check_plan_memory.py --model llama-1b --seq-length 4096 \
-          --global-batch-size 8 $a >>"$OUT/plan.jsonl" 2>>"$OUT/log.txt"
-      done ;;
+      plan_check ;;
     tests)
       timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations 15 >>"$OUT/pytest_gpu.txt" 2>&1
       echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;
   esac
 done
-cat "$OUT"/bench.jsonl "$OUT"/overlap.jsonl 2>/dev/null; tail -5 "$OUT/pytest_gpu.txt" 2>/dev/null; grep "==" "$OUT/log.txt"
+cat "$OUT"/bench.jsonl "$OUT"/overlap.jsonl "$OUT"/plan.jsonl 2>/dev/null; tail -5 "$OUT/pytest_gpu.txt" 2>/dev/null; grep "==" "$OUT/log.txt"

@@ -116,13 +116,20 @@ def _breakdown(engine, batch: list[dict], step: int) -> dict[str, float]:
         buf.finish_param_gather()
     times = {}
     if engine.cfg.parallel.pp == 1:
-        model = engine.chunks[0]
-        _sync(device)
-        t0 = time.perf_counter()
-        losses = [model(mb["input_ids"], labels=mb["labels"]).sum() for mb in batch]
-        _sync(device)
-        times["forward_ms"] = 1000 * (time.perf_counter() - t0)
-        del losses
+        # Forward time of each micro-batch, its backward run (untimed) before the next forward so that
+        # only one micro-batch's activations are alive, as in a real step.
+        model, buffer = engine.chunks[0], engine.buffers[0]
+        buffer.is_last_microbatch = False  # no reductions from these backwards
+        forward = 0.0
+        for mb in batch:
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = model(mb["input_ids"], labels=mb["labels"]).sum()
+            _sync(device)
+            forward += time.perf_counter() - t0
+            (loss / total).backward()
+        buffer.is_last_microbatch = True
+        times["forward_ms"] = 1000 * forward
     for buf in engine.buffers:
         buf.zero_grad()
     _sync(device)

@@ -110,6 +110,7 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
 
 
 _SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+_expand_kv_heads = False
 
 
 def set_attention_backend(name: str) -> None:
@@ -117,8 +118,10 @@ def set_attention_backend(name: str) -> None:
 
     Process-wide switches, read when a layer is compiled or run, so call this before the first step.
     """
+    global _expand_kv_heads
     if name != "auto" and name not in _SDPA_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; use auto or one of {', '.join(_SDPA_BACKENDS)}")
+    _expand_kv_heads = name == "efficient"  # the memory-efficient kernel has no grouped-query (GQA) support
     for backend in _SDPA_BACKENDS:
         enabled = name in ("auto", backend)
         if backend == "efficient":
@@ -151,6 +154,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_wi
     doc_mask (from `document_mask`, the sliding window already in it) keeps each token inside its document.
     """
     gqa = q.shape[1] != k.shape[1]
+    if gqa and _expand_kv_heads:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = False
     seq_len = q.shape[2]
     if isinstance(doc_mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, enable_gqa=gqa)
