@@ -34,7 +34,8 @@ at a time without a pipeline.
 
 Buffers:
   temporaries   the larger of the loss peak on the last stage (per token and local vocabulary entry: 12 bytes
-                for torch's cross-entropy at tp = 1 (fp32 log-softmax saved, its gradient, the incoming one);
+                for torch's eager cross-entropy at tp = 1 (fp32 log-softmax saved, its gradient, the incoming
+                one), 2 x the activation dtype for the compiled one (the logits and their gradient; measured);
                 10 for the vocabulary-parallel one, 14 when the shard holds padding) and the backward of one
                 layer (gradients and re-computed tensors: about one layer's eager activations)
   staging       bf16 copies of the gradient buckets (--grad-reduce-dtype bf16, 2 per param, during backward);
@@ -293,9 +294,11 @@ def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: b
     return total
 
 
-def loss_bytes_per_token(model: ModelConfig, tp: int) -> float:
+def loss_bytes_per_token(model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2) -> float:
     """Peak of the loss's temporaries per token on the last stage (see the module docstring)."""
     vocab = local_vocab(model, tp)
+    if tp == 1 and compiled:  # the compiled loss fuses the fp32 upcast: logits and their gradient only
+        return 2.0 * act_bytes * vocab
     if tp == 1:
         return 12.0 * vocab
     padded = padded_vocab_size(model.vocab_size, tp) > model.vocab_size
@@ -329,7 +332,7 @@ def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precisi
     in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
     activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
     one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
-    loss = loss_bytes_per_token(model, lay.tp) * tokens if rank == lay.pp - 1 else 0.0
+    loss = loss_bytes_per_token(model, lay.tp, prec.compiled, a) * tokens if rank == lay.pp - 1 else 0.0
     temporaries, kind = (loss, "logits/loss") if loss > one_layer else (one_layer, "one layer's backward")
     reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.dp > 1 else 0.0
     gather_staging = a * params / lay.dp if lay.distributed_optimizer and lay.dp > 1 else 0.0

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +209,31 @@ def test_predict_peak_memory_reads_the_run_config():
     assert sharded["optimizer"] == pytest.approx(out["optimizer"] / 4)
     cpu = P.predict_peak_memory(config_from_values({**values, "device": "cpu", "precision": "auto"}), 1)
     assert cpu["weights"] == 4 * model.num_params()  # auto precision on CPU is fp32
+
+
+def test_loss_temporaries_compiled_and_eager():
+    """Compiled loss: the logits and their gradient in the activation dtype; eager: 12 bytes per logit at tp 1."""
+    cfg = get_preset("llama-1b")
+    assert P.loss_bytes_per_token(cfg, 1, compiled=True, act_bytes=2) == 4 * 32000
+    assert P.loss_bytes_per_token(cfg, 1, compiled=False) == 12 * 32000
+    assert P.loss_bytes_per_token(cfg, 2, compiled=True) == 10 * 16000  # the vocabulary-parallel loss is not compiled
+
+
+H200_ROWS = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_peak_memory.json").read_text())["rows"]
+
+
+@pytest.mark.parametrize("row", H200_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in H200_ROWS])
+def test_planner_matches_peak_memory_measured_on_h200(row):
+    """The planner's `allocated` against torch.cuda.max_memory_allocated of real H200 runs: within 10%."""
+    import argparse
+
+    from llamatron.config import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = load_config(parser.parse_args(row["flags"].split()))
+    predicted = P.predict_peak_memory(cfg, row["gpus"])["allocated_gib"]
+    assert predicted == pytest.approx(row["measured_gib"], rel=0.10), (predicted, row["measured_gib"])
 
 
 # ---- known minimums and explanations ------------------------------------------------------------------------

@@ -121,6 +121,15 @@ def set_attention_backend(name: str) -> None:
     global _expand_kv_heads
     if name != "auto" and name not in _SDPA_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; use auto or one of {', '.join(_SDPA_BACKENDS)}")
+    if name != "auto":
+        # The compile caches do not key on these switches: a cached graph of another backend would be
+        # reused (seen on an H200: "--attention-backend flash" silently ran cuDNN, and a later default run
+        # ran flash). A forced backend compiles afresh and leaves the caches alone.
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
     _expand_kv_heads = name == "efficient"  # the memory-efficient kernel has no grouped-query (GQA) support
     for backend in _SDPA_BACKENDS:
         enabled = name in ("auto", backend)
