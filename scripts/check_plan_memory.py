@@ -18,8 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llamatron.config import add_config_arguments, load_config
-from llamatron.plan import predict_peak_memory
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
+
+from llamatron.config import add_config_arguments, load_config  # noqa: E402
+from llamatron.plan import predict_peak_memory  # noqa: E402
 
 
 def _without(argv: list[str], drop: dict[str, int]) -> list[str]:
