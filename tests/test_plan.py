@@ -236,6 +236,27 @@ def test_planner_matches_peak_memory_measured_on_h200(row):
     assert predicted == pytest.approx(row["measured_gib"], rel=0.10), (predicted, row["measured_gib"])
 
 
+SPEED_ROWS = [r for r in H200_ROWS if r["tokens_per_sec_per_gpu"]]
+
+
+@pytest.mark.parametrize("row", SPEED_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in SPEED_ROWS])
+def test_planner_speed_matches_h200_throughput(row):
+    """The planner ranks layouts by its speed estimate: within 10% of compiled H200 runs of each kind."""
+    import argparse
+
+    from llamatron.config import add_config_arguments, load_config, validate
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = load_config(parser.parse_args(row["flags"].split()))
+    derived = validate(cfg, row["gpus"], cuda_available=True)
+    p, t = cfg.parallel, cfg.train
+    layout = P.Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
+                      t.micro_batch_size, t.global_batch_size)
+    speed = P.estimate_speed(cfg.model_config(), layout, cfg.data.seq_length, row["gpus"], 8)
+    assert speed.tokens_per_sec_per_gpu == pytest.approx(row["tokens_per_sec_per_gpu"], rel=0.10)
+
+
 # ---- known minimums and explanations ------------------------------------------------------------------------
 
 def _fits(model, gpus, memory_gb, seq, **kw):
