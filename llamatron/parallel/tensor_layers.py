@@ -59,6 +59,48 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return out.transpose(0, SEQ_DIM)
 
 
+def _reduce_scatter_seq_async(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """_reduce_scatter_seq started without waiting: (this rank's shard, the handle to wait on)."""
+    n = tp_size(group)
+    full = x.transpose(0, SEQ_DIM).contiguous()
+    if full.shape[0] % n:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={n} (sequence parallelism)")
+    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
+    return out.transpose(0, SEQ_DIM), _reduce_scatter(out, full, group=group, async_op=True)
+
+
+class _ColumnParallelMatmul(Function):
+    """gather/copy -> x W^T + b, whose backward hides the input gradient's collective behind the weight gradient.
+
+    Backward computes the input gradient first, starts its reduce-scatter (sequence parallel) or all-reduce,
+    computes the weight and bias gradients while it runs, then waits. Same arithmetic as F.linear's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        x_full = _gather_seq(x, group) if sequence_parallel else x
+        ctx.save_for_backward(x_full, weight)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_full, weight = ctx.saved_tensors
+        grad_x = pending = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ weight
+            if ctx.sequence_parallel:
+                grad_x, pending = _reduce_scatter_seq_async(grad_x, ctx.group)
+            else:
+                pending = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = grad_2d.t() @ x_full.reshape(-1, x_full.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if pending is not None:
+            pending.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
 class _CopyToTP(Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -254,7 +296,9 @@ class ColumnParallelLinear(nn.Module):
             mark_sharded(self.bias, layout, (layout.full_size,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(to_parallel_input(x, self.group, self.sequence_parallel), self.weight, self.bias)
+        if tp_size(self.group) == 1:
+            return F.linear(x, self.weight, self.bias)
+        return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_local={self.layout.local_size}, out_full={self.layout.full_size}, " \
