@@ -308,3 +308,24 @@ def test_resume_across_layouts_tp2_pp2_vpp2_to_dp4_and_back(workdir):
     assert_matches(first[3:], back)
     for a, b in (("ck-x/step-3", "ck-dp4/step-3"), ("ck-x/step-5", "ck-dp4/step-5"), ("ck-x/step-5", "ck-back/step-5")):
         assert_same_state(workdir / a, workdir / b)
+
+
+@pytest.mark.parametrize("keep", ["half", "header"])
+def test_damaged_checkpoint_file_is_named_with_exit_2(tmp_path, capsys, keep):
+    """A truncated rank file (data cut, or the header itself cut) gives a checkpoint error naming the file."""
+    from llamatron.cli import main
+
+    base = ["train", "--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--no-progress"]
+    with pytest.raises(SystemExit) as saved:
+        main(base + ["--train-steps", "1", "--save", str(tmp_path / "ck")])
+    assert saved.value.code in (0, None)
+    (victim,) = (tmp_path / "ck").glob("step-*/rank-*.safetensors")
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2] if keep == "half" else data[:10])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as failed:
+        main(base + ["--train-steps", "2", "--load", str(tmp_path / "ck")])
+    assert failed.value.code == 2
+    err = capsys.readouterr().err
+    assert "checkpoint error" in err and str(victim) in err and "truncated or corrupt" in err

@@ -36,6 +36,24 @@ FORMAT = "llamatron-pieces/1"
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master", "step")
 
 
+_CORRUPT = "is truncated or corrupt ({err}); load another checkpoint (an earlier DIR/step-N) or re-create it"
+
+
+def open_safetensors(path: Path):
+    """safe_open, with a damaged file reported as a CheckpointError that names it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # safetensors raises its own SafetensorError (and OSError for I/O)
+        raise CheckpointError(f"{path} " + _CORRUPT.format(err=err)) from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} " + _CORRUPT.format(err=err)) from None
+
+
 def piece_key(kind: str, name: str, box: Box) -> str:
     return f"{kind}/{name}@{','.join(map(str, box.offsets))}"
 
@@ -77,7 +95,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((resolve_checkpoint(path) / META_FILE).read_text())
+    return _read_json(resolve_checkpoint(path) / META_FILE)
 
 
 def index_to_json(files: list[str], tensors: dict[str, dict[str, StoredTensor]]) -> dict[str, Any]:
@@ -116,7 +134,7 @@ def _index_of_full_tensor_files(step_dir: Path) -> dict[str, dict[str, StoredTen
     for fname in (MODEL_FILE, OPTIM_FILE):
         if not (step_dir / fname).is_file():
             continue
-        with safe_open(str(step_dir / fname), framework="pt") as f:
+        with open_safetensors(step_dir / fname) as f:
             for key in f.keys():
                 kind, name = "model", key
                 if fname == OPTIM_FILE:
@@ -135,9 +153,9 @@ class CheckpointReader:
 
     def __init__(self, path: str | Path):
         self.step_dir = resolve_checkpoint(path)
-        self.run_meta: dict[str, Any] = json.loads((self.step_dir / META_FILE).read_text())
+        self.run_meta: dict[str, Any] = _read_json(self.step_dir / META_FILE)
         index = self.step_dir / INDEX_FILE
-        self.tensors = (_index_from_json(json.loads(index.read_text()), index) if index.is_file()
+        self.tensors = (_index_from_json(_read_json(index), index) if index.is_file()
                         else _index_of_full_tensor_files(self.step_dir))
         self._handles: dict[str, Any] = {}
 
@@ -163,7 +181,13 @@ class CheckpointReader:
             part = piece.box.intersect(box)
             if part is None:
                 continue
-            out[part.slices_within(box)] = self._handle(piece.file).get_slice(piece.key)[part.slices_within(piece.box)]
+            try:
+                block = self._handle(piece.file).get_slice(piece.key)[part.slices_within(piece.box)]
+            except CheckpointError:
+                raise
+            except Exception as err:  # a header that promises more bytes than the file holds
+                raise CheckpointError(f"{self.step_dir / piece.file} " + _CORRUPT.format(err=err)) from None
+            out[part.slices_within(box)] = block
             covered += part.numel()
         if covered != box.numel():  # pieces never overlap, so this counts exactly the elements found
             raise CheckpointError(f"{self.step_dir}: {kind} {name} offsets {box.offsets} sizes {box.sizes}: only "
@@ -175,7 +199,7 @@ class CheckpointReader:
             path = self.step_dir / fname
             if not path.is_file():
                 raise CheckpointError(f"{path}: listed in {self.step_dir / INDEX_FILE} but missing")
-            self._handles[fname] = safe_open(str(path), framework="pt")
+            self._handles[fname] = open_safetensors(path)
         return self._handles[fname]
 
     # The TensorSource interface (tensor_io.py) over the weights, for export-hf.

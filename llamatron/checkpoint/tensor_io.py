@@ -40,7 +40,11 @@ class TensorSource:
             if not path.is_file():
                 raise CheckpointError(f"{path}: weight file not found")
             if path.suffix == ".safetensors":
-                handle = safe_open(str(path), framework="pt")
+                try:
+                    handle = safe_open(str(path), framework="pt")
+                except Exception as err:  # safetensors' own SafetensorError: a damaged header
+                    raise CheckpointError(f"{path}: not a readable safetensors file ({err}); "
+                                          f"re-download or re-create it") from None
                 self._handles.append(handle)
                 for name in handle.keys():
                     self._where[name] = handle
