@@ -31,8 +31,8 @@ from .parallel.mesh import build_mesh, init_distributed
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure training throughput on synthetic data")
     add_config_arguments(p)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table row")
     p.set_defaults(func=cmd_bench)
 

@@ -166,12 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         if first_rank:
             print(f"llamatron {args.command}: configuration error: {e}", file=sys.stderr)
         sys.exit(2)
+    except DataError as e:  # a bad input or data file (also a missing one): the message names it
+        print(f"llamatron {args.command}: data error: {e}", file=sys.stderr)
+        sys.exit(2)
     except FileNotFoundError as e:  # an input path that does not exist
         if first_rank:
             print(f"llamatron {args.command}: file not found: {e.filename or e}", file=sys.stderr)
-        sys.exit(2)
-    except DataError as e:  # a bad input or data file: the message names it
-        print(f"llamatron {args.command}: data error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
         from .checkpoint.dist import CheckpointError

@@ -179,7 +179,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             t = _field_type(f)
             default = f.default if f.default is not MISSING else (
                 f.default_factory() if f.default_factory is not MISSING else None)
-            help_text = f"{f.metadata.get('help', '')} (default: {default})"
+            help_text = f.metadata.get("help", "")
+            if "(default:" not in help_text:  # some helps say what an unset (None) value means themselves
+                help_text += f" (default: {default})"
             if t is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
             elif typing.get_origin(t) is list:  # space-separated values: --eval-metrics loss accuracy
@@ -341,6 +343,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError("--finetune needs --load CHECKPOINT")
     if p.dp_comm_max_ctas is not None and p.dp_comm_max_ctas < 1:
         raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} must be >= 1 (or left unset for NCCL's choice)")
+    if p.dp_comm_max_ctas is not None and device != "cuda":
+        raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset")
     if t.attention_backend != "auto" and device != "cuda":
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     _validate_data(d)

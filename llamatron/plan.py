@@ -480,12 +480,26 @@ def plan(model_name: str, gpus: int, gpu_memory: float, seq_length: int, global_
             fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
         else:
             rejected.append((lay, mem))
+    fits = _drop_dominated_recompute(fits)
     fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
     result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
     if not fits and explain:
         result.explanation = _explain(model_name, model, gpus, gpu_memory, seq_length, gpus_per_node,
                                       global_batch_size, model_overrides, precision, rejected)
     return result
+
+
+def _drop_dominated_recompute(fits: list[Plan]) -> list[Plan]:
+    """Drop a recomputing layout when the same layout without recompute also fits and needs at most 1% more
+    memory (selective recompute frees almost nothing when the attention kernel keeps no score matrix): it is
+    only slower."""
+    def key(p: Plan) -> tuple:
+        lay = p.layout
+        return (lay.tp, lay.pp, lay.vpp, lay.dp, lay.sequence_parallel, lay.distributed_optimizer,
+                lay.micro_batch_size, lay.global_batch_size)
+
+    plain = {key(p): p.memory.total for p in fits if p.layout.recompute == "none"}
+    return [p for p in fits if p.layout.recompute == "none" or plain.get(key(p), float("inf")) > 1.01 * p.memory.total]
 
 
 def _model(model_name: str, overrides: dict | None) -> ModelConfig:

@@ -118,6 +118,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
         _warn_if_save_dir_has_another_run(cfg)
+        _warn_if_metrics_file_has_another_run(cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -128,6 +129,10 @@ def run_training(cfg: RunConfig) -> TrainResult:
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
         if not t.finetune:
             start_step, consumed = state["step"], state["consumed_samples"]
+        if mesh.rank == 0:
+            print(f"loaded weights of step {state['step']} from {t.load} (--finetune: fresh optimizer, step 0)"
+                  if t.finetune else f"resumed from {t.load} at step {start_step} ({consumed} samples consumed)",
+                  flush=True)
     try:
         return train_loop(engine, datasets, start_step, consumed)
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
@@ -194,6 +199,9 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
             from .checkpoint.dist import save_checkpoint
 
             result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed)
+            if logging_rank:
+                _print(progress, f"step {step + 1}: saved {result.checkpoint}"
+                                 + (" (writing in the background)" if t.async_save else ""))
             timer.reset()
         if stop:
             guard.echo(guard.stop_message(step + 1, stop, result.checkpoint if t.save else None, t.save))
@@ -222,6 +230,15 @@ def _warn_if_save_dir_has_another_run(cfg: RunConfig) -> None:
     print(f"warning: --save {save} already holds checkpoints ({previous} is its latest) and this run starts from "
           f"step 0 without --load: its saves will replace that `latest`. Pass --load {save} to resume instead.",
           file=sys.stderr, flush=True)
+
+
+def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:
+    """Records are appended (a resumed run continues its file): say so when a fresh run would mix two runs."""
+    path, load = cfg.train.metrics_file, cfg.train.load
+    if not path or load or not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    print(f"warning: --metrics-file {path} already holds records of an earlier run; this run's records are "
+          f"appended after them. Use another --metrics-file to keep the runs apart.", file=sys.stderr, flush=True)
 
 
 def _loss_scale(step_out: dict) -> dict:

@@ -382,3 +382,16 @@ def test_command_json_and_exit_codes(capsys):
         main(["plan", "--model", "llama2-7b", "--gpus", "2", "--gpu-memory", "lots", "--seq-length", "4096"])
     assert exit_info.value.code == 2
     assert "configuration error" in capsys.readouterr().err
+
+
+def test_recompute_that_saves_no_memory_is_not_listed():
+    """A selective layout whose no-recompute twin fits in (almost) the same memory is only slower: dropped."""
+    result = _fits("llama2-70b", 32, 80, 4096)
+    plain = {(p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.distributed_optimizer,
+              p.layout.micro_batch_size): p.memory.total for p in result.fits if p.layout.recompute == "none"}
+    recomputing = [p for p in result.fits if p.layout.recompute != "none"]
+    assert recomputing  # full recompute still opens layouts that do not fit otherwise
+    for p in recomputing:
+        twin = plain.get((p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.distributed_optimizer,
+                          p.layout.micro_batch_size))
+        assert twin is None or twin > 1.01 * p.memory.total
