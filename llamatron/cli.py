@@ -149,9 +149,25 @@ def _module_commands() -> list:
     return [hf_cli.register, bench.register, plan_cli.register]
 
 
+def _reject_unknown(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> None:
+    import difflib
+
+    sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    target = sub_action.choices.get(command, parser) if command else parser
+    known = [opt for action in target._actions for opt in action.option_strings]
+    hints = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=")[0], known, n=2, cutoff=0.6)
+        if arg.startswith("--") and close:
+            hints.append(f"{arg.split('=')[0]}: did you mean {' or '.join(close)}?")
+    target.error(f"unrecognized arguments: {' '.join(unknown)}" + ("\n" + "\n".join(hints) if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report against the command's own usage, with the nearest real flags
+        _reject_unknown(parser, args.command, unknown)
     if args.command is None:
         parser.print_help()
         sys.exit(0)

@@ -67,3 +67,14 @@ def test_fp16_with_bf16_gradient_reduction_is_refused():
     cfg = config_from_values({"model": "llama-test", "precision": "fp16", "grad_reduce_dtype": "bf16"})
     with pytest.raises(ConfigError, match="mixes two half types"):
         validate(cfg, world_size=1)
+
+
+def test_unknown_flag_is_reported_by_the_command_with_a_suggestion(capsys):
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--micro-batch-sise", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "llamatron train: error: unrecognized arguments: --micro-batch-sise 2" in err
+    assert "did you mean --micro-batch-size" in err
