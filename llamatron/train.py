@@ -122,19 +122,20 @@ def run_training(cfg: RunConfig) -> TrainResult:
     datasets = build_datasets(cfg, model_cfg, mesh)
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
-    start_step, consumed = 0, 0
+    start_step, consumed, skipped_before = 0, 0, 0
     if t.load:
         from .checkpoint.dist import load_checkpoint
 
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
         if not t.finetune:
             start_step, consumed = state["step"], state["consumed_samples"]
+            skipped_before = state.get("skipped_steps", 0)
         if mesh.rank == 0:
             print(f"loaded weights of step {state['step']} from {t.load} (--finetune: fresh optimizer, step 0)"
                   if t.finetune else f"resumed from {t.load} at step {start_step} ({consumed} samples consumed)",
                   flush=True)
     try:
-        return train_loop(engine, datasets, start_step, consumed)
+        return train_loop(engine, datasets, start_step, consumed, skipped_before)
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
         failure = explain_collective_failure(e, t.dist_timeout)
         if failure is None:
@@ -146,7 +147,8 @@ def run_training(cfg: RunConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int) -> TrainResult:
+def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int,
+               skipped_before: int = 0) -> TrainResult:
     cfg, mesh, derived = engine.cfg, engine.mesh, engine.derived
     t = cfg.train
     logging_rank = mesh.is_logging_rank
@@ -162,6 +164,7 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     timer = Timer(engine.device)
     pending: list[tuple[int, dict]] = []
     guard = FaultGuard(engine, echo=lambda m: _print(progress, m) if logging_rank else None)
+    guard.skipped_total = skipped_before  # skipped steps of the run this one resumes
     stop: str | None = None
     if datasets.valid is not None and start_step == 0 and t.eval_interval:
         _evaluate_and_record(engine, datasets, 0, consumed, result, sink, progress)
@@ -198,6 +201,8 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
         if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last or stop):
             from .checkpoint.dist import save_checkpoint
 
+            # Steps skipped so far, also those not yet logged: a resumed run continues the count.
+            engine.skipped_steps = guard.skipped_total + sum(bool(o["found_inf"] > 0) for _, o in pending)
             result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed)
             if logging_rank:
                 _print(progress, f"step {step + 1}: saved {result.checkpoint}"

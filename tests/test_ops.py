@@ -250,3 +250,12 @@ def test_missing_logging_packages_fail_before_training_naming_the_package(monkey
         cfg = config_from_values({"model": "llama-test", "mock_data": True, flag: value})
         with pytest.raises(ConfigError, match=rf"needs the '{package}' package.*pip install {package}"):
             validate(cfg)
+
+
+def test_skipped_step_count_continues_after_resume(tmp_path):
+    """skipped_steps counts the whole run: a resumed run starts from the checkpoint's count, also for skips not
+    yet logged when the checkpoint was written (log interval 2, save after step 3)."""
+    train(tmp_path, ["--train-steps", "3", "--save", "ck", "--log-interval", "2"], LLAMATRON_TEST_NAN_STEPS="2,3")
+    _, steps, _ = train(tmp_path, ["--train-steps", "5", "--load", "ck"])
+    assert [r["step"] for r in steps] == [4, 5]
+    assert [r["skipped_steps"] for r in steps] == [2, 2]

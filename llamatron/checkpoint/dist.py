@@ -49,7 +49,8 @@ def _meta(engine, step: int, consumed_samples: int) -> dict[str, Any]:
             "has_master_weights": not engine.optimizer.master_is_param,
             "lr_schedule": {"completed_steps": step, "next_lr": lr_at(step, o.lr, o.min_lr, o.warmup_steps,
                                                                        cfg.train.train_steps, o.lr_schedule)},
-            "loss_scaler": None if scaler is None else scaler.state_dict(), **getattr(engine, "inherited_meta", {})}
+            "loss_scaler": None if scaler is None else scaler.state_dict(),
+            "skipped_steps": getattr(engine, "skipped_steps", 0), **getattr(engine, "inherited_meta", {})}
 
 
 def save_checkpoint(engine, root: str, step: int, consumed_samples: int) -> str:
