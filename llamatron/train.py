@@ -119,6 +119,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
     if mesh.rank == 0:
         _warn_if_save_dir_has_another_run(cfg)
         _warn_if_metrics_file_has_another_run(cfg)
+        _warn_if_beyond_trained_context(cfg, model_cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -244,6 +245,15 @@ def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:
         return
     print(f"warning: --metrics-file {path} already holds records of an earlier run; this run's records are "
           f"appended after them. Use another --metrics-file to keep the runs apart.", file=sys.stderr, flush=True)
+
+
+def _warn_if_beyond_trained_context(cfg: RunConfig, model_cfg) -> None:
+    """Longer sequences than the model's context train, but pretrained weights need rope scaling for them."""
+    seq, limit = cfg.data.seq_length, model_cfg.max_seq_length
+    if seq > limit and model_cfg.rope_scaling is None:
+        print(f"warning: --seq-length {seq} is beyond {cfg.train.model}'s context of {limit} tokens and no rope "
+              f"scaling is set; for pretrained weights set one in YAML (model_overrides: rope_scaling: "
+              f"{{kind: linear, factor: {seq / limit:g}}}) or use --seq-length <= {limit}.", file=sys.stderr, flush=True)
 
 
 def _loss_scale(step_out: dict) -> dict:

@@ -109,3 +109,14 @@ def test_user_mistakes_exit_2_with_a_message(tmp_path):
     run_train(["--train-steps", "1", "--save", "ck"], 1, tmp_path)  # mock data: no tokenizer
     proc = llamatron("generate", "--load", "ck", "--prompt", "x", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "records no tokenizer" in proc.stderr and "--tokenizer" in proc.stderr
+
+
+def test_sequence_beyond_the_models_context_warns(tmp_path, capsys):
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "256",
+              "--micro-batch-size", "1", "--global-batch-size", "1", "--train-steps", "1", "--no-progress"])
+    assert exc.value.code in (0, None)
+    err = capsys.readouterr().err
+    assert "--seq-length 256 is beyond llama-test's context of 128 tokens" in err and "factor: 2" in err
