@@ -57,7 +57,6 @@ class DistributedAdamW:
         self.exp_avg = [torch.zeros(seg.end - seg.start, device=device) for seg in self.segments]
         self.exp_avg_sq = [torch.zeros(seg.end - seg.start, device=device) for seg in self.segments]
         self.steps = [torch.zeros((), device=device) for _ in self.segments]
-        self.fused = device.type == "cuda"
 
     def _master_view(self, seg: Segment) -> torch.Tensor:
         data = seg.buffer.param_data[seg.start:seg.end]
@@ -89,10 +88,8 @@ class DistributedAdamW:
         norm = self.grad_norm()
         if loss_scale is not None:
             norm = norm / loss_scale
+        # The fused AdamW (CUDA and CPU) skips the whole update on device when found_inf is set: no host sync.
         found_inf = (~torch.isfinite(norm)).float()
-        if not self.fused and found_inf.item():
-            # Skip the step: the foreach AdamW has no found_inf (fused CUDA skips on device); on CPU .item() is free.
-            return norm, found_inf
         coef = None
         if self.clip_grad > 0:
             # Scale only when above the threshold; computed on device, no host sync.
@@ -100,18 +97,18 @@ class DistributedAdamW:
             coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
         if loss_scale is not None:
             coef = (1.0 / loss_scale) if coef is None else coef / loss_scale
-        if coef is not None:
-            torch._foreach_mul_(grads, coef)
+        # Clipping and fp16 unscaling ride in the AdamW kernel (it divides each gradient by grad_scale as it
+        # reads it) instead of a separate pass over all gradients.
+        grad_scale = None if coef is None else (1.0 / coef).float().reshape(())
         for decay in (True, False):
             idx = [i for i, s in enumerate(self.segments) if s.decay == decay]
             if not idx:
                 continue
             functional_adamw([self.master[i] for i in idx], [grads[i] for i in idx], [self.exp_avg[i] for i in idx],
                              [self.exp_avg_sq[i] for i in idx], [], [self.steps[i] for i in idx],
-                             foreach=not self.fused, fused=self.fused or None, amsgrad=False,
-                             beta1=self.betas[0], beta2=self.betas[1], lr=lr,
+                             fused=True, amsgrad=False, beta1=self.betas[0], beta2=self.betas[1], lr=lr,
                              weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False,
-                             found_inf=found_inf if self.fused else None)
+                             grad_scale=grad_scale, found_inf=found_inf)
         if not self.master_is_param:
             for seg, master in zip(self.segments, self.master):
                 seg.buffer.param_data[seg.start:seg.end].copy_(master)
