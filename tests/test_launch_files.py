@@ -127,3 +127,36 @@ def test_check_plan_memory_dry_run_prints_the_prediction():
     assert row["predicted_total_gib"] > row["predicted_allocated_gib"] > sum(row["breakdown_gib"][k] for k in
                                                                              ("weights", "gradients", "optimizer"))
     assert "--steps" not in row["flags"] and "--dry-run" not in row["flags"] and "--model" in row["flags"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_overlap_ab_benchmark_runs_and_reports_both_modes():
+    """benchmarks/overlap_ab.py (issue 5's A/B) on CPU/gloo with a tiny model: both modes timed every round."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           str(ROOT / "benchmarks" / "overlap_ab.py"), "--model", "llama-test", "--seq-length", "16",
+                           "--micro-batch-size", "1", "--global-batch-size", "4", "--distributed-optimizer",
+                           "--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["dp"] == 2 and row["dist_opt"] is True
+    assert len(row["rounds"]["overlapped"]) == len(row["rounds"]["not_overlapped"]) == 2
+    assert row["speedup"] == pytest.approx(row["not_overlapped_ms"] / row["overlapped_ms"])
+
+
+def test_profile_step_reports_wall_and_kernel_time():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--model", "llama-test",
+                           "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--device",
+                           "cpu", "--steps", "1", "--warmup", "1", "--json"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["wall_ms_per_step"] > 0 and result["kernel_ms_per_step"] > 0
+    assert abs(sum(result["share"].values()) - 1) < 1e-6
