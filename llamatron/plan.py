@@ -52,7 +52,8 @@ Buffers:
 Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see SpeedAssumptions)
 ---------------------------------------------------------------------------------------------------
   compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency);
-    hardware FLOPs = 6N + 12LhS plus one more layer forward (full recompute) or attention forward (selective);
+    hardware FLOPs = 6N + 12LhS plus one more layer forward (full recompute; N/layers-per-chunk of it with
+    --recompute-layers N) or attention forward (selective);
     GEMM efficiency = tokens/(tokens+256) x (h/tp)/((h/tp)+64): small micro-batches and thin shards run slower;
   tensor parallelism: 8 (12 with full recompute) all-gathers/reduce-scatters of (tokens x h) per layer over
     NVLink (tp never leaves a node), not overlapped with compute;
@@ -67,7 +68,7 @@ Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from .config import ConfigError, RunConfig, config_from_values, validate
@@ -96,11 +97,17 @@ class Layout:
     recompute: str
     micro_batch_size: int
     global_batch_size: int
+    recompute_layers: int | None = None  # --recompute-layers: only the first N layers of each chunk
 
     @property
     def micro_batches(self) -> int:
         """Micro-batches per data-parallel rank per step (m)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def recompute_label(self) -> str:
+        """'full', or 'full:N' when only the first N layers of each chunk are recomputed."""
+        return self.recompute if self.recompute_layers is None else f"{self.recompute}:{self.recompute_layers}"
 
 
 @dataclass(frozen=True)
@@ -317,6 +324,8 @@ def chunks_in_flight(pp: int, vpp: int, micro_batches: int, rank: int) -> int:
 def layout_memory(model: ModelConfig, layout: Layout, seq_length: int, precision: Precision = Precision(),
                   pp_layers: str | None = None, recompute_layers: int | None = None) -> Memory:
     """Peak memory per GPU of a layout: the largest over its pipeline ranks."""
+    if recompute_layers is None:
+        recompute_layers = layout.recompute_layers
     ranks = [_rank_memory(model, layout, seq_length, precision, pp_layers, recompute_layers, r) for r in range(layout.pp)]
     return max(ranks, key=lambda m: m.total)
 
@@ -358,7 +367,7 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     p, t = run_config.parallel, run_config.train
     precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype)
     layout = Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
-                    t.micro_batch_size, t.global_batch_size)
+                    t.micro_batch_size, t.global_batch_size, t.recompute_layers)
     mem = layout_memory(run_config.model_config(), layout, run_config.data.seq_length, precision, p.pp_layers,
                         t.recompute_layers)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
@@ -378,14 +387,17 @@ def estimate_speed(model: ModelConfig, lay: Layout, seq_length: int, gpus: int, 
     model_flops = model.flops_per_token(seq_length)
     attention_fwd = 4.0 * L * h * seq_length
     layers_fwd = 2.0 * L * layer_params(model) + attention_fwd
-    extra = {"none": 0.0, "selective": attention_fwd, "full": layers_fwd}[lay.recompute]
+    # Partial recompute (--recompute-layers N) re-runs N of each chunk's layers (even splits assumed).
+    per_chunk = L / (lay.pp * lay.vpp)
+    share = 1.0 if lay.recompute_layers is None else min(lay.recompute_layers, per_chunk) / per_chunk
+    extra = share * {"none": 0.0, "selective": attention_fwd, "full": layers_fwd}[lay.recompute]
     width = h / lay.tp
     efficiency = (hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half))
     compute = tokens * (model_flops + extra) / (lay.tp * lay.pp) / (hw.peak_flops * efficiency)
     layers_here = L / lay.pp
     tp_comm = 0.0
     if lay.tp > 1:
-        collectives = 12 if lay.recompute == "full" else 8
+        collectives = 8 + (4 * share if lay.recompute == "full" else 0)
         tp_comm = layers_here * collectives * (lay.tp - 1) / lay.tp * tokens * h * a / hw.nvlink_bw
     p2p = 0.0
     if lay.pp > 1:
@@ -424,6 +436,7 @@ def _divisors(n: int) -> list[int]:
 def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length: int) -> RunConfig:
     values = {"model": model_name, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "sequence_parallel": lay.sequence_parallel,
               "distributed_optimizer": lay.distributed_optimizer, "recompute": lay.recompute,
+              "recompute_layers": lay.recompute_layers,
               "micro_batch_size": lay.micro_batch_size, "global_batch_size": lay.global_batch_size,
               "seq_length": seq_length, "precision": "bf16", "device": "cuda"}
     if overrides:
@@ -480,6 +493,7 @@ def plan(model_name: str, gpus: int, gpu_memory: float, seq_length: int, global_
             fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
         else:
             rejected.append((lay, mem))
+    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
     fits = _drop_dominated_recompute(fits)
     fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
     result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
@@ -487,6 +501,30 @@ def plan(model_name: str, gpus: int, gpu_memory: float, seq_length: int, global_
         result.explanation = _explain(model_name, model, gpus, gpu_memory, seq_length, gpus_per_node,
                                       global_batch_size, model_overrides, precision, rejected)
     return result
+
+
+def _partial_recompute(model: ModelConfig, fits: list[Plan], rejected: list, seq_length: int, gpu_memory: float,
+                       precision: Precision, gpus: int, gpus_per_node: int) -> list[Plan]:
+    """Where full recompute fits and no recompute does not, the fewest recomputed layers per chunk that fit
+    (--recompute-layers N): each layer not recomputed saves a layer's forward."""
+    too_big = {replace(lay, recompute="full") for lay, _ in rejected if lay.recompute == "none"}
+    out = []
+    for p in fits:
+        lay = p.layout
+        if lay.recompute != "full" or lay.recompute_layers is not None or lay not in too_big:
+            continue
+        lo, hi = 1, model.num_layers // (lay.pp * lay.vpp)  # hi: all of the chunk's layers (fits)
+        while lo < hi:  # smallest N that fits; memory falls as N grows
+            mid = (lo + hi) // 2
+            if layout_memory(model, replace(lay, recompute_layers=mid), seq_length, precision).total <= gpu_memory:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < model.num_layers // (lay.pp * lay.vpp):
+            partial = replace(lay, recompute_layers=lo)
+            mem = layout_memory(model, partial, seq_length, precision)
+            out.append(Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node)))
+    return out
 
 
 def _drop_dominated_recompute(fits: list[Plan]) -> list[Plan]:

@@ -62,12 +62,13 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
     for i, p in enumerate(shown, 1):
         lay, m = p.layout, p.memory
         rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.vpp), str(lay.dp),
-                     "yes" if lay.distributed_optimizer else "no", lay.recompute, str(lay.micro_batch_size),
+                     "yes" if lay.distributed_optimizer else "no", lay.recompute_label, str(lay.micro_batch_size),
                      str(lay.global_batch_size)] +
                     [f"{x / GB:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.buffers_total, m.total)] +
                     [f"{p.speed.tokens_per_sec_per_gpu:,.0f}", f"{p.speed.mfu:.0%}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    note = ("sequence parallelism is on whenever tp > 1; buffers = logits/loss or backward temporaries, staging, "
+    note = ("sequence parallelism is on whenever tp > 1; recompute full:N = --recompute full --recompute-layers N "
+            "(the fewest layers per chunk that fit); buffers = logits/loss or backward temporaries, staging, "
             "batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc llamatron.plan`)")
     return "\n".join([head, *lines, note])

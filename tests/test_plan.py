@@ -1,5 +1,6 @@
 """`llamatron plan`: the memory model against hand counts and autograd, known minimums, ranking, errors."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -252,7 +253,7 @@ def test_planner_speed_matches_h200_throughput(row):
     derived = validate(cfg, row["gpus"], cuda_available=True)
     p, t = cfg.parallel, cfg.train
     layout = P.Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
-                      t.micro_batch_size, t.global_batch_size)
+                      t.micro_batch_size, t.global_batch_size, t.recompute_layers)
     speed = P.estimate_speed(cfg.model_config(), layout, cfg.data.seq_length, row["gpus"], 8)
     assert speed.tokens_per_sec_per_gpu == pytest.approx(row["tokens_per_sec_per_gpu"], rel=0.10)
 
@@ -276,6 +277,21 @@ def test_llama2_7b_minimum_is_two_80gb_gpus_with_tp2():
 def test_llama2_7b_on_one_141gb_gpu_needs_full_recompute():
     result = _fits("llama2-7b", 1, 141, 4096)
     assert result.fits and {p.layout.recompute for p in result.fits} == {"full"}
+
+
+def test_partial_recompute_recomputes_the_fewest_layers_that_fit():
+    """7B on one 141 GB GPU: no recompute does not fit; the plan's best recomputes only the first N layers,
+    the fewest that fit (N - 1 does not), and beats recomputing all 32."""
+    result = _fits("llama2-7b", 1, 141, 4096, global_batch_size=8)
+    best = result.fits[0]
+    n = best.layout.recompute_layers
+    assert best.layout.recompute == "full" and n is not None and 0 < n < 32
+    assert best.layout.recompute_label == f"full:{n}"
+    model = get_preset("llama2-7b")
+    fewer = P.layout_memory(model, dataclasses.replace(best.layout, recompute_layers=n - 1), 4096)
+    assert best.memory.total <= 141 * GB < fewer.total
+    everything = P.estimate_speed(model, dataclasses.replace(best.layout, recompute_layers=None), 4096, 1, 8)
+    assert best.speed.tokens_per_sec_per_gpu > everything.tokens_per_sec_per_gpu
 
 
 def test_llama2_70b_minimum_is_32_gpus_with_tp8_pp4():
