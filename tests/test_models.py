@@ -105,3 +105,25 @@ def test_loss_ignores_masked_labels():
     labels[:, :6] = -100
     loss = model(x, labels=labels)
     assert (loss[:, :6] == 0).all() and (loss[:, 6:] > 0).all()
+
+
+def test_forcing_an_attention_backend_switches_sdpa_and_bypasses_compile_caches():
+    """--attention-backend: only the chosen SDPA kernel stays enabled, and torch.compile's caches (which do not
+    key on these switches) are off for the process; auto enables every kernel again."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from llamatron.models.layers import set_attention_backend
+
+    saved = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
+    try:
+        set_attention_backend("flash")
+        assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert inductor_config.fx_graph_cache is False and functorch_config.enable_autograd_cache is False
+        with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+            set_attention_backend("fast")
+    finally:
+        set_attention_backend("auto")
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = saved
+    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
