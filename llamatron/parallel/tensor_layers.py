@@ -48,15 +48,11 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the ranks, keep this rank's 1/tp of the sequence."""
-    n = tp_size(group)
-    if n == 1:
+    if tp_size(group) == 1:
         return x
-    full = x.transpose(0, SEQ_DIM).contiguous()
-    if full.shape[0] % n:
-        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={n} (sequence parallelism)")
-    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
-    _reduce_scatter(out, full, group=group)
-    return out.transpose(0, SEQ_DIM)
+    out, pending = _reduce_scatter_seq_async(x, group)
+    pending.wait()
+    return out
 
 
 def _reduce_scatter_seq_async(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
