@@ -28,6 +28,7 @@ from llamatron.config import add_config_arguments, load_config, validate  # noqa
 from llamatron.data.batches import micro_batches_for_step  # noqa: E402
 from llamatron.data.mock import MockDataset  # noqa: E402
 from llamatron.engine import build_engine, to_device, train_step  # noqa: E402
+from llamatron.metrics import sync_device  # noqa: E402
 from llamatron.parallel.mesh import build_mesh, init_distributed  # noqa: E402
 
 
@@ -37,20 +38,15 @@ def set_overlap(engine, on: bool) -> None:
         buf.overlap_grad_reduce = on and buf.dp > 1
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_block(engine, batch, first_step: int, steps: int) -> float:
     """Milliseconds per step over `steps` steps, after one untimed step in the new mode."""
     train_step(engine, batch, first_step)
-    sync(engine.device)
+    sync_device(engine.device)
     start = time.perf_counter()
     for i in range(steps):
         out = train_step(engine, batch, first_step + 1 + i)
     float(out["loss"])
-    sync(engine.device)
+    sync_device(engine.device)
     return 1000 * (time.perf_counter() - start) / steps
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections import defaultdict
 
 import torch
@@ -26,6 +25,7 @@ from llamatron.config import add_config_arguments, load_config, validate  # noqa
 from llamatron.data.batches import micro_batches_for_step  # noqa: E402
 from llamatron.data.mock import MockDataset  # noqa: E402
 from llamatron.engine import build_engine, to_device, train_step  # noqa: E402
+from llamatron.metrics import Timer, sync_device  # noqa: E402
 from llamatron.parallel.mesh import build_mesh, init_distributed  # noqa: E402
 
 # Kernel-name fragments per category, first match wins (lower-case).
@@ -67,20 +67,16 @@ def main() -> None:
         train_step(engine, batch, step)
     cuda = engine.device.type == "cuda"
     # Wall time of unprofiled steps: against the kernel time below it shows how long the GPU sat idle.
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    sync_device(engine.device)
+    timer = Timer(engine.device)
     for step in range(args.steps):
         train_step(engine, batch, args.warmup + step)
-    if cuda:
-        torch.cuda.synchronize()
-    wall_ms = 1000 * (time.perf_counter() - start) / args.steps
+    wall_ms = 1000 * timer.elapsed() / args.steps
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         for step in range(args.steps):
             train_step(engine, batch, args.warmup + step)
-        if cuda:
-            torch.cuda.synchronize()
+        sync_device(engine.device)
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():

@@ -24,7 +24,7 @@ from .config import add_config_arguments, load_config, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
 from .engine import build_engine, count_tokens, to_device, train_step
-from .metrics import peak_memory_gib, peak_tflops, throughput
+from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
 from .parallel.mesh import build_mesh, init_distributed
 
 
@@ -35,11 +35,6 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table row")
     p.set_defaults(func=cmd_bench)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -57,14 +52,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), device)
     for step in range(args.warmup):
         train_step(engine, batch, step)
-    _sync(device)
+    sync_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     for step in range(args.steps):
         out = train_step(engine, batch, args.warmup + step)
     loss = float(out["loss"])  # one host sync, after the timed steps
-    _sync(device)
+    sync_device(device)
     elapsed = time.perf_counter() - start
     peak_mem = peak_memory_gib(device)
     state = state_memory(engine)
@@ -99,7 +94,7 @@ def state_memory(engine) -> dict[str, float]:
         return {}
     for buf in engine.buffers:
         buf.finish_param_gather()
-    torch.cuda.synchronize(engine.device)
+    sync_device(engine.device)
     params = sum(p.numel() for b in engine.buffers for p in b.param_range)
     shards = engine.mesh.dp if engine.optimizer.distributed else 1
     per_param = (4 + 4 + 8 / shards) if engine.dtype == torch.float32 else (engine.dtype.itemsize + 4 + 12 / shards)
@@ -122,28 +117,28 @@ def _breakdown(engine, batch: list[dict], step: int) -> dict[str, float]:
         buffer.is_last_microbatch = False  # no reductions from these backwards
         forward = 0.0
         for mb in batch:
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             loss = model(mb["input_ids"], labels=mb["labels"]).sum()
-            _sync(device)
+            sync_device(device)
             forward += time.perf_counter() - t0
             (loss / total).backward()
         buffer.is_last_microbatch = True
         times["forward_ms"] = 1000 * forward
     for buf in engine.buffers:
         buf.zero_grad()
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     engine.forward_backward(engine, batch, total)
-    _sync(device)
+    sync_device(device)
     t1 = time.perf_counter()
     for buf in engine.buffers:
         buf.finish_grad_sync()
-    _sync(device)
+    sync_device(device)
     t2 = time.perf_counter()
     engine.optimizer.step(engine.cfg.optim.lr)
     engine.optimizer.publish_params(overlap=False)
-    _sync(device)
+    sync_device(device)
     t3 = time.perf_counter()
     fwd_bwd = 1000 * (t1 - t0)
     if "forward_ms" in times:

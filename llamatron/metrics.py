@@ -71,14 +71,20 @@ class MetricsSink:
                 close()
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (host clocks around GPU work need it); nothing to wait for on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Timer:
     def __init__(self, device: torch.device):
         self.device = device
         self.start = time.perf_counter()
 
     def elapsed(self, sync: bool = True) -> float:
-        if sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if sync:
+            sync_device(self.device)
         return time.perf_counter() - self.start
 
     def reset(self) -> None:
