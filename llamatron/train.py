@@ -203,8 +203,8 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
             from .checkpoint.dist import save_checkpoint
 
             # Steps skipped so far, also those not yet logged: a resumed run continues the count.
-            engine.skipped_steps = guard.skipped_total + sum(bool(o["found_inf"] > 0) for _, o in pending)
-            result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed)
+            skipped = guard.skipped_total + sum(bool(o["found_inf"] > 0) for _, o in pending)
+            result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed, skipped)
             if logging_rank:
                 _print(progress, f"step {step + 1}: saved {result.checkpoint}"
                                  + (" (writing in the background)" if t.async_save else ""))

@@ -41,7 +41,7 @@ def _layout(engine) -> dict[str, Any]:
             "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
-def _meta(engine, step: int, consumed_samples: int) -> dict[str, Any]:
+def _meta(engine, step: int, consumed_samples: int, skipped_steps: int) -> dict[str, Any]:
     cfg, o = engine.cfg, engine.cfg.optim
     scaler = getattr(engine, "loss_scaler", None)  # fp16: the same on every rank
     return {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
@@ -50,13 +50,15 @@ def _meta(engine, step: int, consumed_samples: int) -> dict[str, Any]:
             "lr_schedule": {"completed_steps": step, "next_lr": lr_at(step, o.lr, o.min_lr, o.warmup_steps,
                                                                        cfg.train.train_steps, o.lr_schedule)},
             "loss_scaler": None if scaler is None else scaler.state_dict(),
-            "skipped_steps": getattr(engine, "skipped_steps", 0), **getattr(engine, "inherited_meta", {})}
+            "skipped_steps": skipped_steps, **getattr(engine, "inherited_meta", {})}
 
 
-def save_checkpoint(engine, root: str, step: int, consumed_samples: int) -> str:
-    """Save checkpoint `step` into `root`; returns its directory (published already unless --async-save)."""
+def save_checkpoint(engine, root: str, step: int, consumed_samples: int, skipped_steps: int = 0) -> str:
+    """Save checkpoint `step` into `root`; returns its directory (published already unless --async-save).
+
+    skipped_steps: non-finite steps skipped so far in the run, which a resumed run continues counting."""
     finish_pending_save(engine)  # one save at a time: the previous one is published before this one starts
-    pending = start_save(engine, root, step, _meta(engine, step, consumed_samples),
+    pending = start_save(engine, root, step, _meta(engine, step, consumed_samples, skipped_steps),
                          background=engine.cfg.train.async_save)
     if pending.thread is None:
         return finish(engine, pending)
