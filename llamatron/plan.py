@@ -357,6 +357,13 @@ def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precisi
                   buffers=buffers, stage=rank, temporaries_kind=kind)
 
 
+def run_layout(run_config: RunConfig, dp: int) -> Layout:
+    """The Layout of a run's configuration (dp: its data-parallel size, from config.validate)."""
+    p, t = run_config.parallel, run_config.train
+    return Layout(p.tp, p.pp, p.vpp, dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
+                  t.micro_batch_size, t.global_batch_size, t.recompute_layers)
+
+
 def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """Predicted peak memory per GPU (bytes) of a training run, for comparing with a measured peak.
 
@@ -364,12 +371,10 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     `total` adds the allocator's fragmentation and memory outside PyTorch, and is what must fit in the GPU.
     """
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
-    p, t = run_config.parallel, run_config.train
+    p = run_config.parallel
     precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype)
-    layout = Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
-                    t.micro_batch_size, t.global_batch_size, t.recompute_layers)
-    mem = layout_memory(run_config.model_config(), layout, run_config.data.seq_length, precision, p.pp_layers,
-                        t.recompute_layers)
+    mem = layout_memory(run_config.model_config(), run_layout(run_config, derived.dp), run_config.data.seq_length,
+                        precision, p.pp_layers)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
             "activations": mem.activations, "buffers": mem.buffers_total, "buffer_parts": dict(mem.buffers),
             "allocated": mem.allocated, "total": mem.total, "stage": mem.stage,

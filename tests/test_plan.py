@@ -223,16 +223,21 @@ def test_loss_temporaries_compiled_and_eager():
 H200_ROWS = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_peak_memory.json").read_text())["rows"]
 
 
-@pytest.mark.parametrize("row", H200_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in H200_ROWS])
-def test_planner_matches_peak_memory_measured_on_h200(row):
-    """The planner's `allocated` against torch.cuda.max_memory_allocated of real H200 runs: within 10%."""
+def _config_of(flags: str):
+    """The run configuration of a command line's train flags."""
     import argparse
 
     from llamatron.config import add_config_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    cfg = load_config(parser.parse_args(row["flags"].split()))
+    return load_config(parser.parse_args(flags.split()))
+
+
+@pytest.mark.parametrize("row", H200_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in H200_ROWS])
+def test_planner_matches_peak_memory_measured_on_h200(row):
+    """The planner's `allocated` against torch.cuda.max_memory_allocated of real H200 runs: within 10%."""
+    cfg = _config_of(row["flags"])
     predicted = P.predict_peak_memory(cfg, row["gpus"])["allocated_gib"]
     assert predicted == pytest.approx(row["measured_gib"], rel=0.10), (predicted, row["measured_gib"])
 
@@ -243,17 +248,10 @@ SPEED_ROWS = [r for r in H200_ROWS if r["tokens_per_sec_per_gpu"]]
 @pytest.mark.parametrize("row", SPEED_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in SPEED_ROWS])
 def test_planner_speed_matches_h200_throughput(row):
     """The planner ranks layouts by its speed estimate: within 10% of compiled H200 runs of each kind."""
-    import argparse
+    from llamatron.config import validate
 
-    from llamatron.config import add_config_arguments, load_config, validate
-
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    cfg = load_config(parser.parse_args(row["flags"].split()))
-    derived = validate(cfg, row["gpus"], cuda_available=True)
-    p, t = cfg.parallel, cfg.train
-    layout = P.Layout(p.tp, p.pp, p.vpp, derived.dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
-                      t.micro_batch_size, t.global_batch_size, t.recompute_layers)
+    cfg = _config_of(row["flags"])
+    layout = P.run_layout(cfg, validate(cfg, row["gpus"], cuda_available=True).dp)
     speed = P.estimate_speed(cfg.model_config(), layout, cfg.data.seq_length, row["gpus"], 8)
     assert speed.tokens_per_sec_per_gpu == pytest.approx(row["tokens_per_sec_per_gpu"], rel=0.10)
 
