@@ -518,14 +518,15 @@ def _partial_recompute(model: ModelConfig, fits: list[Plan], rejected: list, seq
         lay = p.layout
         if lay.recompute != "full" or lay.recompute_layers is not None or lay not in too_big:
             continue
-        lo, hi = 1, model.num_layers // (lay.pp * lay.vpp)  # hi: all of the chunk's layers (fits)
+        per_chunk = model.num_layers // (lay.pp * lay.vpp)
+        lo, hi = 1, per_chunk  # hi: all of the chunk's layers (fits)
         while lo < hi:  # smallest N that fits; memory falls as N grows
             mid = (lo + hi) // 2
             if layout_memory(model, replace(lay, recompute_layers=mid), seq_length, precision).total <= gpu_memory:
                 hi = mid
             else:
                 lo = mid + 1
-        if lo < model.num_layers // (lay.pp * lay.vpp):
+        if lo < per_chunk:
             partial = replace(lay, recompute_layers=lo)
             mem = layout_memory(model, partial, seq_length, precision)
             out.append(Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node)))
