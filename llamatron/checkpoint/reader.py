@@ -36,15 +36,16 @@ FORMAT = "llamatron-pieces/1"
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master", "step")
 
 
-_CORRUPT = "is truncated or corrupt ({err}); load another checkpoint (an earlier DIR/step-N) or re-create it"
+_RELOAD = "load another checkpoint (an earlier DIR/step-N) or re-create it"
+_CORRUPT = "is truncated or corrupt ({err}); " + _RELOAD
 
 
-def open_safetensors(path: Path):
-    """safe_open, with a damaged file reported as a CheckpointError that names it."""
+def open_safetensors(path: Path, remedy: str = _RELOAD):
+    """safe_open, with a damaged file reported as a CheckpointError that names it and `remedy`."""
     try:
         return safe_open(str(path), framework="pt")
     except Exception as err:  # safetensors raises its own SafetensorError (and OSError for I/O)
-        raise CheckpointError(f"{path} " + _CORRUPT.format(err=err)) from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({err}); {remedy}") from None
 
 
 def _read_json(path: Path) -> Any:

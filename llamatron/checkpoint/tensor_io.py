@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
 
 from .dist import CheckpointError
+from .reader import open_safetensors
 
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -40,11 +40,7 @@ class TensorSource:
             if not path.is_file():
                 raise CheckpointError(f"{path}: weight file not found")
             if path.suffix == ".safetensors":
-                try:
-                    handle = safe_open(str(path), framework="pt")
-                except Exception as err:  # safetensors' own SafetensorError: a damaged header
-                    raise CheckpointError(f"{path}: not a readable safetensors file ({err}); "
-                                          f"re-download or re-create it") from None
+                handle = open_safetensors(path, remedy="re-download or re-create it")
                 self._handles.append(handle)
                 for name in handle.keys():
                     self._where[name] = handle
