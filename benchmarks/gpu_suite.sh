@@ -2,7 +2,7 @@
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Single-GPU rows run two at a time (one per GPU) when two GPUs are present.
 # usage: benchmarks/gpu_suite.sh [GROUP...]
-#   groups: single, dp, overlap, tp, tp7, single7, fastpath, profile, tests, plan
+#   groups: single, dp, overlap, tp, tpab, tp7, single7, fastpath, profile, tests, plan
 # The 2-GPU groups need `nvidia-h200-x2`.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -47,6 +47,9 @@ for group in ${@:-single dp tests}; do
       ab $A --dp-comm-max-ctas 4 --grad-reduce-dtype bf16 ;;
     tp)
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
+    tpab)  # tensor parallel: column-parallel backward overlap on vs off (same machine, back to back)
+      multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel --no-tp-comm-overlap
+      multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
     tp7)  # Llama 2 7B on 2 GPUs: tensor parallel vs data parallel with the distributed optimizer
       # (12 B/param with the optimizer sharded over 2 leaves ~55 GB for activations: no recompute needed)
       multi 2 $B7 --global-batch-size 16 --micro-batch-size 1 --compile --distributed-optimizer
@@ -65,7 +68,7 @@ for group in ${@:-single dp tests}; do
       wait ;;
     profile)  # where llama-1b's step time goes, by kernel category
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_step.py --model llama-1b --seq-length 4096 \
-        --micro-batch-size 8 --global-batch-size 8 --compile --top 40 >"$OUT/profile.txt" 2>>"$OUT/log.txt"
+        --micro-batch-size 8 --global-batch-size 8 --compile --top 60 >"$OUT/profile.txt" 2>>"$OUT/log.txt"
       echo "== profile rc $?" >>"$OUT/log.txt" ;;
     plan)  # the planner's prediction against measured peak memory
       plan_check ;;

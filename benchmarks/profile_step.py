@@ -79,12 +79,14 @@ def main() -> None:
         sync_device(engine.device)
     per_cat: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
     for evt in prof.key_averages():
         us = evt.device_time_total if cuda else evt.self_cpu_time_total
         if us <= 0 or (not cuda and evt.key.startswith("ProfilerStep")):
             continue
         per_cat[category(evt.key)] += us
         per_kernel[evt.key] += us
+        calls[evt.key] += evt.count
     total = sum(per_cat.values()) or 1.0
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -92,7 +94,7 @@ def main() -> None:
         "kernel_ms_per_step": sum(per_cat.values()) / 1000 / args.steps,
         "ms_per_step": {k: v / 1000 / args.steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "share": {k: v / total for k, v in per_cat.items()},
-        "top_kernels": [(k[:90], v / 1000 / args.steps) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]],
+        "top_kernels": [(k[:160], v / 1000 / args.steps, calls[k] // args.steps) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]],
     }
     if engine.mesh.rank != 0:
         return
@@ -105,9 +107,9 @@ def main() -> None:
     print(f"{'category':<20} {'ms/step':>9} {'share':>7}")
     for k, ms in result["ms_per_step"].items():
         print(f"{k:<20} {ms:>9.1f} {result['share'][k]:>7.1%}")
-    print("\ntop kernels (ms/step):")
-    for name, ms in result["top_kernels"]:
-        print(f"  {ms:8.2f}  {name}")
+    print("\ntop kernels (ms/step, calls/step):")
+    for name, ms, n in result["top_kernels"]:
+        print(f"  {ms:8.2f} {n:5d}  {name}")
 
 
 if __name__ == "__main__":

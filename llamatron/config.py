@@ -41,6 +41,8 @@ class ParallelConfig:
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
+    tp_comm_overlap: bool = _f(True, "column-parallel backward: run the input gradient's reduce-scatter/all-reduce "
+                                     "while the weight gradient is computed")
     overlap_grad_reduce: bool = _f(True, "reduce gradient buckets while backward runs")
     overlap_param_gather: bool = _f(True, "all-gather updated parameters during the next forward")
     bucket_size: int = _f(40_000_000, "gradient bucket size in elements")

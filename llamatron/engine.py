@@ -84,7 +84,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     if p.tp > 1:
         from .parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel)
+        apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel,
+                              comm_overlap=p.tp_comm_overlap)
     if p.pp > 1:
         from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 

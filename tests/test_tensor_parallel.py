@@ -303,6 +303,14 @@ def test_tensor_parallel_layout_matches_single_process(model, args, nproc, tmp_p
     assert_matches(reference, run_train(args, nproc, workdir, model=model))
 
 
+@pytest.mark.parametrize("sp", [[], ["--sequence-parallel"]], ids=["tp2", "tp2-sp"])
+def test_tp_without_backward_comm_overlap_matches_single_process(sp, tmp_path_factory):
+    # The plain column-parallel path (gather/copy + F.linear), kept for A/B measurement.
+    reference = _reference("llama-test", tmp_path_factory.mktemp("ref"))
+    got = run_train(["--tp", "2", *sp, "--no-tp-comm-overlap"], 2, tmp_path_factory.mktemp("tp"), model="llama-test")
+    assert_matches(reference, got)
+
+
 @pytest.mark.parametrize("extra", [[], ["--sequence-parallel", "--distributed-optimizer", "--recompute", "full"]],
                          ids=["plain", "sp-distopt-recompute"])
 def test_tp2_with_dp2_matches_single_process(extra, tmp_path_factory):

@@ -131,8 +131,12 @@ def gate_up_layout(ffn: int, tp: int, tp_rank: int, group: dist.ProcessGroup | N
 # ---- applying it to the model ------------------------------------------------------------------
 
 
-def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False) -> Transformer:
-    """Shard `model` (on meta, before materialize) over the tensor-parallel group of `mesh`, in place."""
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
+                          comm_overlap: bool = True) -> Transformer:
+    """Shard `model` (on meta, before materialize) over the tensor-parallel group of `mesh`, in place.
+
+    comm_overlap: column-parallel backward hides its input-gradient collective behind the weight gradient.
+    """
     cfg, tp, rank, group = model.cfg, mesh.tp, mesh.tp_rank, mesh.tp_group
     check_tensor_parallel(cfg, tp)
     sp, ffn = sequence_parallel, cfg.ffn_hidden_size
@@ -167,6 +171,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         for p in model.parameters():
             if not getattr(p, "tensor_parallel", False):
                 p.sequence_parallel_grad = True
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear):
+            module.overlap_backward = comm_overlap
     _check_all_sharded(model)
     return model
 

@@ -284,6 +284,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.layout = in_features, layout
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.overlap_backward = True  # False: plain gather/copy + F.linear (for A/B measurement)
         self.weight = nn.Parameter(torch.empty(layout.local_size, in_features, device=device, dtype=dtype))
         mark_sharded(self.weight, layout, (layout.full_size, in_features))
         self.bias = None
@@ -294,6 +295,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.overlap_backward:
+            return F.linear(to_parallel_input(x, self.group, self.sequence_parallel), self.weight, self.bias)
         return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
