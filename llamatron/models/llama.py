@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .layers import Attention, RMSNorm
+from .swiglu_op import swiglu
 
 
 class SwiGLU(nn.Module):
@@ -19,8 +19,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
 
 
 class LlamaBlock(nn.Module):
