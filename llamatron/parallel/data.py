@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .grad_accumulate import accumulate_grad
 from .mesh import all_gather_flat as _all_gather
 from .mesh import reduce_scatter_flat as _reduce_scatter
 
@@ -96,6 +97,8 @@ class GradBuffer:
                 p.data = self.param_data[start:end].view_as(p)
                 p.main_grad = self.grad_data[start:end].view_as(p)
                 self.bucket_of[p] = bucket
+        for p in params:
+            p.main_grad_unwritten = False  # grad_data starts zeroed
         self.is_last_microbatch = True
         # NCCL gathers in place (input = this rank's slice of the output); gloo needs a separate input.
         self._in_place_gather = dp_group is not None and dist.get_backend(dp_group) == "nccl"
@@ -110,7 +113,10 @@ class GradBuffer:
             bucket.pending = len(bucket.params)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+        # The first gradient after zero_grad is written, not added: zero_grad writes nothing, which saves a
+        # zeroing pass over the fp32 buffer and a read of it.
+        accumulate_grad(param.main_grad, param.grad, overwrite=param.main_grad_unwritten)
+        param.main_grad_unwritten = False
         param.grad = None
         if not self.is_last_microbatch:
             return
@@ -146,6 +152,7 @@ class GradBuffer:
 
     def finish_grad_sync(self) -> None:
         """Reduce what backward did not start, then wait for every bucket. Call after the last backward."""
+        self._zero_unwritten()
         for bucket in self.buckets:
             self._start_reduce(bucket)
         for bucket in self.buckets:
@@ -160,8 +167,17 @@ class GradBuffer:
         self.reset_pending()
 
     def zero_grad(self) -> None:
-        self.grad_data.zero_()
+        """Mark every gradient stale; the next backward overwrites it (padding between buckets stays 0)."""
+        for p in self.param_range:
+            p.main_grad_unwritten = True
         self.reset_pending()
+
+    def _zero_unwritten(self) -> None:
+        """Zero the gradients of parameters that backward did not reach since zero_grad (unused this step)."""
+        for p in self.param_range:
+            if p.main_grad_unwritten:
+                p.main_grad.zero_()
+                p.main_grad_unwritten = False
 
     # ---- parameter side (distributed optimizer) -------------------------------------------------
 
