@@ -94,6 +94,9 @@ class TrainConfig:
     attention_backend: str = _f("auto", "scaled_dot_product_attention kernel (auto: the fastest available, cuDNN "
                                         "on Hopper); for comparison and debugging",
                                 ("auto", "cudnn", "flash", "efficient", "math"))
+    swiglu_backend: str = _f("auto", "SwiGLU activation: triton (fused kernels; auto picks them on CUDA) or torch "
+                                     "(the plain expression, compiled with the layer); for comparison and debugging",
+                             ("auto", "triton", "torch"))
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
@@ -349,6 +352,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset")
     if t.attention_backend != "auto" and device != "cuda":
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
+    if t.swiglu_backend == "triton" and device != "cuda":
+        raise ConfigError(f"--swiglu-backend triton runs on CUDA only; on {device} use auto or torch")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

@@ -130,3 +130,26 @@ def test_optimizer_matches_torch_adamw_with_clipping(clip):
     ours = dict(engine.chunks[0].named_parameters())
     for name, p in ref.named_parameters():
         assert (ours[name] - p).abs().max() <= 1e-6, name
+
+
+def test_gradient_buffer_overwrites_then_accumulates_and_zeroes_unused_parameters():
+    """zero_grad writes nothing: the first gradient of a step is copied, later micro-batches add, and a parameter
+    backward never reached this step reads 0 after finish_grad_sync (not last step's value)."""
+    from llamatron.parallel.data import GradBuffer
+
+    torch.manual_seed(0)
+    module = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    buf = GradBuffer(module, None, 1)
+    x = torch.randn(3, 4)
+    module["used"](x).sum().backward()
+    module["unused"](x).sum().backward()
+    buf.finish_grad_sync()
+    assert module["unused"].weight.main_grad.abs().sum() > 0
+    buf.zero_grad()
+    for _ in range(2):  # two micro-batches of the next step touch only `used`
+        module["used"](x).square().sum().backward()
+    buf.finish_grad_sync()
+    w = module["used"].weight.detach().requires_grad_()
+    (expected,) = torch.autograd.grad(2 * torch.nn.functional.linear(x, w, module["used"].bias).square().sum(), w)
+    torch.testing.assert_close(module["used"].weight.main_grad, expected)
+    assert module["unused"].weight.main_grad.abs().sum() == 0 and module["unused"].bias.main_grad.abs().sum() == 0

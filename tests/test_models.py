@@ -127,3 +127,25 @@ def test_forcing_an_attention_backend_switches_sdpa_and_bypasses_compile_caches(
         set_attention_backend("auto")
         inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = saved
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_swiglu_op_matches_the_plain_expression_forward_and_backward():
+    """The custom op behind the fused SwiGLU (its CPU kernel states the derivative the Triton kernel computes)."""
+    import torch.nn.functional as F
+
+    from llamatron.models.swiglu_op import swiglu_op
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 2 * 37, dtype=torch.float64, requires_grad=True)
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = swiglu_op(x)
+    torch.testing.assert_close(out, ref)
+    dy = torch.randn_like(ref)
+    (g_ref,) = torch.autograd.grad(ref, x, dy)
+    (g_out,) = torch.autograd.grad(out, x, dy)
+    torch.testing.assert_close(g_out, g_ref)
+    assert torch.autograd.gradcheck(swiglu_op, (x[:1, :2].detach().clone().requires_grad_(),))
+    # Registration (fake tensor shapes, autograd, compile tracing) is consistent with the kernel.
+    torch.library.opcheck(swiglu_op, (torch.randn(4, 16, requires_grad=True),))
+
