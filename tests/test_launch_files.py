@@ -160,3 +160,13 @@ def test_profile_step_reports_wall_and_kernel_time():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["wall_ms_per_step"] > 0 and result["kernel_ms_per_step"] > 0
     assert abs(sum(result["share"].values()) - 1) < 1e-6
+    assert all(len(k) == 3 and k[2] >= 1 for k in result["top_kernels"])  # (name, ms/step, calls/step)
+
+
+def test_attention_layout_benchmark_times_each_layout():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_layout.py"), "--batch", "1",
+                           "--heads", "4", "--kv-heads", "2", "--seq", "32", "--head-dim", "16", "--iters", "1"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [r["layout"] for r in rows] == ["bhsd", "bshd", "packed"] and all(r["ms_fwd_bwd"] > 0 for r in rows)
