@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, Derived, RunConfig, validate
+from .config import ConfigError, RunConfig, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
 from .engine import Engine, build_engine, to_device, train_step
-from .evaluation import evaluate, format_metrics, gather_argmax  # noqa: F401 (pipeline.py imports gather_argmax from here)
+from .evaluation import evaluate, format_metrics
 from .faults import FaultGuard, explain_collective_failure, restore_signal_handlers
 from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
 from .models import ModelConfig
@@ -150,7 +148,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
 
 def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int,
                skipped_before: int = 0) -> TrainResult:
-    cfg, mesh, derived = engine.cfg, engine.mesh, engine.derived
+    cfg, mesh = engine.cfg, engine.mesh
     t = cfg.train
     logging_rank = mesh.is_logging_rank
     sink = MetricsSink(t.metrics_file if logging_rank else None)

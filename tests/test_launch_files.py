@@ -129,12 +129,6 @@ def test_check_plan_memory_dry_run_prints_the_prediction():
     assert "--steps" not in row["flags"] and "--dry-run" not in row["flags"] and "--model" in row["flags"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_overlap_ab_benchmark_runs_and_reports_both_modes():
     """benchmarks/overlap_ab.py (issue 5's A/B) on CPU/gloo with a tiny model: both modes timed every round."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -199,17 +199,6 @@ def test_activations_alive_per_rank_stay_within_the_1f1b_bound(tmp_path):
 # ---- layouts against the single-process run ------------------------------------------------------------
 
 
-def _tensor_parallel_works() -> bool:
-    try:
-        from llamatron.parallel.tensor import apply_tensor_parallel  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-needs_tp = pytest.mark.skipif(not _tensor_parallel_works(), reason="llamatron.parallel.tensor not available yet")
-
-
 def _eval_records(workdir: Path) -> list[dict]:
     (path,) = workdir.glob("metrics-*.jsonl")
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("split") == "valid"]
@@ -249,7 +238,6 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
     assert_matches(ref_eval, _eval_records(tmp_path), keys=("loss", "accuracy"))
 
 
-@needs_tp
 def test_tensor_x_pipeline_x_data_parallel_matches_single_process(reference, tmp_path):
     args = ["--tp", "2", "--pp", "2", "--sequence-parallel", "--distributed-optimizer"]  # dp = 8 / (2*2) = 2
     ref_steps, ref_eval = reference("llama-test4")
@@ -257,7 +245,6 @@ def test_tensor_x_pipeline_x_data_parallel_matches_single_process(reference, tmp
     assert_matches(ref_eval, _eval_records(tmp_path), keys=("loss", "accuracy"))
 
 
-@needs_tp
 def test_public_command_pp2_tp2_on_llama_tiny_matches_single_process(reference, tmp_path):
     ref_steps, _ = reference("llama-tiny")
     assert_matches(ref_steps, run_train(["--pp", "2", "--tp", "2"], 4, tmp_path, model="llama-tiny"))

@@ -339,7 +339,7 @@ def pipeline_evaluate(engine, dataset: Sequence, iters: int, start_sample: int =
     from ..data.batches import micro_batches_for_step
     from ..engine import to_device
     from ..models import IGNORE_INDEX
-    from ..train import gather_argmax
+    from ..evaluation import gather_argmax
 
     cfg, mesh = engine.cfg, engine.mesh
     t = cfg.train
