@@ -261,7 +261,7 @@ def run_encoder(
     with contextlib.ExitStack() as stack:
         writers = [stack.enter_context(IndexedDatasetWriter(prefix, dtype)) for prefix, dtype in outputs.values()]
         chunks = stack.enter_context(_encoded_chunks(paths, make_encoder, workers))
-        bar = stack.enter_context(tqdm(desc="preprocess", unit="doc", unit_scale=True, disable=not progress))
+        bar = stack.enter_context(tqdm(desc="preprocess", unit=" docs", disable=not progress))
         for results, chunk_bytes in chunks:
             for result in results:
                 if isinstance(result, BadLine):
