@@ -8,6 +8,7 @@ key (`micro_batch_size`), in one flat namespace. Precedence: defaults < YAML
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -354,6 +355,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.swiglu_backend == "triton" and device != "cuda":
         raise ConfigError(f"--swiglu-backend triton runs on CUDA only; on {device} use auto or torch")
+    if t.swiglu_backend == "triton" and importlib.util.find_spec("triton") is None:
+        raise ConfigError("--swiglu-backend triton needs the triton package (pip install triton); or use auto or torch")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

@@ -12,10 +12,13 @@ plain expression.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 _backend = "auto"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # once: not while torch.compile traces
 
 
 def set_swiglu_backend(name: str) -> None:
@@ -28,10 +31,11 @@ def set_swiglu_backend(name: str) -> None:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate_up = [gate | up] along the last dimension."""
-    if _backend == "torch" or not gate_up.is_cuda:  # swiglu_op has a CPU kernel too, used by the tests
+    if _backend == "torch" or not gate_up.is_cuda or not _HAS_TRITON:  # (swiglu_op's CPU kernel: for tests)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     return swiglu_op(gate_up)
+
 
 
 # ---- the custom op (CUDA) -------------------------------------------------------------------------
