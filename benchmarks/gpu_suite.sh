@@ -2,7 +2,7 @@
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Single-GPU rows run two at a time (one per GPU) when two GPUs are present.
 # usage: benchmarks/gpu_suite.sh [GROUP...]
-#   groups: single, dp, overlap, tp, tpab, tp7, single7, fastpath, profile, tests, plan
+#   groups: single, dp, overlap, tp, tpab, kernels, tp7, clocks, single7, fastpath, profile, tests, plan
 # The 2-GPU groups need `nvidia-h200-x2`.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,6 +50,11 @@ for group in ${@:-single dp tests}; do
     tpab)  # tensor parallel: column-parallel backward overlap on vs off (same machine, back to back)
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel --no-tp-comm-overlap
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
+    kernels)  # Triton kernels on vs off (llama-1b, 1 GPU), each pair on both GPUs with the settings swapped
+      for k in "--adamw-kernel triton" "--swiglu-backend torch"; do
+        one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile $k & wait
+        one 0 $B1 --micro-batch-size 8 --compile $k & one 1 $B1 --micro-batch-size 8 --compile & wait
+      done ;;
     tp7)  # Llama 2 7B on 2 GPUs: tensor parallel vs data parallel with the distributed optimizer
       # (12 B/param with the optimizer sharded over 2 leaves ~55 GB for activations: no recompute needed)
       multi 2 $B7 --global-batch-size 16 --micro-batch-size 1 --compile --distributed-optimizer
@@ -70,6 +75,19 @@ for group in ${@:-single dp tests}; do
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_step.py --model llama-1b --seq-length 4096 \
         --micro-batch-size 8 --global-batch-size 8 --compile --top 60 >"$OUT/profile.txt" 2>>"$OUT/log.txt"
       echo "== profile rc $?" >>"$OUT/log.txt" ;;
+    clocks)  # is in-model attention slower than alone because the GPU clocks down under matmul load?
+      # SM clock and power sampled every 200 ms while the attention microbenchmark runs alone, then while a
+      # llama-1b row runs (RESULTS run 3: cuDNN attention 5.72 ms/layer in the model vs 4.85 alone)
+      for what in attention model; do
+        nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
+          -lms 200 >"$OUT/clocks-$what.csv" 2>>"$OUT/log.txt" & local_smi=$!
+        if [ $what = attention ]; then
+          CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/attention_layout.py --iters 200 >>"$OUT/attention_layout.txt" 2>>"$OUT/log.txt"
+        else
+          one 0 $B1 --micro-batch-size 8 --compile --steps 20
+        fi
+        kill $local_smi
+      done ;;
     plan)  # the planner's prediction against measured peak memory
       plan_check ;;
     tests)

@@ -64,6 +64,9 @@ class OptimConfig:
     adam_beta2: float = _f(0.95, "AdamW beta2")
     adam_eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)")
+    adamw_kernel: str = _f("torch", "AdamW update: torch's fused kernel + a copy into the model weights, or triton "
+                                    "(one pass that writes the weights too; CUDA; not yet measured on a GPU)",
+                           ("torch", "triton"))
 
 
 @dataclass
@@ -355,8 +358,11 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.swiglu_backend == "triton" and device != "cuda":
         raise ConfigError(f"--swiglu-backend triton runs on CUDA only; on {device} use auto or torch")
-    if t.swiglu_backend == "triton" and importlib.util.find_spec("triton") is None:
-        raise ConfigError("--swiglu-backend triton needs the triton package (pip install triton); or use auto or torch")
+    if cfg.optim.adamw_kernel == "triton" and device != "cuda":
+        raise ConfigError(f"--adamw-kernel triton runs on CUDA only; on {device} use torch")
+    if "triton" in (t.swiglu_backend, cfg.optim.adamw_kernel) and importlib.util.find_spec("triton") is None:
+        raise ConfigError("--swiglu-backend/--adamw-kernel triton need the triton package (pip install triton); "
+                          "or use the torch kernels")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

@@ -109,7 +109,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
                           reduce_dtype=reduce_dtype) for chunk in chunks]
     o = cfg.optim
     optimizer = DistributedAdamW(buffers, mesh, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                                 eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer)
+                                 eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer,
+                                 kernel=o.adamw_kernel)
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler)
 

@@ -93,6 +93,34 @@ def test_triton_swiglu_matches_torch(shape, dtype):
             torch.testing.assert_close(g_out.float(), g_ref.float(), rtol=tol, atol=tol)
 
 
+def test_triton_adamw_matches_torch_fused_adamw():
+    """--adamw-kernel triton: one segment's update equals torch's fused AdamW (gradient scale, weight decay,
+    3 steps, then a skipped one) and the bf16 weights it writes equal the master rounded to bf16."""
+    from torch.optim.adamw import adamw as functional_adamw
+
+    from llamatron.parallel.adamw_kernel import adamw_segment
+    torch.manual_seed(0)
+    n = 3 * 2048 + 7
+    ours = [torch.randn(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")]
+    ref = [t.clone() for t in ours]
+    step, ref_step = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(2.5, device="cuda")
+    for k in range(4):
+        found_inf = torch.tensor(float(k == 3), device="cuda")
+        grad = torch.randn(n, device="cuda")
+        functional_adamw([ref[0]], [grad.clone()], [ref[1]], [ref[2]], [], [ref_step], fused=True, amsgrad=False,
+                         beta1=0.9, beta2=0.95, lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False,
+                         grad_scale=scale, found_inf=found_inf)
+        step += 1 - found_inf
+        adamw_segment(ours[0], grad, ours[1], ours[2], step, out, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                      weight_decay=0.1, grad_scale=scale, found_inf=found_inf)
+    assert float(step) == float(ref_step) == 3
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # fp32 rounding of the bias corrections
+    assert torch.equal(out, ours[0].bfloat16())
+
+
 @pytest.mark.parametrize("overwrite", [True, False])
 def test_gradient_accumulation_kernel_matches_torch(overwrite):
     """The bf16 -> fp32 main_grad kernel (write, then add) equals torch's copy_/add_ exactly."""

@@ -35,8 +35,8 @@ class Segment:
 
 class DistributedAdamW:
     def __init__(self, buffers: list[GradBuffer], mesh: Mesh, lr: float, weight_decay: float, betas: tuple[float, float],
-                 eps: float, clip_grad: float, distributed: bool):
-        self.buffers, self.mesh = buffers, mesh
+                 eps: float, clip_grad: float, distributed: bool, kernel: str = "torch"):
+        self.buffers, self.mesh, self.kernel = buffers, mesh, kernel
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, betas, eps, clip_grad
         self.distributed = distributed and mesh.dp > 1
         self.segments: list[Segment] = []
@@ -100,6 +100,9 @@ class DistributedAdamW:
         # Clipping and fp16 unscaling ride in the AdamW kernel (it divides each gradient by grad_scale as it
         # reads it) instead of a separate pass over all gradients.
         grad_scale = None if coef is None else (1.0 / coef).float().reshape(())
+        if self.kernel == "triton":
+            self._triton_step(grads, lr, grad_scale, found_inf)
+            return norm, found_inf
         for decay in (True, False):
             idx = [i for i, s in enumerate(self.segments) if s.decay == decay]
             if not idx:
@@ -113,6 +116,19 @@ class DistributedAdamW:
             for seg, master in zip(self.segments, self.master):
                 seg.buffer.param_data[seg.start:seg.end].copy_(master)
         return norm, found_inf
+
+    def _triton_step(self, grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | None,
+                     found_inf: torch.Tensor) -> None:
+        """The same update as the fused torch path, one kernel per segment writing the model weights too."""
+        from .adamw_kernel import adamw_segment
+
+        torch._foreach_add_(self.steps, 1.0 - found_inf)  # a skipped step does not count (as torch's fused AdamW)
+        for i, seg in enumerate(self.segments):
+            out = None if self.master_is_param else seg.buffer.param_data[seg.start:seg.end]
+            adamw_segment(self.master[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i], self.steps[i], out, lr=lr,
+                          beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                          weight_decay=self.weight_decay if seg.decay else 0.0, grad_scale=grad_scale,
+                          found_inf=found_inf)
 
     def publish_params(self, overlap: bool) -> None:
         """Make every rank's parameters whole again (distributed optimizer only)."""
