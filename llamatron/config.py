@@ -42,8 +42,8 @@ class ParallelConfig:
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
-    tp_comm_overlap: bool = _f(True, "column-parallel backward: run the input gradient's reduce-scatter/all-reduce "
-                                     "while the weight gradient is computed")
+    tp_comm_overlap: bool = _f(True, "with --tp > 1, column-parallel backward runs the input gradient's "
+                                     "reduce-scatter/all-reduce while the weight gradient is computed")
     overlap_grad_reduce: bool = _f(True, "reduce gradient buckets while backward runs")
     overlap_param_gather: bool = _f(True, "all-gather updated parameters during the next forward")
     bucket_size: int = _f(40_000_000, "gradient bucket size in elements")
@@ -98,8 +98,9 @@ class TrainConfig:
     attention_backend: str = _f("auto", "scaled_dot_product_attention kernel (auto: the fastest available, cuDNN "
                                         "on Hopper); for comparison and debugging",
                                 ("auto", "cudnn", "flash", "efficient", "math"))
-    swiglu_backend: str = _f("auto", "SwiGLU activation: triton (fused kernels; auto picks them on CUDA) or torch "
-                                     "(the plain expression, compiled with the layer); for comparison and debugging",
+    swiglu_backend: str = _f("auto", "SwiGLU activation: triton (fused kernels; auto picks them on CUDA when triton "
+                                     "is installed) or torch (the plain expression, fused by --compile); for "
+                                     "comparison and debugging",
                              ("auto", "triton", "torch"))
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
@@ -189,7 +190,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             default = f.default if f.default is not MISSING else (
                 f.default_factory() if f.default_factory is not MISSING else None)
             help_text = f.metadata.get("help", "")
-            if "(default:" not in help_text:  # some helps say what an unset (None) value means themselves
+            if "(default:" not in help_text and default is not None:  # unset (None): the help says what happens
                 help_text += f" (default: {default})"
             if t is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
@@ -210,8 +211,39 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; see `llamatron train --help` for the names")
     cfg = RunConfig(model_overrides=dict(overrides), explicit=set(values) | ({"model"} if overrides else set()))
     for key, value in values.items():
-        setattr(getattr(cfg, _section_of(key)), key, value)
+        setattr(getattr(cfg, _section_of(key)), key, _checked(key, value))
     return cfg
+
+
+_FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
+
+
+def _checked(key: str, value: Any) -> Any:
+    """A setting's value with the checks its flag gets from argparse (type, choices): YAML skips argparse."""
+    f, flag = _FIELDS[key], "--" + key.replace("_", "-")
+    if value is None:
+        if f.default is None:
+            return None
+        raise ConfigError(f"setting {key} ({flag}) is empty; give a value or remove it to use the default")
+    t, choices = _field_type(f), f.metadata.get("choices")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t in (int, float) and isinstance(value, str):
+        try:  # as argparse converts a flag's text; YAML reads `3e-4` (no dot) as text
+            value, number = t(value), True
+        except ValueError:
+            pass
+    if t is float and number:
+        value = float(value)
+    elif typing.get_origin(t) is list and isinstance(value, str):
+        value = value.split()  # `eval_metrics: loss accuracy`, as on the command line
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(t, "a list")
+    ok = {bool: isinstance(value, bool), int: number and isinstance(value, int), float: isinstance(value, float),
+          str: isinstance(value, str)}.get(t, isinstance(value, list))
+    if not ok:
+        raise ConfigError(f"setting {key} ({flag}): {value!r} is not {kind}")
+    if choices and value not in choices:
+        raise ConfigError(f"setting {key} ({flag}): {value!r} is not one of {', '.join(choices)}")
+    return value
 
 
 def _section_of(key: str) -> str:
@@ -354,7 +386,7 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} must be >= 1 (or left unset for NCCL's choice)")
     if p.dp_comm_max_ctas is not None and device != "cuda":
         raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset")
-    if t.attention_backend != "auto" and device != "cuda":
+    if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.swiglu_backend == "triton" and device != "cuda":
         raise ConfigError(f"--swiglu-backend triton runs on CUDA only; on {device} use auto or torch")

@@ -29,6 +29,33 @@ def test_unknown_yaml_key_is_named(tmp_path):
         parse(["--config", str(f)])
 
 
+@pytest.mark.parametrize("line, message", [
+    ("swiglu_backend: fast", r"swiglu_backend \(--swiglu-backend\): 'fast' is not one of auto, triton, torch"),
+    ("adamw_kernel: foo", r"'foo' is not one of torch, triton"),
+    ("device: tpu", r"device \(--device\): 'tpu' is not one of auto, cpu, cuda"),
+    ("precision: fp8", r"'fp8' is not one of"),
+    ("train_steps: many", r"train_steps \(--train-steps\): 'many' is not an integer"),
+    ("train_steps: 2.5", r"2.5 is not an integer"),
+    ("lr: fast", r"'fast' is not a number"),
+    ("distributed_optimizer: 1", r"1 is not true or false"),
+    ("micro_batch_size:", r"micro_batch_size \(--micro-batch-size\) is empty"),
+])
+def test_yaml_values_get_the_checks_flags_get(tmp_path, line, message):
+    """A YAML value of the wrong type or outside the choices is named, as the flag's argparse check would."""
+    f = tmp_path / "c.yaml"
+    f.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=message):
+        parse(["--config", str(f)])
+
+
+def test_yaml_numbers_and_lists_are_taken_as_flags_would_be(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 3e-4\nmin_lr: 0\ntrain_steps: '7'\neval_metrics: loss accuracy\nsave: null\n")
+    cfg = parse(["--config", str(f)])
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.min_lr, float) and cfg.train.train_steps == 7
+    assert cfg.train.eval_metrics == ["loss", "accuracy"] and cfg.train.save is None
+
+
 def test_model_overrides():
     cfg = config_from_values({"model": "llama-test", "model_overrides": {"num_layers": 3}})
     assert cfg.model_config().num_layers == 3
@@ -80,3 +107,9 @@ def test_unknown_flag_is_reported_by_the_command_with_a_suggestion(capsys):
     err = capsys.readouterr().err
     assert "llamatron train: error: unrecognized arguments: --micro-batch-sise 2" in err
     assert "did you mean --micro-batch-size" in err
+
+
+def test_math_attention_backend_is_accepted_on_cpu():
+    """SDPA's math kernel is what runs off CUDA, so forcing it there is allowed (the other kernels are refused)."""
+    cfg = config_from_values({"model": "llama-test", "attention_backend": "math"})
+    assert validate(cfg, 1).device == "cpu"
