@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import add_config_arguments, load_config, validate
+from .config import ConfigError, add_config_arguments, load_config, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
 from .engine import build_engine, count_tokens, to_device, train_step
@@ -29,7 +29,12 @@ from .parallel.mesh import build_mesh, init_distributed
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="measure training throughput on synthetic data")
+    p = sub.add_parser("bench", help="measure training throughput on synthetic data", description=(
+        "Runs --warmup untimed and --steps timed training steps on synthetic tokens and prints one row: tokens/s "
+        "per GPU, TFLOP/s, MFU, peak memory, and a breakdown (forward, backward, exposed gradient sync, optimizer, "
+        "pipeline bubble) measured on one extra instrumented step, so its parts need not add up to the timed "
+        "step. The model, parallel, precision and kernel flags of `train` apply; data, checkpoint, evaluation and "
+        "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."))
     add_config_arguments(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3)")
@@ -38,6 +43,9 @@ def register(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: bench needs at least 1 timed step and "
+                          "0 or more warm-up steps")
     cfg = load_config(args)
     cfg.data.mock_data = True
     cfg.train.train_steps = args.warmup + args.steps + 2
