@@ -37,13 +37,15 @@ def make(layout: str, b: int, h: int, kv: int, s: int, d: int, device: str, dtyp
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8, help="sequences (default: 8)")
+    parser.add_argument("--heads", type=int, default=32, help="query heads (default: 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads, dividing --heads (default: 8)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dimension (default: 64)")
+    parser.add_argument("--iters", type=int, default=20, help="timed forward+backward passes (default: 20)")
     args = parser.parse_args()
+    if args.heads % args.kv_heads:
+        parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} (grouped-query attention)")
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     b, h, kv, s, d = args.batch, args.heads, args.kv_heads, args.seq, args.head_dim

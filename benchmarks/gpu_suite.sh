@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
-# Single-GPU rows run two at a time (one per GPU) when two GPUs are present.
-# usage: benchmarks/gpu_suite.sh [GROUP...]
-#   groups: single, dp, overlap, tp, tpab, kernels, tp7, clocks, single7, fastpath, profile, tests, plan
-# The 2-GPU groups need `nvidia-h200-x2`.
+# Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
+# usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
+#   2 GPUs: single, dp, overlap, tp, tpab, kernels, tp7, single7, fastpath, tests
+#   1 GPU:  clocks, profile, plan
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 B1="--model llama-1b --seq-length 4096 --global-batch-size 8 --steps 10 --warmup 3"
 B7="--model llama2-7b --seq-length 4096 --global-batch-size 8 --steps 4 --warmup 2"
@@ -60,9 +61,8 @@ for group in ${@:-single dp tests}; do
       multi 2 $B7 --global-batch-size 16 --micro-batch-size 1 --compile --distributed-optimizer
       multi 2 $B7 --global-batch-size 16 --micro-batch-size 2 --compile --distributed-optimizer
       multi 2 $B7 --micro-batch-size 2 --compile --tp 2 --sequence-parallel ;;
-    single7)  # Llama 2 7B on 1 GPU: recompute only some layers at micro-batch 1 (two rows at once, one per GPU)
-      # (24 and 28 measured on 2026-11-29: 10.03k and 9.75k tokens/s; the planner, within 1% on every 7B
-      #  row measured so far, predicts 132.2 GiB allocated / 136.1 in all with no recompute at micro-batch 1)
+    single7)  # Llama 2 7B on 1 GPU at micro-batch 1: no recompute, and 8 recomputed layers (one row per GPU)
+      # (RESULTS run 3: 12.2k and 11.3k tokens/s; no recompute peaks at 131.75 GiB of the H200's 139.8)
       one 0 $B7 --micro-batch-size 1 --compile &
       one 1 $B7 --micro-batch-size 1 --compile --recompute full --recompute-layers 8 &
       wait ;;
@@ -93,6 +93,7 @@ for group in ${@:-single dp tests}; do
     tests)
       timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations 15 >>"$OUT/pytest_gpu.txt" 2>&1
       echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;
+    *) echo "gpu_suite.sh: unknown group '$group' (see the header for the groups)" >&2; exit 2 ;;
   esac
 done
 cat "$OUT"/bench.jsonl "$OUT"/overlap.jsonl "$OUT"/plan.jsonl 2>/dev/null; tail -5 "$OUT/pytest_gpu.txt" 2>/dev/null; grep "==" "$OUT/log.txt"

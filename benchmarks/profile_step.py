@@ -48,10 +48,10 @@ def category(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps (default: 2)")
+    parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first (default: 3)")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed (default: 15)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     args = parser.parse_args()
     cfg = load_config(args)
     cfg.data.mock_data = True
@@ -103,7 +103,7 @@ def main() -> None:
         return
     idle = result["wall_ms_per_step"] - result["kernel_ms_per_step"]
     print(f"wall {result['wall_ms_per_step']:.1f} ms/step, kernels {result['kernel_ms_per_step']:.1f} ms/step "
-          f"(GPU idle or overlapped: {idle:.1f} ms)")
+          f"(device idle or overlapped: {idle:.1f} ms)")
     print(f"{'category':<20} {'ms/step':>9} {'share':>7}")
     for k, ms in result["ms_per_step"].items():
         print(f"{k:<20} {ms:>9.1f} {result['share'][k]:>7.1%}")
