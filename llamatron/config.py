@@ -114,7 +114,7 @@ class TrainConfig:
     eval_iters: int = _f(4, "batches per evaluation")
     log_interval: int = _f(1, "steps between metric records")
     metrics_file: str | None = _f(None, "JSON-lines metrics file")
-    progress: bool = _f(True, "show a progress bar")
+    progress: bool = _f(True, "show a progress bar (--no-progress: a plain line per logged step, for batch logs)")
     # Watching a run (logging_sinks.py, evaluation.py)
     eval_metrics: list[str] = _f(["loss", "perplexity", "accuracy"],
                                  "evaluation metrics by name (llamatron.evaluation; MODULE:NAME imports MODULE first)")

@@ -191,6 +191,11 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
                                      tok_s=f"{speed['tokens_per_sec']:.0f}",
                                      mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
                 progress.update(len(pending))
+            elif logging_rank:  # --no-progress (batch logs): one plain line per logged step
+                mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
+                _print(None, f"step {pending[-1][0]}: loss {losses[-1]:.4f}, lr {pending[-1][1]['lr']:.2e}, "
+                             f"grad norm {float(pending[-1][1]['grad_norm']):.3f}, "
+                             f"{speed['tokens_per_sec']:.0f} tokens/s{mfu}")
             pending = []
             guard.check_skipped(on_abort=sink.close)
         last = step + 1 == t.train_steps

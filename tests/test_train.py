@@ -24,6 +24,15 @@ def _pythonpath():
     return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "HOME", "VIRTUAL_ENV")}
 
 
+def test_no_progress_prints_one_plain_line_per_logged_step(tmp_path):
+    proc = llamatron("train", "--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "16",
+                     "--global-batch-size", "2", "--micro-batch-size", "1", "--train-steps", "4", "--log-interval",
+                     "2", "--no-progress", cwd=tmp_path)
+    logged = [line.split(":")[0] for line in proc.stdout.splitlines() if ": loss " in line]
+    assert logged == ["step 2", "step 4"], proc.stdout
+    assert "tokens/s" in proc.stdout and "\r" not in proc.stdout  # no progress bar redraws
+
+
 def test_issue_command_writes_30_records_and_loss_falls(tmp_path):
     # The issue's command, with a short sequence to keep the suite fast.
     llamatron("train", "--model", "llama-tiny", "--mock-data", "--train-steps", "30", "--device", "cpu",
