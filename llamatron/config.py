@@ -329,7 +329,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
             raise ConfigError(f"--{name} must be >= 1")
     if world_size % (p.tp * p.pp):
         raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
-                          f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
+                          f"launch a multiple of {p.tp * p.pp} processes (--nproc-per-node N, torchrun or srun) "
+                          "or change --tp/--pp")
     dp = world_size // (p.tp * p.pp)
     if model.num_heads % p.tp:
         ok = [x for x in _divisors(model.num_heads)]
