@@ -1,9 +1,9 @@
 """silu(gate) * up of a fused [gate; up] projection, with a Triton kernel for each direction on CUDA.
 
-Why: torch.compile's backward of this product is one kernel that writes the two halves of the input
-gradient from separate index ranges, reading gate, up and the output gradient twice; on an H200 it ran at
-~half the memory bandwidth (14.1 of 366 ms per llama-1b step). The kernel here reads each input once and
-writes both halves from the same program.
+Why: torch.compile's backward of this product (one kernel writing the two halves of the input gradient
+from separate index ranges) ran at ~2 TB/s by our byte count on an H200, 14.1 of 366 ms per llama-1b step.
+The kernel here reads gate, up and the output gradient once per program and writes both halves from it:
+7.2 ms (benchmarks/RESULTS.md, run 3).
 
 `swiglu(gate_up)` is a torch custom op: torch.compile treats it as one opaque call (no graph break), and
 autograd saves only `gate_up`, as the compiled version does. Off CUDA, or with backend "torch", it is the
@@ -35,7 +35,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     return swiglu_op(gate_up)
-
 
 
 # ---- the custom op (CUDA) -------------------------------------------------------------------------
