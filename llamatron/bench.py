@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -26,6 +27,12 @@ from .data.mock import MockDataset
 from .engine import build_engine, count_tokens, to_device, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
 from .parallel.mesh import build_mesh, init_distributed
+
+
+# Settings of `train` that bench does not use: it warns instead of silently ignoring them.
+_TRAIN_ONLY = {"save", "load", "data", "sft_data", "tokenizer", "train_steps", "eval_interval", "eval_iters",
+               "eval_metrics", "save_interval", "metrics_file", "tensorboard_dir", "wandb_project", "wandb_name",
+               "wandb_mode", "finetune", "exit_duration_mins", "log_interval"}
 
 
 def register(sub) -> None:
@@ -47,6 +54,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: bench needs at least 1 timed step and "
                           "0 or more warm-up steps")
     cfg = load_config(args)
+    ignored = sorted(cfg.explicit & _TRAIN_ONLY)
+    if ignored:
+        print(f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
+              "synthetic data and saves, evaluates and logs nothing)", file=sys.stderr)
     cfg.data.mock_data = True
     cfg.train.train_steps = args.warmup + args.steps + 2
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from . import __version__
 from .config import ConfigError, add_config_arguments, load_config
 from .data.indexed import DataError
 
@@ -132,6 +133,7 @@ def _preprocess_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamatron", description="Distributed trainer for LLaMA-family models.")
+    parser.add_argument("--version", action="version", version=f"llamatron {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _train_parser(sub)
     _preprocess_parser(sub)
@@ -161,6 +163,15 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str | None, unknow
         if arg.startswith("--") and close:
             hints.append(f"{arg.split('=')[0]}: did you mean {' or '.join(close)}?")
     target.error(f"unrecognized arguments: {' '.join(unknown)}" + ("\n" + "\n".join(hints) if hints else ""))
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv: list[str] | None = None) -> None:

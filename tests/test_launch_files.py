@@ -170,10 +170,16 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "llamatron", "bench", "--model", "llama-test", "--device", "cpu", "--seq-length", "16",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--warmup", "1"]
-    proc = subprocess.run([*args, "--steps", "2", "--json"], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=ROOT)
+    proc = subprocess.run([*args, "--steps", "2", "--json", "--save", "ckpt-not-written"], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ignoring --save" in proc.stderr and not (ROOT / "ckpt-not-written").exists()
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["tokens_per_sec"] > 0 and row["mbs"] == 1 and row["gbs"] == 2 and row["forward_ms"] > 0
     proc = subprocess.run([*args, "--steps", "0"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "at least 1 timed step" in proc.stderr
+
+
+def test_version_names_llamatron_and_torch():
+    proc = subprocess.run([sys.executable, "-m", "llamatron", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("llamatron 0.") and "torch 2." in proc.stdout

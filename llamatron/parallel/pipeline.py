@@ -160,6 +160,9 @@ def sum_tied_embedding_grads(chunks: list[Transformer]) -> None:
     """Add the first and last stage's gradients of a tied embedding (before the data-parallel reduction)."""
     for chunk in chunks:
         for p in _tied_params(chunk):
+            if getattr(p, "main_grad_unwritten", False):  # no gradient this step (GradBuffer.zero_grad writes none)
+                p.main_grad.zero_()
+                p.main_grad_unwritten = False
             dist.all_reduce(p.main_grad, group=chunk.tied_embedding_group)
 
 
