@@ -16,22 +16,28 @@ def _model(name="llama-test", seed=0):
     return cfg, materialize(build_model(cfg), cfg, seed, "cuda", torch.bfloat16)
 
 
+def _assert_same_loss_and_grads(cfg, reference, other) -> None:
+    """One forward/backward of both models on the same tokens: loss within 1e-2, each gradient within 5%
+    (relative norm). Parameter names are compared without recompute's `layer.` wrapper level."""
+    x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+    outs = []
+    for model in (reference, other):
+        loss = model(x, labels=x).float().mean()
+        loss.backward()
+        outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
+    for n, g in outs[0][1].items():
+        rel = (g - outs[1][1][n]).norm() / g.norm().clamp_min(1e-6)
+        assert rel < 5e-2, (n, float(rel))
+
+
 @pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
 def test_compiled_layers_match_eager(name):
     from llamatron.engine import apply_compile
     cfg, eager = _model(name)
     _, compiled = _model(name)
     apply_compile(compiled)
-    x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
-    outs = []
-    for model in (eager, compiled):
-        loss = model(x, labels=x).float().mean()
-        loss.backward()
-        outs.append((loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
-    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
-    for n, g in outs[0][1].items():
-        rel = (g - outs[1][1][n]).norm() / g.norm().clamp_min(1e-6)
-        assert rel < 5e-2, (n, float(rel))
+    _assert_same_loss_and_grads(cfg, eager, compiled)
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
@@ -43,16 +49,7 @@ def test_recomputed_compiled_layers_match_plain_layers(recompute):
     _, recomputed = _model()
     apply_recompute(recomputed, recompute, None)
     apply_compile(recomputed)
-    x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
-    outs = []
-    for model in (plain, recomputed):
-        loss = model(x, labels=x).float().mean()
-        loss.backward()
-        outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
-    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
-    for n, g in outs[0][1].items():
-        rel = (g - outs[1][1][n]).norm() / g.norm().clamp_min(1e-6)
-        assert rel < 5e-2, (n, float(rel))
+    _assert_same_loss_and_grads(cfg, plain, recomputed)
 
 
 def test_sdpa_attention_matches_math_reference():
