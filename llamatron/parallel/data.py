@@ -55,6 +55,13 @@ class CommStats:
     per_step: list[int] = field(default_factory=list)
 
 
+def zero_if_unwritten(param: nn.Parameter) -> None:
+    """Zero `param.main_grad` if no gradient reached it since GradBuffer.zero_grad (which writes none)."""
+    if getattr(param, "main_grad_unwritten", False):
+        param.main_grad.zero_()
+        param.main_grad_unwritten = False
+
+
 class GradBuffer:
     """Flat parameter and gradient storage of one model chunk, bucketed for data-parallel reduction."""
 
@@ -175,9 +182,7 @@ class GradBuffer:
     def _zero_unwritten(self) -> None:
         """Zero the gradients of parameters that backward did not reach since zero_grad (unused this step)."""
         for p in self.param_range:
-            if p.main_grad_unwritten:
-                p.main_grad.zero_()
-                p.main_grad_unwritten = False
+            zero_if_unwritten(p)
 
     # ---- parameter side (distributed optimizer) -------------------------------------------------
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..models import Transformer
+from .data import zero_if_unwritten
 from .mesh import Mesh, all_reduce, new_group
 from .schedules import Action, Message, ScheduleError, Step, build_program, input_message, output_message
 
@@ -160,9 +161,7 @@ def sum_tied_embedding_grads(chunks: list[Transformer]) -> None:
     """Add the first and last stage's gradients of a tied embedding (before the data-parallel reduction)."""
     for chunk in chunks:
         for p in _tied_params(chunk):
-            if getattr(p, "main_grad_unwritten", False):  # no gradient this step (GradBuffer.zero_grad writes none)
-                p.main_grad.zero_()
-                p.main_grad_unwritten = False
+            zero_if_unwritten(p)
             dist.all_reduce(p.main_grad, group=chunk.tied_embedding_group)
 
 
