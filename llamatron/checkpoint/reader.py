@@ -37,7 +37,10 @@ STATE_KINDS = ("exp_avg", "exp_avg_sq", "master", "step")
 
 
 _RELOAD = "load another checkpoint (an earlier DIR/step-N) or re-create it"
-_CORRUPT = "is truncated or corrupt ({err}); " + _RELOAD
+
+
+def _damaged(path: Path, err: Exception, remedy: str = _RELOAD) -> CheckpointError:
+    return CheckpointError(f"{path} is truncated or corrupt ({err}); {remedy}")
 
 
 def open_safetensors(path: Path, remedy: str = _RELOAD):
@@ -45,14 +48,14 @@ def open_safetensors(path: Path, remedy: str = _RELOAD):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as err:  # safetensors raises its own SafetensorError (and OSError for I/O)
-        raise CheckpointError(f"{path} is truncated or corrupt ({err}); {remedy}") from None
+        raise _damaged(path, err, remedy) from None
 
 
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} " + _CORRUPT.format(err=err)) from None
+        raise _damaged(path, err) from None
 
 
 def piece_key(kind: str, name: str, box: Box) -> str:
@@ -187,7 +190,7 @@ class CheckpointReader:
             except CheckpointError:
                 raise
             except Exception as err:  # a header that promises more bytes than the file holds
-                raise CheckpointError(f"{self.step_dir / piece.file} " + _CORRUPT.format(err=err)) from None
+                raise _damaged(self.step_dir / piece.file, err) from None
             out[part.slices_within(box)] = block
             covered += part.numel()
         if covered != box.numel():  # pieces never overlap, so this counts exactly the elements found
