@@ -5,8 +5,10 @@
 "bhsd": contiguous (batch, heads, seq, dim) tensors (what microbenchmarks usually pass); "bshd": contiguous
 (batch, seq, heads, dim) tensors viewed as (batch, heads, seq, dim); "packed": q, k, v as views of one
 (batch, seq, heads + 2·kv_heads, dim) tensor (a fused QKV projection's output) and a (batch, seq, heads, dim)
-output gradient, as a model without copies would pass them. Prints one JSON line per layout: ms per forward+backward and TFLOP/s of the
-causal work (half the score matrix).
+output gradient, as a model without copies would pass them. "fa4" (CUDA, when flash-attn-4 is installed):
+FlashAttention 4 on contiguous (batch, seq, heads, dim) tensors, as `--attention-backend fa4` runs it, with
+its largest difference from SDPA's output and gradients on the same inputs. Prints one JSON line per
+layout: ms per forward+backward and TFLOP/s of the causal work (half the score matrix).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import json
 
 import torch
 import torch.nn.functional as F
+
+from llamatron.models.flash4_op import available as fa4_available
+from llamatron.models.flash4_op import fa4_causal_attention
 
 
 def make(layout: str, b: int, h: int, kv: int, s: int, d: int, device: str, dtype: torch.dtype):
@@ -50,11 +55,20 @@ def main() -> None:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     b, h, kv, s, d = args.batch, args.heads, args.kv_heads, args.seq, args.head_dim
     flops = 3.5 * 4 * b * h * s * s * d / 2  # forward 2 matmuls of 2·s²·d per head, causal half; backward 2.5×
-    for layout in ("bhsd", "bshd", "packed"):
-        leaves, (q, k, v), grad = make(layout, b, h, kv, s, d, device, dtype)
+    layouts = ["bhsd", "bshd", "packed"]
+    if cuda and fa4_available():
+        layouts.append("fa4")
+    for layout in layouts:
+        leaves, (q, k, v), grad = make("bshd" if layout == "fa4" else layout, b, h, kv, s, d, device, dtype)
+        extra = {}
+        if layout == "fa4":
+            extra = fa4_difference(q, k, v, grad)
 
         def step():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
+            if layout == "fa4":  # (batch, seq, heads, dim) in and out
+                out = fa4_causal_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
             torch.autograd.grad(out, leaves, grad, retain_graph=layout == "packed")
 
         for _ in range(3):
@@ -75,7 +89,21 @@ def main() -> None:
                 step()
             ms = 1000 * (time.perf_counter() - t0) / args.iters
         print(json.dumps({"layout": layout, "shape": [b, h, kv, s, d], "ms_fwd_bwd": round(ms, 3),
-                          "tflops": round(flops / ms / 1e9, 1)}))
+                          "tflops": round(flops / ms / 1e9, 1), **extra}), flush=True)
+
+
+def fa4_difference(q, k, v, grad) -> dict[str, float]:
+    """Largest |FA4 - SDPA| of the output and each input gradient, and the largest |SDPA| value for scale."""
+    results = []
+    for run_fa4 in (False, True):
+        if run_fa4:
+            out = fa4_causal_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    names = ("out", "dq", "dk", "dv")
+    diff = {f"max_diff_{n}": float((a.float() - b.float()).abs().max()) for n, a, b in zip(names, *results)}
+    return {**diff, "max_abs_sdpa_dq": float(results[0][1].abs().max())}
 
 
 if __name__ == "__main__":

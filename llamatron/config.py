@@ -8,7 +8,6 @@ key (`micro_batch_size`), in one flat namespace. Precedence: defaults < YAML
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -18,6 +17,7 @@ from typing import Any
 import yaml
 
 from .models import ModelConfig, get_preset
+from .triton_check import HAS_TRITON
 from .models.presets import PRESET_NAMES
 
 
@@ -64,9 +64,9 @@ class OptimConfig:
     adam_beta2: float = _f(0.95, "AdamW beta2")
     adam_eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)")
-    adamw_kernel: str = _f("torch", "AdamW update: torch's fused kernel + a copy into the model weights, or triton "
-                                    "(one pass that writes the weights too; CUDA; not yet measured on a GPU)",
-                           ("torch", "triton"))
+    adamw_kernel: str = _f("auto", "AdamW update: triton (one pass that also writes the model weights; CUDA) or "
+                                   "torch (torch's fused kernel, then a copy into the weights); auto: triton on "
+                                   "CUDA when triton is installed", ("auto", "torch", "triton"))
 
 
 @dataclass
@@ -95,9 +95,11 @@ class TrainConfig:
     recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
     initial_loss_scale: float = _f(2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)")
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
-    attention_backend: str = _f("auto", "scaled_dot_product_attention kernel (auto: the fastest available, cuDNN "
-                                        "on Hopper); for comparison and debugging",
-                                ("auto", "cudnn", "flash", "efficient", "math"))
+    attention_backend: str = _f("auto", "attention kernel: a scaled_dot_product_attention backend (auto: the "
+                                        "fastest available, cuDNN on Hopper; the others for comparison and "
+                                        "debugging), or fa4: FlashAttention 4 for causal attention (Hopper or "
+                                        "newer; pip install flash-attn-4)",
+                                ("auto", "fa4", "cudnn", "flash", "efficient", "math"))
     swiglu_backend: str = _f("auto", "SwiGLU activation: triton (fused kernels; auto picks them on CUDA when triton "
                                      "is installed) or torch (the plain expression, fused by --compile); for "
                                      "comparison and debugging",
@@ -316,6 +318,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_fa4(head_dim: int) -> None:
+    import torch
+
+    from .models.flash4_op import SUPPORTED_HEAD_DIMS, available
+
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ConfigError(f"--attention-backend fa4: FlashAttention 4 supports head dims "
+                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; this model's is {head_dim}: use "
+                          "--attention-backend auto")
+    if not available():
+        raise ConfigError("--attention-backend fa4 needs FlashAttention 4: pip install 'llamatron[fa4]' "
+                          "(or flash-attn-4), or use --attention-backend auto")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        raise ConfigError(f"--attention-backend fa4 runs on Hopper (compute capability 9.0) or newer; this GPU is "
+                          f"{major}.{minor}: use --attention-backend auto")
+
+
 def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
              model: ModelConfig | None = None) -> Derived:
     """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
@@ -389,11 +409,13 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset")
     if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
+    if t.attention_backend == "fa4" and device == "cuda":
+        _check_fa4(model.head_dim)
     if t.swiglu_backend == "triton" and device != "cuda":
         raise ConfigError(f"--swiglu-backend triton runs on CUDA only; on {device} use auto or torch")
     if cfg.optim.adamw_kernel == "triton" and device != "cuda":
-        raise ConfigError(f"--adamw-kernel triton runs on CUDA only; on {device} use torch")
-    if "triton" in (t.swiglu_backend, cfg.optim.adamw_kernel) and importlib.util.find_spec("triton") is None:
+        raise ConfigError(f"--adamw-kernel triton runs on CUDA only; on {device} use auto or torch")
+    if "triton" in (t.swiglu_backend, cfg.optim.adamw_kernel) and not HAS_TRITON:
         raise ConfigError("--swiglu-backend/--adamw-kernel triton need the triton package (pip install triton); "
                           "or use the torch kernels")
     _validate_data(d)

@@ -23,6 +23,7 @@ from .parallel.data import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
+from .triton_check import HAS_TRITON
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,9 +109,12 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
                           distributed=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
                           reduce_dtype=reduce_dtype) for chunk in chunks]
     o = cfg.optim
+    adamw_kernel = o.adamw_kernel
+    if adamw_kernel == "auto":  # measured on an H200: -2 ms of a 351 ms llama-1b step (benchmarks/RESULTS.md)
+        adamw_kernel = "triton" if device.type == "cuda" and HAS_TRITON else "torch"
     optimizer = DistributedAdamW(buffers, mesh, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                  eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer,
-                                 kernel=o.adamw_kernel)
+                                 kernel=adamw_kernel)
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler)
 

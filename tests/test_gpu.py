@@ -10,21 +10,29 @@ pytestmark = pytest.mark.gpu
 GPU_ARGS = ["--device", "cuda", "--precision", "bf16", "--seq-length", "128", "--train-steps", "6"]
 
 
-def _model(name="llama-test", seed=0):
+def _model(name="llama-test", seed=0, **changes):
+    import dataclasses
+
     from llamatron.models import build_model, get_preset, materialize
-    cfg = get_preset(name)
+    cfg = dataclasses.replace(get_preset(name), **changes)
     return cfg, materialize(build_model(cfg), cfg, seed, "cuda", torch.bfloat16)
 
 
-def _assert_same_loss_and_grads(cfg, reference, other) -> None:
+def _assert_same_loss_and_grads(cfg, reference, other, other_attention: str = "auto") -> None:
     """One forward/backward of both models on the same tokens: loss within 1e-2, each gradient within 5%
-    (relative norm). Parameter names are compared without recompute's `layer.` wrapper level."""
+    (relative norm). Parameter names are compared without recompute's `layer.` wrapper level. `other` runs
+    with --attention-backend `other_attention`."""
+    from llamatron.models.layers import set_attention_backend
     x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     outs = []
-    for model in (reference, other):
-        loss = model(x, labels=x).float().mean()
-        loss.backward()
-        outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
+    try:
+        for model, attention in ((reference, "auto"), (other, other_attention)):
+            set_attention_backend(attention)
+            loss = model(x, labels=x).float().mean()
+            loss.backward()
+            outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
+    finally:
+        set_attention_backend("auto")
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
     for n, g in outs[0][1].items():
         rel = (g - outs[1][1][n]).norm() / g.norm().clamp_min(1e-6)
@@ -52,6 +60,25 @@ def test_recomputed_compiled_layers_match_plain_layers(recompute):
     _assert_same_loss_and_grads(cfg, plain, recomputed)
 
 
+def _fa4_usable() -> bool:
+    from llamatron.models.flash4_op import available
+    return available() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+needs_fa4 = pytest.mark.skipif(not _fa4_usable(), reason="needs flash-attn-4 and a Hopper or newer GPU")
+
+
+@needs_fa4
+def test_compiled_layers_with_fa4_match_eager_sdpa():
+    """--attention-backend fa4 inside compiled layers (one graph around the custom op) gives the eager SDPA
+    model's loss and gradients. Head dim 64 (256 / 4 heads): FA4 has no kernels for llama-test's 16."""
+    from llamatron.engine import apply_compile
+    cfg, eager = _model(hidden_size=256)
+    _, compiled = _model(hidden_size=256)
+    apply_compile(compiled)
+    _assert_same_loss_and_grads(cfg, eager, compiled, other_attention="fa4")
+
+
 def test_sdpa_attention_matches_math_reference():
     from llamatron.models.layers import attention_core
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
@@ -65,9 +92,10 @@ def test_sdpa_attention_matches_math_reference():
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "efficient", pytest.param("fa4", marks=needs_fa4)])
 def test_each_attention_backend_matches_math(backend):
-    """--attention-backend: each SDPA kernel (GQA, causal) agrees with the math kernel, forward and gradients."""
+    """--attention-backend: each kernel (GQA, causal; SDPA's and FlashAttention 4) agrees with SDPA's math
+    kernel, forward and gradients."""
     from llamatron.models.layers import attention_core, set_attention_backend
     torch.manual_seed(0)
     q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -111,16 +111,22 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
 
 _SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 _expand_kv_heads = False
+_use_fa4 = False  # causal attention through FlashAttention 4 (models/flash4_op.py) instead of SDPA
+_FA4_HEAD_DIMS = (64, 96, 128)  # flash4_op.SUPPORTED_HEAD_DIMS (not imported here: that module is CUDA-only)
 
 
 def set_attention_backend(name: str) -> None:
-    """Restrict scaled_dot_product_attention to one kernel ("auto": every kernel allowed, the fastest wins).
+    """Restrict scaled_dot_product_attention to one kernel ("auto": every kernel allowed, the fastest wins),
+    or ("fa4") send plain causal attention to FlashAttention 4 and the masked kinds to SDPA's fastest.
 
     Process-wide switches, read when a layer is compiled or run, so call this before the first step.
     """
-    global _expand_kv_heads
-    if name != "auto" and name not in _SDPA_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; use auto or one of {', '.join(_SDPA_BACKENDS)}")
+    global _expand_kv_heads, _use_fa4
+    if name not in ("auto", "fa4") and name not in _SDPA_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; use auto, fa4 or one of {', '.join(_SDPA_BACKENDS)}")
+    _use_fa4 = name == "fa4"
+    if name == "fa4":
+        name = "auto"
     if name != "auto":
         # The compile caches do not key on these switches: a cached graph of another backend would be
         # reused (seen on an H200: "--attention-backend flash" silently ran cuDNN, and a later default run
@@ -174,6 +180,11 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_wi
     if sliding_window is not None and seq_len > sliding_window:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if _use_fa4 and q.is_cuda and q.shape[-1] in _FA4_HEAD_DIMS:
+        from .flash4_op import fa4_causal_attention
+
+        # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.
+        return fa4_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 

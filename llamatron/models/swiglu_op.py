@@ -12,13 +12,12 @@ plain expression.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
+from ..triton_check import HAS_TRITON
+
 _backend = "auto"
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # once: not while torch.compile traces
 
 
 def set_swiglu_backend(name: str) -> None:
@@ -31,7 +30,7 @@ def set_swiglu_backend(name: str) -> None:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate_up = [gate | up] along the last dimension."""
-    if _backend == "torch" or not gate_up.is_cuda or not _HAS_TRITON:  # (swiglu_op's CPU kernel: for tests)
+    if _backend == "torch" or not gate_up.is_cuda or not HAS_TRITON:  # (swiglu_op's CPU kernel: for tests)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     return swiglu_op(gate_up)

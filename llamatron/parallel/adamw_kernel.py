@@ -2,7 +2,8 @@
 
 Why: torch's fused AdamW updates the fp32 master weights, then a separate copy writes them into the bf16
 parameters: on an H200 the two took 8.3 + 1.6 ms of a 357 ms llama-1b step, moving ~29 GB. One pass that
-writes the bf16 copy as it goes moves ~25.5 GB. Opt-in (`--adamw-kernel triton`) until measured on a GPU.
+writes the bf16 copy as it goes moves ~25.5 GB: measured 2 ms faster per step, the default on CUDA
+(`--adamw-kernel auto`; benchmarks/RESULTS.md, run 4).
 
 Same arithmetic as torch.optim.AdamW (decoupled weight decay, bias correction from the step counter, eps
 outside the square root), with the gradient divided by `grad_scale` as it is read (clipping, fp16 unscaling)
