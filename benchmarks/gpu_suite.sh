@@ -2,7 +2,7 @@
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
-#   2 GPUs: single, dp, overlap, tp, tpab, kernels, tp7, single7, fastpath, tests
+#   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -51,11 +51,21 @@ for group in ${@:-single dp tests}; do
     tpab)  # tensor parallel: column-parallel backward overlap on vs off (same machine, back to back)
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel --no-tp-comm-overlap
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
-    kernels)  # Triton kernels on vs off (llama-1b, 1 GPU), each pair on both GPUs with the settings swapped
-      for k in "--adamw-kernel triton" "--swiglu-backend torch"; do
+    kernels)  # Triton kernels (the defaults on CUDA) vs torch's (llama-1b, 1 GPU), each pair on both GPUs with the
+      # settings swapped
+      for k in "--adamw-kernel torch" "--swiglu-backend torch"; do
         one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile $k & wait
         one 0 $B1 --micro-batch-size 8 --compile $k & one 1 $B1 --micro-batch-size 8 --compile & wait
       done ;;
+    fa4)  # FlashAttention 4 (--attention-backend fa4) vs SDPA's cuDNN: microbenchmark, then llama-1b on both GPUs
+      # with the settings swapped. Needs flash-attn-4 importable: the device machines have no internet, and
+      # its nvidia-cutlass-dsl-libs-cu13 wheel (92 MB) exceeds one call's 64 MiB, so RESULTS run 4 carried it
+      # as an xz tarball (61 MiB) in one call and the other wheels in the call before, both unpacked under /tmp
+      # (PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages)
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/attention_layout.py --iters 50 >>"$OUT/attention_layout.txt" 2>>"$OUT/log.txt"
+      echo "== attention_layout with fa4 -> rc $?" >>"$OUT/log.txt"
+      one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile --attention-backend fa4 & wait
+      one 0 $B1 --micro-batch-size 8 --compile --attention-backend fa4 & one 1 $B1 --micro-batch-size 8 --compile & wait ;;
     tp7)  # Llama 2 7B on 2 GPUs: tensor parallel vs data parallel with the distributed optimizer
       # (12 B/param with the optimizer sharded over 2 leaves ~55 GB for activations: no recompute needed)
       multi 2 $B7 --global-batch-size 16 --micro-batch-size 1 --compile --distributed-optimizer
