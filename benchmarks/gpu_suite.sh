@@ -53,7 +53,7 @@ for group in ${@:-single dp tests}; do
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
     kernels)  # Triton kernels (the defaults on CUDA) vs torch's (llama-1b, 1 GPU), each pair on both GPUs with the
       # settings swapped
-      for k in "--adamw-kernel torch" "--swiglu-backend torch"; do
+      for k in "--adamw-kernel torch" "--swiglu-backend torch" "--rmsnorm-backend torch"; do
         one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile $k & wait
         one 0 $B1 --micro-batch-size 8 --compile $k & one 1 $B1 --micro-batch-size 8 --compile & wait
       done ;;

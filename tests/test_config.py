@@ -78,6 +78,7 @@ def test_model_overrides():
     ({"model": "llama-test", "dp_comm_max_ctas": 0}, 1, "--dp-comm-max-ctas 0 must be >= 1"),
     ({"model": "llama-test", "attention_backend": "flash"}, 1, "--attention-backend flash picks a CUDA kernel"),
     ({"model": "llama-test", "swiglu_backend": "triton"}, 1, "--swiglu-backend triton runs on CUDA only"),
+    ({"model": "llama-test", "rmsnorm_backend": "triton"}, 1, "--rmsnorm-backend triton runs on CUDA only"),
     ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
     ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),
 ])

@@ -103,3 +103,40 @@ def test_triton_adamw_matches_the_fused_torch_path(precision):
         ulp = pa.abs() * 2.0 ** -7 if "{precision}" == "bf16" else torch.zeros_like(pa)
         assert ((pa - pb).abs() <= ulp + 1e-5).all()
     """)
+
+
+def test_rmsnorm_kernels_match_the_plain_expression():
+    """Forward (with and without the residual add) and backward (input gradient, the residual's gradient
+    added, weight gradient summed over programs of several rows, the last one partly empty)."""
+    _run_interpreted("""
+        import torch
+        from llamatron.models import rmsnorm_op
+
+        rmsnorm_op._BACKWARD_PROGRAMS = 3  # 7 rows: programs of 3 rows, the last holding one
+        torch.manual_seed(0)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            for cols in (48, 130):  # 130: a partly masked block of 256
+                x, delta, dy, dh = (torch.randn(7, cols, dtype=dtype) for _ in range(4))
+                w = (1 + 0.1 * torch.randn(cols)).to(dtype)
+                h, y, rstd = torch.empty_like(x), torch.empty_like(x), torch.empty(7)
+                rmsnorm_op._forward(x, delta, w, h, y, rstd, 1e-5)
+                xr, dr, wr = (t.float().requires_grad_() for t in (x, delta, w))
+                h_ref = (xr + dr).to(dtype).float()
+                y_ref = rmsnorm_op.reference_rms_norm(h_ref, wr, 1e-5)
+                torch.testing.assert_close(h.float(), h_ref, rtol=tol, atol=tol)
+                torch.testing.assert_close(y.float(), y_ref, rtol=tol, atol=tol)
+                y2, rstd2 = torch.empty_like(x), torch.empty(7)
+                rmsnorm_op._forward(x, None, w, None, y2, rstd2, 1e-5)
+                torch.testing.assert_close(y2.float(), rmsnorm_op.reference_rms_norm(x.float(), w.float(), 1e-5),
+                                           rtol=tol, atol=tol)
+                for grad_h in (dh, None):
+                    dx = torch.empty_like(x)
+                    dw = rmsnorm_op._backward(dy, grad_h, h, w, rstd, dx)
+                    hr = h.float().requires_grad_()
+                    wr2 = w.float().requires_grad_()
+                    gx, gw = torch.autograd.grad(rmsnorm_op.reference_rms_norm(hr, wr2, 1e-5), (hr, wr2), dy.float())
+                    if grad_h is not None:
+                        gx = gx + grad_h.float()
+                    torch.testing.assert_close(dx.float(), gx, rtol=tol, atol=tol)
+                    torch.testing.assert_close(dw.float(), gw, rtol=tol, atol=tol * cols ** 0.5)
+    """)

@@ -13,20 +13,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import rmsnorm_op
 from .config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
+    """Normalise in fp32 (as Llama's reference does), scale in the input dtype; Triton kernels on CUDA."""
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as Llama's reference does), scale in the input dtype.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        if rmsnorm_op.use_kernels(x):
+            return rmsnorm_op.rms_norm_op(x, self.weight, self.eps)[0]
+        return rmsnorm_op.reference_rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add and the norm after it, in one kernel on CUDA."""
+        if rmsnorm_op.use_kernels(x):
+            h, y, _ = rmsnorm_op.add_rms_norm_op(x, delta, self.weight, self.eps)
+            return h, y
+        h = x + delta
+        return h, rmsnorm_op.reference_rms_norm(h, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, seq_len: int,

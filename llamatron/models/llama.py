@@ -31,5 +31,5 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_mask)
-        return x + self.mlp(self.mlp_norm(x))
+        x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, doc_mask))
+        return x + self.mlp(normed)
