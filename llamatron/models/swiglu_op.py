@@ -12,6 +12,8 @@ plain expression.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -100,18 +102,11 @@ swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- Triton kernels (imported on first CUDA use: CPU installs need no Triton) --------------------
 
-_KERNELS = None
 _BLOCK = 1024
 
 
+@functools.cache
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build_kernels()
-    return _KERNELS
-
-
-def _build_kernels():
     import triton
     import triton.language as tl
 
