@@ -108,6 +108,9 @@ class TrainConfig:
                                       "picks them on CUDA when triton is installed) or torch (the plain "
                                       "expression, fused by --compile); for comparison and debugging",
                               ("auto", "triton", "torch"))
+    rope_backend: str = _f("torch", "QKV split + rotary embedding: torch (the plain expression, fused by --compile) "
+                                    "or triton (one kernel each way on CUDA; not yet measured on a GPU)",
+                           ("torch", "triton"))
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
@@ -415,14 +418,15 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.attention_backend == "fa4" and device == "cuda":
         _check_fa4(model.head_dim)
-    for flag, value in (("--swiglu-backend", t.swiglu_backend), ("--rmsnorm-backend", t.rmsnorm_backend)):
+    for flag, value in (("--swiglu-backend", t.swiglu_backend), ("--rmsnorm-backend", t.rmsnorm_backend),
+                        ("--rope-backend", t.rope_backend)):
         if value == "triton" and device != "cuda":
             raise ConfigError(f"{flag} triton runs on CUDA only; on {device} use auto or torch")
     if cfg.optim.adamw_kernel == "triton" and device != "cuda":
         raise ConfigError(f"--adamw-kernel triton runs on CUDA only; on {device} use auto or torch")
-    if "triton" in (t.swiglu_backend, t.rmsnorm_backend, cfg.optim.adamw_kernel) and not HAS_TRITON:
-        raise ConfigError("--swiglu-backend/--rmsnorm-backend/--adamw-kernel triton need the triton package "
-                          "(pip install triton); or use the torch kernels")
+    if "triton" in (t.swiglu_backend, t.rmsnorm_backend, t.rope_backend, cfg.optim.adamw_kernel) and not HAS_TRITON:
+        raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--adamw-kernel triton need the triton "
+                          "package (pip install triton); or use the torch kernels")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

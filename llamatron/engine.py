@@ -18,6 +18,7 @@ from .config import Derived, RunConfig
 from .models import ModelConfig, Transformer, build_model, materialize
 from .models.layers import set_attention_backend
 from .models.rmsnorm_op import set_rmsnorm_backend
+from .models.rope_op import set_rope_backend
 from .models.swiglu_op import set_swiglu_backend
 from .models.transformer import IGNORE_INDEX, cross_entropy_per_token
 from .parallel.data import GradBuffer
@@ -85,6 +86,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         set_attention_backend(cfg.train.attention_backend)
         set_swiglu_backend(cfg.train.swiglu_backend)
         set_rmsnorm_backend(cfg.train.rmsnorm_backend)
+        set_rope_backend(cfg.train.rope_backend)
     model = build_model(model_cfg)
     if p.tp > 1:
         from .parallel.tensor import apply_tensor_parallel

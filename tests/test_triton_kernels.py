@@ -140,3 +140,41 @@ def test_rmsnorm_kernels_match_the_plain_expression():
                     torch.testing.assert_close(dx.float(), gx, rtol=tol, atol=tol)
                     torch.testing.assert_close(dw.float(), gw, rtol=tol, atol=tol * cols ** 0.5)
     """)
+
+
+def test_qkv_rope_kernels_match_split_and_apply_rope():
+    """Forward: q and k rotated, v copied, from one QKV row per token (GQA, a padded head count, per-sample
+    positions); backward: the three gradients (one of them strided) rotated back into one QKV-row gradient."""
+    _run_interpreted("""
+        import torch
+        from llamatron.models.config import ModelConfig
+        from llamatron.models.layers import apply_rope, rope_cos_sin
+        from llamatron.models.rope_op import _kernels, _pow2
+
+        torch.manual_seed(0)
+        batch, seq, heads, kv, dim = 2, 5, 6, 2, 16  # 8 q+k heads: a power of two; 6 + 3 below is not
+        for heads, kv, dtype, tol in ((6, 2, torch.float32, 1e-5), (6, 3, torch.bfloat16, 2e-2)):
+            cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=heads * dim, num_layers=1, num_heads=heads,
+                              num_kv_heads=kv, ffn_hidden_size=8, max_seq_length=16)
+            positions = torch.stack([torch.arange(seq), torch.arange(3, 3 + seq)])
+            cos, sin = rope_cos_sin(cfg, positions, dtype)
+            qkv = torch.randn(batch, seq, (heads + 2 * kv) * dim, dtype=dtype)
+            q, k, v = (torch.empty(batch, seq, n, dim, dtype=dtype) for n in (heads, kv, kv))
+            forward, backward = _kernels()
+            forward[(batch * seq,)](qkv, cos, sin, q, k, v, seq, *qkv.stride()[:2], *cos.stride()[:2],
+                                    *sin.stride()[:2], HEADS=heads, KV_HEADS=kv, HALF=dim // 2,
+                                    PAIRS=_pow2(heads + kv), KV_POW2=_pow2(kv))
+            ref_in = qkv.float().requires_grad_()
+            rq, rk, rv = ref_in.view(batch, seq, -1, dim).split([heads, kv, kv], dim=2)
+            rq, rk = (apply_rope(t.transpose(1, 2), cos.float(), sin.float()).transpose(1, 2) for t in (rq, rk))
+            for got, want in ((q, rq), (k, rk), (v, rv)):
+                torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+            dq = torch.randn(batch, heads, seq, dim, dtype=dtype).transpose(1, 2)  # strided, as attention may give
+            dk, dv = torch.randn_like(k), torch.randn_like(v)
+            dqkv = torch.empty_like(qkv)
+            backward[(batch * seq,)](dq, dk, dv, cos, sin, dqkv, seq, *dq.stride()[:3], *dk.stride()[:3],
+                                     *dv.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], HEADS=heads,
+                                     KV_HEADS=kv, HALF=dim // 2, PAIRS=_pow2(heads + kv), KV_POW2=_pow2(kv))
+            (want,) = torch.autograd.grad((rq, rk, rv), ref_in, (dq.float(), dk.float(), dv.float()))
+            torch.testing.assert_close(dqkv.float(), want, rtol=tol, atol=tol)
+    """)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import rmsnorm_op
+from . import rmsnorm_op, rope_op
 from .config import ModelConfig, RopeScaling
 
 
@@ -217,10 +217,14 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
         batch, seq, _ = qkv.shape  # sequence parallelism: x is a sequence shard, qkv the whole sequence
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(batch, seq, -1, d).transpose(1, 2)
-        k = k.view(batch, seq, -1, d).transpose(1, 2)
-        v = v.view(batch, seq, -1, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope_op.use_kernels(qkv, d):  # one kernel: split, rotate, (batch, seq, heads, dim) outputs
+            q, k, v = rope_op.qkv_rope_op(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(batch, seq, -1, d).transpose(1, 2)
+            k = k.view(batch, seq, -1, d).transpose(1, 2)
+            v = v.view(batch, seq, -1, d).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, self.sliding_window, doc_mask)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
