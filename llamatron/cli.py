@@ -131,8 +131,16 @@ def _preprocess_parser(sub) -> None:
     p.set_defaults(func=lambda a: run_preprocess(a) and 0)  # the summary is printed, not an exit status
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors as two lines (the error, where the options are) instead of argparse's full usage first, which
+    for train and bench is ~50 lines that push the error out of sight."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help` for the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llamatron", description="Distributed trainer for LLaMA-family models.")
+    parser = _Parser(prog="llamatron", description="Distributed trainer for LLaMA-family models.")
     parser.add_argument("--version", action="version", version=f"llamatron {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _train_parser(sub)

@@ -110,6 +110,17 @@ def test_unknown_flag_is_reported_by_the_command_with_a_suggestion(capsys):
     assert "did you mean --micro-batch-size" in err
 
 
+def test_a_bad_value_is_reported_in_two_lines_not_after_the_whole_usage(capsys):
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--tp", "two"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["llamatron bench: error: argument --tp: invalid int value: 'two'",
+                   "(see `llamatron bench --help` for the options)"]
+
+
 def test_math_attention_backend_is_accepted_on_cpu():
     """SDPA's math kernel is what runs off CUDA, so forcing it there is allowed (the other kernels are refused)."""
     cfg = config_from_values({"model": "llama-test", "attention_backend": "math"})
