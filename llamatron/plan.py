@@ -11,7 +11,8 @@ the head and final norm on the last, and a tied embedding keeps a copy there whe
 Activations: the tensors autograd saves in one decoder layer, per token, for the code in models/ (the tests
 measure them with saved_tensors_hooks). a = bytes per activation element (2 in bf16), h hidden, kv =
 num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the default on GPU):
-  norm_inputs   Llama: per RMSNorm the fp32 copy of its input 4h, the normalised a*h and rsqrt 4
+  norm_inputs   Llama: per RMSNorm the fp32 copy of its input 4h, the normalised a*h and rsqrt 4; with the
+                       Triton RMSNorm (fused_norms, the CUDA default) its input a*h and rsqrt 4
                        | the rsqrt 4 per norm and one residual a*h (the rest is re-derived in backward)
                 Falcon: the layer input a*h, mean/rstd 8 per LayerNorm | the layer input and one LayerNorm's 8
   norm_outputs  the inputs of the QKV and MLP projections a*h each (Falcon eager with one LayerNorm: shared)
@@ -75,6 +76,7 @@ from .config import ConfigError, RunConfig, config_from_values, validate
 from .models import ModelConfig, get_preset
 from .parallel.schedules import max_alive
 from .parallel.tensor import local_kv_heads, padded_vocab_size
+from .triton_check import HAS_TRITON
 
 GB = 1e9
 GiB = 2**30
@@ -117,6 +119,7 @@ class Precision:
     dtype: str = "bf16"
     compiled: bool = True
     grad_reduce_dtype: str = "fp32"
+    fused_norms: bool = True  # RMSNorm as Triton kernels (models/rmsnorm_op.py), the default on CUDA
 
     @property
     def act_bytes(self) -> int:
@@ -243,7 +246,7 @@ def bytes_per_param(dtype: str, distributed_optimizer: bool, dp: int) -> tuple[f
 # ---- activations --------------------------------------------------------------------------------------------
 
 def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequence_parallel: bool = False,
-                           compiled: bool = False) -> dict[str, float]:
+                           compiled: bool = False, fused_norms: bool = False) -> dict[str, float]:
     """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
     a, h, d = act_bytes, model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
@@ -254,7 +257,7 @@ def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequ
         norm_outputs = a * h * (2 if sequence_parallel else 1 if compiled else layer_norms)
         mlp = 2 * a * f
     else:
-        norm_inputs = 2 * 4 + a * h if compiled else 2 * (4 * h + a * h + 4)
+        norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if fused_norms else 2 * (4 * h + a * h + 4)
         norm_outputs = 2 * a * h
         mlp = (3 if compiled else 4) * a * f
     return {"norm_inputs": norm_inputs / (tp if sequence_parallel else 1), "norm_outputs": norm_outputs,
@@ -262,19 +265,20 @@ def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequ
             "attn_output": (2 if compiled else 1) * a * q * d, "mlp": mlp}
 
 
-def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool) -> float:
+def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool,
+                     fused_norms: bool = False) -> float:
     """The last chunk's final norm per token (eager), its output saved whole by the head."""
     a, h = act_bytes, model.hidden_size
-    inputs = (a * h + 8) if model.family == "falcon" else (4 * h + a * h + 4)
+    inputs = (a * h + 8) if model.family == "falcon" else (a * h + 4) if fused_norms else (4 * h + a * h + 4)
     return inputs / (tp if sequence_parallel else 1) + a * h
 
 
 def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, recompute: str,
-                           compiled: bool = False) -> float:
+                           compiled: bool = False, fused_norms: bool = False) -> float:
     """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
     if recompute == "full":
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
-    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled)
+    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled, fused_norms)
     if recompute == "selective":
         terms.pop("softmax_stats")
     return sum(terms.values())
@@ -282,22 +286,24 @@ def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence
 
 def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: bool, act_bytes: int, tp: int,
                            sequence_parallel: bool, recompute: str, pipelined: bool, compiled: bool = False,
-                           recompute_layers: int | None = None) -> float:
+                           recompute_layers: int | None = None, fused_norms: bool = False) -> float:
     """Bytes per token one model chunk keeps for one micro-batch until its backward.
 
     recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
     """
     hidden = act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
     recomputed = layers if recompute == "none" or recompute_layers is None else min(layers, recompute_layers)
-    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, compiled)
-    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", compiled)
+    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, compiled,
+                                                fused_norms)
+    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", compiled,
+                                                            fused_norms)
     total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
     if first:
         total += 8  # token ids saved by the embedding
     elif pipelined:
         total += hidden  # the received input, kept for its gradient
     if last:
-        total += final_norm_bytes(model, act_bytes, tp, sequence_parallel)
+        total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, fused_norms)
     elif pipelined:
         total += hidden  # the sent output, kept to run backward from
     return total
@@ -339,7 +345,7 @@ def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precisi
     tokens = lay.micro_batch_size * seq_length
     per_chunk = [chunk_activation_bytes(model, layers, rank == 0 and v == 0, rank == lay.pp - 1 and v == lay.vpp - 1,
                                         a, lay.tp, lay.sequence_parallel, lay.recompute, lay.pp > 1, prec.compiled,
-                                        recompute_layers) for v, layers in enumerate(chunks)]
+                                        recompute_layers, prec.fused_norms) for v, layers in enumerate(chunks)]
     in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
     activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
     one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
@@ -372,7 +378,9 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p = run_config.parallel
-    precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype)
+    fused_norms = derived.device == "cuda" and run_config.train.rmsnorm_backend != "torch" and HAS_TRITON
+    precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype,
+                          fused_norms)
     mem = layout_memory(run_config.model_config(), run_layout(run_config, derived.dp), run_config.data.seq_length,
                         precision, p.pp_layers)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,

@@ -19,7 +19,7 @@ from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
 
 GB = 1e9
-EAGER = P.Precision(compiled=False)
+EAGER = P.Precision(compiled=False, fused_norms=False)  # the torch RMSNorm: what runs on CPU
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------
@@ -69,9 +69,19 @@ def _saved_bytes(fn, exclude: set[int]) -> int:
     return sum(seen.values())
 
 
+@pytest.fixture(params=[False, True], ids=["torch-norm", "fused-norm"])
+def fused_norms(request, monkeypatch):
+    """Run the model's RMSNorms as the torch expression, or as the Triton op's custom ops (through their CPU
+    kernels here: the ops, and so what autograd saves, are the ones CUDA runs)."""
+    if request.param:
+        from llamatron.models import rmsnorm_op
+        monkeypatch.setattr(rmsnorm_op, "use_kernels", lambda x: True)
+    return request.param
+
+
 @pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_layer_activations_match_autograd(name, dtype):
+def test_layer_activations_match_autograd(name, dtype, fused_norms):
     cfg = get_preset(name)
     torch.manual_seed(0)
     block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).to(dtype)
@@ -81,14 +91,14 @@ def test_layer_activations_match_autograd(name, dtype):
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
     a = 2 if dtype == torch.bfloat16 else 4
-    predicted = sum(P.layer_activation_terms(cfg, a).values()) + 2 * a * cfg.head_dim  # + the layer's cos/sin
+    predicted = sum(P.layer_activation_terms(cfg, a, fused_norms=fused_norms).values()) + 2 * a * cfg.head_dim  # + cos/sin
     # CPU LayerNorm keeps mean/rstd in bf16 (4 bytes), CUDA in fp32 (8, the model's figure): within 1%.
     assert measured == pytest.approx(predicted, rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_model_activations_match_autograd(name, recompute):
+def test_model_activations_match_autograd(name, recompute, fused_norms):
     cfg = get_preset(name)
     model = build_model(cfg)
     materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
@@ -98,7 +108,8 @@ def test_model_activations_match_autograd(name, recompute):
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = _saved_bytes(lambda: model(ids, labels=ids), params)
-    chunk = P.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False)
+    chunk = P.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False,
+                                     fused_norms=fused_norms)
     saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
     assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
 
@@ -162,6 +173,8 @@ def test_layout_memory_by_hand():
              + a * h + 4 * a * f)  # attention output, SwiGLU
     per_token = layers * layer + 2 * a * d + 8 + (4 * h + a * h + 4) + a * h  # cos/sin, token ids, final norm
     assert mem.activations == pytest.approx(per_token * tokens)
+    fused = P.layout_memory(cfg, lay, seq, P.Precision(compiled=False))  # Triton RMSNorm: no fp32 input copies
+    assert mem.activations - fused.activations == pytest.approx((2 * layers + 1) * 4 * h * tokens)
 
     loss = 12 * vocab * tokens
     largest = max(2 * f * h, vocab * h)
