@@ -93,6 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
            "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
+           "kernels": {"attention": t.attention_backend, "swiglu": t.swiglu_backend, "rmsnorm": t.rmsnorm_backend,
+                       "rope": t.rope_backend, "adamw": engine.optimizer.kernel},  # adamw: what auto resolved to
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
     if mesh.rank == 0:

@@ -97,8 +97,9 @@ class TrainConfig:
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
     attention_backend: str = _f("auto", "attention kernel: a scaled_dot_product_attention backend (auto: the "
                                         "fastest available, cuDNN on Hopper; the others for comparison and "
-                                        "debugging), or fa4: FlashAttention 4 for causal attention (Hopper or "
-                                        "newer; pip install flash-attn-4)",
+                                        "debugging), or fa4: FlashAttention 4 for plain causal attention (Hopper "
+                                        "or newer, bf16/fp16, head dims 64/96/128; document masks and sliding "
+                                        "windows still run on SDPA; pip install -e '.[fa4]')",
                                 ("auto", "fa4", "cudnn", "flash", "efficient", "math"))
     swiglu_backend: str = _f("auto", "SwiGLU activation: triton (fused kernels; auto picks them on CUDA when triton "
                                      "is installed) or torch (the plain expression, fused by --compile); for "
@@ -325,18 +326,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_fa4(head_dim: int) -> None:
+def _check_fa4(head_dim: int, dtype_name: str) -> None:
     import torch
 
     from .models.flash4_op import SUPPORTED_HEAD_DIMS, available
 
+    if dtype_name not in ("bf16", "fp16"):
+        raise ConfigError(f"--attention-backend fa4 runs in bf16 or fp16, not {dtype_name}: use --precision bf16 "
+                          "or --attention-backend auto")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ConfigError(f"--attention-backend fa4: FlashAttention 4 supports head dims "
                           f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; this model's is {head_dim}: use "
                           "--attention-backend auto")
     if not available():
-        raise ConfigError("--attention-backend fa4 needs FlashAttention 4: pip install 'llamatron[fa4]' "
-                          "(or flash-attn-4), or use --attention-backend auto")
+        raise ConfigError("--attention-backend fa4 needs FlashAttention 4: pip install -e '.[fa4]' in llamatron's "
+                          "checkout (or pip install 'flash-attn-4[cu13]==4.0.0b36', the tested version), or use "
+                          "--attention-backend auto")
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
         raise ConfigError(f"--attention-backend fa4 runs on Hopper (compute capability 9.0) or newer; this GPU is "
@@ -417,7 +422,9 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
     if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.attention_backend == "fa4" and device == "cuda":
-        _check_fa4(model.head_dim)
+        _check_fa4(model.head_dim, dtype_name)
+    if t.rmsnorm_backend == "triton" and model.family == "falcon":
+        raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
     for flag, value in (("--swiglu-backend", t.swiglu_backend), ("--rmsnorm-backend", t.rmsnorm_backend),
                         ("--rope-backend", t.rope_backend)):
         if value == "triton" and device != "cuda":

@@ -79,6 +79,7 @@ def test_model_overrides():
     ({"model": "llama-test", "attention_backend": "flash"}, 1, "--attention-backend flash picks a CUDA kernel"),
     ({"model": "llama-test", "swiglu_backend": "triton"}, 1, "--swiglu-backend triton runs on CUDA only"),
     ({"model": "llama-test", "rmsnorm_backend": "triton"}, 1, "--rmsnorm-backend triton runs on CUDA only"),
+    ({"model": "falcon-test", "rmsnorm_backend": "triton"}, 1, "Falcon models use LayerNorm, not RMSNorm"),
     ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
     ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),
 ])
@@ -127,8 +128,12 @@ def test_math_attention_backend_is_accepted_on_cpu():
     assert validate(cfg, 1).device == "cpu"
 
 
-def test_fa4_attention_is_refused_for_head_dims_it_has_no_kernels_for():
-    """Checked before any CUDA call (so it runs here): FA4's backward was measured wrong for head dim 16."""
+def test_fa4_attention_is_refused_for_head_dims_and_dtypes_it_has_no_kernels_for():
+    """Checked before any CUDA call (so it runs here): FA4's backward was measured wrong for head dim 16, and
+    its kernels assert bf16/fp16/fp8 inputs."""
     cfg = config_from_values({"model": "llama-test", "attention_backend": "fa4"})
     with pytest.raises(ConfigError, match="supports head dims 64, 96, 128; this model's is 16"):
+        validate(cfg, world_size=1, cuda_available=True)
+    cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4", "precision": "fp32"})
+    with pytest.raises(ConfigError, match="runs in bf16 or fp16, not fp32: use --precision bf16"):
         validate(cfg, world_size=1, cuda_available=True)

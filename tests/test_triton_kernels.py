@@ -67,12 +67,13 @@ def test_gradient_accumulation_kernel_writes_then_adds_exactly():
     """)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_triton_adamw_matches_the_fused_torch_path(precision):
     """--adamw-kernel triton against the default (torch's fused AdamW + copy) on the same model and data:
     steps with clipping active (the gradient scale path), decayed and undecayed parameters, then a skipped
-    (non-finite) step. fp32: master = parameter; bf16: fp32 masters and the bf16 weights written by the kernel
-    (the interpreter truncates instead of rounding, so those agree within one bf16 ulp here; exactly on GPU)."""
+    (non-finite) step. fp32: master = parameter; bf16/fp16: fp32 masters and the half weights written by the
+    kernel (the interpreter truncates instead of rounding, so those agree within one ulp here; exactly on GPU);
+    fp16 also divides out the dynamic loss scale in the kernel."""
     _run_interpreted(f"""
         import torch
         from llamatron.config import config_from_values, validate
@@ -87,7 +88,7 @@ def test_triton_adamw_matches_the_fused_torch_path(precision):
         engines = [build_engine(cfg, validate(cfg, 1), build_mesh()) for _ in range(2)]
         engines[1].optimizer.kernel = "triton"  # config validation keeps it to CUDA; the interpreter runs it here
         data = MockDataset(256, 16, 0)
-        steps = 3 if "{precision}" == "fp32" else 1  # bf16: the interpreter's truncated weights would make the
+        steps = 3 if "{precision}" == "fp32" else 1  # half: the interpreter's truncated weights would make the
         for step in range(steps):                     # next gradients differ, so compare one step there
             outs = [train_step(e, micro_batches_for_step(data, step * 4, 4, 2, 1, 0), step) for e in engines]
             assert float(outs[0]["grad_norm"]) > 0.05  # clipping is active
@@ -100,7 +101,8 @@ def test_triton_adamw_matches_the_fused_torch_path(precision):
                 torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)  # ~0.1% of an update (lr 1e-2)
         assert float(b.steps[0]) == steps
         pa, pb = a.buffers[0].param_data.float(), b.buffers[0].param_data.float()
-        ulp = pa.abs() * 2.0 ** -7 if "{precision}" == "bf16" else torch.zeros_like(pa)
+        mantissa = {{"fp32": None, "bf16": 7, "fp16": 10}}["{precision}"]
+        ulp = pa.abs() * 2.0 ** -mantissa if mantissa else torch.zeros_like(pa)
         assert ((pa - pb).abs() <= ulp + 1e-5).all()
     """)
 
@@ -114,7 +116,7 @@ def test_rmsnorm_kernels_match_the_plain_expression():
 
         rmsnorm_op._BACKWARD_PROGRAMS = 3  # 7 rows: programs of 3 rows, the last holding one
         torch.manual_seed(0)
-        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)):
             for cols in (48, 130):  # 130: a partly masked block of 256
                 x, delta, dy, dh = (torch.randn(7, cols, dtype=dtype) for _ in range(4))
                 w = (1 + 0.1 * torch.randn(cols)).to(dtype)

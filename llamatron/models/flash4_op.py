@@ -22,10 +22,11 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 
 
 def available() -> bool:
-    """flash-attn-4 is importable (checked without importing it: that compiles nothing but takes seconds)."""
+    """flash-attn-4 is installed: found without importing flash_attn.cute itself (seconds of imports), though
+    finding it imports the parent flash_attn package; a broken install of that counts as not installed."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:  # no flash_attn package at all
+    except Exception:  # no flash_attn package, or one that fails to import (e.g. a FlashAttention 2 build)
         return False
 
 

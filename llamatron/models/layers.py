@@ -15,6 +15,7 @@ from torch import nn
 
 from . import rmsnorm_op, rope_op
 from .config import ModelConfig, RopeScaling
+from .flash4_op import SUPPORTED_HEAD_DIMS
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +123,6 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
 _SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 _expand_kv_heads = False
 _use_fa4 = False  # causal attention through FlashAttention 4 (models/flash4_op.py) instead of SDPA
-_FA4_HEAD_DIMS = (64, 96, 128)  # flash4_op.SUPPORTED_HEAD_DIMS (not imported here: that module is CUDA-only)
 
 
 def set_attention_backend(name: str) -> None:
@@ -190,7 +190,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_wi
     if sliding_window is not None and seq_len > sliding_window:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    if _use_fa4 and q.is_cuda and q.shape[-1] in _FA4_HEAD_DIMS:
+    if _use_fa4 and q.is_cuda and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16):
         from .flash4_op import fa4_causal_attention
 
         # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.

@@ -12,9 +12,10 @@ and the whole update skipped on device when `found_inf` is set: no host synchron
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_KERNEL = None
 _BLOCK = 2048
 
 
@@ -33,37 +34,36 @@ def adamw_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                                HAS_SCALE=grad_scale is not None, HAS_OUT=out is not None, BLOCK=_BLOCK)
 
 
+@functools.cache
 def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
+    """Built on first CUDA use: CPU installs need no Triton."""
+    import triton
+    import triton.language as tl
 
-        @triton.jit
-        def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, step_ptr, scale_ptr, inf_ptr, n, lr, beta1, beta2,
-                         eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            # a non-finite gradient norm skips the update: every load and store is masked off
-            mask = offs < tl.where(tl.load(inf_ptr) == 0, n, 0)
-            step = tl.load(step_ptr)
-            bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-            bias2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SCALE:
-                g = g / tl.load(scale_ptr)
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-            v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-            p = p * (1.0 - lr * weight_decay)
-            m = beta1 * m + (1.0 - beta1) * g
-            v = beta2 * v + (1.0 - beta2) * g * g
-            denom = tl.sqrt(v) / tl.sqrt(bias2) + eps
-            p = p - (lr / bias1) * (m / denom)
-            tl.store(p_ptr + offs, p, mask=mask)
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(v_ptr + offs, v, mask=mask)
-            if HAS_OUT:
-                tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    @triton.jit
+    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, step_ptr, scale_ptr, inf_ptr, n, lr, beta1, beta2,
+                     eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # a non-finite gradient norm skips the update: every load and store is masked off
+        mask = offs < tl.where(tl.load(inf_ptr) == 0, n, 0)
+        step = tl.load(step_ptr)
+        bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+        bias2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g / tl.load(scale_ptr)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = p * (1.0 - lr * weight_decay)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt(v) / tl.sqrt(bias2) + eps
+        p = p - (lr / bias1) * (m / denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_OUT:
+            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
-        _KERNEL = adamw_kernel
-    return _KERNEL
+    return adamw_kernel
