@@ -6,8 +6,8 @@
 (batch, seq, heads, dim) tensors viewed as (batch, heads, seq, dim); "packed": q, k, v as views of one
 (batch, seq, heads + 2·kv_heads, dim) tensor (a fused QKV projection's output) and a (batch, seq, heads, dim)
 output gradient, as a model without copies would pass them. "fa4" (CUDA, when flash-attn-4 is installed):
-FlashAttention 4 on contiguous (batch, seq, heads, dim) tensors, as `--attention-backend fa4` runs it, with
-its largest difference from SDPA's output and gradients on the same inputs. Prints one JSON line per
+FlashAttention 4 on contiguous (batch, seq, heads, dim) tensors (in the model q and k are contiguous so, v a
+view of the QKV output), with its largest difference from SDPA's output and gradients on the same inputs. Prints one JSON line per
 layout: ms per forward+backward and TFLOP/s of the causal work (half the score matrix).
 """
 
