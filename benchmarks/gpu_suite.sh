@@ -58,10 +58,8 @@ for group in ${@:-single dp tests}; do
         one 0 $B1 --micro-batch-size 8 --compile $k & one 1 $B1 --micro-batch-size 8 --compile & wait
       done ;;
     fa4)  # FlashAttention 4 (--attention-backend fa4) vs SDPA's cuDNN: microbenchmark, then llama-1b on both GPUs
-      # with the settings swapped. Needs flash-attn-4 importable: the device machines have no internet, and
-      # its nvidia-cutlass-dsl-libs-cu13 wheel (92 MB) exceeds one call's 64 MiB, so RESULTS run 4 carried it
-      # as an xz tarball (61 MiB) in one call and the other wheels in the call before, both unpacked under /tmp
-      # (PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages)
+      # with the settings swapped. Needs flash-attn-4 importable: benchmarks/fa4_carry.sh packs it for machines
+      # without internet and says how to unpack it there (two calls, PYTHONPATH)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/attention_layout.py --iters 50 >>"$OUT/attention_layout.txt" 2>>"$OUT/log.txt"
       echo "== attention_layout with fa4 -> rc $?" >>"$OUT/log.txt"
       one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile --attention-backend fa4 & wait
