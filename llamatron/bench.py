@@ -177,7 +177,9 @@ def format_row(row: dict) -> str:
         (" distopt" if row["dist_opt"] else "") + (f" rc={row['recompute']}" if row["recompute"] != "none" else "")
     phases = " ".join(f"{k[:-3]}={row[k]:.0f}ms" for k in
                       ("forward_ms", "backward_ms", "forward_backward_ms", "grad_sync_ms", "optimizer_ms") if k in row)
-    header = f"{'model':<12} {'layout':<34} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}  breakdown"
+    cpu = row["device"] == "cpu"  # per process, and the process's peak resident memory rather than GPU memory
+    header = (f"{'model':<12} {'layout':<34} {'tok/s/rank' if cpu else 'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} "
+              f"{'RSS GiB' if cpu else 'mem GiB':>8}  breakdown")
     line = (f"{row['model']:<12} {layout:<34} {row['tokens_per_sec']:>10.0f} {row['tflops_per_gpu']:>8.1f} {mfu:>6} "
             f"{row['peak_mem_gib']:>8.1f}  {phases} step={row['step_ms']:.0f}ms bubble={row['bubble_frac']:.0%}")
     return header + "\n" + line

@@ -185,3 +185,15 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
 def test_version_names_llamatron_and_torch():
     proc = subprocess.run([sys.executable, "-m", "llamatron", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("llamatron 0.") and "torch 2." in proc.stdout
+
+
+def test_bench_table_names_what_it_measured_on_cpu_and_gpu():
+    from llamatron.bench import format_row
+
+    row = {"model": "m", "tp": 1, "pp": 1, "vpp": 1, "dp": 1, "sp": False, "dist_opt": False, "recompute": "none",
+           "tokens_per_sec": 10.0, "tflops_per_gpu": 0.0, "mfu": None, "peak_mem_gib": 1.0, "step_ms": 5.0,
+           "bubble_frac": 0.0, "forward_ms": 1.0}
+    cpu = format_row({**row, "device": "cpu"}).splitlines()[0]
+    gpu = format_row({**row, "device": "NVIDIA H200"}).splitlines()[0]
+    assert "tok/s/rank" in cpu and "RSS GiB" in cpu  # a process's resident memory, not GPU memory
+    assert "tok/s/gpu" in gpu and "mem GiB" in gpu
