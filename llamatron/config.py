@@ -312,7 +312,7 @@ def _validate_ops(cfg: RunConfig) -> None:
     from .logging_sinks import check_sink_dependencies
 
     t = cfg.train
-    resolve_eval_metrics(t.eval_metrics, cfg.parallel.pp)
+    resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t)
     if t.max_skipped_steps < 0:
         raise ConfigError("--max-skipped-steps must be >= 0 (0: never stop)")

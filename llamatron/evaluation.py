@@ -17,8 +17,8 @@ A token metric may instead return a (numerator, denominator) pair of scalar tens
 ranks, for averages that are not per token. `--eval-metrics my_module:my_metric` imports `my_module`
 (which registers it) first.
 
-Every metric is a sum over batches reduced once over data-parallel ranks, so the numbers do not depend on
-the layout. Under tensor parallelism `batch.logits` is the rank's vocabulary shard: use `batch.predictions`
+Every metric is a sum over batches reduced once over data-parallel ranks (under pipeline parallelism the
+last stage computes it and the other stages receive it), so the numbers do not depend on the layout. Under tensor parallelism `batch.logits` is the rank's vocabulary shard: use `batch.predictions`
 and `batch.loss`, which are whole.
 """
 
@@ -37,9 +37,6 @@ from .config import ConfigError
 from .data.batches import micro_batches_for_step
 from .models import IGNORE_INDEX
 from .parallel.mesh import all_reduce
-
-BUILTIN_PIPELINE_METRICS = ("loss", "perplexity", "accuracy")  # what parallel/pipeline.pipeline_evaluate computes
-
 
 @dataclass
 class EvalBatch:
@@ -101,8 +98,8 @@ def _accuracy(batch: EvalBatch) -> torch.Tensor:
     return batch.predictions == batch.labels
 
 
-def resolve_eval_metrics(names: Sequence[str] | str, pp: int = 1) -> list[str]:
-    """The metric names to compute, `loss` first; ConfigError for unknown names or ones the layout cannot compute."""
+def resolve_eval_metrics(names: Sequence[str] | str) -> list[str]:
+    """The metric names to compute, `loss` first; ConfigError for unknown names."""
     if isinstance(names, str):  # YAML may give "perplexity accuracy"
         names = names.replace(",", " ").split()
     out = ["loss"]
@@ -121,9 +118,6 @@ def resolve_eval_metrics(names: Sequence[str] | str, pp: int = 1) -> list[str]:
         for needed in (_METRICS[name].derived_from, name):
             if needed is not None and needed not in out:
                 out.append(needed)
-    if pp > 1 and set(out) - set(BUILTIN_PIPELINE_METRICS):
-        raise ConfigError(f"--eval-metrics {' '.join(sorted(set(out) - set(BUILTIN_PIPELINE_METRICS)))}: pipeline "
-                          f"evaluation (--pp > 1) computes only {', '.join(BUILTIN_PIPELINE_METRICS)}")
     return out
 
 
@@ -167,25 +161,34 @@ def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
     from .engine import to_device
 
     cfg, mesh = engine.cfg, engine.mesh
-    names = resolve_eval_metrics(cfg.train.eval_metrics if metrics is None else metrics, cfg.parallel.pp)
-    if cfg.parallel.pp > 1:
-        from .parallel.pipeline import pipeline_evaluate
-
-        return _with_derived(names, pipeline_evaluate(engine, dataset, iters, start_sample))
-    model = engine.chunks[0]
-    was_training = model.training
-    model.eval()
+    names = resolve_eval_metrics(cfg.train.eval_metrics if metrics is None else metrics)
     totals = _Totals([_METRICS[n] for n in names if _METRICS[n].derived_from is None], engine.device)
     t = cfg.train
-    for it in range(iters):
-        mbs = micro_batches_for_step(dataset, start_sample + it * t.global_batch_size, t.global_batch_size,
-                                     t.micro_batch_size, mesh.dp, mesh.dp_rank)
-        for mb in to_device(mbs, engine.device):
-            logits = model(mb["input_ids"], position_ids=mb.get("position_ids"), document_ids=mb.get("document_ids"))
-            labels = mb["labels"]
-            totals.add(EvalBatch(model, logits, labels, model.loss_fn(logits, labels)))
+
+    def batches_of(it: int) -> list[dict]:
+        return micro_batches_for_step(dataset, start_sample + it * t.global_batch_size, t.global_batch_size,
+                                      t.micro_batch_size, mesh.dp, mesh.dp_rank)
+
+    def add(model, logits: torch.Tensor, mb: dict) -> None:
+        labels = mb["labels"]
+        totals.add(EvalBatch(model, logits, labels, model.loss_fn(logits, labels)))
+
+    if cfg.parallel.pp > 1:  # the last stage sees the logits; it sums, then tells the other stages
+        from .parallel.pipeline import pipeline_forward_each
+
+        pipeline_forward_each(engine, to_device([mb for it in range(iters) for mb in batches_of(it)], engine.device), add)
+    else:
+        model = engine.chunks[0]
+        was_training = model.training
+        model.eval()
+        for it in range(iters):
+            for mb in to_device(batches_of(it), engine.device):
+                add(model, model(mb["input_ids"], position_ids=mb.get("position_ids"),
+                                 document_ids=mb.get("document_ids")), mb)
+        model.train(was_training)
     all_reduce(totals.sums, mesh.dp_group)
-    model.train(was_training)
+    if cfg.parallel.pp > 1:
+        torch.distributed.broadcast(totals.sums, src=mesh.pp_ranks[-1], group=mesh.pp_group)
     return _with_derived(names, totals.values())
 
 

@@ -149,6 +149,7 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
     from llamatron.engine import build_engine, train_step
+    from llamatron.evaluation import evaluate
     from llamatron.parallel.mesh import build_mesh
 
     results = []
@@ -160,6 +161,8 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         alive, peak = [0], [0]
 
         def count(_module, _args, out):
+            if not out.requires_grad:  # the evaluation below: no backward to wait for
+                return
             alive[0] += 1
             peak[0] = max(peak[0], alive[0])
             out.register_hook(lambda grad: alive.__setitem__(0, alive[0] - 1))  # its backward has begun
@@ -172,7 +175,8 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results.append({"pp_rank": mesh.pp_rank, "num_mb": len(mbs), "peak": peak[0], "alive_after": alive[0],
                         "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
                         "reductions": [b.stats.grad_reductions for b in engine.buffers],
-                        "buckets": [len(b.buckets) for b in engine.buffers]})
+                        "buckets": [len(b.buckets) for b in engine.buffers],
+                        "eval": evaluate(engine, data, 1, metrics=["accuracy"])})
     Path(out_dir, f"{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -193,6 +197,9 @@ def test_activations_alive_per_rank_stay_within_the_1f1b_bound(tmp_path):
         losses = {results[rank][i]["loss"] for rank in range(world) if results[rank][i]["pp_rank"] == pp - 1}
         assert all(results[rank][i]["loss"] == 0 for rank in range(world) if results[rank][i]["pp_rank"] < pp - 1)
         assert len({results[rank][i]["grad_norm"] for rank in range(world)}) == 1, "grad norm differs across ranks"
+        # evaluation runs on the last stage; every rank gets its result
+        evals = [results[rank][i]["eval"] for rank in range(world)]
+        assert all(e == evals[0] for e in evals) and evals[0]["loss"] > 0, evals
         assert all(loss > 0 for loss in losses)
 
 
@@ -236,6 +243,29 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
     ref_steps, ref_eval = reference(model)
     assert_matches(ref_steps, run_train(args, nproc, tmp_path, model=model))
     assert_matches(ref_eval, _eval_records(tmp_path), keys=("loss", "accuracy"))
+
+
+def test_custom_eval_metrics_under_pipeline_parallelism_match_single_process(tmp_path):
+    """A metric registered by the user's module (MODULE:NAME) is computed on the last stage and reaches every
+    rank: pp 2 x dp 2 gives the single process's values, the built-in ones too."""
+    module = ("from llamatron.evaluation import register_eval_metric\n"
+              "@register_eval_metric('label_is_even')\n"
+              "def label_is_even(batch):\n    return batch.labels % 2 == 0\n"
+              "@register_eval_metric('first_token_loss')\n"
+              "def first_token_loss(batch):  # a (numerator, denominator) metric\n"
+              "    return batch.loss[:, 0].sum(), batch.valid[:, 0].sum()\n")
+    args = ["--eval-metrics", "perplexity", "accuracy", "my_metrics:label_is_even", "my_metrics:first_token_loss"]
+    records = []
+    for layout, nproc in (([], 1), (["--pp", "2", "--distributed-optimizer"], 4)):
+        workdir = tmp_path / f"n{nproc}"
+        workdir.mkdir()
+        (workdir / "my_metrics.py").write_text(module)
+        run_train(args + layout, nproc, workdir, model="llama-test4")
+        records.append(_eval_records(workdir))
+    keys = ("loss", "perplexity", "accuracy", "label_is_even", "first_token_loss")
+    assert all(set(keys) <= set(r) for r in records[1])
+    assert 0 < records[1][-1]["label_is_even"] < 1
+    assert_matches(records[0], records[1], keys=keys)
 
 
 def test_tensor_x_pipeline_x_data_parallel_matches_single_process(reference, tmp_path):

@@ -23,7 +23,6 @@ data crosses the wire.
 from __future__ import annotations
 
 import copy
-import math
 import re
 import types
 from typing import Callable, Sequence
@@ -35,7 +34,7 @@ from torch import nn
 from ..config import ConfigError
 from ..models import Transformer
 from .data import zero_if_unwritten
-from .mesh import Mesh, all_reduce, new_group
+from .mesh import Mesh, new_group
 from .schedules import Action, Message, ScheduleError, Step, build_program, input_message, output_message
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -336,24 +335,13 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
 
 
 @torch.no_grad()
-def pipeline_evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0) -> dict[str, float]:
-    """Mean loss, perplexity and next-token accuracy over `iters` global batches; the result is known on every rank."""
-    from ..data.batches import micro_batches_for_step
-    from ..engine import to_device
-    from ..models import IGNORE_INDEX
-    from ..evaluation import gather_argmax
-
-    cfg, mesh = engine.cfg, engine.mesh
-    t = cfg.train
-    micro_batches = []
-    for it in range(iters):
-        micro_batches += micro_batches_for_step(dataset, start_sample + it * t.global_batch_size, t.global_batch_size,
-                                                t.micro_batch_size, mesh.dp, mesh.dp_rank)
-    micro_batches = to_device(micro_batches, engine.device)
+def pipeline_forward_each(engine, micro_batches: list[dict], on_output: Callable[[nn.Module, torch.Tensor, dict], None]
+                          ) -> None:
+    """Forward every micro-batch through the pipeline (no backward); on the last stage, call
+    on_output(last chunk, its logits, the micro-batch) for each. Chunks run in eval mode."""
     was_training = [c.training for c in engine.chunks]
     for c in engine.chunks:
         c.eval()
-    totals = torch.zeros(3, device=engine.device, dtype=torch.float64)  # loss sum, correct, tokens
     runner = _Runner(engine, micro_batches, forward_only=True)
 
     def forward(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
@@ -362,18 +350,11 @@ def pipeline_evaluate(engine, dataset: Sequence, iters: int, start_sample: int =
         out = chunk(mb["input_ids"] if a.chunk == 0 else received, **_side_inputs(mb))
         if not runner.is_last(a):
             return out
-        labels = mb["labels"]
-        valid = labels != IGNORE_INDEX
-        totals[0] += chunk.loss_fn(out, labels).sum().double()
-        totals[1] += ((gather_argmax(chunk, out) == labels) & valid).sum()
-        totals[2] += valid.sum()
+        on_output(chunk, out, mb)
         return None
 
-    runner.run(forward, None)
-    for c, training in zip(engine.chunks, was_training):
-        c.train(training)
-    all_reduce(totals, mesh.dp_group)
-    dist.broadcast(totals, src=mesh.pp_ranks[-1], group=mesh.pp_group)
-    loss = (totals[0] / totals[2].clamp_min(1)).item()
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-            "accuracy": (totals[1] / totals[2].clamp_min(1)).item()}
+    try:
+        runner.run(forward, None)
+    finally:
+        for c, training in zip(engine.chunks, was_training):
+            c.train(training)
