@@ -154,8 +154,10 @@ def test_qkv_rope_kernels_match_split_and_apply_rope():
         from llamatron.models.rope_op import _kernels, _pow2
 
         torch.manual_seed(0)
-        batch, seq, heads, kv, dim = 2, 5, 6, 2, 16  # 8 q+k heads: a power of two; 6 + 3 below is not
-        for heads, kv, dtype, tol in ((6, 2, torch.float32, 1e-5), (6, 3, torch.bfloat16, 2e-2)):
+        batch, seq, dim = 2, 5, 16
+        # 6 + 2 q+k heads: a power of two; 6 + 3: padded to 16; 5 + 1: multi-query (Falcon 7B)
+        for heads, kv, dtype, tol in ((6, 2, torch.float32, 1e-5), (6, 3, torch.bfloat16, 2e-2),
+                                      (5, 1, torch.float16, 3e-3)):
             cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=heads * dim, num_layers=1, num_heads=heads,
                               num_kv_heads=kv, ffn_hidden_size=8, max_seq_length=16)
             positions = torch.stack([torch.arange(seq), torch.arange(3, 3 + seq)])
