@@ -28,7 +28,8 @@ too, while each column-parallel projection saves its all-gathered (full) input: 
 Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
 kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps each layer's input a*h
 (/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*head_dim, token ids 8 (first chunk), the final
-norm (last chunk), and on pipeline stages the received input and the sent output a*h (/tp with sp).
+norm (last chunk), and on pipeline stages the received input a*h (/tp with sp); the sent output is freed
+once sent (backward starts from its gradient edge).
 In flight on pipeline rank r: parallel/schedules.max_alive: min(pp - r, m) micro-batches under 1F1B; with vpp
 chunks per rank min(pp*vpp - r, m*vpp) chunk activations (each 1/vpp of the rank's layers); one micro-batch
 at a time without a pipeline.
@@ -304,9 +305,7 @@ def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: b
         total += hidden  # the received input, kept for its gradient
     if last:
         total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, fused_norms)
-    elif pipelined:
-        total += hidden  # the sent output, kept to run backward from
-    return total
+    return total  # (the sent output is not kept: backward starts from its gradient edge)
 
 
 def loss_bytes_per_token(model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2) -> float:

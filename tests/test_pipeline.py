@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -158,14 +159,21 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         derived = validate(cfg, world)
         mesh = build_mesh(1, pp)
         engine = build_engine(cfg, derived, mesh)
-        alive, peak = [0], [0]
+        alive, peak, kept_outputs = [0], [0], [0]
 
         def count(_module, _args, out):
             if not out.requires_grad:  # the evaluation below: no backward to wait for
                 return
             alive[0] += 1
             peak[0] = max(peak[0], alive[0])
-            out.register_hook(lambda grad: alive.__setitem__(0, alive[0] - 1))  # its backward has begun
+            sent = out.dim() > 0  # a stage output (the last stage returns the loss)
+            ref = weakref.ref(out)
+
+            def backward_begins(grad):
+                alive[0] -= 1
+                kept_outputs[0] += sent and ref() is not None  # the scheduler still held the sent output
+
+            out.register_hook(backward_begins)
 
         for chunk in engine.chunks:
             chunk.register_forward_hook(count)
@@ -173,6 +181,7 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         mbs = micro_batches_for_step(data, 0, 8, 1, mesh.dp, mesh.dp_rank)
         out = train_step(engine, mbs, 0)
         results.append({"pp_rank": mesh.pp_rank, "num_mb": len(mbs), "peak": peak[0], "alive_after": alive[0],
+                        "kept_outputs": kept_outputs[0],
                         "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
                         "reductions": [b.stats.grad_reductions for b in engine.buffers],
                         "buckets": [len(b.buckets) for b in engine.buffers],
@@ -190,6 +199,7 @@ def test_activations_alive_per_rank_stay_within_the_1f1b_bound(tmp_path):
             r = results[rank][i]
             # Counted from forward hooks and output-gradient hooks, independently of the scheduler's bookkeeping.
             assert r["alive_after"] == 0
+            assert r["kept_outputs"] == 0  # sent outputs are freed, not held until their backward
             assert r["peak"] == max_alive(pp, vpp, r["pp_rank"], r["num_mb"]) <= pp * vpp, (model, pp, vpp, r)
             # Every gradient bucket is reduced exactly once per step (dp > 1), whatever the micro-batch count.
             if world // pp > 1:

@@ -275,7 +275,8 @@ class _Runner:
         self.num_chunks = self.pp * len(engine.chunks)
         self.program = _program(engine, len(micro_batches), forward_only)
         self.p2p = P2P(engine.mesh, _activation_shape(engine, micro_batches), engine.dtype, engine.device)
-        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # awaiting backward
+        # awaiting backward: (input, the loss on the last stage, else the output's gradient edge)
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | torch.autograd.graph.GradientEdge]] = {}
 
     def run(self, forward: Callable[[Action, torch.Tensor], torch.Tensor | None], backward: Callable | None) -> None:
         for step in self.program:
@@ -317,8 +318,13 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
             loss_sum = loss_sum + out.detach()
         else:
             out = runner.chunk(a)(x, **_side_inputs(mb))
-        runner.saved[(a.chunk, a.micro_batch)] = (x, out)
-        return None if runner.is_last(a) else out.detach()
+        if runner.is_last(a):
+            runner.saved[(a.chunk, a.micro_batch)] = (x, out)
+            return None
+        # Keep only the graph edge that backward starts from, not the output: its values now belong to the
+        # send, whose buffer is freed once the transfer completes (Megatron keeps them until backward).
+        runner.saved[(a.chunk, a.micro_batch)] = (x, torch.autograd.graph.get_gradient_edge(out))
+        return out.detach()
 
     def backward(a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
         x, out = runner.saved.pop((a.chunk, a.micro_batch))
