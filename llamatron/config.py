@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from .models import ModelConfig, get_preset
-from .triton_check import HAS_TRITON
 from .models.presets import PRESET_NAMES
+from .triton_check import HAS_TRITON
 
 
 class ConfigError(ValueError):

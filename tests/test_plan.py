@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llamatron import plan as P
+from llamatron import plan_activations as A
 from llamatron.plan_cli import parse_memory
 from llamatron.cli import main
 from llamatron.config import ConfigError, config_from_values
@@ -91,7 +92,7 @@ def test_layer_activations_match_autograd(name, dtype, fused_norms):
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
     a = 2 if dtype == torch.bfloat16 else 4
-    predicted = sum(P.layer_activation_terms(cfg, a, fused_norms=fused_norms).values()) + 2 * a * cfg.head_dim  # + cos/sin
+    predicted = sum(A.layer_activation_terms(cfg, a, fused_norms=fused_norms).values()) + 2 * a * cfg.head_dim  # + cos/sin
     # CPU LayerNorm keeps mean/rstd in bf16 (4 bytes), CUDA in fp32 (8, the model's figure): within 1%.
     assert measured == pytest.approx(predicted, rel=0.01)
 
@@ -108,7 +109,7 @@ def test_model_activations_match_autograd(name, recompute, fused_norms):
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = _saved_bytes(lambda: model(ids, labels=ids), params)
-    chunk = P.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False,
+    chunk = A.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False,
                                      fused_norms=fused_norms)
     saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
     assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
@@ -127,27 +128,27 @@ def test_compiled_layer_activations_match_autograd_on_gpu(name):
     block(x, cos, sin)  # compile outside the measurement
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
-    predicted = sum(P.layer_activation_terms(cfg, 2, compiled=True).values()) + 4 * cfg.head_dim
+    predicted = sum(A.layer_activation_terms(cfg, 2, compiled=True).values()) + 4 * cfg.head_dim
     assert measured == pytest.approx(predicted, rel=0.05)
 
 
 def test_tensor_and_sequence_parallel_activation_terms():
     cfg = get_preset("llama2-70b")
-    base, tp = P.layer_activation_terms(cfg, 2), P.layer_activation_terms(cfg, 2, tp=8)
-    sp = P.layer_activation_terms(cfg, 2, tp=8, sequence_parallel=True)
+    base, tp = A.layer_activation_terms(cfg, 2), A.layer_activation_terms(cfg, 2, tp=8)
+    sp = A.layer_activation_terms(cfg, 2, tp=8, sequence_parallel=True)
     for part in ("qkv", "rope", "softmax_stats", "attn_output", "mlp"):
         assert tp[part] * 8 == base[part]  # 8 KV heads over tp 8: one each, so the division is exact
     assert tp["norm_inputs"] == base["norm_inputs"] and sp["norm_inputs"] * 8 == base["norm_inputs"]
     assert sp["norm_outputs"] == base["norm_outputs"]  # projections save their all-gathered input
-    full = P.layer_activation_bytes(cfg, 2, 8, True, "full")
+    full = A.layer_activation_bytes(cfg, 2, 8, True, "full")
     assert full == 2 * 8192 / 8
 
 
 def test_pipeline_in_flight_counts():
-    assert [P.chunks_in_flight(4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]  # 1F1B: pp - rank
-    assert [P.chunks_in_flight(4, 1, 2, r) for r in range(4)] == [2, 2, 2, 1]  # fewer micro-batches than stages
-    assert P.chunks_in_flight(4, 2, 8, 0) == 8  # interleaved: pp*vpp chunks of 1/vpp stage each
-    assert P.chunks_in_flight(1, 1, 64, 0) == 1  # no pipeline: one micro-batch at a time
+    assert [A.chunks_in_flight(4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]  # 1F1B: pp - rank
+    assert [A.chunks_in_flight(4, 1, 2, r) for r in range(4)] == [2, 2, 2, 1]  # fewer micro-batches than stages
+    assert A.chunks_in_flight(4, 2, 8, 0) == 8  # interleaved: pp*vpp chunks of 1/vpp stage each
+    assert A.chunks_in_flight(1, 1, 64, 0) == 1  # no pipeline: one micro-batch at a time
 
 
 # ---- whole-layout memory by hand ----------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def test_pipeline_stage_memory_by_hand():
              + a * (q_local + 2 * kv_local) + a * (q_local + kv_local) + 4 * 2  # QKV, roped q/k, logsumexp
              + 2 * a * q_local + 3 * a * f_local)  # attention kernel output + projection input, SwiGLU
     first_chunk = 2 * layer + 2 * a * d + 8  # cos/sin, token ids (the sent output is not kept)
-    got = P.chunk_activation_bytes(cfg, 2, True, False, a, 2, True, "none", pipelined=True, compiled=True)
+    got = A.chunk_activation_bytes(cfg, 2, True, False, a, 2, True, "none", pipelined=True, compiled=True)
     assert got == pytest.approx(first_chunk)
     lay = P.Layout(2, 2, 1, 1, True, False, "none", 1, 4)
     mem = P.layout_memory(cfg, lay, 32, P.Precision())

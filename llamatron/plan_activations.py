@@ -1,0 +1,103 @@
+"""Activation memory for the planner (plan.py): the tensors autograd saves, per token.
+
+Activations: the tensors autograd saves in one decoder layer, per token, for the code in models/ (the tests
+measure them with saved_tensors_hooks). a = bytes per activation element (2 in bf16), h hidden, kv =
+num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the default on GPU):
+  norm_inputs   Llama: per RMSNorm the fp32 copy of its input 4h, the normalised a*h and rsqrt 4; with the
+                       Triton RMSNorm (fused_norms, the CUDA default) its input a*h and rsqrt 4
+                       | the rsqrt 4 per norm and one residual a*h (the rest is re-derived in backward)
+                Falcon: the layer input a*h, mean/rstd 8 per LayerNorm | the layer input and one LayerNorm's 8
+  norm_outputs  the inputs of the QKV and MLP projections a*h each (Falcon eager with one LayerNorm: shared)
+                | Llama 2 a*h, Falcon one a*h
+  qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it)
+  rope          roped q and k a*(h + kv): the attention kernel's inputs
+  softmax_stats logsumexp 4 per head (flash / cuDNN attention: no S^2 term)
+  attn_output   the input of the output projection a*h | plus the kernel's own output: 2 a*h
+  mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f | silu re-derived: 3a*f
+                Falcon GELU: its input and output 2a*f
+With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
+too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
+Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
+kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps each layer's input a*h
+(/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*head_dim, token ids 8 (first chunk), the final
+norm (last chunk), and on pipeline stages the received input a*h (/tp with sp); the sent output is freed
+once sent (backward starts from its gradient edge).
+In flight on pipeline rank r: parallel/schedules.max_alive: min(pp - r, m) micro-batches under 1F1B; with vpp
+chunks per rank min(pp*vpp - r, m*vpp) chunk activations (each 1/vpp of the rank's layers); one micro-batch
+at a time without a pipeline.
+"""
+
+from __future__ import annotations
+
+from .models import ModelConfig
+from .parallel.schedules import max_alive
+from .parallel.tensor import local_kv_heads
+
+
+def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequence_parallel: bool = False,
+                           compiled: bool = False, fused_norms: bool = False) -> dict[str, float]:
+    """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
+    a, h, d = act_bytes, model.hidden_size, model.head_dim
+    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
+    f = model.ffn_hidden_size // tp
+    if model.family == "falcon":
+        layer_norms = 2 if model.separate_mlp_norm else 1
+        norm_inputs = a * h + 8 * (1 if compiled else layer_norms)
+        norm_outputs = a * h * (2 if sequence_parallel else 1 if compiled else layer_norms)
+        mlp = 2 * a * f
+    else:
+        norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if fused_norms else 2 * (4 * h + a * h + 4)
+        norm_outputs = 2 * a * h
+        mlp = (3 if compiled else 4) * a * f
+    return {"norm_inputs": norm_inputs / (tp if sequence_parallel else 1), "norm_outputs": norm_outputs,
+            "qkv": a * (q + 2 * kv) * d, "rope": a * (q + kv) * d, "softmax_stats": 4 * q,
+            "attn_output": (2 if compiled else 1) * a * q * d, "mlp": mlp}
+
+
+def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool,
+                     fused_norms: bool = False) -> float:
+    """The last chunk's final norm per token (eager), its output saved whole by the head."""
+    a, h = act_bytes, model.hidden_size
+    inputs = (a * h + 8) if model.family == "falcon" else (a * h + 4) if fused_norms else (4 * h + a * h + 4)
+    return inputs / (tp if sequence_parallel else 1) + a * h
+
+
+def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, recompute: str,
+                           compiled: bool = False, fused_norms: bool = False) -> float:
+    """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
+    if recompute == "full":
+        return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
+    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled, fused_norms)
+    if recompute == "selective":
+        terms.pop("softmax_stats")
+    return sum(terms.values())
+
+
+def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: bool, act_bytes: int, tp: int,
+                           sequence_parallel: bool, recompute: str, pipelined: bool, compiled: bool = False,
+                           recompute_layers: int | None = None, fused_norms: bool = False) -> float:
+    """Bytes per token one model chunk keeps for one micro-batch until its backward.
+
+    recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
+    """
+    hidden = act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
+    recomputed = layers if recompute == "none" or recompute_layers is None else min(layers, recompute_layers)
+    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, compiled,
+                                                fused_norms)
+    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", compiled,
+                                                            fused_norms)
+    total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
+    if first:
+        total += 8  # token ids saved by the embedding
+    elif pipelined:
+        total += hidden  # the received input, kept for its gradient
+    if last:
+        total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, fused_norms)
+    return total  # (the sent output is not kept: backward starts from its gradient edge)
+
+
+def chunks_in_flight(pp: int, vpp: int, micro_batches: int, rank: int) -> int:
+    """Chunk activations pipeline rank `rank` holds at its peak (one micro-batch at a time without a pipeline)."""
+    return 1 if pp == 1 else max_alive(pp, vpp, rank, micro_batches)
+
+
