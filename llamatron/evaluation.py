@@ -36,7 +36,7 @@ import torch
 from .config import ConfigError
 from .data.batches import micro_batches_for_step
 from .models import IGNORE_INDEX
-from .parallel.mesh import all_reduce
+from .parallel.mesh import sum_from_last_stage
 
 @dataclass
 class EvalBatch:
@@ -186,9 +186,7 @@ def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
                 add(model, model(mb["input_ids"], position_ids=mb.get("position_ids"),
                                  document_ids=mb.get("document_ids")), mb)
         model.train(was_training)
-    all_reduce(totals.sums, mesh.dp_group)
-    if cfg.parallel.pp > 1:
-        torch.distributed.broadcast(totals.sums, src=mesh.pp_ranks[-1], group=mesh.pp_group)
+    sum_from_last_stage(totals.sums, mesh)
     return _with_derived(names, totals.values())
 
 

@@ -18,7 +18,7 @@ from .evaluation import evaluate, format_metrics
 from .faults import FaultGuard, explain_collective_failure, restore_signal_handlers
 from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
 from .models import ModelConfig
-from .parallel.mesh import Mesh, all_reduce, build_mesh, init_distributed
+from .parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
 
 DEMO_DIR = "runs/demo"
 
@@ -276,11 +276,7 @@ def _evaluate_and_record(engine: Engine, datasets: Datasets, step: int, consumed
 
 def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[float]:
     """Per-step global losses: summed over data-parallel ranks, sent from the last pipeline stage to all."""
-    stacked = torch.stack(losses).float()
-    all_reduce(stacked, engine.mesh.dp_group)
-    if engine.mesh.pp > 1:
-        dist.broadcast(stacked, src=engine.mesh.pp_ranks[-1], group=engine.mesh.pp_group)
-    return stacked.tolist()
+    return sum_from_last_stage(torch.stack(losses).float(), engine.mesh).tolist()
 
 
 def metric_sinks(cfg: RunConfig) -> list:

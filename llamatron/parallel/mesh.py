@@ -159,3 +159,11 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceO
     if group_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def sum_from_last_stage(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Sum `t` over data-parallel ranks where the last pipeline stage computed it, then give every stage the sum."""
+    all_reduce(t, mesh.dp_group)
+    if mesh.pp > 1:
+        dist.broadcast(t, src=mesh.pp_ranks[-1], group=mesh.pp_group)
+    return t
