@@ -425,13 +425,12 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         _check_fa4(model.head_dim, dtype_name)
     if t.rmsnorm_backend == "triton" and model.family == "falcon":
         raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
-    for flag, value in (("--swiglu-backend", t.swiglu_backend), ("--rmsnorm-backend", t.rmsnorm_backend),
-                        ("--rope-backend", t.rope_backend)):
+    kernels = {"--swiglu-backend": t.swiglu_backend, "--rmsnorm-backend": t.rmsnorm_backend,
+               "--rope-backend": t.rope_backend, "--adamw-kernel": cfg.optim.adamw_kernel}
+    for flag, value in kernels.items():
         if value == "triton" and device != "cuda":
-            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} use auto or torch")
-    if cfg.optim.adamw_kernel == "triton" and device != "cuda":
-        raise ConfigError(f"--adamw-kernel triton runs on CUDA only; on {device} use auto or torch")
-    if "triton" in (t.swiglu_backend, t.rmsnorm_backend, t.rope_backend, cfg.optim.adamw_kernel) and not HAS_TRITON:
+            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} use torch")
+    if "triton" in kernels.values() and not HAS_TRITON:
         raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--adamw-kernel triton need the triton "
                           "package (pip install triton); or use the torch kernels")
     _validate_data(d)
