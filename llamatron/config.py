@@ -109,9 +109,10 @@ class TrainConfig:
                                       "picks them on CUDA when triton is installed) or torch (the plain "
                                       "expression, fused by --compile); for comparison and debugging",
                               ("auto", "triton", "torch"))
-    rope_backend: str = _f("torch", "QKV split + rotary embedding: torch (the plain expression, fused by --compile) "
-                                    "or triton (one kernel each way on CUDA; not yet measured on a GPU)",
-                           ("torch", "triton"))
+    rope_backend: str = _f("auto", "QKV split + rotary embedding: triton (one kernel each way; auto picks it on "
+                                   "CUDA when triton is installed and the head dim is a power of two) or torch "
+                                   "(the plain expression, fused by --compile); for comparison and debugging",
+                           ("auto", "triton", "torch"))
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
@@ -326,6 +327,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _rope_kernels_support(head_dim: int) -> bool:
+    from .models.rope_op import supports_head_dim  # imports torch: only when the flag asks for the kernels
+
+    return supports_head_dim(head_dim)
+
+
 def _check_fa4(head_dim: int, dtype_name: str) -> None:
     import torch
 
@@ -425,6 +432,9 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         _check_fa4(model.head_dim, dtype_name)
     if t.rmsnorm_backend == "triton" and model.family == "falcon":
         raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
+    if t.rope_backend == "triton" and not _rope_kernels_support(model.head_dim):
+        raise ConfigError(f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
+                          "leave it at auto (which runs the torch expression here)")
     kernels = {"--swiglu-backend": t.swiglu_backend, "--rmsnorm-backend": t.rmsnorm_backend,
                "--rope-backend": t.rope_backend, "--adamw-kernel": cfg.optim.adamw_kernel}
     for flag, value in kernels.items():

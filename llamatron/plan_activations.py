@@ -9,8 +9,9 @@ num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the def
                 Falcon: the layer input a*h, mean/rstd 8 per LayerNorm | the layer input and one LayerNorm's 8
   norm_outputs  the inputs of the QKV and MLP projections a*h each (Falcon eager with one LayerNorm: shared)
                 | Llama 2 a*h, Falcon one a*h
-  qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it)
-  rope          roped q and k a*(h + kv): the attention kernel's inputs
+  qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it); with the Triton
+                rotary op (fused_rope, the CUDA default) the q, k, v it writes instead, the same bytes
+  rope          roped q and k a*(h + kv): the attention kernel's inputs; 0 with fused_rope
   softmax_stats logsumexp 4 per head (flash / cuDNN attention: no S^2 term)
   attn_output   the input of the output projection a*h | plus the kernel's own output: 2 a*h
   mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f | silu re-derived: 3a*f
@@ -35,7 +36,8 @@ from .parallel.tensor import local_kv_heads
 
 
 def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequence_parallel: bool = False,
-                           compiled: bool = False, fused_norms: bool = False) -> dict[str, float]:
+                           compiled: bool = False, fused_norms: bool = False,
+                           fused_rope: bool = False) -> dict[str, float]:
     """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
     a, h, d = act_bytes, model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
@@ -50,7 +52,7 @@ def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequ
         norm_outputs = 2 * a * h
         mlp = (3 if compiled else 4) * a * f
     return {"norm_inputs": norm_inputs / (tp if sequence_parallel else 1), "norm_outputs": norm_outputs,
-            "qkv": a * (q + 2 * kv) * d, "rope": a * (q + kv) * d, "softmax_stats": 4 * q,
+            "qkv": a * (q + 2 * kv) * d, "rope": 0 if fused_rope else a * (q + kv) * d, "softmax_stats": 4 * q,
             "attn_output": (2 if compiled else 1) * a * q * d, "mlp": mlp}
 
 
@@ -63,11 +65,11 @@ def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_paral
 
 
 def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, recompute: str,
-                           compiled: bool = False, fused_norms: bool = False) -> float:
+                           compiled: bool = False, fused_norms: bool = False, fused_rope: bool = False) -> float:
     """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
     if recompute == "full":
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
-    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled, fused_norms)
+    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled, fused_norms, fused_rope)
     if recompute == "selective":
         terms.pop("softmax_stats")
     return sum(terms.values())
@@ -75,7 +77,8 @@ def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence
 
 def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: bool, act_bytes: int, tp: int,
                            sequence_parallel: bool, recompute: str, pipelined: bool, compiled: bool = False,
-                           recompute_layers: int | None = None, fused_norms: bool = False) -> float:
+                           recompute_layers: int | None = None, fused_norms: bool = False,
+                           fused_rope: bool = False) -> float:
     """Bytes per token one model chunk keeps for one micro-batch until its backward.
 
     recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
@@ -83,9 +86,9 @@ def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: b
     hidden = act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
     recomputed = layers if recompute == "none" or recompute_layers is None else min(layers, recompute_layers)
     total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, compiled,
-                                                fused_norms)
+                                                fused_norms, fused_rope)
     total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", compiled,
-                                                            fused_norms)
+                                                            fused_norms, fused_rope)
     total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
     if first:
         total += 8  # token ids saved by the embedding

@@ -20,7 +20,7 @@ from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
 
 GB = 1e9
-EAGER = P.Precision(compiled=False, fused_norms=False)  # the torch RMSNorm: what runs on CPU
+EAGER = P.Precision(compiled=False, fused_norms=False, fused_rope=False)  # the torch RMSNorm and rotary: CPU's
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------
@@ -80,9 +80,18 @@ def fused_norms(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["torch-rope", "fused-rope"])
+def fused_rope(request, monkeypatch):
+    """The QKV split + rotary as the torch expression, or as the Triton op's custom op (its CPU kernels here)."""
+    if request.param:
+        from llamatron.models import rope_op
+        monkeypatch.setattr(rope_op, "use_kernels", lambda x, head_dim: True)
+    return request.param
+
+
 @pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_layer_activations_match_autograd(name, dtype, fused_norms):
+def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope):
     cfg = get_preset(name)
     torch.manual_seed(0)
     block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).to(dtype)
@@ -92,14 +101,15 @@ def test_layer_activations_match_autograd(name, dtype, fused_norms):
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
     a = 2 if dtype == torch.bfloat16 else 4
-    predicted = sum(A.layer_activation_terms(cfg, a, fused_norms=fused_norms).values()) + 2 * a * cfg.head_dim  # + cos/sin
+    terms = A.layer_activation_terms(cfg, a, fused_norms=fused_norms, fused_rope=fused_rope)
+    predicted = sum(terms.values()) + 2 * a * cfg.head_dim  # + cos/sin
     # CPU LayerNorm keeps mean/rstd in bf16 (4 bytes), CUDA in fp32 (8, the model's figure): within 1%.
     assert measured == pytest.approx(predicted, rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_model_activations_match_autograd(name, recompute, fused_norms):
+def test_model_activations_match_autograd(name, recompute, fused_norms, fused_rope):
     cfg = get_preset(name)
     model = build_model(cfg)
     materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
@@ -110,7 +120,7 @@ def test_model_activations_match_autograd(name, recompute, fused_norms):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = _saved_bytes(lambda: model(ids, labels=ids), params)
     chunk = A.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False,
-                                     fused_norms=fused_norms)
+                                     fused_norms=fused_norms, fused_rope=fused_rope)
     saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
     assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
 
@@ -128,7 +138,10 @@ def test_compiled_layer_activations_match_autograd_on_gpu(name):
     block(x, cos, sin)  # compile outside the measurement
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
-    predicted = sum(A.layer_activation_terms(cfg, 2, compiled=True).values()) + 4 * cfg.head_dim
+    from llamatron.models import rope_op
+
+    fused_rope = rope_op.use_kernels(x, cfg.head_dim)  # the default on CUDA
+    predicted = sum(A.layer_activation_terms(cfg, 2, compiled=True, fused_rope=fused_rope).values()) + 4 * cfg.head_dim
     assert measured == pytest.approx(predicted, rel=0.05)
 
 
@@ -174,8 +187,10 @@ def test_layout_memory_by_hand():
              + a * h + 4 * a * f)  # attention output, SwiGLU
     per_token = layers * layer + 2 * a * d + 8 + (4 * h + a * h + 4) + a * h  # cos/sin, token ids, final norm
     assert mem.activations == pytest.approx(per_token * tokens)
-    fused = P.layout_memory(cfg, lay, seq, P.Precision(compiled=False))  # Triton RMSNorm: no fp32 input copies
-    assert mem.activations - fused.activations == pytest.approx((2 * layers + 1) * 4 * h * tokens)
+    fused = P.layout_memory(cfg, lay, seq, P.Precision(compiled=False, fused_rope=False))  # Triton RMSNorm
+    assert mem.activations - fused.activations == pytest.approx((2 * layers + 1) * 4 * h * tokens)  # no fp32 copies
+    roped = P.layout_memory(cfg, lay, seq, P.Precision(compiled=False, fused_norms=False))  # Triton rotary
+    assert mem.activations - roped.activations == pytest.approx(layers * a * (h + kv) * tokens)  # no QKV output
 
     loss = 12 * vocab * tokens
     largest = max(2 * f * h, vocab * h)
@@ -201,7 +216,7 @@ def test_pipeline_stage_memory_by_hand():
     got = A.chunk_activation_bytes(cfg, 2, True, False, a, 2, True, "none", pipelined=True, compiled=True)
     assert got == pytest.approx(first_chunk)
     lay = P.Layout(2, 2, 1, 1, True, False, "none", 1, 4)
-    mem = P.layout_memory(cfg, lay, 32, P.Precision())
+    mem = P.layout_memory(cfg, lay, 32, P.Precision(fused_rope=False))  # the torch rotary, as first_chunk
     assert mem.stage == 0  # two micro-batches in flight outweigh the last stage's (tiny) loss temporaries
     assert mem.activations == pytest.approx(2 * first_chunk * 32)
     embed_rows = 128  # vocab 256 padded to a multiple of 128 * tp, split over 2 ranks

@@ -1,11 +1,13 @@
-"""The QKV split and the rotary embedding of q and k as one Triton kernel each way on CUDA (opt-in).
+"""The QKV split and the rotary embedding of q and k as one Triton kernel each way, the default on CUDA.
 
 Why: torch.compile's kernel for rotary + head transpose moved ~6.4 GB per llama-1b step at ~1.6 TB/s on an
 H200, 4.1 ms of the step (benchmarks/RESULTS.md, runs 3-4). Here one program per token reads its QKV row
 once and writes q and k rotated and v copied, each as a contiguous (batch, seq, heads, dim) tensor: the
 layout FlashAttention 4 takes as is and SDPA takes as transposed views. The backward reads the three
-gradients of a token and writes its QKV-row gradient in one pass, so no separate concatenation runs.
-`--rope-backend triton` selects it; it is not the default until measured on a GPU.
+gradients of a token and writes its QKV-row gradient in one pass, so no separate concatenation runs. Autograd
+keeps q, k and v (the attention's inputs) but no longer the QKV projection's output: 2.5 GiB less at llama-1b's
+micro-batch 8, and 1.5-3.7 ms less per step (benchmarks/RESULTS.md, run 5). `--rope-backend torch` runs the
+plain expression instead.
 
 Rotation convention: the half-split one of Hugging Face checkpoints (`layers.apply_rope`): with x = [x1, x2]
 split along the head dimension, out = [x1·cos1 − x2·sin1, x2·cos2 + x1·sin2].
@@ -19,20 +21,25 @@ import torch
 
 from ..triton_check import HAS_TRITON
 
-_backend = "torch"
+_backend = "auto"
 
 
 def set_rope_backend(name: str) -> None:
-    """"triton": the kernels below on CUDA; "torch": the plain expression (compiled with the layer)."""
+    """"auto"/"triton": the kernels below on CUDA; "torch": the plain expression (compiled with the layer)."""
     global _backend
-    if name not in ("triton", "torch"):
-        raise ValueError(f"unknown rotary backend {name!r}; use torch or triton")
+    if name not in ("auto", "triton", "torch"):
+        raise ValueError(f"unknown rotary backend {name!r}; use auto, triton or torch")
     _backend = name
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """A power of two: the kernels index half a head with one block."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
 def use_kernels(x: torch.Tensor, head_dim: int) -> bool:
-    """For a CUDA tensor and a power-of-two head dim (the kernels index half a head with one block)."""
-    return _backend == "triton" and x.is_cuda and HAS_TRITON and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+    """For a CUDA tensor and a supported head dim."""
+    return _backend != "torch" and x.is_cuda and HAS_TRITON and supports_head_dim(head_dim)
 
 
 @torch.library.custom_op("llamatron::qkv_rope", mutates_args=())
