@@ -52,10 +52,10 @@ for group in ${@:-single dp tests}; do
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel --no-tp-comm-overlap
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
     kernels)  # kernel switches against the default (llama-1b, 1 GPU), each pair on both GPUs with the settings
-      # swapped (~2 min a switch): by default torch's RMSNorm instead of the Triton one and the opt-in Triton
-      # rotary; KERNEL_AB="--adamw-kernel torch;--swiglu-backend torch" picks others (those two: RESULTS runs 3-4)
+      # swapped (~1 min a switch): by default torch's RMSNorm and rotary instead of the Triton ones;
+      # KERNEL_AB="--adamw-kernel torch;--swiglu-backend torch" picks others (those two: RESULTS runs 3-4)
       if [ -n "${KERNEL_AB:-}" ]; then IFS=';' read -ra switches <<<"$KERNEL_AB"
-      else switches=("--rmsnorm-backend torch" "--rope-backend triton"); fi
+      else switches=("--rmsnorm-backend torch" "--rope-backend torch"); fi
       for k in "${switches[@]}"; do
         one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile $k & wait
         one 0 $B1 --micro-batch-size 8 --compile $k & one 1 $B1 --micro-batch-size 8 --compile & wait

@@ -40,8 +40,9 @@ Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see 
   data parallelism: the gradient reduction (and the distributed optimizer's all-gather) overlaps the last
     micro-batch's backward (forward); the rest is exposed, never less than one bucket;
   optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter.
-  Calibrated against llamatron's own compiled bf16 runs on H200s (benchmarks/h200_peak_memory.json: 9
-  layouts of llama-1b and Llama 2 7B, each within 10%, tested); eager runs are ~27% slower than it says.
+  Calibrated against llamatron's own compiled bf16 runs on H200s (benchmarks/h200_peak_memory.json: 21
+  runs of llama-1b and Llama 2 7B on one and two GPUs, each within 10%, tested); eager runs are ~27% slower
+  than it says. It models the layout, not the kernel choices (FA4, the Triton kernels).
 """
 
 from __future__ import annotations
