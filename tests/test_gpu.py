@@ -249,3 +249,13 @@ def test_nccl_layouts_match_one_gpu(tmp_path, layout):
     ref = run_train(GPU_ARGS, 1, tmp_path)
     got = run_train(GPU_ARGS + layout, 2, tmp_path)
     _close(ref, got, rtol=2e-2)  # bf16: different reduction orders
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", [["--pp", "2"], ["--pp", "2", "--vpp", "2"]], ids=["pp2", "pp2-vpp2"])
+def test_nccl_pipeline_layouts_match_one_gpu(tmp_path, layout):
+    """1F1B and interleaved schedules over NCCL (sends/receives between GPUs, outputs freed once sent) against
+    one GPU; llama-test4 has the 4 layers that 2 stages x 2 chunks need."""
+    ref = run_train(GPU_ARGS, 1, tmp_path, model="llama-test4")
+    got = run_train(GPU_ARGS + layout, 2, tmp_path, model="llama-test4")
+    _close(ref, got, rtol=2e-2)  # bf16: different reduction orders
