@@ -54,7 +54,7 @@ from .config import ConfigError, RunConfig, config_from_values, validate
 from .models import ModelConfig, get_preset
 from .models.rope_op import supports_head_dim as rope_supports_head_dim
 from .parallel.tensor import local_kv_heads, padded_vocab_size
-from .plan_activations import chunk_activation_bytes, chunks_in_flight, layer_activation_bytes
+from .plan_activations import LayerKernels, chunk_activation_bytes, chunks_in_flight, layer_activation_bytes
 from .triton_check import HAS_TRITON
 
 GB = 1e9
@@ -100,10 +100,18 @@ class Precision:
     grad_reduce_dtype: str = "fp32"
     fused_norms: bool = True  # RMSNorm as Triton kernels (models/rmsnorm_op.py), the default on CUDA
     fused_rope: bool = True  # QKV split + rotary as Triton kernels (models/rope_op.py), the default on CUDA
+    fused_swiglu: bool = True  # SwiGLU as Triton kernels (models/swiglu_op.py), the default on CUDA
 
     @property
     def act_bytes(self) -> int:
         return 4 if self.dtype == "fp32" else 2
+
+    def layer_kernels(self, model: ModelConfig) -> LayerKernels:
+        """What a decoder layer of `model` runs: Falcon has no RMSNorm or SwiGLU, the rotary kernels need a
+        power-of-two head dim."""
+        llama = model.family != "falcon"
+        return LayerKernels(self.compiled, self.fused_norms and llama,
+                            self.fused_rope and rope_supports_head_dim(model.head_dim), self.fused_swiglu and llama)
 
 
 @dataclass
@@ -252,10 +260,10 @@ def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precisi
     params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks))
     w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.dp)
     tokens = lay.micro_batch_size * seq_length
-    fused_rope = prec.fused_rope and rope_supports_head_dim(model.head_dim)  # other head dims run the torch rotary
+    kernels = prec.layer_kernels(model)
     per_chunk = [chunk_activation_bytes(model, layers, rank == 0 and v == 0, rank == lay.pp - 1 and v == lay.vpp - 1,
-                                        a, lay.tp, lay.sequence_parallel, lay.recompute, lay.pp > 1, prec.compiled,
-                                        recompute_layers, prec.fused_norms, fused_rope) for v, layers in enumerate(chunks)]
+                                        a, lay.tp, lay.sequence_parallel, lay.recompute, lay.pp > 1, kernels,
+                                        recompute_layers) for v, layers in enumerate(chunks)]
     in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
     activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
     one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
@@ -289,10 +297,11 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p = run_config.parallel
     triton_on_cuda = derived.device == "cuda" and HAS_TRITON
-    fused_norms = triton_on_cuda and run_config.train.rmsnorm_backend != "torch"
-    fused_rope = triton_on_cuda and run_config.train.rope_backend != "torch"
+    t = run_config.train
     precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype,
-                          fused_norms, fused_rope)
+                          fused_norms=triton_on_cuda and t.rmsnorm_backend != "torch",
+                          fused_rope=triton_on_cuda and t.rope_backend != "torch",
+                          fused_swiglu=triton_on_cuda and t.swiglu_backend != "torch")
     mem = layout_memory(run_config.model_config(), run_layout(run_config, derived.dp), run_config.data.seq_length,
                         precision, p.pp_layers)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,

@@ -4,17 +4,18 @@ Activations: the tensors autograd saves in one decoder layer, per token, for the
 measure them with saved_tensors_hooks). a = bytes per activation element (2 in bf16), h hidden, kv =
 num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the default on GPU):
   norm_inputs   Llama: per RMSNorm the fp32 copy of its input 4h, the normalised a*h and rsqrt 4; with the
-                       Triton RMSNorm (fused_norms, the CUDA default) its input a*h and rsqrt 4
+                       Triton RMSNorm (kernels.norms, the CUDA default) its input a*h and rsqrt 4
                        | the rsqrt 4 per norm and one residual a*h (the rest is re-derived in backward)
                 Falcon: the layer input a*h, mean/rstd 8 per LayerNorm | the layer input and one LayerNorm's 8
   norm_outputs  the inputs of the QKV and MLP projections a*h each (Falcon eager with one LayerNorm: shared)
                 | Llama 2 a*h, Falcon one a*h
   qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it); with the Triton
-                rotary op (fused_rope, the CUDA default) the q, k, v it writes instead, the same bytes
-  rope          roped q and k a*(h + kv): the attention kernel's inputs; 0 with fused_rope
+                rotary op (kernels.rope, the CUDA default) the q, k, v it writes instead, the same bytes
+  rope          roped q and k a*(h + kv): the attention kernel's inputs; 0 with kernels.rope
   softmax_stats logsumexp 4 per head (flash / cuDNN attention: no S^2 term)
   attn_output   the input of the output projection a*h | plus the kernel's own output: 2 a*h
-  mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f | silu re-derived: 3a*f
+  mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f; with the Triton SwiGLU
+                (kernels.swiglu, the CUDA default) gate|up and the product: 3a*f | silu re-derived: 3a*f
                 Falcon GELU: its input and output 2a*f
 With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
 too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
@@ -30,15 +31,30 @@ at a time without a pipeline.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .models import ModelConfig
 from .parallel.schedules import max_alive
 from .parallel.tensor import local_kv_heads
 
 
+@dataclass(frozen=True)
+class LayerKernels:
+    """The code a decoder layer runs: compiled or eager, and which Triton ops (each the default on CUDA)."""
+
+    compiled: bool = False
+    norms: bool = False  # models/rmsnorm_op.py
+    rope: bool = False  # models/rope_op.py
+    swiglu: bool = False  # models/swiglu_op.py
+
+
+EAGER_TORCH = LayerKernels()  # what runs on CPU
+
+
 def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequence_parallel: bool = False,
-                           compiled: bool = False, fused_norms: bool = False,
-                           fused_rope: bool = False) -> dict[str, float]:
+                           kernels: LayerKernels = EAGER_TORCH) -> dict[str, float]:
     """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
+    compiled = kernels.compiled
     a, h, d = act_bytes, model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
     f = model.ffn_hidden_size // tp
@@ -48,11 +64,11 @@ def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequ
         norm_outputs = a * h * (2 if sequence_parallel else 1 if compiled else layer_norms)
         mlp = 2 * a * f
     else:
-        norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if fused_norms else 2 * (4 * h + a * h + 4)
+        norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if kernels.norms else 2 * (4 * h + a * h + 4)
         norm_outputs = 2 * a * h
-        mlp = (3 if compiled else 4) * a * f
+        mlp = (3 if compiled or kernels.swiglu else 4) * a * f
     return {"norm_inputs": norm_inputs / (tp if sequence_parallel else 1), "norm_outputs": norm_outputs,
-            "qkv": a * (q + 2 * kv) * d, "rope": 0 if fused_rope else a * (q + kv) * d, "softmax_stats": 4 * q,
+            "qkv": a * (q + 2 * kv) * d, "rope": 0 if kernels.rope else a * (q + kv) * d, "softmax_stats": 4 * q,
             "attn_output": (2 if compiled else 1) * a * q * d, "mlp": mlp}
 
 
@@ -65,37 +81,34 @@ def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_paral
 
 
 def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, recompute: str,
-                           compiled: bool = False, fused_norms: bool = False, fused_rope: bool = False) -> float:
+                           kernels: LayerKernels = EAGER_TORCH) -> float:
     """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
     if recompute == "full":
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
-    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, compiled, fused_norms, fused_rope)
+    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, kernels)
     if recompute == "selective":
         terms.pop("softmax_stats")
     return sum(terms.values())
 
 
 def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: bool, act_bytes: int, tp: int,
-                           sequence_parallel: bool, recompute: str, pipelined: bool, compiled: bool = False,
-                           recompute_layers: int | None = None, fused_norms: bool = False,
-                           fused_rope: bool = False) -> float:
+                           sequence_parallel: bool, recompute: str, pipelined: bool,
+                           kernels: LayerKernels = EAGER_TORCH, recompute_layers: int | None = None) -> float:
     """Bytes per token one model chunk keeps for one micro-batch until its backward.
 
     recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
     """
     hidden = act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
     recomputed = layers if recompute == "none" or recompute_layers is None else min(layers, recompute_layers)
-    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, compiled,
-                                                fused_norms, fused_rope)
-    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", compiled,
-                                                            fused_norms, fused_rope)
+    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, kernels)
+    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", kernels)
     total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
     if first:
         total += 8  # token ids saved by the embedding
     elif pipelined:
         total += hidden  # the received input, kept for its gradient
     if last:
-        total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, fused_norms)
+        total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, kernels.norms)
     return total  # (the sent output is not kept: backward starts from its gradient edge)
 
 

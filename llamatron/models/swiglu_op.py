@@ -30,12 +30,16 @@ def set_swiglu_backend(name: str) -> None:
     _backend = name
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    return _backend != "torch" and x.is_cuda and HAS_TRITON
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate_up = [gate | up] along the last dimension."""
-    if _backend == "torch" or not gate_up.is_cuda or not HAS_TRITON:  # (swiglu_op's CPU kernel: for tests)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return swiglu_op(gate_up)
+    if use_kernels(gate_up):
+        return swiglu_op(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # (swiglu_op's CPU kernel is for tests)
+    return F.silu(gate) * up
 
 
 # ---- the custom op (CUDA) -------------------------------------------------------------------------
