@@ -166,6 +166,34 @@ def test_triton_rmsnorm_matches_torch(dtype):
             torch.testing.assert_close(g.float() / scale, r / scale, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_qkv_rope_matches_torch(dtype):
+    """The QKV split + rotary op (the CUDA default) against split + apply_rope: llama-1b's GQA shape, positions
+    that differ per sample, forward and the QKV gradient, eager and compiled with fullgraph=True."""
+    from llamatron.models.config import ModelConfig
+    from llamatron.models.layers import apply_rope, rope_cos_sin
+    from llamatron.models.rope_op import qkv_rope_op
+    torch.manual_seed(0)
+    batch, seq, heads, kv, dim = 2, 256, 32, 8, 64
+    cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=heads * dim, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv, ffn_hidden_size=8, max_seq_length=4096)
+    positions = torch.stack([torch.arange(seq), torch.arange(seq).remainder(100)]).cuda()  # a document restart
+    cos, sin = rope_cos_sin(cfg, positions, dtype)
+    qkv = torch.randn(batch, seq, (heads + 2 * kv) * dim, device="cuda", dtype=dtype, requires_grad=True)
+    grads = [torch.randn(batch, seq, n, dim, device="cuda", dtype=dtype) for n in (heads, kv, kv)]
+    q, k, v = qkv.view(batch, seq, -1, dim).split([heads, kv, kv], dim=2)
+    want = [apply_rope(t.transpose(1, 2), cos, sin).transpose(1, 2) for t in (q, k)] + [v]
+    want = [*want, *torch.autograd.grad(want, qkv, grads)]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.compiler.reset()
+    for op in (qkv_rope_op, torch.compile(qkv_rope_op, fullgraph=True)):
+        got = op(qkv, cos, sin, heads, kv)
+        got = [*got, *torch.autograd.grad(got, qkv, grads)]
+        for g, w in zip(got, want):
+            scale = w.float().abs().max()  # half types: a rounding step of the largest values
+            torch.testing.assert_close(g.float() / scale, w.float() / scale, rtol=tol, atol=tol)
+
+
 def _kernel_switch(kernel: str):
     """The setter of a model kernel switch ("auto", the default, runs the Triton kernels on CUDA)."""
     from llamatron.models.rmsnorm_op import set_rmsnorm_backend
