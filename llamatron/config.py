@@ -439,10 +439,10 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
                "--rope-backend": t.rope_backend, "--adamw-kernel": cfg.optim.adamw_kernel}
     for flag, value in kernels.items():
         if value == "triton" and device != "cuda":
-            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} use torch")
+            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} leave it at auto (which runs torch)")
     if "triton" in kernels.values() and not HAS_TRITON:
         raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--adamw-kernel triton need the triton "
-                          "package (pip install triton); or use the torch kernels")
+                          "package (pip install triton); or leave them at auto, which then runs the torch kernels")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

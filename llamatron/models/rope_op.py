@@ -6,7 +6,7 @@ once and writes q and k rotated and v copied, each as a contiguous (batch, seq, 
 layout FlashAttention 4 takes as is and SDPA takes as transposed views. The backward reads the three
 gradients of a token and writes its QKV-row gradient in one pass, so no separate concatenation runs. Autograd
 keeps q, k and v (the attention's inputs) but no longer the QKV projection's output: 2.5 GiB less at llama-1b's
-micro-batch 8, and 1.5-3.7 ms less per step (benchmarks/RESULTS.md, run 5). `--rope-backend torch` runs the
+micro-batch 8, and 1.6-3.7 ms less per step (benchmarks/RESULTS.md, run 5). `--rope-backend torch` runs the
 plain expression instead.
 
 Rotation convention: the half-split one of Hugging Face checkpoints (`layers.apply_rope`): with x = [x1, x2]
