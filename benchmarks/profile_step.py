@@ -4,8 +4,10 @@
         --global-batch-size 8 --compile [--json]
 
 Runs warm-up steps, then profiles `--steps` steps and prints the device time per category
-(matmul, attention, communication, optimizer, other elementwise) and the top kernels. Any
-`llamatron train` flag is accepted. On CPU it profiles CPU operators instead (for smoke tests).
+(matmul, attention, communication, optimizer, other elementwise), the top kernels, and where the
+device sat idle between kernels (`--gaps`: the kernel pairs around the idle time, largest total
+first). Any `llamatron train` flag is accepted. On CPU it profiles CPU operators instead (for
+smoke tests).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import DeviceType, ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -45,12 +47,39 @@ def category(name: str) -> str:
     return "elementwise/other"
 
 
+def device_gaps(spans: list[tuple[str, float, float]], min_us: float = 2.0) -> list[tuple[float, str, str]]:
+    """Idle stretches of the device: (length µs, kernel before, kernel after), longest first.
+
+    spans: (name, start µs, end µs) of every kernel, on any stream; time covered by some kernel is busy, so
+    kernels overlapping on two streams leave no gap. Stretches shorter than min_us are launch spacing.
+    """
+    gaps: list[tuple[float, str, str]] = []
+    busy_until, last = None, ""
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        if busy_until is not None and start - busy_until >= min_us:
+            gaps.append((start - busy_until, last, name))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    return sorted(gaps, reverse=True)
+
+
+def gaps_by_neighbours(gaps: list[tuple[float, str, str]], top: int) -> list[tuple[str, str, float, int]]:
+    """(kernel before, kernel after, total µs, count) summed over equal neighbour pairs, largest total first."""
+    total: dict[tuple[str, str], float] = defaultdict(float)
+    count: dict[tuple[str, str], int] = defaultdict(int)
+    for us, before, after in gaps:
+        total[before, after] += us
+        count[before, after] += 1
+    return [(b, a, us, count[b, a]) for (b, a), us in sorted(total.items(), key=lambda kv: -kv[1])[:top]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
     parser.add_argument("--steps", type=int, default=2, help="profiled steps (default: 2)")
     parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first (default: 3)")
     parser.add_argument("--top", type=int, default=15, help="kernels listed (default: 15)")
+    parser.add_argument("--gaps", type=int, default=10, help="idle-time neighbour pairs listed (default: 10)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     args = parser.parse_args()
     cfg = load_config(args)
@@ -96,6 +125,12 @@ def main() -> None:
         "share": {k: v / total for k, v in per_cat.items()},
         "top_kernels": [(k[:160], v / 1000 / args.steps, calls[k] // args.steps) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]],
     }
+    device = DeviceType.CUDA if cuda else DeviceType.CPU
+    gaps = device_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == device and not (not cuda and e.name.startswith("ProfilerStep"))])
+    result["idle_ms_per_step"] = sum(us for us, _, _ in gaps) / 1000 / args.steps
+    result["idle_gaps"] = [(b[:80], a[:80], us / 1000 / args.steps, n / args.steps)
+                           for b, a, us, n in gaps_by_neighbours(gaps, args.gaps)]
     if engine.mesh.rank != 0:
         return
     if args.json:
@@ -110,6 +145,10 @@ def main() -> None:
     print("\ntop kernels (ms/step, calls/step):")
     for name, ms, n in result["top_kernels"]:
         print(f"  {ms:8.2f} {n:5d}  {name}")
+    print(f"\ndevice idle between kernels inside the profiled steps: {result['idle_ms_per_step']:.2f} ms/step; "
+          "largest by neighbours (ms/step, gaps/step, kernel before -> kernel after):")
+    for before, after, ms, n in result["idle_gaps"]:
+        print(f"  {ms:8.2f} {n:6.1f}  {before} -> {after}")
 
 
 if __name__ == "__main__":

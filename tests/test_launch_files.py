@@ -155,6 +155,21 @@ def test_profile_step_reports_wall_and_kernel_time():
     assert result["wall_ms_per_step"] > 0 and result["kernel_ms_per_step"] > 0
     assert abs(sum(result["share"].values()) - 1) < 1e-6
     assert all(len(k) == 3 and k[2] >= 1 for k in result["top_kernels"])  # (name, ms/step, calls/step)
+    assert result["idle_ms_per_step"] >= 0 and all(len(g) == 4 for g in result["idle_gaps"])
+
+
+def test_profile_step_finds_device_idle_gaps():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    spans = [("gemm", 0, 100), ("nccl", 50, 130),  # overlapping streams: no gap until 130
+             ("adamw", 140, 141), ("adamw", 150, 151), ("adamw", 160, 161),  # host-bound launches: 9 µs gaps
+             ("gemm", 162, 200), ("norm", 201, 210)]  # 1 µs apart: launch spacing, not counted
+    gaps = profile_step.device_gaps(spans, min_us=2.0)
+    assert gaps == [(10, "nccl", "adamw"), (9, "adamw", "adamw"), (9, "adamw", "adamw")]
+    assert profile_step.gaps_by_neighbours(gaps, top=5) == [("adamw", "adamw", 18, 2), ("nccl", "adamw", 10, 1)]
 
 
 def test_attention_layout_benchmark_times_each_layout():
