@@ -2,7 +2,7 @@
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
-#   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, tp7, single7, fastpath, tests
+#   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -82,10 +82,19 @@ for group in ${@:-single dp tests}; do
        one 0 $B1 --micro-batch-size 8 --compile --recompute selective) &
       (one 1 $B1 --micro-batch-size 8 --compile --recompute full; PLAN_GPU=1 plan_check) &
       wait ;;
-    profile)  # where llama-1b's step time goes, by kernel category
+    profile)  # where llama-1b's step time goes, by kernel category, and where the GPU idles between kernels;
+      # PROFILE_ARGS adds flags (e.g. "--attention-backend fa4")
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_step.py --model llama-1b --seq-length 4096 \
-        --micro-batch-size 8 --global-batch-size 8 --compile --top 60 >"$OUT/profile.txt" 2>>"$OUT/log.txt"
-      echo "== profile rc $?" >>"$OUT/log.txt" ;;
+        --micro-batch-size 8 --global-batch-size 8 --compile --top 60 --gaps 20 ${PROFILE_ARGS:-} \
+        >"$OUT/profile.txt" 2>>"$OUT/log.txt"
+      echo "== profile ${PROFILE_ARGS:-} rc $?" >>"$OUT/log.txt" ;;
+    repeat)  # the spread of one setting: REPEAT_ARGS (default "--attention-backend fa4") 3 times on each GPU,
+      # --steps 30 (RESULTS run 5: five runs of that setting spanned 95.7-96.4k tokens/s)
+      for round in 1 2 3; do
+        one 0 $B1 --micro-batch-size 8 --compile --steps 30 ${REPEAT_ARGS:---attention-backend fa4} &
+        one 1 $B1 --micro-batch-size 8 --compile --steps 30 ${REPEAT_ARGS:---attention-backend fa4} &
+        wait
+      done ;;
     clocks)  # is in-model attention slower than alone because the GPU clocks down under matmul load?
       # SM clock and power sampled every 200 ms while the attention microbenchmark runs alone, then while a
       # llama-1b row runs (RESULTS run 3: cuDNN attention 5.72 ms/layer in the model vs 4.85 alone)
