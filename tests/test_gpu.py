@@ -201,23 +201,30 @@ def _kernel_switch(kernel: str):
     return {"rmsnorm": set_rmsnorm_backend, "rope": set_rope_backend}[kernel]
 
 
-@pytest.mark.parametrize("kernel", ["rmsnorm", "rope"])
+@pytest.mark.parametrize("kernel, model", [("rmsnorm", "llama-test"), ("rope", "llama-test"),
+                                           ("rope", "mistral-test")])  # mistral: packed documents, a window
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fused_kernels_in_the_model_match_the_torch_path(kernel, compiled):
+def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled):
     """A model whose norms (with the residual add before them) or QKV split + rotary run as Triton kernels,
-    against the plain expressions: same gradients, eager and with compiled layers."""
+    against the plain expressions: same gradients, eager and with compiled layers. mistral-test runs two packed
+    documents per row (positions restart, flex-attention document mask with its sliding window)."""
     from llamatron.engine import apply_compile
     set_backend = _kernel_switch(kernel)
-    cfg, reference = _model()
-    _, fused = _model()
+    cfg, reference = _model(model)
+    _, fused = _model(model)
     if compiled:
         apply_compile(fused)
     x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+    packed = {}
+    if model == "mistral-test":
+        docs = torch.tensor([[0] * 50 + [1] * 78, [0] * 100 + [1] * 28], device="cuda")
+        starts = torch.tensor([[0] * 50 + [50] * 78, [0] * 100 + [100] * 28], device="cuda")
+        packed = {"document_ids": docs, "position_ids": torch.arange(128, device="cuda") - starts}
     try:
         set_backend("torch")
-        reference(x, labels=x).float().mean().backward()
+        reference(x, labels=x, **packed).float().mean().backward()
         set_backend("auto")
-        fused(x, labels=x).float().mean().backward()
+        fused(x, labels=x, **packed).float().mean().backward()
     finally:
         set_backend("auto")
     for (n, p), q in zip(reference.named_parameters(), fused.parameters()):
