@@ -19,17 +19,10 @@ import functools
 
 import torch
 
-from ..triton_check import HAS_TRITON
+from ..triton_check import KernelSwitch
 
-_backend = "auto"
-
-
-def set_rope_backend(name: str) -> None:
-    """"auto"/"triton": the kernels below on CUDA; "torch": the plain expression (compiled with the layer)."""
-    global _backend
-    if name not in ("auto", "triton", "torch"):
-        raise ValueError(f"unknown rotary backend {name!r}; use auto, triton or torch")
-    _backend = name
+_switch = KernelSwitch("rotary")
+set_rope_backend = _switch.set
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -39,7 +32,7 @@ def supports_head_dim(head_dim: int) -> bool:
 
 def use_kernels(x: torch.Tensor, head_dim: int) -> bool:
     """For a CUDA tensor and a supported head dim."""
-    return _backend != "torch" and x.is_cuda and HAS_TRITON and supports_head_dim(head_dim)
+    return _switch.on(x) and supports_head_dim(head_dim)
 
 
 @torch.library.custom_op("llamatron::qkv_rope", mutates_args=())

@@ -17,21 +17,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..triton_check import HAS_TRITON
+from ..triton_check import KernelSwitch
 
-_backend = "auto"
-
-
-def set_swiglu_backend(name: str) -> None:
-    """"auto"/"triton": the Triton kernels on CUDA; "torch": the plain expression (compiled with the layer)."""
-    global _backend
-    if name not in ("auto", "triton", "torch"):
-        raise ValueError(f"unknown SwiGLU backend {name!r}; use auto, triton or torch")
-    _backend = name
+_switch = KernelSwitch("SwiGLU")
+set_swiglu_backend = _switch.set
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    return _backend != "torch" and x.is_cuda and HAS_TRITON
+    return _switch.on(x)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
