@@ -21,32 +21,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, TrainConfig, add_config_arguments, load_config, validate
+from .config import ConfigError, add_config_arguments, kernel_choices, load_config, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
 from .engine import build_engine, count_tokens, to_device, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
-from .models import ModelConfig
-from .models.rope_op import supports_head_dim as rope_supports_head_dim
 from .parallel.mesh import build_mesh, init_distributed
-from .triton_check import HAS_TRITON
-
-
-def kernels_run(t: TrainConfig, model_cfg: ModelConfig, device_type: str, adamw_kernel: str,
-                has_triton: bool = HAS_TRITON) -> dict[str, str]:
-    """Which kernel each switch ran, "auto" resolved as the model code resolves it ("-": the model has no such
-    layer, e.g. Falcon's GELU MLP and LayerNorm). Attention stays as set: under auto SDPA picks per call."""
-    triton_here = device_type == "cuda" and has_triton
-
-    def pick(setting: str, supported: bool = True) -> str:
-        return "triton" if setting != "torch" and triton_here and supported else "torch"
-
-    llama = model_cfg.family != "falcon"
-    return {"attention": t.attention_backend,
-            "swiglu": pick(t.swiglu_backend) if llama else "-",
-            "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
-            "rope": pick(t.rope_backend, rope_supports_head_dim(model_cfg.head_dim)),
-            "adamw": adamw_kernel}
 
 
 # Settings of `train` that bench does not use: it warns instead of silently ignoring them.
@@ -113,7 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
            "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
-           "kernels": kernels_run(t, model_cfg, device.type, engine.optimizer.kernel),
+           "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
     if mesh.rank == 0:

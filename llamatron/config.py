@@ -328,9 +328,28 @@ def _divisors(n: int) -> list[int]:
 
 
 def _rope_kernels_support(head_dim: int) -> bool:
-    from .models.rope_op import supports_head_dim  # imports torch: only when the flag asks for the kernels
+    from .models.rope_op import supports_head_dim  # imports torch: only when asked, not at config import
 
     return supports_head_dim(head_dim)
+
+
+def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
+    """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
+    installed, else torch), "-" where the model has no such layer (Falcon's GELU MLP and LayerNorm). Attention
+    stays as set: under auto SDPA picks per call."""
+    model = model or cfg.model_config()
+    t = cfg.train
+    triton_here = device == "cuda" and HAS_TRITON
+
+    def pick(setting: str, supported: bool = True) -> str:
+        return "triton" if setting != "torch" and triton_here and supported else "torch"
+
+    llama = model.family != "falcon"
+    return {"attention": t.attention_backend,
+            "swiglu": pick(t.swiglu_backend) if llama else "-",
+            "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
+            "rope": pick(t.rope_backend, _rope_kernels_support(model.head_dim)),
+            "adamw": pick(cfg.optim.adamw_kernel)}
 
 
 def _check_fa4(head_dim: int, dtype_name: str) -> None:

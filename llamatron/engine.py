@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import Derived, RunConfig
+from .config import Derived, RunConfig, kernel_choices
 from .models import ModelConfig, Transformer, build_model, materialize
 from .models.layers import set_attention_backend
 from .models.rmsnorm_op import set_rmsnorm_backend
@@ -25,7 +25,6 @@ from .parallel.data import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
-from .triton_check import HAS_TRITON
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,9 +112,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
                           distributed=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
                           reduce_dtype=reduce_dtype) for chunk in chunks]
     o = cfg.optim
-    adamw_kernel = o.adamw_kernel
-    if adamw_kernel == "auto":  # measured on an H200: -2 ms of a 351 ms llama-1b step (benchmarks/RESULTS.md)
-        adamw_kernel = "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    # auto: the Triton pass on CUDA, measured 2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)
+    adamw_kernel = kernel_choices(cfg, device.type, model_cfg)["adamw"]
     optimizer = DistributedAdamW(buffers, mesh, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                  eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer,
                                  kernel=adamw_kernel)

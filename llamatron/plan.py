@@ -50,12 +50,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
-from .config import ConfigError, RunConfig, config_from_values, validate
+from .config import ConfigError, RunConfig, config_from_values, kernel_choices, validate
 from .models import ModelConfig, get_preset
 from .models.rope_op import supports_head_dim as rope_supports_head_dim
 from .parallel.tensor import local_kv_heads, padded_vocab_size
 from .plan_activations import LayerKernels, chunk_activation_bytes, chunks_in_flight, layer_activation_bytes
-from .triton_check import HAS_TRITON
 
 GB = 1e9
 GiB = 2**30
@@ -296,12 +295,10 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p = run_config.parallel
-    triton_on_cuda = derived.device == "cuda" and HAS_TRITON
-    t = run_config.train
+    kernels = kernel_choices(run_config, derived.device)
     precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype,
-                          fused_norms=triton_on_cuda and t.rmsnorm_backend != "torch",
-                          fused_rope=triton_on_cuda and t.rope_backend != "torch",
-                          fused_swiglu=triton_on_cuda and t.swiglu_backend != "torch")
+                          fused_norms=kernels["rmsnorm"] == "triton", fused_rope=kernels["rope"] == "triton",
+                          fused_swiglu=kernels["swiglu"] == "triton")
     mem = layout_memory(run_config.model_config(), run_layout(run_config, derived.dp), run_config.data.seq_length,
                         precision, p.pp_layers)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,

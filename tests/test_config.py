@@ -3,7 +3,8 @@ import argparse
 import pytest
 import yaml
 
-from llamatron.config import ConfigError, add_config_arguments, config_from_values, load_config, validate
+from llamatron.config import (ConfigError, add_config_arguments, config_from_values, kernel_choices, load_config,
+                              validate)
 
 
 def parse(argv):
@@ -140,3 +141,21 @@ def test_fa4_attention_is_refused_for_head_dims_and_dtypes_it_has_no_kernels_for
     cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4", "precision": "fp32"})
     with pytest.raises(ConfigError, match="runs in bf16 or fp16, not fp32: use --precision bf16"):
         validate(cfg, world_size=1, cuda_available=True)
+
+
+def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
+    """What `bench --json` records as "kernels" and the planner and engine use: auto resolved."""
+    import llamatron.config as config
+
+    def run(values, device="cuda", has_triton=True):
+        monkeypatch.setattr(config, "HAS_TRITON", has_triton)
+        return kernel_choices(config_from_values(values), device)
+
+    assert run({"model": "llama-test"}) == {"attention": "auto", "swiglu": "triton", "rmsnorm": "triton",
+                                            "rope": "triton", "adamw": "triton"}
+    assert run({"model": "llama-test", "rope_backend": "torch", "rmsnorm_backend": "torch"})["rope"] == "torch"
+    assert run({"model": "llama-test", "model_overrides": {"hidden_size": 96}})["rope"] == "torch"  # head dim 24
+    assert run({"model": "llama-test"}, has_triton=False)["swiglu"] == "torch"
+    assert run({"model": "falcon-test"}) | {"adamw": "-"} == {"attention": "auto", "swiglu": "-", "rmsnorm": "-",
+                                                              "rope": "triton", "adamw": "-"}
+    assert set(run({"model": "llama-test"}, device="cpu").values()) == {"auto", "torch"}

@@ -197,23 +197,6 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
     assert proc.returncode == 2 and "at least 1 timed step" in proc.stderr
 
 
-def test_bench_records_the_kernels_auto_resolved_to():
-    from llamatron.bench import kernels_run
-    from llamatron.config import config_from_values
-
-    def run(values, device="cuda", has_triton=True):
-        cfg = config_from_values(values)
-        return kernels_run(cfg.train, cfg.model_config(), device, "triton", has_triton)
-
-    assert run({"model": "llama-test"}) == {"attention": "auto", "swiglu": "triton", "rmsnorm": "triton",
-                                            "rope": "triton", "adamw": "triton"}
-    assert run({"model": "llama-test", "rope_backend": "torch", "rmsnorm_backend": "torch"})["rope"] == "torch"
-    assert run({"model": "llama-test", "model_overrides": {"hidden_size": 96}})["rope"] == "torch"  # head dim 24
-    assert run({"model": "llama-test"}, has_triton=False)["swiglu"] == "torch"
-    assert run({"model": "falcon-test"}) | {"adamw": "-"} == {"attention": "auto", "swiglu": "-", "rmsnorm": "-",
-                                                              "rope": "triton", "adamw": "-"}
-
-
 def test_version_names_llamatron_and_torch():
     proc = subprocess.run([sys.executable, "-m", "llamatron", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("llamatron 0.") and "torch 2." in proc.stdout
