@@ -18,8 +18,9 @@ ranks, for averages that are not per token. `--eval-metrics my_module:my_metric`
 (which registers it) first.
 
 Every metric is a sum over batches reduced once over data-parallel ranks (under pipeline parallelism the
-last stage computes it and the other stages receive it), so the numbers do not depend on the layout. Under tensor parallelism `batch.logits` is the rank's vocabulary shard: use `batch.predictions`
-and `batch.loss`, which are whole.
+last stage computes it and the other stages receive it), so the numbers do not depend on the layout. Under
+tensor parallelism `batch.logits` is the rank's vocabulary shard: use `batch.predictions` and `batch.loss`,
+which are whole.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .config import ConfigError
 from .data.batches import micro_batches_for_step
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage
+
 
 @dataclass
 class EvalBatch:
