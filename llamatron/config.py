@@ -355,7 +355,7 @@ def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None
 def _check_fa4(head_dim: int, dtype_name: str) -> None:
     import torch
 
-    from .models.flash4_op import SUPPORTED_HEAD_DIMS, available
+    from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
 
     if dtype_name not in ("bf16", "fp16"):
         raise ConfigError(f"--attention-backend fa4 runs in bf16 or fp16, not {dtype_name}: use --precision bf16 "
@@ -364,10 +364,11 @@ def _check_fa4(head_dim: int, dtype_name: str) -> None:
         raise ConfigError(f"--attention-backend fa4: FlashAttention 4 supports head dims "
                           f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; this model's is {head_dim}: use "
                           "--attention-backend auto")
-    if not available():
-        raise ConfigError("--attention-backend fa4 needs FlashAttention 4: pip install -e '.[fa4]' in llamatron's "
-                          "checkout (or pip install 'flash-attn-4[cu13]==4.0.0b36', the tested version), or use "
-                          "--attention-backend auto")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"--attention-backend fa4 needs FlashAttention 4 ({reason}): pip install -e '.[fa4]' in "
+                          "llamatron's checkout (or pip install 'flash-attn-4[cu13]==4.0.0b36', the tested version), "
+                          "or use --attention-backend auto")
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
         raise ConfigError(f"--attention-backend fa4 runs on Hopper (compute capability 9.0) or newer; this GPU is "

@@ -1,4 +1,5 @@
 import argparse
+import sys
 
 import pytest
 import yaml
@@ -140,6 +141,20 @@ def test_fa4_attention_is_refused_for_head_dims_and_dtypes_it_has_no_kernels_for
         validate(cfg, world_size=1, cuda_available=True)
     cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4", "precision": "fp32"})
     with pytest.raises(ConfigError, match="runs in bf16 or fp16, not fp32: use --precision bf16"):
+        validate(cfg, world_size=1, cuda_available=True)
+
+
+def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypatch):
+    """An installed but broken flash_attn says why, not only "pip install" (the check runs before CUDA calls)."""
+    package = tmp_path / "flash_attn"
+    (package / "cute").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('libcute_dsl.so: cannot open shared object file')\n")
+    (package / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4"})
+    with pytest.raises(ConfigError, match=r"FlashAttention 4 \(importing flash_attn failed: ImportError: "
+                                          r"libcute_dsl.so: cannot open"):
         validate(cfg, world_size=1, cuda_available=True)
 
 

@@ -24,10 +24,16 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 def available() -> bool:
     """flash-attn-4 is installed: found without importing flash_attn.cute itself (seconds of imports), though
     finding it imports the parent flash_attn package; a broken install of that counts as not installed."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """None when flash_attn.cute can be found; else why not (not installed, or the import error)."""
     try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except Exception:  # no flash_attn package, or one that fails to import (e.g. a FlashAttention 2 build)
-        return False
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except Exception as e:  # a flash_attn package that fails to import (e.g. a FlashAttention 2 build)
+        return f"importing flash_attn failed: {type(e).__name__}: {e}"
+    return None if found else "flash_attn.cute is not installed"
 
 
 def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
