@@ -18,8 +18,18 @@ class SwiGLU(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(...), plus `residual` when given."""
+        act = swiglu(self.gate_up(x))
+        if residual is None:
+            return self.down(act)
+        if type(self.down) is nn.Linear and self.down.bias is None:
+            # The residual rides in the matmul's epilogue (C = residual, beta = 1): the separate add kernel, a
+            # full pass over three (batch, seq, hidden) tensors, goes away. A row-parallel `down` (tensor
+            # parallelism) reduces its output first, so it adds afterwards.
+            out = torch.addmm(residual.flatten(0, -2), act.flatten(0, -2), self.down.weight.t())
+            return out.view(residual.shape)
+        return residual + self.down(act)
 
 
 class LlamaBlock(nn.Module):
@@ -32,4 +42,4 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
         x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, doc_mask))
-        return x + self.mlp(normed)
+        return self.mlp(normed, residual=x)
