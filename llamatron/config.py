@@ -113,6 +113,10 @@ class TrainConfig:
                                    "CUDA when triton is installed and the head dim is a power of two) or torch "
                                    "(the plain expression, fused by --compile); for comparison and debugging",
                            ("auto", "triton", "torch"))
+    cross_entropy_backend: str = _f("auto", "the loss (tensor parallelism has its own): triton (one kernel each "
+                                            "way, no fp32 logits; auto picks it on CUDA when triton is installed) "
+                                            "or torch (its cross-entropy, fused by --compile); for comparison and "
+                                            "debugging", ("auto", "triton", "torch"))
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
@@ -349,6 +353,7 @@ def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None
             "swiglu": pick(t.swiglu_backend) if llama else "-",
             "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
             "rope": pick(t.rope_backend, _rope_kernels_support(model.head_dim)),
+            "cross_entropy": pick(t.cross_entropy_backend) if cfg.parallel.tp == 1 else "-",
             "adamw": pick(cfg.optim.adamw_kernel)}
 
 
@@ -456,13 +461,15 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
                           "leave it at auto (which runs the torch expression here)")
     kernels = {"--swiglu-backend": t.swiglu_backend, "--rmsnorm-backend": t.rmsnorm_backend,
-               "--rope-backend": t.rope_backend, "--adamw-kernel": cfg.optim.adamw_kernel}
+               "--rope-backend": t.rope_backend, "--cross-entropy-backend": t.cross_entropy_backend,
+               "--adamw-kernel": cfg.optim.adamw_kernel}
     for flag, value in kernels.items():
         if value == "triton" and device != "cuda":
             raise ConfigError(f"{flag} triton runs on CUDA only; on {device} leave it at auto (which runs torch)")
     if "triton" in kernels.values() and not HAS_TRITON:
-        raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--adamw-kernel triton need the triton "
-                          "package (pip install triton); or leave them at auto, which then runs the torch kernels")
+        raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--cross-entropy-backend/--adamw-kernel "
+                          "triton need the triton package (pip install triton); or leave them at auto, which then "
+                          "runs the torch kernels")
     _validate_data(d)
     _validate_ops(cfg)
     compile_layers = t.compile if t.compile is not None else device == "cuda"

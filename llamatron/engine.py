@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig, kernel_choices
 from .models import ModelConfig, Transformer, build_model, materialize
+from .models.cross_entropy_op import set_cross_entropy_backend
 from .models.layers import set_attention_backend
 from .models.rmsnorm_op import set_rmsnorm_backend
 from .models.rope_op import set_rope_backend
@@ -72,7 +73,7 @@ def apply_compile(model: Transformer) -> None:
     for layer in model.layers:
         inner = layer.layer if isinstance(layer, _Recomputed) else layer
         inner.forward = torch.compile(inner.forward, dynamic=False)
-    if model.loss_fn is cross_entropy_per_token:  # fuse the fp32 upcast into the loss; TP installs its own
+    if model.loss_fn is cross_entropy_per_token:  # torch's loss: fuse the fp32 upcast; TP installs its own
         model.loss_fn = torch.compile(cross_entropy_per_token, dynamic=False)
 
 
@@ -86,6 +87,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         set_swiglu_backend(cfg.train.swiglu_backend)
         set_rmsnorm_backend(cfg.train.rmsnorm_backend)
         set_rope_backend(cfg.train.rope_backend)
+        set_cross_entropy_backend(cfg.train.cross_entropy_backend)
     model = build_model(model_cfg)
     if p.tp > 1:
         from .parallel.tensor import apply_tensor_parallel

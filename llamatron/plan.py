@@ -13,7 +13,8 @@ Activations: see plan_activations.py (what autograd saves per layer and chunk, p
 Buffers:
   temporaries   the larger of the loss peak on the last stage (per token and local vocabulary entry: 12 bytes
                 for torch's eager cross-entropy at tp = 1 (fp32 log-softmax saved, its gradient, the incoming
-                one), 2 x the activation dtype for the compiled one (the logits and their gradient; measured);
+                one), 2 x the activation dtype for the compiled one and the Triton one (the logits and their
+                gradient; measured for the compiled one);
                 10 for the vocabulary-parallel one, 14 when the shard holds padding) and the backward of one
                 layer (gradients and re-computed tensors: about one layer's eager activations)
   staging       bf16 copies of the gradient buckets (--grad-reduce-dtype bf16, 2 per param, during backward);
@@ -100,6 +101,7 @@ class Precision:
     fused_norms: bool = True  # RMSNorm as Triton kernels (models/rmsnorm_op.py), the default on CUDA
     fused_rope: bool = True  # QKV split + rotary as Triton kernels (models/rope_op.py), the default on CUDA
     fused_swiglu: bool = True  # SwiGLU as Triton kernels (models/swiglu_op.py), the default on CUDA
+    fused_loss: bool = True  # the cross-entropy as Triton kernels (models/cross_entropy_op.py), the default on CUDA
 
     @property
     def act_bytes(self) -> int:
@@ -230,10 +232,11 @@ def bytes_per_param(dtype: str, distributed_optimizer: bool, dp: int) -> tuple[f
     return 2.0, 4.0, 12.0 / shards
 
 
-def loss_bytes_per_token(model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2) -> float:
+def loss_bytes_per_token(model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2,
+                         fused: bool = False) -> float:
     """Peak of the loss's temporaries per token on the last stage (see the module docstring)."""
     vocab = local_vocab(model, tp)
-    if tp == 1 and compiled:  # the compiled loss fuses the fp32 upcast: logits and their gradient only
+    if tp == 1 and (compiled or fused):  # no fp32 copy of the logits: the logits and their gradient only
         return 2.0 * act_bytes * vocab
     if tp == 1:
         return 12.0 * vocab
@@ -266,7 +269,7 @@ def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precisi
     in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
     activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
     one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
-    loss = loss_bytes_per_token(model, lay.tp, prec.compiled, a) * tokens if rank == lay.pp - 1 else 0.0
+    loss = loss_bytes_per_token(model, lay.tp, prec.compiled, a, prec.fused_loss) * tokens if rank == lay.pp - 1 else 0.0
     temporaries, kind = (loss, "logits/loss") if loss > one_layer else (one_layer, "one layer's backward")
     reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.dp > 1 else 0.0
     gather_staging = a * params / lay.dp if lay.distributed_optimizer and lay.dp > 1 else 0.0
@@ -298,7 +301,7 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     kernels = kernel_choices(run_config, derived.device)
     precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype,
                           fused_norms=kernels["rmsnorm"] == "triton", fused_rope=kernels["rope"] == "triton",
-                          fused_swiglu=kernels["swiglu"] == "triton")
+                          fused_swiglu=kernels["swiglu"] == "triton", fused_loss=kernels["cross_entropy"] == "triton")
     mem = layout_memory(run_config.model_config(), run_layout(run_config, derived.dp), run_config.data.seq_length,
                         precision, p.pp_layers)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,

@@ -84,6 +84,7 @@ def test_model_overrides():
     ({"model": "falcon-test", "rmsnorm_backend": "triton"}, 1, "Falcon models use LayerNorm, not RMSNorm"),
     ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
     ({"model": "llama-test", "rope_backend": "triton"}, 1, "--rope-backend triton runs on CUDA only"),
+    ({"model": "llama-test", "cross_entropy_backend": "triton"}, 1, "--cross-entropy-backend triton runs on CUDA only"),
     ({"model": "llama-test", "rope_backend": "triton", "model_overrides": {"hidden_size": 96}}, 1,
      "--rope-backend triton needs a power-of-two head dim; this model's is 24"),
     ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),
@@ -167,10 +168,13 @@ def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
         return kernel_choices(config_from_values(values), device)
 
     assert run({"model": "llama-test"}) == {"attention": "auto", "swiglu": "triton", "rmsnorm": "triton",
-                                            "rope": "triton", "adamw": "triton"}
+                                            "rope": "triton", "cross_entropy": "triton", "adamw": "triton"}
+    assert run({"model": "llama-test", "cross_entropy_backend": "torch"})["cross_entropy"] == "torch"
+    assert run({"model": "llama-test", "tp": 2})["cross_entropy"] == "-"  # the vocabulary-parallel loss
     assert run({"model": "llama-test", "rope_backend": "torch", "rmsnorm_backend": "torch"})["rope"] == "torch"
     assert run({"model": "llama-test", "model_overrides": {"hidden_size": 96}})["rope"] == "torch"  # head dim 24
     assert run({"model": "llama-test"}, has_triton=False)["swiglu"] == "torch"
     assert run({"model": "falcon-test"}) | {"adamw": "-"} == {"attention": "auto", "swiglu": "-", "rmsnorm": "-",
-                                                              "rope": "triton", "adamw": "-"}
+                                                              "rope": "triton", "cross_entropy": "triton",
+                                                              "adamw": "-"}
     assert set(run({"model": "llama-test"}, device="cpu").values()) == {"auto", "torch"}

@@ -196,13 +196,16 @@ def test_triton_qkv_rope_matches_torch(dtype):
 
 def _kernel_switch(kernel: str):
     """The setter of a model kernel switch ("auto", the default, runs the Triton kernels on CUDA)."""
+    from llamatron.models.cross_entropy_op import set_cross_entropy_backend
     from llamatron.models.rmsnorm_op import set_rmsnorm_backend
     from llamatron.models.rope_op import set_rope_backend
-    return {"rmsnorm": set_rmsnorm_backend, "rope": set_rope_backend}[kernel]
+    return {"rmsnorm": set_rmsnorm_backend, "rope": set_rope_backend,
+            "cross_entropy": set_cross_entropy_backend}[kernel]
 
 
 @pytest.mark.parametrize("kernel, model", [("rmsnorm", "llama-test"), ("rope", "llama-test"),
-                                           ("rope", "mistral-test")])  # mistral: packed documents, a window
+                                           ("rope", "mistral-test"),  # mistral: packed documents, a window
+                                           ("cross_entropy", "llama-test")])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled):
     """A model whose norms (with the residual add before them) or QKV split + rotary run as Triton kernels,
@@ -230,6 +233,37 @@ def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled
     for (n, p), q in zip(reference.named_parameters(), fused.parameters()):
         rel = (p.grad.float() - q.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-6)
         assert rel < 5e-2, (n, float(rel))  # as _assert_same_loss_and_grads: bf16 rounding, not bugs (~20%)
+
+
+@pytest.mark.parametrize("shape, dtype", [((2, 300, 32000), torch.bfloat16), ((5, 4099), torch.float32),
+                                          ((3, 50), torch.float16)])
+def test_triton_cross_entropy_matches_torch(shape, dtype):
+    """The loss per token and the logits' gradient against torch's fp32 cross-entropy of the same logits, with
+    ignored labels (loss 0, zero gradient rows), vocabularies that end mid-block, and a non-uniform incoming
+    gradient; a label outside the vocabulary gives NaN, not a read out of bounds."""
+    import torch.nn.functional as F
+
+    from llamatron.models.cross_entropy_op import IGNORE_INDEX, cross_entropy_op
+    torch.manual_seed(0)
+    vocab = shape[-1]
+    logits = (3 * torch.randn(shape, device="cuda")).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, shape[:-1], device="cuda")
+    labels.view(-1)[::3] = IGNORE_INDEX
+    weights = torch.rand(shape[:-1], device="cuda")
+    loss = cross_entropy_op(logits, labels)[0]
+    (grad,) = torch.autograd.grad((loss * weights).sum(), logits)
+    ref_logits = logits.detach().float().requires_grad_()
+    ref = F.cross_entropy(ref_logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none").view(labels.shape)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), ref_logits)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grad.view(-1, vocab)[::3], torch.zeros_like(grad.view(-1, vocab)[::3]))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # one rounding of each gradient element to the half type
+    torch.testing.assert_close(grad.float(), ref_grad, rtol=tol, atol=tol * ref_grad.abs().max().item())
+    labels.view(-1)[1] = vocab
+    bad = cross_entropy_op(logits, labels)[0]
+    assert bad.view(-1)[1].isnan() and bad.view(-1)[0] == 0 and bad.view(-1)[2:].isfinite().all()
 
 
 def test_triton_adamw_matches_torch_fused_adamw():

@@ -20,7 +20,8 @@ from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
 
 GB = 1e9
-EAGER = P.Precision(compiled=False, fused_norms=False, fused_rope=False, fused_swiglu=False)  # what runs on CPU
+EAGER = P.Precision(compiled=False, fused_norms=False, fused_rope=False, fused_swiglu=False,
+                    fused_loss=False)  # what runs on CPU
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------
@@ -244,7 +245,10 @@ def test_predict_peak_memory_reads_the_run_config():
     assert out["total"] == pytest.approx(out["allocated"] + parts["fragmentation"] + parts["runtime"])
     assert out["allocated_gib"] == pytest.approx(out["allocated"] / 2**30)
     eager = P.predict_peak_memory(config_from_values({**values, "compile": False}), 1)
-    assert eager["allocated"] > out["allocated"]  # the eager loss keeps fp32 logits
+    assert eager["allocated"] == pytest.approx(out["allocated"])  # the Triton loss keeps no fp32 logits either
+    eager_loss = P.predict_peak_memory(config_from_values({**values, "compile": False,
+                                                           "cross_entropy_backend": "torch"}), 1)
+    assert eager_loss["allocated"] > out["allocated"]  # torch's eager loss keeps fp32 logits
     # With the Triton ops (the CUDA default) an eager layer saves what a compiled one does; without them more
     eager_torch = P.predict_peak_memory(config_from_values({**values, "compile": False, "rmsnorm_backend": "torch"}), 1)
     assert eager_torch["activations"] > eager["activations"] == out["activations"]
@@ -259,6 +263,7 @@ def test_loss_temporaries_compiled_and_eager():
     cfg = get_preset("llama-1b")
     assert P.loss_bytes_per_token(cfg, 1, compiled=True, act_bytes=2) == 4 * 32000
     assert P.loss_bytes_per_token(cfg, 1, compiled=False) == 12 * 32000
+    assert P.loss_bytes_per_token(cfg, 1, compiled=False, fused=True) == 4 * 32000  # the Triton loss
     assert P.loss_bytes_per_token(cfg, 2, compiled=True) == 10 * 16000  # the vocabulary-parallel loss is not compiled
 
 

@@ -12,17 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .cross_entropy_op import IGNORE_INDEX, cross_entropy_per_token
 from .falcon import FalconBlock
 from .layers import RMSNorm, document_mask, rope_cos_sin
 from .llama import LlamaBlock
 
-IGNORE_INDEX = -100
-
-
-def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 loss per token, 0 where labels == IGNORE_INDEX."""
-    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return loss.view(labels.shape)
+__all__ = ["IGNORE_INDEX", "Transformer", "build_model", "cross_entropy_per_token"]
 
 
 class Transformer(nn.Module):
