@@ -2,7 +2,7 @@
 # The GPU benchmark suite: `llamatron bench` rows as JSON lines in $OUT/bench.jsonl, logs in $OUT/log.txt.
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
-#   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, tp7, single7, fastpath, tests
+#   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -10,10 +10,11 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 B1="--model llama-1b --seq-length 4096 --global-batch-size 8 --steps 10 --warmup 3"
 B7="--model llama2-7b --seq-length 4096 --global-batch-size 8 --steps 4 --warmup 2"
-one() {  # one GPU ARGS...: a single-GPU row on GPU $1
+one() {  # one GPU ARGS...: a single-GPU row on GPU $1 (with ROW_TAG set, the row gets "_tag": ROW_TAG)
   local gpu=$1; shift
   CUDA_VISIBLE_DEVICES=$gpu timeout 500 python3 -m llamatron bench --json "$@" >"$OUT/row-$gpu.tmp" 2>>"$OUT/log.txt"
-  echo "== 1 GPU: $* -> rc $?" >>"$OUT/log.txt"; tail -1 "$OUT/row-$gpu.tmp" >>"$OUT/bench.jsonl"
+  echo "== 1 GPU${ROW_TAG:+ ($ROW_TAG)}: $* -> rc $?" >>"$OUT/log.txt"
+  tail -1 "$OUT/row-$gpu.tmp" | sed "${ROW_TAG:+s/^{/{\"_tag\": \"$ROW_TAG\", /}" >>"$OUT/bench.jsonl"
 }
 ab() {  # ab ARGS...: overlapped vs not, alternating in one 2-GPU process (benchmarks/overlap_ab.py)
   timeout 300 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap_ab.py "$@" >"$OUT/row-ab.tmp" 2>>"$OUT/log.txt"
@@ -53,12 +54,23 @@ for group in ${@:-single dp tests}; do
       multi 2 $B1 --micro-batch-size 8 --compile --tp 2 --sequence-parallel ;;
     kernels)  # kernel switches against the default (llama-1b, 1 GPU), each pair on both GPUs with the settings
       # swapped (~1 min a switch): by default torch's RMSNorm and rotary instead of the Triton ones;
-      # KERNEL_AB="--adamw-kernel torch;--swiglu-backend torch" picks others (those two: RESULTS runs 3-4)
+      # KERNEL_AB="--adamw-kernel torch;--swiglu-backend torch" picks others (those two: RESULTS runs 3-4);
+      # KERNEL_ARGS (e.g. "--attention-backend fa4 --steps 30") goes to both sides
       if [ -n "${KERNEL_AB:-}" ]; then IFS=';' read -ra switches <<<"$KERNEL_AB"
       else switches=("--rmsnorm-backend torch" "--rope-backend torch"); fi
       for k in "${switches[@]}"; do
-        one 0 $B1 --micro-batch-size 8 --compile & one 1 $B1 --micro-batch-size 8 --compile $k & wait
-        one 0 $B1 --micro-batch-size 8 --compile $k & one 1 $B1 --micro-batch-size 8 --compile & wait
+        one 0 $B1 --micro-batch-size 8 --compile ${KERNEL_ARGS:-} & one 1 $B1 --micro-batch-size 8 --compile ${KERNEL_ARGS:-} $k & wait
+        one 0 $B1 --micro-batch-size 8 --compile ${KERNEL_ARGS:-} $k & one 1 $B1 --micro-batch-size 8 --compile ${KERNEL_ARGS:-} & wait
+      done ;;
+    commit_ab)  # this checkout against an older llamatron: AB_BASE is a directory holding that package (made with
+      # `git archive COMMIT llamatron | tar -x -C DIR`); AB_ARGS (default "--attention-backend fa4") for both;
+      # ROUNDS rounds (default 2), the two swapped across the GPUs each round; rows tagged "this" / "base"
+      for round in $(seq "${ROUNDS:-2}"); do
+        g=$((round % 2))
+        ROW_TAG=this one $g $B1 --micro-batch-size 8 --compile --steps 30 ${AB_ARGS:---attention-backend fa4} &
+        (cd "$AB_BASE" && ROW_TAG=base one $((1 - g)) $B1 --micro-batch-size 8 --compile --steps 30 \
+          ${AB_ARGS:---attention-backend fa4}) &
+        wait
       done ;;
     fa4)  # FlashAttention 4 (--attention-backend fa4) vs SDPA's cuDNN: microbenchmark, then llama-1b on both GPUs
       # with the settings swapped. Needs flash-attn-4 importable: benchmarks/fa4_carry.sh packs it for machines
@@ -111,7 +123,7 @@ for group in ${@:-single dp tests}; do
     plan)  # the planner's prediction against measured peak memory
       plan_check ;;
     tests)
-      timeout 280 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations 15 >>"$OUT/pytest_gpu.txt" 2>&1
+      timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations 15 >>"$OUT/pytest_gpu.txt" 2>&1
       echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;
     *) echo "gpu_suite.sh: unknown group '$group' (see the header for the groups)" >&2; exit 2 ;;
   esac
