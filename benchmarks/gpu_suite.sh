@@ -97,7 +97,7 @@ for group in ${@:-single dp tests}; do
     profile)  # where llama-1b's step time goes, by kernel category, and where the GPU idles between kernels;
       # PROFILE_ARGS adds flags (e.g. "--attention-backend fa4")
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/profile_step.py --model llama-1b --seq-length 4096 \
-        --micro-batch-size 8 --global-batch-size 8 --compile --top 60 --gaps 20 ${PROFILE_ARGS:-} \
+        --micro-batch-size 8 --global-batch-size 8 --compile --top 60 --gaps 20 --sync-debug ${PROFILE_ARGS:-} \
         >"$OUT/profile.txt" 2>>"$OUT/log.txt"
       echo "== profile ${PROFILE_ARGS:-} rc $?" >>"$OUT/log.txt" ;;
     repeat)  # the spread of one setting: REPEAT_ARGS (default "--attention-backend fa4") 3 times on each GPU,

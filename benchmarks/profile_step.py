@@ -6,7 +6,8 @@
 Runs warm-up steps, then profiles `--steps` steps and prints the device time per category
 (matmul, attention, communication, optimizer, other elementwise), the top kernels, and where the
 device sat idle between kernels (`--gaps`: the kernel pairs around the idle time, largest total
-first). Any `llamatron train` flag is accepted. On CPU it profiles CPU operators instead (for
+first). `--sync-debug` then runs one more step with torch's CUDA sync debug mode and prints where the
+host waited for the device (each synchronising call's Python stack). Any `llamatron train` flag is accepted. On CPU it profiles CPU operators instead (for
 smoke tests).
 """
 
@@ -81,10 +82,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="kernels listed (default: 15)")
     parser.add_argument("--gaps", type=int, default=10, help="idle-time neighbour pairs listed (default: 10)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="after profiling, one step that reports each host-device synchronisation's stack")
     args = parser.parse_args()
     cfg = load_config(args)
     cfg.data.mock_data = True
-    cfg.train.train_steps = args.warmup + 2 * args.steps
+    cfg.train.train_steps = args.warmup + 2 * args.steps + 1
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
     engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas))
@@ -149,6 +152,36 @@ def main() -> None:
           "largest by neighbours (ms/step, gaps/step, kernel before -> kernel after):")
     for before, after, ms, n in result["idle_gaps"]:
         print(f"  {ms:8.2f} {n:6.1f}  {before} -> {after}")
+    if args.sync_debug and cuda:
+        stacks = synchronisations(lambda: train_step(engine, batch, args.warmup + 2 * args.steps))
+        print(f"\nhost-device synchronisations in one step: {sum(stacks.values())}")
+        for stack, n in stacks.items():
+            print(f"  {n}x at\n" + stack)
+
+
+def synchronisations(step) -> dict[str, int]:
+    """Run `step` under torch.cuda's sync debug mode; count the distinct Python stacks that synchronised."""
+    import traceback
+    import warnings
+
+    stacks: dict[str, int] = defaultdict(int)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+        text = "".join(traceback.format_list(frames[-8:]))
+        stacks[f"{str(message)[:120]}\n{text}"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()  # the check happens on the host at each call, so every sync has been seen when this returns
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return dict(stacks)
 
 
 if __name__ == "__main__":

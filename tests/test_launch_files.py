@@ -172,6 +172,33 @@ def test_profile_step_finds_device_idle_gaps():
     assert profile_step.gaps_by_neighbours(gaps, top=5) == [("adamw", "adamw", 18, 2), ("nccl", "adamw", 10, 1)]
 
 
+def test_profile_step_sync_debug_counts_each_synchronising_stack(monkeypatch):
+    """--sync-debug: torch's sync debug mode warns at each synchronising call; the stacks are counted (the mode
+    itself needs CUDA, so the warnings are raised by hand here)."""
+    import importlib.util
+    import warnings
+
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    modes = []
+    monkeypatch.setattr(profile_step.torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(profile_step.torch.cuda, "synchronize", lambda: None)
+
+    def item_call():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def step():
+        for _ in range(3):
+            item_call()
+        warnings.warn("called a synchronizing CUDA operation")
+
+    stacks = profile_step.synchronisations(step)
+    assert modes == ["warn", "default"]
+    assert sorted(stacks.values()) == [1, 3]  # two call sites
+    assert any("item_call" in s for s in stacks) and all("in step" in s for s in stacks)
+
+
 def test_attention_layout_benchmark_times_each_layout():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_layout.py"), "--batch", "1",
                            "--heads", "4", "--kv-heads", "2", "--seq", "32", "--head-dim", "16", "--iters", "1"],
