@@ -122,7 +122,10 @@ class DistributedAdamW:
         """The same update as the fused torch path, one kernel per segment writing the model weights too."""
         from .adamw_kernel import adamw_segment
 
-        torch._foreach_add_(self.steps, 1.0 - found_inf)  # a skipped step does not count (as torch's fused AdamW)
+        # A skipped step does not count (as torch's fused AdamW). The increment goes in as a tensor list: a 0-d
+        # tensor passed as the scalar argument is read on the host, a device sync each step (seen on an H200).
+        increment = 1.0 - found_inf
+        torch._foreach_add_(self.steps, [increment] * len(self.steps))
         for i, seg in enumerate(self.segments):
             out = None if self.master_is_param else seg.buffer.param_data[seg.start:seg.end]
             adamw_segment(self.master[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i], self.steps[i], out, lr=lr,
