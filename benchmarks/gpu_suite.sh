@@ -10,11 +10,12 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 B1="--model llama-1b --seq-length 4096 --global-batch-size 8 --steps 10 --warmup 3"
 B7="--model llama2-7b --seq-length 4096 --global-batch-size 8 --steps 4 --warmup 2"
-one() {  # one GPU ARGS...: a single-GPU row on GPU $1 (with ROW_TAG set, the row gets "_tag": ROW_TAG)
+one() {  # one GPU ARGS...: a single-GPU row on GPU $1, with "_gpu": $1 (and "_tag": ROW_TAG when that is set)
   local gpu=$1; shift
   CUDA_VISIBLE_DEVICES=$gpu timeout 500 python3 -m llamatron bench --json "$@" >"$OUT/row-$gpu.tmp" 2>>"$OUT/log.txt"
   echo "== 1 GPU${ROW_TAG:+ ($ROW_TAG)}: $* -> rc $?" >>"$OUT/log.txt"
-  tail -1 "$OUT/row-$gpu.tmp" | sed "${ROW_TAG:+s/^{/{\"_tag\": \"$ROW_TAG\", /}" >>"$OUT/bench.jsonl"
+  tail -1 "$OUT/row-$gpu.tmp" | sed "s/^{/{\"_gpu\": $gpu, /; ${ROW_TAG:+s/^{/{\"_tag\": \"$ROW_TAG\", /}" \
+    >>"$OUT/bench.jsonl"
 }
 ab() {  # ab ARGS...: overlapped vs not, alternating in one 2-GPU process (benchmarks/overlap_ab.py)
   timeout 300 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap_ab.py "$@" >"$OUT/row-ab.tmp" 2>>"$OUT/log.txt"

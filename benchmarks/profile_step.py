@@ -167,7 +167,7 @@ def synchronisations(step) -> dict[str, int]:
     stacks: dict[str, int] = defaultdict(int)
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" not in str(message):  # e.g. the mode's own "prototype feature" notice
+        if "called a synchronizing" not in str(message):  # e.g. the mode's own "prototype feature" notice
             return
         frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
         text = "".join(traceback.format_list(frames[-8:]))
