@@ -457,6 +457,9 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         _check_fa4(model.head_dim, dtype_name)
     if t.rmsnorm_backend == "triton" and model.family == "falcon":
         raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
+    if t.cross_entropy_backend == "triton" and p.tp > 1:
+        raise ConfigError(f"--cross-entropy-backend triton: with --tp {p.tp} the loss is the vocabulary-parallel "
+                          "one, which has no Triton kernels; leave it at auto")
     if t.rope_backend == "triton" and not _rope_kernels_support(model.head_dim):
         raise ConfigError(f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
                           "leave it at auto (which runs the torch expression here)")

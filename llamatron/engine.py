@@ -73,7 +73,7 @@ def apply_compile(model: Transformer) -> None:
     for layer in model.layers:
         inner = layer.layer if isinstance(layer, _Recomputed) else layer
         inner.forward = torch.compile(inner.forward, dynamic=False)
-    if model.loss_fn is cross_entropy_per_token:  # torch's loss: fuse the fp32 upcast; TP installs its own
+    if model.loss_fn is cross_entropy_per_token:  # fuses torch's loss (its fp32 upcast); TP installs its own
         model.loss_fn = torch.compile(cross_entropy_per_token, dynamic=False)
 
 

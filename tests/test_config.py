@@ -85,6 +85,7 @@ def test_model_overrides():
     ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
     ({"model": "llama-test", "rope_backend": "triton"}, 1, "--rope-backend triton runs on CUDA only"),
     ({"model": "llama-test", "cross_entropy_backend": "triton"}, 1, "--cross-entropy-backend triton runs on CUDA only"),
+    ({"model": "llama-test", "cross_entropy_backend": "triton", "tp": 2}, 2, "the loss is the vocabulary-parallel one"),
     ({"model": "llama-test", "rope_backend": "triton", "model_overrides": {"hidden_size": 96}}, 1,
      "--rope-backend triton needs a power-of-two head dim; this model's is 24"),
     ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),

@@ -44,3 +44,26 @@ def test_model_loss_runs_the_op_when_its_kernels_are_on(monkeypatch):
     monkeypatch.setattr(ce, "use_kernels", lambda x: False)
     ce.cross_entropy_per_token(logits, labels)
     assert calls == [1]
+
+
+def test_cross_entropy_op_passes_opcheck_with_non_contiguous_logits():
+    """torch.library.opcheck: the fake (meta) outputs match the real ones in shape, dtype and strides, and the
+    autograd registration is consistent, also for logits whose vocabulary dimension is not the innermost in memory."""
+    torch.manual_seed(0)
+    logits = torch.randn(10, 3, 4).permute(1, 2, 0).requires_grad_()  # (3, 4, vocab 10), non-contiguous
+    labels = torch.tensor([[1, 2, IGNORE_INDEX, 9], [0, 5, 5, 3], [IGNORE_INDEX, 8, 7, 6]])
+    torch.library.opcheck(cross_entropy_op, (logits, labels))
+    loss, lse = cross_entropy_op(logits, labels)
+    assert loss.requires_grad and not lse.requires_grad  # the log-sum-exp has no gradient path
+    torch.testing.assert_close(loss, reference_cross_entropy(logits, labels), rtol=1e-5, atol=1e-5)
+
+
+def test_cross_entropy_op_refuses_mismatched_labels_and_poisons_out_of_range_ones():
+    logits = torch.randn(2, 5, 10, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"labels \(2, 4\) do not match logits \(2, 5, 10\)"):
+        cross_entropy_op(logits, torch.zeros(2, 4, dtype=torch.long))
+    labels = torch.tensor([[1, 10, 2, -3, IGNORE_INDEX], [0, 1, 2, 3, 4]])  # 10 and -3: outside the vocabulary
+    loss, _ = cross_entropy_op(logits, labels)
+    assert loss[0, 1].isnan() and loss[0, 3].isnan() and loss[0, 4] == 0 and loss[1].isfinite().all()
+    (grad,) = torch.autograd.grad(loss[1].sum() + loss[0, 1], logits)
+    assert grad[0, 1].isnan().all() and grad[1].isfinite().all()  # the step's non-finite check then skips it

@@ -221,7 +221,7 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["tokens_per_sec"] > 0 and row["mbs"] == 1 and row["gbs"] == 2 and row["forward_ms"] > 0
     assert row["kernels"] == {"attention": "auto", "swiglu": "torch", "rmsnorm": "torch", "rope": "torch",
-                              "adamw": "torch"}  # on CPU every auto resolves to torch
+                              "cross_entropy": "torch", "adamw": "torch"}  # on CPU every auto resolves to torch
     proc = subprocess.run([*args, "--steps", "0"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "at least 1 timed step" in proc.stderr
 

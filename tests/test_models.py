@@ -149,3 +149,27 @@ def test_swiglu_op_matches_the_plain_expression_forward_and_backward():
     # Registration (fake tensor shapes, autograd, compile tracing) is consistent with the kernel.
     torch.library.opcheck(swiglu_op, (torch.randn(4, 16, requires_grad=True),))
 
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_with_residual_equals_residual_plus_mlp(bias):
+    """The residual rides in the down projection's addmm (bias-free) or is added after it (with a bias):
+    both equal residual + mlp(x), values and gradients."""
+    from dataclasses import replace
+
+    from llamatron.models.llama import SwiGLU
+
+    torch.manual_seed(0)
+    cfg = replace(get_preset("llama-test"), bias=bias)
+    mlp = SwiGLU(cfg)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, cfg.hidden_size, requires_grad=True)
+    residual = torch.randn(2, 5, cfg.hidden_size, requires_grad=True)
+    out = mlp(x, residual=residual)
+    ref = residual + mlp(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    inputs = (x, residual, *mlp.parameters())
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -47,9 +47,15 @@ def reference_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
 # ---- the custom ops ---------------------------------------------------------------------------------
 
 
+def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    torch._check(labels.shape == logits.shape[:-1],
+                 lambda: f"cross-entropy: labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
+
+
 @torch.library.custom_op("llamatron::cross_entropy", mutates_args=())
 def cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per token, fp32, shaped like labels; log-sum-exp per row, fp32)."""
+    """(loss per token, fp32, shaped like labels; log-sum-exp per row, fp32, not differentiable)."""
+    _check_shapes(logits, labels)
     x, y = logits.reshape(-1, logits.shape[-1]).contiguous(), labels.reshape(-1).contiguous()
     loss = torch.empty(labels.shape, dtype=torch.float32, device=x.device)
     lse = torch.empty(y.shape, dtype=torch.float32, device=x.device)
@@ -60,6 +66,7 @@ def cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
 
 @cross_entropy_op.register_fake
 def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_shapes(logits, labels)
     loss = logits.new_empty(labels.shape, dtype=torch.float32)
     return loss, logits.new_empty((labels.numel(),), dtype=torch.float32)
 
@@ -67,6 +74,7 @@ def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.T
 @torch.library.custom_op("llamatron::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                                lse: torch.Tensor) -> torch.Tensor:
+    _check_shapes(logits, labels)
     x, y = logits.reshape(-1, logits.shape[-1]).contiguous(), labels.reshape(-1).contiguous()
     dx = torch.empty_like(x)
     if y.numel():
@@ -76,32 +84,36 @@ def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, la
 
 @_cross_entropy_backward_op.register_fake
 def _(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)  # contiguous, as the kernel writes it, whatever the input's strides
 
 
 @cross_entropy_op.register_kernel("cpu")
 def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # What the Triton kernel computes, written out (tests check it and its gradient against torch's loss).
+    _check_shapes(logits, labels)
     x, y = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
     lse = torch.logsumexp(x, dim=-1)
-    valid = y != IGNORE_INDEX
-    target = x.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
-    return torch.where(valid, lse - target, 0.0).view(labels.shape), lse
+    in_range = (y >= 0) & (y < x.shape[-1])
+    target = x.gather(1, torch.where(in_range, y, 0)[:, None])[:, 0]
+    loss = torch.where(in_range, lse - target, float("nan"))
+    return torch.where(y == IGNORE_INDEX, 0.0, loss).view(labels.shape), lse
 
 
 @_cross_entropy_backward_op.register_kernel("cpu")
 def _(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     x, y = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
-    valid = y != IGNORE_INDEX
-    g = torch.where(valid, grad_loss.reshape(-1).float(), 0.0)
+    in_range = (y >= 0) & (y < x.shape[-1])
+    g = torch.where(y == IGNORE_INDEX, 0.0, grad_loss.reshape(-1).float())
+    g = torch.where(in_range | (y == IGNORE_INDEX), g, float("nan"))
     dx = torch.exp(x - lse[:, None])
-    dx[valid, y[valid]] -= 1.0
+    dx[in_range, y[in_range]] -= 1.0
     return (dx * g[:, None]).to(logits.dtype).view(logits.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     logits, labels = inputs
     ctx.save_for_backward(logits, labels, output[1])
+    ctx.mark_non_differentiable(output[1])  # the backward has no term for a gradient of the log-sum-exp
 
 
 def _backward(ctx, grad_loss, _grad_lse):
@@ -134,7 +146,9 @@ def _kernels():
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
             new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            # while every logit so far is -inf (a masked vocabulary), exp(-inf - -inf) would be NaN
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
             running_max = new_max
         lse = running_max + tl.log(running_sum)
         label = tl.load(labels_ptr + row)
