@@ -153,3 +153,35 @@ def test_gradient_buffer_overwrites_then_accumulates_and_zeroes_unused_parameter
     (expected,) = torch.autograd.grad(2 * torch.nn.functional.linear(x, w, module["used"].bias).square().sum(), w)
     torch.testing.assert_close(module["used"].weight.main_grad, expected)
     assert module["unused"].weight.main_grad.abs().sum() == 0 and module["unused"].bias.main_grad.abs().sum() == 0
+
+
+def test_overlapped_parameter_gather_is_waited_for_before_the_output_head_reads_its_weight():
+    """The output head's weight is read by Transformer.logits through F.linear, without calling the head module,
+    so a wait hook on the head would never run and its bucket's all-gather could still be in flight when the
+    logits are computed (a CI run saw a resumed --distributed-optimizer run's loss differ at its second step).
+    Every bucket's gather must have been waited for by then."""
+    from llamatron.models import build_model, get_preset, materialize
+    from llamatron.parallel.data import GradBuffer
+
+    class Handle:
+        def __init__(self):
+            self.waited = False
+
+        def wait(self):
+            self.waited = True
+
+    cfg = get_preset("llama-test")
+    model = build_model(cfg)
+    materialize(model, cfg, 0, torch.device("cpu"), torch.float32)
+    buf = GradBuffer(model, None, 2, bucket_size=6000, distributed=True)
+    head_bucket = buf.bucket_of[model.lm_head.weight]
+    assert head_bucket.params == [model.lm_head.weight]  # its own bucket: nothing else's wait covers it
+    buf._install_gather_hooks()
+    handles = {b.index: Handle() for b in buf.buckets}
+    for b in buf.buckets:
+        b.gather_handle = handles[b.index]
+    head_weight = model.head_weight  # what logits() reads, after the final norm
+    seen = []
+    model.head_weight = lambda: seen.append(handles[head_bucket.index].waited) or head_weight()
+    model(torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert seen == [True] and all(h.waited for h in handles.values())

@@ -211,9 +211,17 @@ class GradBuffer:
         """Wait for a bucket just before the first unit that uses it: a decoder layer, the embedding, the head.
 
         Hooks sit on whole layers (not inner linears) so compiled layers run their hooks outside the graph.
+        The output head is the exception: Transformer.logits reads its weight through F.linear without calling
+        the head module, so its hook would never run; its buckets are waited for with the final norm's, which
+        runs just before.
         """
+        head, norm = getattr(self.module, "lm_head", None), getattr(self.module, "norm", None)
         for unit in _forward_units(self.module):
+            if unit is head and norm is not None:
+                continue
             own = [p for p in unit.parameters() if p in self.bucket_of]
+            if unit is norm and head is not None:
+                own += [p for p in head.parameters() if p in self.bucket_of]
             if own:
                 buckets = sorted({self.bucket_of[p].index for p in own})
                 self._gather_hooks.append(unit.register_forward_pre_hook(
