@@ -67,3 +67,17 @@ def test_cross_entropy_op_refuses_mismatched_labels_and_poisons_out_of_range_one
     assert loss[0, 1].isnan() and loss[0, 3].isnan() and loss[0, 4] == 0 and loss[1].isfinite().all()
     (grad,) = torch.autograd.grad(loss[1].sum() + loss[0, 1], logits)
     assert grad[0, 1].isnan().all() and grad[1].isfinite().all()  # the step's non-finite check then skips it
+
+
+def test_cross_entropy_op_under_torch_compile_matches_eager():
+    """Compiled as the engine compiles the loss (its CPU kernel here; the CUDA kernels: test_gpu)."""
+    torch.manual_seed(0)
+    loss_fn = torch.compile(lambda x, y: cross_entropy_op(x, y)[0], dynamic=False)
+    logits = torch.randn(2, 6, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 6))
+    labels[0, 1] = IGNORE_INDEX
+    loss = loss_fn(logits, labels)
+    ref = reference_cross_entropy(logits, labels)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(loss.sum(), logits), torch.autograd.grad(ref.sum(), logits)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
