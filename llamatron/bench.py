@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .cli import add_launch_argument, relaunch_if_asked
 from .config import ConfigError, add_config_arguments, kernel_choices, load_config, validate
 from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
@@ -43,8 +44,10 @@ def register(sub) -> None:
         "step. The model, parallel, precision and kernel flags of `train` apply; data, checkpoint, evaluation and "
         "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."))
     add_config_arguments(p)
+    add_launch_argument(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3; "
+                                                        "--warmup-steps is the learning rate's warm-up)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table row")
     p.set_defaults(func=cmd_bench)
 
@@ -55,11 +58,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           "0 or more warm-up steps")
     cfg = load_config(args)
     ignored = sorted(cfg.explicit & _TRAIN_ONLY)
-    if ignored:
-        print(f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
-              "synthetic data and saves, evaluates and logs nothing)", file=sys.stderr)
     cfg.data.mock_data = True
     cfg.train.train_steps = args.warmup + args.steps + 2
+    status = relaunch_if_asked(args, cfg)
+    if status is not None:
+        return status
+    if ignored and int(os.environ.get("RANK", "0")) == 0:
+        print(f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
+              "synthetic data and saves, evaluates and logs nothing)", file=sys.stderr)
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
@@ -90,6 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     row = {"model": t.model, "gpus": mesh.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp,
            "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer, "recompute": t.recompute,
            "compile": derived.compile,
+           "precision": derived.dtype_name,
            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
            "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,

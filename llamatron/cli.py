@@ -16,17 +16,33 @@ def _train_parser(sub) -> None:
                        description="Train a model. With no --data and no --mock-data it trains llama-tiny on the "
                                    "Python standard library's source (the demo), then samples from it.")
     add_config_arguments(p)
-    p.add_argument("--nproc-per-node", type=int, default=None, help="start torchrun with this many processes")
+    add_launch_argument(p)
     p.set_defaults(func=cmd_train)
+
+
+def add_launch_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start torchrun with this many processes on this machine (one per GPU)")
+
+
+def relaunch_if_asked(args: argparse.Namespace, cfg) -> int | None:
+    """With --nproc-per-node: check the settings once, here (rather than once per spawned rank), then run this
+    command under torchrun and return its exit status; without it, None."""
+    if not args.nproc_per_node:
+        return None
+    import torch
+
+    from .config import validate
+
+    validate(cfg, args.nproc_per_node, torch.cuda.is_available())
+    return _relaunch_with_torchrun(args.nproc_per_node)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args)
-    if args.nproc_per_node:
-        from .config import validate
-
-        validate(cfg, args.nproc_per_node)  # fail once, here, rather than once per spawned rank
-        return _relaunch_with_torchrun(args.nproc_per_node)
+    status = relaunch_if_asked(args, cfg)
+    if status is not None:
+        return status
     demo = cfg.data.data is None and not cfg.data.mock_data and cfg.data.sft_data is None
     if demo:
         _apply_demo_defaults(cfg)

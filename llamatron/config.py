@@ -95,9 +95,9 @@ class TrainConfig:
     recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
     initial_loss_scale: float = _f(2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)")
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
-    attention_backend: str = _f("auto", "attention kernel: a scaled_dot_product_attention backend (auto: the "
-                                        "fastest available, cuDNN on Hopper; the others for comparison and "
-                                        "debugging), or fa4: FlashAttention 4 for plain causal attention (Hopper "
+    attention_backend: str = _f("auto", "attention kernel: a scaled_dot_product_attention backend (auto: SDPA's "
+                                        "fastest, cuDNN on Hopper; auto never picks fa4; the others for comparison "
+                                        "and debugging), or fa4: FlashAttention 4 for plain causal attention (Hopper "
                                         "or newer, bf16/fp16, head dims 64/96/128; document masks and sliding "
                                         "windows still run on SDPA; pip install -e '.[fa4]')",
                                 ("auto", "fa4", "cudnn", "flash", "efficient", "math"))
@@ -455,6 +455,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.attention_backend == "fa4" and device == "cuda":
         _check_fa4(model.head_dim, dtype_name)
+    if t.swiglu_backend == "triton" and model.family == "falcon":
+        raise ConfigError("--swiglu-backend triton: Falcon models use a GELU MLP, not SwiGLU; leave it at auto")
     if t.rmsnorm_backend == "triton" and model.family == "falcon":
         raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
     if t.cross_entropy_backend == "triton" and p.tp > 1:

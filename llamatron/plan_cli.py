@@ -13,7 +13,7 @@ def parse_memory(text: str) -> float:
     """'80GB' (10^9 bytes), '80GiB' (2^30), '80' (GB) -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GB|GiB|G|TB|TiB)?\s*", str(text), re.IGNORECASE)
     if not match:
-        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GB or 141GB")
+        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GB or 139.8GiB")
     scale = {"gb": GB, "g": GB, "gib": GiB, "tb": 1e12, "tib": 2**40}[(match.group(2) or "GB").lower()]
     return float(match.group(1)) * scale
 
@@ -22,10 +22,12 @@ def register(sub) -> None:
     p = sub.add_parser("plan", help="list the parallel layouts that fit a model on a cluster, fastest first",
                        description="Memory per GPU and expected speed of every tp/pp/vpp/dp/optimizer/recompute/"
                                    "micro-batch layout that fits. Memory is given in GB (10^9 bytes); a GPU sold as "
-                                   "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin.")
+                                   "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin; "
+                                   "an H200 (sold as 141GB) gives torch 139.8 GiB: --gpu-memory 139.8GiB. Speeds assume "
+                                   "H100/H200-class GPUs and the measured kernel efficiencies of benchmarks/RESULTS.md.")
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB")
+    p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB (H100) or 139.8GiB (H200)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per step (default: about 4M tokens, rounded per layout)")

@@ -82,6 +82,7 @@ def test_model_overrides():
     ({"model": "llama-test", "swiglu_backend": "triton"}, 1, "--swiglu-backend triton runs on CUDA only"),
     ({"model": "llama-test", "rmsnorm_backend": "triton"}, 1, "--rmsnorm-backend triton runs on CUDA only"),
     ({"model": "falcon-test", "rmsnorm_backend": "triton"}, 1, "Falcon models use LayerNorm, not RMSNorm"),
+    ({"model": "falcon-test", "swiglu_backend": "triton"}, 1, "Falcon models use a GELU MLP, not SwiGLU"),
     ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
     ({"model": "llama-test", "rope_backend": "triton"}, 1, "--rope-backend triton runs on CUDA only"),
     ({"model": "llama-test", "cross_entropy_backend": "triton"}, 1, "--cross-entropy-backend triton runs on CUDA only"),

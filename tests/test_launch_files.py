@@ -220,10 +220,23 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
     assert "ignoring --save" in proc.stderr and not (ROOT / "ckpt-not-written").exists()
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["tokens_per_sec"] > 0 and row["mbs"] == 1 and row["gbs"] == 2 and row["forward_ms"] > 0
+    assert row["precision"] == "fp32"  # the CPU default
     assert row["kernels"] == {"attention": "auto", "swiglu": "torch", "rmsnorm": "torch", "rope": "torch",
                               "cross_entropy": "torch", "adamw": "torch"}  # on CPU every auto resolves to torch
     proc = subprocess.run([*args, "--steps", "0"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "at least 1 timed step" in proc.stderr
+
+
+def test_bench_nproc_per_node_starts_torchrun_and_prints_one_row():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "llamatron", "bench", "--nproc-per-node", "2", "--model", "llama-test",
+                           "--device", "cpu", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size",
+                           "2", "--warmup", "1", "--steps", "1", "--json", "--save", "ckpt-not-written"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1 and rows[0]["gpus"] == 2 and rows[0]["dp"] == 2  # printed by rank 0 only
+    assert proc.stderr.count("ignoring --save") == 1  # said once, before torchrun starts the ranks
 
 
 def test_version_names_llamatron_and_torch():

@@ -108,6 +108,27 @@ def test_nproc_per_node_starts_torchrun_itself(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]
 
 
+def test_nproc_per_node_checks_cuda_settings_against_the_gpus_it_sees(monkeypatch):
+    """The settings are validated once before torchrun starts, knowing whether CUDA is there: GPU-only flags
+    (a forced attention kernel, a Triton backend) pass on a GPU machine and are refused without one."""
+    import torch
+
+    from llamatron import cli
+
+    launched = []
+    monkeypatch.setattr(cli, "_relaunch_with_torchrun", lambda n: launched.append(n) or 0)
+    argv = ["train", "--nproc-per-node", "2", "--model", "llama-test", "--mock-data", "--attention-backend", "cudnn",
+            "--swiglu-backend", "triton"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 0 and launched == [2]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and launched == [2]
+
+
 def test_user_mistakes_exit_2_with_a_message(tmp_path):
     proc = llamatron("train", "--model", "llama-tinyy", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "unknown model preset 'llama-tinyy'" in proc.stderr and "Traceback" not in proc.stderr
