@@ -34,6 +34,14 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
+def _kernel_switch(what: str, triton: str, torch_path: str = "the plain expression, fused by --compile",
+                   auto_also: str = "") -> Any:
+    """A kernel switch (auto | triton | torch): auto runs the Triton kernels on CUDA when triton is installed
+    (config.kernel_choices resolves it)."""
+    return _f("auto", f"{what}: triton ({triton}) or torch ({torch_path}); auto: triton on CUDA when triton is "
+                      f"installed{auto_also}; for comparison and debugging", ("auto", "triton", "torch"))
+
+
 @dataclass
 class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size (ranks sharing each layer)")
@@ -101,22 +109,13 @@ class TrainConfig:
                                         "or newer, bf16/fp16, head dims 64/96/128; document masks and sliding "
                                         "windows still run on SDPA; pip install -e '.[fa4]')",
                                 ("auto", "fa4", "cudnn", "flash", "efficient", "math"))
-    swiglu_backend: str = _f("auto", "SwiGLU activation: triton (fused kernels; auto picks them on CUDA when triton "
-                                     "is installed) or torch (the plain expression, fused by --compile); for "
-                                     "comparison and debugging",
-                             ("auto", "triton", "torch"))
-    rmsnorm_backend: str = _f("auto", "RMSNorm (and the residual add before it): triton (one kernel each way; auto "
-                                      "picks them on CUDA when triton is installed) or torch (the plain "
-                                      "expression, fused by --compile); for comparison and debugging",
-                              ("auto", "triton", "torch"))
-    rope_backend: str = _f("auto", "QKV split + rotary embedding: triton (one kernel each way; auto picks it on "
-                                   "CUDA when triton is installed and the head dim is a power of two) or torch "
-                                   "(the plain expression, fused by --compile); for comparison and debugging",
-                           ("auto", "triton", "torch"))
-    cross_entropy_backend: str = _f("auto", "the loss (tensor parallelism has its own): triton (one kernel each "
-                                            "way, no fp32 logits; auto picks it on CUDA when triton is installed) "
-                                            "or torch (its cross-entropy, fused by --compile); for comparison and "
-                                            "debugging", ("auto", "triton", "torch"))
+    swiglu_backend: str = _kernel_switch("SwiGLU activation", "fused kernels")
+    rmsnorm_backend: str = _kernel_switch("RMSNorm (and the residual add before it)", "one kernel each way")
+    rope_backend: str = _kernel_switch("QKV split + rotary embedding", "one kernel each way",
+                                       auto_also=" and the head dim is a power of two")
+    cross_entropy_backend: str = _kernel_switch("the loss (tensor parallelism has its own)",
+                                                "one kernel each way, no fp32 logits",
+                                                "its cross-entropy, fused by --compile")
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")

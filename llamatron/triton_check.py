@@ -1,5 +1,6 @@
 """Whether Triton is installed, looked up once at import (not while torch.compile traces a layer), and the
-switch each model op with Triton kernels (`--swiglu-backend`, `--rmsnorm-backend`, `--rope-backend`) reads."""
+switch each model op with Triton kernels (`--swiglu-backend`, `--rmsnorm-backend`, `--rope-backend`,
+`--cross-entropy-backend`) reads."""
 
 import importlib.util
 
