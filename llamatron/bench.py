@@ -93,7 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     speed = throughput(tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device))
     p = cfg.parallel
     m = derived.grad_accum_steps
-    row = {"model": t.model, "gpus": mesh.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp,
+    row = {"model": t.model, "model_overrides": dict(cfg.model_overrides), "gpus": mesh.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp,
            "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer, "recompute": t.recompute,
            "compile": derived.compile,
            "precision": derived.dtype_name,
@@ -186,6 +186,12 @@ def format_row(row: dict) -> str:
     cpu = row["device"] == "cpu"  # per process, and the process's peak resident memory rather than GPU memory
     header = (f"{'model':<12} {'layout':<34} {'tok/s/rank' if cpu else 'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} "
               f"{'RSS GiB' if cpu else 'mem GiB':>8}  breakdown")
-    line = (f"{row['model']:<12} {layout:<34} {row['tokens_per_sec']:>10.0f} {row['tflops_per_gpu']:>8.1f} {mfu:>6} "
+    overrides = row.get("model_overrides") or {}
+    model = row["model"] + ("*" if overrides else "")  # * the preset was changed: the changes follow the row
+    tflops = row["tflops_per_gpu"]
+    tflops_text = f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"  # CPU runs reach a fraction of one
+    line = (f"{model:<12} {layout:<34} {row['tokens_per_sec']:>10.0f} {tflops_text:>8} {mfu:>6} "
             f"{row['peak_mem_gib']:>8.1f}  {phases} step={row['step_ms']:.0f}ms bubble={row['bubble_frac']:.0%}")
+    if overrides:
+        line += "\n* model_overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items())
     return header + "\n" + line

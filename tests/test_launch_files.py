@@ -220,7 +220,7 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
     assert "ignoring --save" in proc.stderr and not (ROOT / "ckpt-not-written").exists()
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["tokens_per_sec"] > 0 and row["mbs"] == 1 and row["gbs"] == 2 and row["forward_ms"] > 0
-    assert row["precision"] == "fp32"  # the CPU default
+    assert row["precision"] == "fp32" and row["model_overrides"] == {}  # the CPU default; the preset as it is
     assert row["kernels"] == {"attention": "auto", "swiglu": "torch", "rmsnorm": "torch", "rope": "torch",
                               "cross_entropy": "torch", "adamw": "torch"}  # on CPU every auto resolves to torch
     proc = subprocess.run([*args, "--steps", "0"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
@@ -254,3 +254,16 @@ def test_bench_table_names_what_it_measured_on_cpu_and_gpu():
     gpu = format_row({**row, "device": "NVIDIA H200"}).splitlines()[0]
     assert "tok/s/rank" in cpu and "RSS GiB" in cpu  # a process's resident memory, not GPU memory
     assert "tok/s/gpu" in gpu and "mem GiB" in gpu
+
+
+def test_bench_table_shows_small_tflops_and_model_overrides():
+    from llamatron.bench import format_row
+
+    row = {"model": "llama-test", "tp": 1, "pp": 1, "vpp": 1, "dp": 1, "sp": False, "dist_opt": False,
+           "recompute": "none", "tokens_per_sec": 10.0, "tflops_per_gpu": 0.0123, "mfu": None, "peak_mem_gib": 1.0,
+           "step_ms": 5.0, "bubble_frac": 0.0, "device": "cpu"}
+    plain = format_row(row).splitlines()
+    assert len(plain) == 2 and " 0.0123 " in plain[1] and "llama-test " in plain[1]  # not rounded to 0.0
+    changed = format_row({**row, "tflops_per_gpu": 412.345, "model_overrides": {"num_layers": 3}}).splitlines()
+    assert "llama-test* " in changed[1] and " 412.3 " in changed[1]
+    assert changed[2] == "* model_overrides: num_layers=3"
