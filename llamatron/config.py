@@ -8,6 +8,7 @@ key (`micro_batch_size`), in one flat namespace. Precedence: defaults < YAML
 from __future__ import annotations
 
 import argparse
+import functools
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -182,9 +183,13 @@ class RunConfig:
         return out
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # evaluates every annotation's string: slow, and the planner asks thousands of times
+
+
 def _field_type(f) -> type:
-    hints = typing.get_type_hints(SECTIONS_OWNER[f.name])
-    t = hints[f.name]
+    t = _type_hints(SECTIONS_OWNER[f.name])[f.name]
     if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
         t = next(a for a in typing.get_args(t) if a is not type(None))
     return t

@@ -502,17 +502,42 @@ def _check_inputs(model_name: str, gpus: int, gpu_memory: float, seq_length: int
 def minimum_gpus(model_name: str, gpu_memory: float, seq_length: int, gpus_per_node: int = 8,
                  global_batch_size: int | None = None, model_overrides: dict | None = None,
                  precision: Precision = Precision(), start: int = 1, limit: int = 16384) -> int | None:
-    """The smallest GPU count >= start (powers of two inside a node, whole nodes beyond) where a layout fits."""
+    """The smallest GPU count >= start (powers of two inside a node, whole nodes beyond) where a layout fits.
+
+    Doubling counts are tried first, so that a model that fits on no count is answered after ~log2(limit) plans,
+    not one plan per node; then the counts between the last doubling that failed and the first that fits, one by
+    one (halving first while more than 64 are left, which assumes more GPUs there never fit worse).
+    """
     model = _model(model_name, model_overrides)
-    counts = [2**i for i in range(32) if 2**i < gpus_per_node] + list(range(gpus_per_node, limit + 1, gpus_per_node))
-    for gpus in (g for g in counts if g >= start):
-        # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share.
-        if model.num_params() * 6 / gpus > gpu_memory:
-            continue
-        if plan(model_name, gpus, gpu_memory, seq_length, global_batch_size, gpus_per_node, model_overrides,
-                precision, explain=False).fits:
-            return gpus
-    return None
+    counts = [g for g in [2**i for i in range(32) if 2**i < gpus_per_node] +
+              list(range(gpus_per_node, limit + 1, gpus_per_node)) if g >= start]
+
+    def fits(gpus: int) -> bool:
+        # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share, and the CUDA
+        # runtime (with NCCL's buffers once there are several GPUs), which no GPU count shrinks.
+        runtime = RUNTIME_BASE + (RUNTIME_PER_COMM if gpus > 1 else 0)
+        if model.num_params() * 6 / gpus + runtime > gpu_memory:
+            return False
+        return bool(plan(model_name, gpus, gpu_memory, seq_length, global_batch_size, gpus_per_node, model_overrides,
+                         precision, explain=False).fits)
+
+    doubling = [i for i, g in enumerate(counts) if g < gpus_per_node or (g // gpus_per_node).bit_count() == 1]
+    if counts and doubling[-1:] != [len(counts) - 1]:
+        doubling.append(len(counts) - 1)  # the limit itself
+    failed = -1  # index into counts of the largest count known not to fit
+    for i in doubling:
+        if fits(counts[i]):
+            break
+        failed = i
+    else:
+        return None
+    while i - failed > 64:
+        mid = (failed + i) // 2
+        if fits(counts[mid]):
+            i = mid
+        else:
+            failed = mid
+    return next(counts[k] for k in range(failed + 1, i + 1) if k == i or fits(counts[k]))
 
 
 def _explain(model_name: str, model: ModelConfig, gpus: int, gpu_memory: float, seq_length: int, gpus_per_node: int,

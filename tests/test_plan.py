@@ -357,6 +357,35 @@ def test_falcon_40b_minimum_is_16_gpus():
     assert not eight.fits and "at least 16 GPUs" in eight.explanation
 
 
+def _linear_minimum(model, memory_gb, seq, gpus_per_node=8, limit=512):
+    counts = [2**i for i in range(32) if 2**i < gpus_per_node] + list(range(gpus_per_node, limit + 1, gpus_per_node))
+    return next((g for g in counts if _fits(model, g, memory_gb, seq, gpus_per_node=gpus_per_node,
+                                            explain=False).fits), None)
+
+
+@pytest.mark.parametrize("model,memory_gb,seq,gpus_per_node", [
+    ("llama2-70b", 24, 4096, 8), ("llama2-70b", 40, 16384, 8), ("llama2-70b", 24, 4096, 6), ("llama2-7b", 16, 4096, 8)])
+def test_minimum_gpus_search_finds_what_trying_every_count_finds(model, memory_gb, seq, gpus_per_node):
+    expected = _linear_minimum(model, memory_gb, seq, gpus_per_node)
+    assert expected is not None and expected > 8  # the searches below pass doubling counts that fail
+    assert P.minimum_gpus(model, memory_gb * GB, seq, gpus_per_node, limit=512) == expected
+
+
+def test_a_gpu_smaller_than_the_cuda_runtime_is_answered_at_once(monkeypatch):
+    """A 1 GB GPU fits no layout of any size (the CUDA runtime alone is 1 GiB): the search for a GPU count must
+    not plan every whole-node count up to its limit (it took minutes)."""
+    calls = []
+    real_plan = P.plan
+    monkeypatch.setattr(P, "plan", lambda *a, **kw: calls.append(a[1]) or real_plan(*a, **kw))
+    result = P.plan("llama-tiny", 1, 1 * GB, 256)
+    assert not result.fits and "does not fit on 1 x 1 GB" in result.explanation
+    assert "it needs at least" not in result.explanation
+    assert len(calls) <= 1  # the runtime bound rules out every count without planning it
+    calls.clear()
+    assert P.minimum_gpus("llama2-7b", 2 * GB, 4096, limit=16384) is None  # weights fit from ~100 GPUs, nothing else
+    assert len(calls) <= 12  # doubling counts only
+
+
 # ---- ranking ------------------------------------------------------------------------------------------------
 
 def test_tensor_parallelism_stays_inside_a_node():
