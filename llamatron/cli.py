@@ -44,11 +44,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     demo = cfg.data.data is None and not cfg.data.mock_data and cfg.data.sft_data is None
+    replace_save = False
     if demo:
         _apply_demo_defaults(cfg)
+        replace_save = _clear_previous_demo_checkpoint(cfg)
     from .train import run_training
 
-    result = run_training(cfg)
+    result = run_training(cfg, replace_save=replace_save)
     if demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         _print_demo_summary(result)
     return 0
@@ -65,6 +67,20 @@ def _apply_demo_defaults(cfg) -> None:
     for key, value in DEMO_DEFAULTS.items():
         if key not in cfg.explicit:
             setattr(getattr(cfg, _section_of(key)), key, value)
+
+
+def _clear_previous_demo_checkpoint(cfg) -> bool:
+    """The demo's own checkpoint directory (no --save given) holds the previous demo run: a new run replaces it,
+    where a run saving into another run's directory is refused (train.check_save_dir)."""
+    if "save" in cfg.explicit or cfg.train.load:
+        return False
+    save = cfg.train.save
+    if os.environ.get("RANK", "0") == "0" and os.path.isdir(save) and os.listdir(save):
+        import shutil
+
+        print(f"replacing the previous demo run's checkpoints in {save}", flush=True)
+        shutil.rmtree(save)
+    return True
 
 
 def _print_demo_summary(result) -> None:

@@ -73,8 +73,10 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
 
         vocab = load_tokenizer(tokenizer).vocab_size
         if vocab > model_cfg.vocab_size:
-            raise ConfigError(f"tokenizer {tokenizer} has {vocab} tokens but model {t.model} only {model_cfg.vocab_size}; "
-                              f"pick a model with a large enough vocabulary")
+            fix = (f"use the tokenizer {t.load} was trained with" if t.load and "model" not in cfg.explicit
+                   else "pick a model with a large enough vocabulary (or YAML model_overrides: vocab_size)")
+            raise ConfigError(f"tokenizer {tokenizer} has {vocab} tokens but {model_label(cfg)} only "
+                              f"{model_cfg.vocab_size}; {fix}")
     train, valid = _rank0_first(mesh, lambda: samples.build_datasets(
         prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed, vocab_size=model_cfg.vocab_size))
     if mesh.is_logging_rank:
@@ -100,7 +102,14 @@ def _rank0_first(mesh: Mesh, build):
     return result if mesh.rank == 0 else build()
 
 
-def run_training(cfg: RunConfig) -> TrainResult:
+def model_label(cfg: RunConfig) -> str:
+    """The model as the user named it: --model, or the checkpoint whose architecture was taken."""
+    t = cfg.train
+    return t.model if "model" in cfg.explicit or not t.load else f"the model of checkpoint {t.load}"
+
+
+def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
+    """Train as configured. replace_save: the caller has cleared --save (the demo's own directory)."""
     t = cfg.train
     if cfg.data.tokenizer and os.path.exists(cfg.data.tokenizer):
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)  # checkpoints must name it from anywhere
@@ -112,10 +121,15 @@ def run_training(cfg: RunConfig) -> TrainResult:
         model_cfg = read_model_config(t.load)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
+    if t.load:
+        from .checkpoint.dist import check_checkpoint_fits
+
+        check_checkpoint_fits(t.load, model_cfg, model_label(cfg))
+    if not replace_save:
+        check_save_dir(cfg)
     init_distributed(derived.device, t.dist_timeout)
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
-        _warn_if_save_dir_has_another_run(cfg)
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)
@@ -228,17 +242,48 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     return result
 
 
-def _warn_if_save_dir_has_another_run(cfg: RunConfig) -> None:
-    """A fresh run saving into a directory with newer checkpoints would move its `latest` backwards."""
+def check_save_dir(cfg: RunConfig) -> None:
+    """Before anything runs: --save can be written, and it holds no checkpoints this run did not write.
+
+    Saving into another run's directory would overwrite its step-N checkpoints and move its `latest`, and
+    --keep-last would delete the rest. Resuming (--load of this directory or one of its step-N) continues the
+    run that wrote them; fine-tuning starts again at step 0, so it too must save elsewhere.
+    """
     save, load = cfg.train.save, cfg.train.load
-    latest = os.path.join(save, "latest") if save else None
-    if latest is None or not os.path.isfile(latest) or load:
+    if not save:
         return
-    with open(latest) as f:
-        previous = f.read().strip()
-    print(f"warning: --save {save} already holds checkpoints ({previous} is its latest) and this run starts from "
-          f"step 0 without --load: its saves will replace that `latest`. Pass --load {save} to resume instead.",
-          file=sys.stderr, flush=True)
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save {save} is a file, not a directory: give a directory for the checkpoints")
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--save {save}: cannot create the directory ({e.strerror}); give a writable "
+                          "directory") from None
+    if not os.access(save, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save {save} is not writable by this user: give a writable directory")
+    steps = sorted((int(p.name[5:]), p.name) for p in os.scandir(save) if p.name[5:].isdigit()
+                   and p.name.startswith("step-") and p.is_dir())
+    if not steps:
+        return
+    latest_file = os.path.join(save, "latest")
+    latest = open(latest_file).read().strip() if os.path.isfile(latest_file) else steps[-1][1]
+    if load and _checkpoint_root(load) == os.path.realpath(save) and not cfg.train.finetune:
+        return  # resuming the run that wrote them
+    held = f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''}, the latest {latest}"
+    if load and cfg.train.finetune and _checkpoint_root(load) == os.path.realpath(save):
+        raise ConfigError(f"--save {save} is the directory --load reads ({held}); fine-tuning starts again at "
+                          "step 0, so its saves would overwrite those checkpoints (and --keep-last would delete "
+                          "them). Save the fine-tuned model to a new directory.")
+    raise ConfigError(f"--save {save} already holds another run's checkpoints ({held}); this run's saves would "
+                      "overwrite them (and --keep-last would delete them). Resume that run with --load "
+                      f"{save}, save to a new directory, or delete {save} first.")
+
+
+def _checkpoint_root(load: str) -> str:
+    """The directory holding the checkpoint --load names (DIR, or DIR for DIR/step-N)."""
+    path = os.path.realpath(load)
+    name = os.path.basename(path)
+    return os.path.dirname(path) if name.startswith("step-") and name[5:].isdigit() else path
 
 
 def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:
@@ -254,7 +299,7 @@ def _warn_if_beyond_trained_context(cfg: RunConfig, model_cfg) -> None:
     """Longer sequences than the model's context train, but pretrained weights need rope scaling for them."""
     seq, limit = cfg.data.seq_length, model_cfg.max_seq_length
     if seq > limit and model_cfg.rope_scaling is None:
-        print(f"warning: --seq-length {seq} is beyond {cfg.train.model}'s context of {limit} tokens and no rope "
+        print(f"warning: --seq-length {seq} is beyond {model_label(cfg)}'s context of {limit} tokens and no rope "
               f"scaling is set; for pretrained weights set one in YAML (model_overrides: rope_scaling: "
               f"{{kind: linear, factor: {seq / limit:g}}}) or use --seq-length <= {limit}.", file=sys.stderr, flush=True)
 

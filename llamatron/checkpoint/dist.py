@@ -79,9 +79,22 @@ def read_model_config(path: str) -> ModelConfig:
     return ModelConfig.from_dict(read_meta(path)["model_config"])
 
 
-def _check_architecture(reader: CheckpointReader, engine) -> None:
+def check_checkpoint_fits(path: str, model_cfg: ModelConfig, model_name: str) -> None:
+    """Before any memory is spent on the model: the checkpoint holds this model's weights, and every file its
+    index lists is there (the index and shapes are read, no tensor)."""
+    reader = CheckpointReader(path)
+    _check_architecture(reader, model_cfg, model_name)
+    missing = sorted({piece.file for kind in reader.tensors.values() for t in kind.values() for piece in t.pieces
+                      if not (reader.step_dir / piece.file).is_file()})
+    if missing:
+        raise CheckpointError(f"{reader.step_dir} is incomplete: {', '.join(missing[:8])} "
+                              f"{'is' if len(missing) == 1 else 'are'} listed in its index but missing; copy the "
+                              "whole checkpoint directory again, or load an earlier step-N")
+
+
+def _check_architecture(reader: CheckpointReader, model_cfg: ModelConfig, model_name: str) -> None:
     """Every weight of the model in the checkpoint with its full shape, and nothing else."""
-    expected = {n: tuple(p.shape) for n, p in build_model(engine.model_cfg, device="meta").named_parameters()}
+    expected = {n: tuple(p.shape) for n, p in build_model(model_cfg, device="meta").named_parameters()}
     problems = []
     for name, shape in expected.items():
         if not reader.has("model", name):
@@ -90,8 +103,9 @@ def _check_architecture(reader: CheckpointReader, engine) -> None:
             problems.append(f"{name}: checkpoint {reader.stored('model', name).shape} vs model {shape}")
     problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected))[:10]]
     if problems:
-        raise CheckpointError(f"checkpoint {reader.step_dir} does not fit this model ({engine.cfg.train.model}):\n  "
-                              + "\n  ".join(problems[:40]))
+        raise CheckpointError(f"checkpoint {reader.step_dir} does not fit this model ({model_name}):\n  "
+                              + "\n  ".join(problems[:40]) + "\nload a checkpoint of this model, or leave out "
+                              "--model: --load then takes the checkpoint's own architecture")
 
 
 def _read_into(reader: CheckpointReader, kind: str, name: str, param: nn.Parameter, dst: torch.Tensor,
@@ -116,7 +130,7 @@ def load_checkpoint(engine, path: str, weights_only: bool = False) -> dict[str, 
                               f"(it has no optimizer state or step to resume)")
     # Where the weights came from (Hugging Face config, tokenizer) is kept by later saves, for export-hf.
     engine.inherited_meta = {k: meta[k] for k in ("hf", "tokenizer") if k in meta}
-    _check_architecture(reader, engine)
+    _check_architecture(reader, engine.model_cfg, engine.cfg.train.model)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
     weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
