@@ -126,6 +126,20 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     return None
 
 
+def _special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
+    """bos/eos ids of the shipped tokenizer. None is written as null on purpose: a missing key makes transformers
+    fill in its per-family defaults (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here."""
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None}
+    from ..data.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"tokenizer {tokenizer} cannot be read: {e}") from None
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id}
+
+
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9,
               dtype: torch.dtype | None = None, tokenizer: str | None = None) -> dict[str, Any]:
     """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config)."""
@@ -134,6 +148,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 1
     cfg = ModelConfig.from_dict(meta["model_config"])
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
+    tok = find_tokenizer(step_dir, meta, tokenizer)  # its token ids go into config.json
     vocab = min(cfg.vocab_size, (base or {}).get("vocab_size") or cfg.vocab_size)
     source = open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
     rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
@@ -148,6 +163,10 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 1
             specs.append((name, dtype or part.dtype, tuple(part.shape)))
     out_dtype = dtype or specs[0][1]
     hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
+    if base is None:  # trained here: the token ids are the tokenizer's (an import keeps its source's)
+        hf = dict(sorted({**hf, **_special_token_ids(tok)}.items()))
+    generation = hf_meta.get("generation_config") or {k: hf[k] for k in ("bos_token_id", "eos_token_id",
+                                                                          "pad_token_id") if k in hf}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stale = [p.name for p in out.iterdir() if p.name.startswith(("model", "pytorch_model"))]
@@ -156,9 +175,8 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 1
                               f"an empty directory")
     files = _write_shards(out, specs, _hf_tensors(rules, source, vocab, dtype), max_shard_size)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if hf_meta.get("generation_config"):
-        (out / "generation_config.json").write_text(json.dumps(hf_meta["generation_config"], indent=2) + "\n")
-    tok = find_tokenizer(step_dir, meta, tokenizer)
+    if generation:
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tok is not None:
         _copy_tokenizer(tok, out)
     return {"files": files, "tokenizer": str(tok) if tok else None, "config": hf, "step_dir": str(step_dir)}
