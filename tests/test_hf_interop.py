@@ -349,3 +349,43 @@ def test_export_of_a_model_trained_here_carries_its_tokenizers_token_ids(tmp_pat
     assert run_cli("export-hf", tmp_path / "imported", tmp_path / "out3") == 0
     config = transformers.AutoConfig.from_pretrained(tmp_path / "out3")
     assert (config.bos_token_id, config.eos_token_id) == (7, 8)
+
+
+def test_export_refuses_a_checkpoint_whose_tokenizer_is_gone(tmp_path, capsys):
+    """The checkpoint names its tokenizer by absolute path: once it moved, exporting without it would publish a
+    model nobody can tokenize for. Nothing is written; --tokenizer PATH is the fix."""
+    ckpt, tok = train_with_bpe_tokenizer(tmp_path)
+    tok.rename(tmp_path / "moved-tok")
+    capsys.readouterr()
+    assert run_cli("export-hf", ckpt, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint's tokenizer {tok} (recorded in" in err and "pass --tokenizer PATH" in err
+    assert not (tmp_path / "out").exists()
+    assert run_cli("export-hf", ckpt, tmp_path / "out", "--tokenizer", tmp_path / "moved-tok") == 0
+    assert (tmp_path / "out/tokenizer.json").is_file()
+
+
+def test_export_without_a_recorded_tokenizer_says_what_to_do(tmp_path, capsys):
+    make_hf_model("llama").save_pretrained(tmp_path / "hf")  # no tokenizer files: the import records none
+    assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt") == 0
+    assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
+    assert (f"tokenizer: none: the checkpoint records no tokenizer, so {tmp_path / 'out'} has no tokenizer files; "
+            f"pass --tokenizer PATH to ship one") in capsys.readouterr().out
+
+
+def test_export_refuses_a_non_empty_directory(tmp_path, capsys):
+    """Another model's config.json and tokenizer files would be overwritten or mixed in: export into a new (or
+    empty) directory only."""
+    save_hf("llama", tmp_path / "hf")
+    run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "out").mkdir()
+    assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0  # empty: fine
+    write_tokenizer(tmp_path / "other")  # another model's files, no weights (those alone used to be refused)
+    (tmp_path / "other/config.json").write_text('{"model_type": "gpt2"}')
+    for existing in ("other", "out"):  # another model's directory, a redone export
+        before = {p.name: p.read_bytes() for p in (tmp_path / existing).iterdir()}
+        capsys.readouterr()
+        assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / existing) == 2
+        assert (f"{tmp_path / existing} already exists and is not empty; export into a new directory (or delete "
+                f"{tmp_path / existing} first)") in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in (tmp_path / existing).iterdir()} == before
