@@ -125,7 +125,8 @@ def _relaunch_with_torchrun(nproc: int) -> int:
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--load", required=True, help="checkpoint directory (DIR or DIR/step-N)")
-    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--prompt", default="", help="text to continue (may be empty only when the tokenizer has a "
+                                                "beginning-of-sequence token: sampling then starts from it)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded in the checkpoint)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: 100)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default: 0.8)")
@@ -136,10 +137,15 @@ def _generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .checkpoint.reader import read_meta
     from .data.tokenizer import load_tokenizer
     from .generate import load_for_generation, sample
 
-    model, meta = load_for_generation(args.load, args.device)
+    if not args.temperature >= 0:  # also NaN
+        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0: greedy)")
+    if args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: must be >= 1 (1: always the likeliest token)")
+    meta = read_meta(args.load)  # tokenizer and prompt are checked before the weights are read
     tokenizer = args.tokenizer or meta.get("tokenizer") or (meta.get("config") or {}).get("data", {}).get("tokenizer")
     if tokenizer is None:
         raise ConfigError(f"checkpoint {args.load} records no tokenizer (trained on --mock-data?); "
@@ -147,10 +153,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not os.path.exists(tokenizer):
         raise ConfigError(f"tokenizer {tokenizer} (recorded in the checkpoint) not found; pass --tokenizer PATH")
     tok = load_tokenizer(tokenizer)
-    if tok.vocab_size > model.cfg.vocab_size:
+    vocab_size = meta["model_config"]["vocab_size"]
+    if tok.vocab_size > vocab_size:
         raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens but the model only "
-                          f"{model.cfg.vocab_size}: it is not this model's tokenizer")
-    ids = sample(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k, args.seed)
+                          f"{vocab_size}: it is not this model's tokenizer")
+    prompt_ids = tok.encode(args.prompt)
+    if not prompt_ids:
+        if tok.bos_id is None:
+            raise ConfigError(f"--prompt is empty and tokenizer {tokenizer} has no beginning-of-sequence token to "
+                              f"start from; give --prompt TEXT")
+        prompt_ids = [tok.bos_id]  # as transformers' generate does without input
+    model, _ = load_for_generation(args.load, args.device)
+    ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tok.decode(ids))
     return 0
 

@@ -10,7 +10,11 @@ from .models import Transformer
 @torch.no_grad()
 def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.8,
            top_k: int | None = 50, seed: int = 0, stop_id: int | None = None) -> list[int]:
-    """Autoregressive sampling (full recompute per token: small models only)."""
+    """Autoregressive sampling (full recompute per token: small models only); temperature <= 0: greedy."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: start from at least one token (e.g. the tokenizer's BOS)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: must be >= 1, or None for no top-k cut")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)

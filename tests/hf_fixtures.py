@@ -55,3 +55,24 @@ def make_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32
 def random_tokens(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, seq), generator=gen)
+
+
+def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
+    """A llama-test checkpoint trained one step from scratch (mock data) that records a tokenizer made by
+    train_bpe_tokenizer (`<|endoftext|>` is id 0, no BOS token); returns (checkpoint dir, tokenizer dir)."""
+    from llamatron.cli import main
+    from llamatron.data.tokenizer import train_bpe_tokenizer
+
+    tok_dir = workdir / "tok"
+    if not tok_dir.exists():
+        train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300, str(tok_dir))
+    config = workdir / "run.yaml"
+    config.write_text("model: llama-test\nmodel_overrides: {vocab_size: 320}\n")  # room for the tokenizer's 300
+    args = ["train", "--config", config, "--tokenizer", tok_dir, "--mock-data", "--device", "cpu", "--precision",
+            "fp32", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-steps", "1",
+            "--no-progress", "--eval-iters", "1", "--save", workdir / ckpt_name]
+    try:
+        main([str(a) for a in args])
+    except SystemExit as e:
+        assert not e.code, e.code
+    return workdir / ckpt_name, tok_dir

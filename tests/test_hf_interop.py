@@ -19,7 +19,7 @@ from llamatron.checkpoint.hf import HFConversionError, config_from_hf
 from llamatron.cli import main as llamatron_main
 from llamatron.generate import load_for_generation
 
-from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens
+from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens, train_with_bpe_tokenizer
 from layout import free_port
 
 BF16_FAMILIES = {"llama3-rope-scaling", "falcon-7b-layout", "mistral-window"}  # stored and exported as bf16
@@ -320,3 +320,72 @@ def test_export_of_a_checkpoint_trained_from_scratch(preset, tmp_path, capsys):
         assert config["new_decoder_architecture"] == (preset == "falcon40b-test")
     assert run_cli("verify", tmp_path / "ckpt", "--hf", tmp_path / "out", "--batches", "1") == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_export_of_a_model_trained_here_carries_its_tokenizers_token_ids(tmp_path):
+    """With no imported config.json the bos/eos ids come from the tokenizer: without them transformers falls back
+    to its per-family defaults (Llama's eos 2 is an ordinary token of a vocabulary trained here)."""
+    import transformers
+
+    ckpt, _ = train_with_bpe_tokenizer(tmp_path)  # <|endoftext|> = 0, no BOS token
+    assert run_cli("export-hf", ckpt, tmp_path / "out") == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert config.eos_token_id == generation.eos_token_id == 0
+    assert config.bos_token_id is None and generation.bos_token_id is None
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == 0
+    write_tokenizer(tmp_path / "named")  # a tokenizer that names both: --tokenizer's ids are written
+    (tmp_path / "named/tokenizer_config.json").write_text(json.dumps({"bos_token": "t5", "eos_token": "t6"}))
+    assert run_cli("export-hf", ckpt, tmp_path / "out2", "--tokenizer", tmp_path / "named") == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out2")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out2")
+    assert (config.bos_token_id, config.eos_token_id) == (generation.bos_token_id, generation.eos_token_id) == (5, 6)
+    # Imported: the source's ids stay, although this tokenizer names neither token.
+    model = make_hf_model("llama")
+    model.config.bos_token_id, model.config.eos_token_id = 7, 8
+    model.save_pretrained(tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    assert run_cli("import-hf", tmp_path / "hf", tmp_path / "imported") == 0
+    assert run_cli("export-hf", tmp_path / "imported", tmp_path / "out3") == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out3")
+    assert (config.bos_token_id, config.eos_token_id) == (7, 8)
+
+
+def test_export_refuses_a_checkpoint_whose_tokenizer_is_gone(tmp_path, capsys):
+    """The checkpoint names its tokenizer by absolute path: once it moved, exporting without it would publish a
+    model nobody can tokenize for. Nothing is written; --tokenizer PATH is the fix."""
+    ckpt, tok = train_with_bpe_tokenizer(tmp_path)
+    tok.rename(tmp_path / "moved-tok")
+    capsys.readouterr()
+    assert run_cli("export-hf", ckpt, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint's tokenizer {tok} (recorded in" in err and "pass --tokenizer PATH" in err
+    assert not (tmp_path / "out").exists()
+    assert run_cli("export-hf", ckpt, tmp_path / "out", "--tokenizer", tmp_path / "moved-tok") == 0
+    assert (tmp_path / "out/tokenizer.json").is_file()
+
+
+def test_export_without_a_recorded_tokenizer_says_what_to_do(tmp_path, capsys):
+    make_hf_model("llama").save_pretrained(tmp_path / "hf")  # no tokenizer files: the import records none
+    assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt") == 0
+    assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
+    assert (f"tokenizer: none: the checkpoint records no tokenizer, so {tmp_path / 'out'} has no tokenizer files; "
+            f"pass --tokenizer PATH to ship one") in capsys.readouterr().out
+
+
+def test_export_refuses_a_non_empty_directory(tmp_path, capsys):
+    """Another model's config.json and tokenizer files would be overwritten or mixed in: export into a new (or
+    empty) directory only."""
+    save_hf("llama", tmp_path / "hf")
+    run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "out").mkdir()
+    assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0  # empty: fine
+    write_tokenizer(tmp_path / "other")  # another model's files, no weights (those alone used to be refused)
+    (tmp_path / "other/config.json").write_text('{"model_type": "gpt2"}')
+    for existing in ("other", "out"):  # another model's directory, a redone export
+        before = {p.name: p.read_bytes() for p in (tmp_path / existing).iterdir()}
+        capsys.readouterr()
+        assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / existing) == 2
+        assert (f"{tmp_path / existing} already exists and is not empty; export into a new directory (or delete "
+                f"{tmp_path / existing} first)") in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in (tmp_path / existing).iterdir()} == before

@@ -75,7 +75,9 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     summary = export_hf(args.ckpt, args.out_dir, parse_size(args.max_shard_size),
                         DTYPES[args.dtype] if args.dtype else None, args.tokenizer)
     print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
-    print(f"  tokenizer: {summary['tokenizer'] or 'none found (pass --tokenizer)'}")
+    tokenizer = summary["tokenizer"] or (f"none: the checkpoint records no tokenizer, so {args.out_dir} has no "
+                                         f"tokenizer files; pass --tokenizer PATH to ship one")
+    print(f"  tokenizer: {tokenizer}")
     if args.push_to_hub:
         url = push_to_hub(Path(args.out_dir), args.push_to_hub, args.private)
         print(f"  uploaded to {url}")

@@ -112,28 +112,57 @@ def _copy_tokenizer(src: Path, dst: Path) -> Path | None:
     return dst
 
 
+def _is_tokenizer(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any((path / n).is_file() for n in TOKENIZER_FILES))
+
+
 def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = None) -> Path | None:
-    """The tokenizer to ship with an export: --tokenizer, else the one recorded with the checkpoint."""
+    """The tokenizer to ship with an export: --tokenizer, else the one recorded with the checkpoint (or the
+    tokenizer/ an import put next to it); None when the checkpoint records none."""
     if explicit is not None:
         if not Path(explicit).exists():
             raise CheckpointError(f"tokenizer {explicit} not found")
         return Path(explicit)
-    candidates = [meta.get("tokenizer"), step_dir.parent / "tokenizer",
-                  (meta.get("config") or {}).get("data", {}).get("tokenizer")]
-    for c in candidates:
-        if c and Path(c).exists() and (Path(c).is_file() or any((Path(c) / n).is_file() for n in TOKENIZER_FILES)):
+    recorded = [c for c in (meta.get("tokenizer"), (meta.get("config") or {}).get("data", {}).get("tokenizer")) if c]
+    # OUT/tokenizer of an import is still there when the checkpoint was copied elsewhere as a whole.
+    for c in [*recorded[:1], step_dir.parent / "tokenizer", *recorded[1:]]:
+        if _is_tokenizer(Path(c)):
             return Path(c)
+    if recorded:  # exporting without it would publish a model nobody can tokenize for
+        raise CheckpointError(f"the checkpoint's tokenizer {recorded[0]} (recorded in {step_dir / META_FILE}) is "
+                              f"not there any more (moved or deleted); pass --tokenizer PATH with the tokenizer "
+                              f"the model was trained with")
     return None
+
+
+def _special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
+    """bos/eos ids of the shipped tokenizer. None is written as null on purpose: a missing key makes transformers
+    fill in its per-family defaults (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here."""
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None}
+    from ..data.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"tokenizer {tokenizer} cannot be read: {e}") from None
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id}
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9,
               dtype: torch.dtype | None = None, tokenizer: str | None = None) -> dict[str, Any]:
     """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config)."""
     step_dir = resolve_checkpoint(str(ckpt))
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # Another model's config.json or tokenizer files would be overwritten or mixed with this one's.
+        raise CheckpointError(f"{out} already exists and is not empty; export into a new directory (or delete "
+                              f"{out} first)")
     meta = json.loads((step_dir / META_FILE).read_text())
     cfg = ModelConfig.from_dict(meta["model_config"])
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
+    tok = find_tokenizer(step_dir, meta, tokenizer)  # before writing anything: a missing one is an error
     vocab = min(cfg.vocab_size, (base or {}).get("vocab_size") or cfg.vocab_size)
     source = open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
     rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
@@ -148,17 +177,15 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 1
             specs.append((name, dtype or part.dtype, tuple(part.shape)))
     out_dtype = dtype or specs[0][1]
     hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
-    out = Path(out_dir)
+    if base is None:  # trained here: the token ids are the tokenizer's (an import keeps its source's)
+        hf = dict(sorted({**hf, **_special_token_ids(tok)}.items()))
+    generation = hf_meta.get("generation_config") or {k: hf[k] for k in ("bos_token_id", "eos_token_id",
+                                                                          "pad_token_id") if k in hf}
     out.mkdir(parents=True, exist_ok=True)
-    stale = [p.name for p in out.iterdir() if p.name.startswith(("model", "pytorch_model"))]
-    if stale:
-        raise CheckpointError(f"{out} already holds model weights ({', '.join(sorted(stale)[:3])}); export into "
-                              f"an empty directory")
     files = _write_shards(out, specs, _hf_tensors(rules, source, vocab, dtype), max_shard_size)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if hf_meta.get("generation_config"):
-        (out / "generation_config.json").write_text(json.dumps(hf_meta["generation_config"], indent=2) + "\n")
-    tok = find_tokenizer(step_dir, meta, tokenizer)
+    if generation:
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tok is not None:
         _copy_tokenizer(tok, out)
     return {"files": files, "tokenizer": str(tok) if tok else None, "config": hf, "step_dir": str(step_dir)}

@@ -22,7 +22,7 @@ CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer:
-    """A loaded tokenizer: ``encode``, ``decode``, ``vocab_size``, ``eod_id``, ``save``."""
+    """A loaded tokenizer: ``encode``, ``decode``, ``vocab_size``, ``eod_id``, ``bos_id``, ``save``."""
 
     def __init__(self, backend: Any, kind: str, source: str, config: dict | None) -> None:
         self._backend = backend
@@ -30,6 +30,7 @@ class Tokenizer:
         self.source = source
         self._config = config
         self.eod_id: int | None = self._find_eod_id()
+        self.bos_id: int | None = self._find_bos_id()
 
     @property
     def vocab_size(self) -> int:
@@ -92,8 +93,17 @@ class Tokenizer:
                 return token_id
         return None
 
+    def _find_bos_id(self) -> int | None:
+        """Only a BOS token the tokenizer names: unlike EOS there is no convention to guess one from."""
+        if self.kind == "sentencepiece":
+            bos = self._backend.bos_id()
+            return bos if bos >= 0 else None
+        named = _token_content((self._config or {}).get("bos_token"))
+        return self._backend.token_to_id(named) if named else None
+
     def __repr__(self) -> str:
-        return f"Tokenizer({self.source!r}, kind={self.kind}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
+        return (f"Tokenizer({self.source!r}, kind={self.kind}, vocab_size={self.vocab_size}, eod_id={self.eod_id}, "
+                f"bos_id={self.bos_id})")
 
 
 def _token_content(token: Any) -> str | None:
@@ -109,13 +119,14 @@ def _read_config(directory: str) -> dict | None:
         return None
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
-    # Older exports keep the EOS token only in special_tokens_map.json.
+    # Older exports keep the BOS/EOS tokens only in special_tokens_map.json.
     special_map = os.path.join(directory, "special_tokens_map.json")
-    if "eos_token" not in config and os.path.isfile(special_map):
+    if ("eos_token" not in config or "bos_token" not in config) and os.path.isfile(special_map):
         with open(special_map, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
-        if eos is not None:
-            config["eos_token"] = eos
+            special = json.load(f)
+        for key in ("eos_token", "bos_token"):
+            if key not in config and special.get(key) is not None:
+                config[key] = special[key]
     return config
 
 
