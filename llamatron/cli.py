@@ -145,6 +145,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0: greedy)")
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 1 (1: always the likeliest token)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     meta = read_meta(args.load)  # tokenizer and prompt are checked before the weights are read
     tokenizer = args.tokenizer or meta.get("tokenizer") or (meta.get("config") or {}).get("data", {}).get("tokenizer")
     if tokenizer is None:

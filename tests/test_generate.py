@@ -38,6 +38,7 @@ def run(*args) -> int:
     (["--prompt", ""], "has no beginning-of-sequence token to start from; give --prompt TEXT"),
     (["--prompt", "x", "--top-k", "0"], "--top-k 0: must be >= 1"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0 (0: greedy)"),
+    (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens -5: must be >= 1"),
 ])
 def test_bad_arguments_fail_before_the_model_loads(trained, monkeypatch, capsys, args, message):
     monkeypatch.setattr(generate, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
