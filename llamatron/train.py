@@ -94,11 +94,24 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
 
 
 def _rank0_first(mesh: Mesh, build):
-    """Rank 0 builds the index files (cached next to the data) first; the other ranks then load them."""
+    """Rank 0 builds the index files (cached next to the data) first; the other ranks then load them.
+
+    When rank 0 fails (a bad data file), the others learn it instead of waiting in a collective until rank 0's
+    exit breaks it: rank 0 reports the error, they exit 2 quietly.
+    """
+    failure = None
     if mesh.rank == 0:
-        result = build()
+        try:
+            result = build()
+        except Exception as e:
+            failure = e
     if dist.is_initialized():
-        dist.barrier()
+        said = [f"{type(failure).__name__}: {failure}" if failure is not None else None]
+        dist.broadcast_object_list(said, src=0)
+        if said[0] is not None and mesh.rank != 0:
+            raise SystemExit(2)
+    if failure is not None:
+        raise failure
     return result if mesh.rank == 0 else build()
 
 
