@@ -345,6 +345,10 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 
 def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
     progress = not getattr(args, "no_progress", False)
+    if args.workers < 1:
+        from llamatron.config import ConfigError  # imported here: it pulls in torch, which preprocess needs not
+
+        raise ConfigError(f"--workers {args.workers}: need at least 1 tokenizer process (default: 1)")
     if getattr(args, "sft", False):
         from llamatron.data.sft import preprocess_conversations
 
