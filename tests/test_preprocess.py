@@ -373,3 +373,15 @@ def test_corrupt_inputs_tokenizers_and_settings_name_the_problem(tokenizer_dir, 
 
     with pytest.raises(DataError, match=r"tokenizer_config\.json: not valid JSON"):
         load_tokenizer(str(tmp_path / "tok"))
+
+
+def test_no_documents_at_all_is_an_error(tokenizer_dir, tmp_path, capsys):
+    path = write_jsonl(tmp_path / "keys.jsonl", [{"text": "a"}, {"content": "b"}, {"text": "c"}])
+    code, err = cli(["preprocess", "--input", path, "--output-prefix", str(tmp_path / "out"), "--tokenizer",
+                     tokenizer_dir, "--json-keys", "text", "content", "--skip-bad-lines", "--no-progress"], capsys)
+    assert code == 2 and f"data error: {path}: no usable records, all 3 were skipped (3 missing key; first: " in err
+    assert "Check the keys (--json-keys" in err and "preprocessed 0 documents" not in err, err
+    assert not os.path.exists(tmp_path / "out_text_document.idx")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(BadInputError, match=r"empty\.jsonl: no records to preprocess \(empty input\)"):
+        preprocess(str(tmp_path / "empty.jsonl"), str(tmp_path / "out"), tokenizer_dir, progress=False)
