@@ -355,3 +355,25 @@ def test_train_refuses_sft_data_truncated_to_nothing(tokenizer_dir, tmp_path):
         assert "llamatron train: data error: --sft-data" in done.stderr and "Traceback" not in done.stderr
         assert "39 of the 39 conversations of the train split lose all their trained" in done.stderr
         assert "raise --seq-length" in done.stderr and "loss" not in done.stdout
+
+
+def test_sft_data_prefix_mistakes_get_a_hint(sft_prefix, tokenizer_dir, tmp_path, capsys):
+    from llamatron.cli import main
+    from llamatron.data.preprocess import preprocess
+
+    output_prefix = sft_prefix[: -len("_sft")]  # what was given to preprocess --output-prefix
+    with pytest.raises(DataError, match=rf"animals\.idx: file not found .*did you mean '{sft_prefix}'\?"):
+        build_sft_datasets(output_prefix, "98,2,0", 48, 8, 8, seed=0)
+    with pytest.raises(DataError, match=rf"--sft-data {sft_prefix}_mask is the loss mask of {sft_prefix}; give the "
+                                        rf"token dataset, --sft-data {sft_prefix} "):
+        build_sft_datasets(mask_prefix(sft_prefix), "98,2,0", 48, 8, 8, seed=0)
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "plain text"}] * 4)
+    pretraining = preprocess(text, str(tmp_path / "pt"), tokenizer_dir, progress=False)["outputs"]["text"]
+    with pytest.raises(DataError, match=r"pt_text_document_mask\.idx: file not found.*--sft-data needs the loss "
+                                        r"mask .* is .*pt_text_document a --data \(pre-training\) dataset\?"):
+        build_sft_datasets(pretraining, "98,2,0", 48, 8, 8, seed=0)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "llama-test", "--sft-data", output_prefix, "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"data error: {output_prefix}.idx: file not found" in err
+    assert f"did you mean '{sft_prefix}'?" in err, err

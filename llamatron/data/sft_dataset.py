@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key
-from llamatron.data.indexed import DataError, IndexedDataset, index_path
+from llamatron.data.indexed import DataError, IndexedDataset, MissingDataError, index_path
 from llamatron.data.samples import check_token_ids, split_documents
 from llamatron.data.sft import mask_prefix
 
@@ -170,7 +170,17 @@ class SFTDataset:
 def build_sft_datasets(prefix: str, split: str, seq_length: int, train_samples: int, valid_samples: int, seed: int,
                        pack: bool = True, vocab_size: int | None = None) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation datasets for ``--sft-data PREFIX`` (conversations split by ``split``)."""
-    tokens, mask = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
+    base = prefix[: -len("_mask")]
+    if prefix.endswith("_mask") and os.path.isfile(index_path(base)) and not os.path.isfile(index_path(
+            mask_prefix(prefix))):
+        raise DataError(f"--sft-data {prefix} is the loss mask of {base}; give the token dataset, --sft-data {base} "
+                        "(its _mask is found from it)")
+    tokens = IndexedDataset(prefix)
+    try:
+        mask = IndexedDataset(mask_prefix(prefix))
+    except MissingDataError as err:
+        raise MissingDataError(f"{err}; --sft-data needs the loss mask that `preprocess --sft` writes next to the "
+                               f"tokens: is {prefix} a --data (pre-training) dataset?") from None
     cache_dir = os.path.dirname(os.path.abspath(prefix))
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, cache_dir)
