@@ -385,3 +385,30 @@ def test_no_documents_at_all_is_an_error(tokenizer_dir, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(BadInputError, match=r"empty\.jsonl: no records to preprocess \(empty input\)"):
         preprocess(str(tmp_path / "empty.jsonl"), str(tmp_path / "out"), tokenizer_dir, progress=False)
+
+
+def test_directory_warns_about_subdirectories_and_repeated_files_are_read_once(tokenizer_dir, tmp_path, capsys):
+    from llamatron.data.readers import expand_inputs
+
+    (tmp_path / "corpus" / "more" / "deeper").mkdir(parents=True)
+    top = write_jsonl(tmp_path / "corpus" / "top.jsonl", [{"text": "top doc"}])
+    write_jsonl(tmp_path / "corpus" / "more" / "a.jsonl", [{"text": "nested doc"}])
+    write_jsonl(tmp_path / "corpus" / "more" / "deeper" / "b.jsonl", [{"text": "nested doc"}])
+    (tmp_path / "corpus" / "more" / "notes.txt").write_text("not input")
+    assert expand_inputs(str(tmp_path / "corpus")) == [top]
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'corpus'}: 2 input file(s) in its subdirectories are not read" in err
+    assert f"'{tmp_path / 'corpus' / '**' / '*.jsonl'}'" in err
+    assert len(expand_inputs(str(tmp_path / "corpus" / "**" / "*.jsonl"))) == 3  # the glob the warning suggests
+    (tmp_path / "outer" / "inner").mkdir(parents=True)
+    write_jsonl(tmp_path / "outer" / "inner" / "c.jsonl", [{"text": "nested doc"}])
+    with pytest.raises(FileNotFoundError, match=r"outer: directory holds no input files .*; 1 input file\(s\) in its "
+                                                r"subdirectories are not read"):
+        expand_inputs(str(tmp_path / "outer"))
+    # the same file twice (also through a directory or another spelling) is read once, with a warning
+    capsys.readouterr()
+    summary = preprocess([top, str(tmp_path / "corpus"), str(tmp_path / "corpus" / "." / "top.jsonl")],
+                         str(tmp_path / "out"), tokenizer_dir, progress=False)
+    assert summary["files"] == 1 and summary["documents"] == 1
+    err = capsys.readouterr().err
+    assert "warning: 2 input file(s) named more than once are read once: " in err and top in err

@@ -12,6 +12,7 @@ import glob
 import gzip
 import io
 import os
+import sys
 import zlib
 from typing import IO, Any, Iterator, Sequence
 
@@ -28,8 +29,10 @@ Record = tuple[int, int, "bytes | dict[str, Any]"]
 def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """Files named by ``patterns``: paths, globs (``data/*.jsonl.zst``, ``**`` recursive) or directories.
 
-    A directory stands for the supported files directly inside it. Globs and
+    A directory stands for the supported files directly inside it (a warning
+    counts those in its subdirectories, which are not read). Globs and
     directories expand in sorted order, so the output order is reproducible.
+    A file named more than once is read once, with a warning.
     """
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
@@ -39,8 +42,17 @@ def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> 
             matches = [pattern]
         elif os.path.isdir(pattern):
             matches = sorted(os.path.join(pattern, n) for n in os.listdir(pattern) if n.endswith(SUPPORTED))
+            nested = _nested_inputs(pattern)
+            hint = ""
+            if nested:
+                example = os.path.join(pattern, "**", "*" + _suffix(nested[0]))
+                hint = (f"{len(nested)} input file(s) in its subdirectories are not read (a directory stands for the "
+                        f"files directly inside it); to read them give a recursive glob, quoted: '{example}'")
             if not matches:
-                raise FileNotFoundError(f"{pattern}: directory holds no input files ({', '.join(SUPPORTED)})")
+                raise FileNotFoundError(f"{pattern}: directory holds no input files ({', '.join(SUPPORTED)})"
+                                        + (f"; {hint}" if hint else ""))
+            if hint:
+                print(f"warning: {pattern}: {hint}", file=sys.stderr, flush=True)
         elif glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not matches:
@@ -53,7 +65,34 @@ def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> 
         paths.extend(matches)
     if not paths:
         raise DataError("no input files given")
-    return paths
+    return _without_repeats(paths)
+
+
+def _nested_inputs(directory: str) -> list[str]:
+    """Supported files below the top level of ``directory``."""
+    return sorted(os.path.join(root, n) for root, _, names in os.walk(directory) if root != directory
+                  for n in names if n.endswith(SUPPORTED))
+
+
+def _suffix(path: str) -> str:
+    return next(s for s in sorted(SUPPORTED, key=len, reverse=True) if path.endswith(s))
+
+
+def _without_repeats(paths: list[str]) -> list[str]:
+    """Each file once (first place kept): a file read twice would silently double its documents."""
+    seen: dict[str, str] = {}
+    unique, repeated = [], []
+    for path in paths:
+        key = os.path.realpath(path)
+        if key in seen:
+            repeated.append(path if path == seen[key] else f"{path} (= {seen[key]})")
+        else:
+            seen[key] = path
+            unique.append(path)
+    if repeated:
+        print(f"warning: {len(repeated)} input file(s) named more than once are read once: {', '.join(repeated[:3])}"
+              + (f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""), file=sys.stderr, flush=True)
+    return unique
 
 
 def _zstandard():
