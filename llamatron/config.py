@@ -303,6 +303,14 @@ class Derived:
 
 
 def _validate_data(d: DataConfig) -> None:
+    from .data.samples import parse_data_argument, split_documents
+
+    try:  # the same parsing the data loading does, here before anything is built
+        if d.data is not None:
+            parse_data_argument(d.data)
+        split_documents(0, d.split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     boundaries = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
                   if getattr(d, n)]
     if d.sft_data is not None and (d.data is not None or d.mock_data):

@@ -54,6 +54,9 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
             d.sft_data, d.split, d.seq_length, train_samples, valid_samples, t.seed, d.pack, model_cfg.vocab_size))
         if mesh.is_logging_rank:
             print(train.describe(), flush=True)
+            for warning in (ds.warning() for ds in (train, valid) if ds is not None):
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
         return Datasets(train, valid, d.tokenizer)
     from .data import samples
 

@@ -299,3 +299,116 @@ def test_command_line_exit_codes(tokenizer_dir, tmp_path):
     assert done.returncode == 2
     assert "data error:" in done.stderr and "bad.jsonl:2: malformed JSON" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- Broken inputs and settings end in a message naming the file or flag, exit 2 (new-user review) ---
+
+
+def cli(argv, capsys):
+    """`llamatron ARGV` in this process: (exit status, stderr)."""
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+MANY = [{"text": f"document {i}: " + "llamas and alpacas " * 5} for i in range(400)]
+
+
+def truncated(path):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("name", ["cut.jsonl.gz", "cut.jsonl.zst"])
+def test_truncated_compressed_input_is_an_error_even_when_skipping_bad_lines(name, tokenizer_dir, tmp_path, capsys):
+    path = str(tmp_path / name)
+    write_zst(path, MANY) if name.endswith(".zst") else write_jsonl(path, MANY, compress=True)
+    truncated(path)
+    for workers in ("1", "2"):
+        code, err = cli(["preprocess", "--input", path, "--output-prefix", str(tmp_path / "out"), "--tokenizer",
+                         tokenizer_dir, "--skip-bad-lines", "--workers", workers, "--no-progress"], capsys)
+        assert code == 2 and f"data error: {path}: compressed stream ends early (truncated file)" in err, err
+    assert not os.path.exists(tmp_path / "out_text_document.idx")  # nothing half-written
+
+
+def test_zst_of_several_frames_is_read_whole(tokenizer_dir, tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    lines = [json.dumps(r).encode() + b"\n" for r in MANY]
+    with open(tmp_path / "frames.jsonl.zst", "wb") as f:  # as `cat a.zst b.zst` or pzstd write
+        for part in (lines[:150], lines[150:]):
+            f.write(zstandard.ZstdCompressor().compress(b"".join(part)))
+    summary = preprocess(str(tmp_path / "frames.jsonl.zst"), str(tmp_path / "out"), tokenizer_dir, progress=False)
+    assert summary["documents"] == len(MANY)
+
+
+def test_corrupt_inputs_tokenizers_and_settings_name_the_problem(tokenizer_dir, tmp_path, capsys):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "hello"}])
+    parquet = truncated(write_parquet(tmp_path / "cut.parquet", MANY))
+    (tmp_path / "garbage.jsonl.gz").write_text("garbage\n")
+    (tmp_path / "badtok.json").write_text("garbage\n")
+    base = ["preprocess", "--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    for flags, message in [
+        (["--input", parquet, "--tokenizer", tokenizer_dir], f"data error: {parquet}: not a readable parquet file"),
+        (["--input", str(tmp_path / "garbage.jsonl.gz"), "--tokenizer", tokenizer_dir],
+         "garbage.jsonl.gz: not a readable .gz file (Not a gzipped file"),
+        (["--input", good, "--tokenizer", tokenizer_dir, "--workers", "0"],
+         "configuration error: --workers 0: need at least 1 tokenizer process"),
+        (["--input", good, "--tokenizer", str(tmp_path / "badtok.json")],
+         f"data error: {tmp_path / 'badtok.json'}: not a valid Hugging Face tokenizer.json (expected value"),
+    ]:
+        code, err = cli(base + flags, capsys)
+        assert code == 2 and message in err, (flags, err)
+    # train loads the tokenizer the same way (before it opens --data)
+    code, err = cli(["train", "--model", "llama-test", "--device", "cpu", "--data", str(tmp_path / "none"),
+                     "--tokenizer", str(tmp_path / "badtok.json"), "--no-progress"], capsys)
+    assert code == 2 and "badtok.json: not a valid Hugging Face tokenizer.json" in err, err
+    # a directory whose tokenizer_config.json is broken
+    load_tokenizer(tokenizer_dir).save(str(tmp_path / "tok"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text("{oops")
+    from llamatron.data.indexed import DataError
+
+    with pytest.raises(DataError, match=r"tokenizer_config\.json: not valid JSON"):
+        load_tokenizer(str(tmp_path / "tok"))
+
+
+def test_no_documents_at_all_is_an_error(tokenizer_dir, tmp_path, capsys):
+    path = write_jsonl(tmp_path / "keys.jsonl", [{"text": "a"}, {"content": "b"}, {"text": "c"}])
+    code, err = cli(["preprocess", "--input", path, "--output-prefix", str(tmp_path / "out"), "--tokenizer",
+                     tokenizer_dir, "--json-keys", "text", "content", "--skip-bad-lines", "--no-progress"], capsys)
+    assert code == 2 and f"data error: {path}: no usable records, all 3 were skipped (3 missing key; first: " in err
+    assert "Check the keys (--json-keys" in err and "preprocessed 0 documents" not in err, err
+    assert not os.path.exists(tmp_path / "out_text_document.idx")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(BadInputError, match=r"empty\.jsonl: no records to preprocess \(empty input\)"):
+        preprocess(str(tmp_path / "empty.jsonl"), str(tmp_path / "out"), tokenizer_dir, progress=False)
+
+
+def test_directory_warns_about_subdirectories_and_repeated_files_are_read_once(tokenizer_dir, tmp_path, capsys):
+    from llamatron.data.readers import expand_inputs
+
+    (tmp_path / "corpus" / "more" / "deeper").mkdir(parents=True)
+    top = write_jsonl(tmp_path / "corpus" / "top.jsonl", [{"text": "top doc"}])
+    write_jsonl(tmp_path / "corpus" / "more" / "a.jsonl", [{"text": "nested doc"}])
+    write_jsonl(tmp_path / "corpus" / "more" / "deeper" / "b.jsonl", [{"text": "nested doc"}])
+    (tmp_path / "corpus" / "more" / "notes.txt").write_text("not input")
+    assert expand_inputs(str(tmp_path / "corpus")) == [top]
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'corpus'}: 2 input file(s) in its subdirectories are not read" in err
+    assert f"'{tmp_path / 'corpus' / '**' / '*.jsonl'}'" in err
+    assert len(expand_inputs(str(tmp_path / "corpus" / "**" / "*.jsonl"))) == 3  # the glob the warning suggests
+    (tmp_path / "outer" / "inner").mkdir(parents=True)
+    write_jsonl(tmp_path / "outer" / "inner" / "c.jsonl", [{"text": "nested doc"}])
+    with pytest.raises(FileNotFoundError, match=r"outer: directory holds no input files .*; 1 input file\(s\) in its "
+                                                r"subdirectories are not read"):
+        expand_inputs(str(tmp_path / "outer"))
+    # the same file twice (also through a directory or another spelling) is read once, with a warning
+    capsys.readouterr()
+    summary = preprocess([top, str(tmp_path / "corpus"), str(tmp_path / "corpus" / "." / "top.jsonl")],
+                         str(tmp_path / "out"), tokenizer_dir, progress=False)
+    assert summary["files"] == 1 and summary["documents"] == 1
+    err = capsys.readouterr().err
+    assert "warning: 2 input file(s) named more than once are read once: " in err and top in err

@@ -151,6 +151,14 @@ def test_parse_data_argument():
     for bad in ("0.7 a 0.3", "a b", ""):
         with pytest.raises(ValueError, match="data="):
             parse_data_argument(bad)
+    # a weight that is not positive and finite used to drop its dataset from the blend silently
+    for weight in ("-1", "0", "nan", "inf"):
+        with pytest.raises(ValueError, match=rf"weight {weight} for data/a must be > 0 \(a positive finite number\)"):
+            parse_data_argument(f"{weight} data/a 2 data/b")
+    with pytest.raises(ValueError, match=r"2 prefixes without weights; .* e\.g\. '1 data/a 1 data/b'"):
+        parse_data_argument("data/a data/b")
+    with pytest.raises(ValueError, match=r"3 words; expected 'WEIGHT PREFIX' pairs \(a weight or a prefix is missing"):
+        parse_data_argument("0.5 data/a 0.5")
 
 
 def test_build_datasets_single_and_blend(tmp_path):

@@ -312,3 +312,68 @@ def test_sft_training_loss_falls_and_is_a_global_token_mean(sft_prefix, tmp_path
     per_micro_batch = [int((collate([train[i] for i in range(j, j + 2)])["labels"] != IGNORE_INDEX).sum())
                        for j in range(0, 8, 2)]
     assert len(set(per_micro_batch)) > 1, per_micro_batch  # else a mean of means would agree too
+
+
+def long_prompt_records(count):
+    """Prompts far longer than 65 tokens, so truncation cuts every reply off."""
+    return [{"prompt": "Please summarise this text: " + "lorem ipsum dolor sit amet " * 40, "response": "summary i"}
+            for _ in range(count)]
+
+
+def test_conversations_that_lose_every_trained_token_are_counted_and_warned(sft_prefix, tokenizer_dir, tmp_path):
+    records = [{"messages": m["messages"]} for m in animal_conversations(30)]
+    records += [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
+                for r in long_prompt_records(10)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", records)
+    prefix = preprocess_conversations(path, str(tmp_path / "mixed"), tokenizer_dir, progress=False)["outputs"]["tokens"]
+    tokens, mask = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
+    dataset = SFTDataset(tokens, mask, np.arange(len(tokens)), 64, 8, seed=0)
+    assert dataset.untrained == 10 and dataset.truncated >= 10
+    warning = dataset.warning()
+    assert "10 of the 40 conversations of the train split lose all their trained (assistant) tokens" in warning
+    assert f"the longest conversation has {int(tokens.sizes.max())} tokens" in warning and "--seq-length" in warning
+    assert SFTDataset(tokens, mask, np.arange(30), 64, 8, seed=0).warning() is None  # only the short ones
+    with pytest.raises(DataError, match=r"10 of the 10 conversations of the train split lose all their trained .*"
+                                        r"no sample has a token to train on; raise --seq-length"):
+        SFTDataset(tokens, mask, np.arange(30, 40), 64, 8, seed=0)
+    assert SFTDataset(tokens, mask, np.arange(30, 40), 1100, 8, seed=0).untrained == 0  # long enough: all trained
+
+
+def test_train_refuses_sft_data_truncated_to_nothing(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", long_prompt_records(40))
+    prefix = preprocess_conversations(path, str(tmp_path / "long"), tokenizer_dir, prompt_key="prompt",
+                                      response_key="response", progress=False)["outputs"]["tokens"]
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model: llama-test\nmodel_overrides:\n  vocab_size: 512\n")
+    for pack in ("--pack", "--no-pack"):
+        cmd = [sys.executable, "-m", "llamatron", "train", "--config", str(config), "--sft-data", prefix, pack,
+               "--device", "cpu", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+               "--train-steps", "3", "--no-progress"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "llamatron train: data error: --sft-data" in done.stderr and "Traceback" not in done.stderr
+        assert "39 of the 39 conversations of the train split lose all their trained" in done.stderr
+        assert "raise --seq-length" in done.stderr and "loss" not in done.stdout
+
+
+def test_sft_data_prefix_mistakes_get_a_hint(sft_prefix, tokenizer_dir, tmp_path, capsys):
+    from llamatron.cli import main
+    from llamatron.data.preprocess import preprocess
+
+    output_prefix = sft_prefix[: -len("_sft")]  # what was given to preprocess --output-prefix
+    with pytest.raises(DataError, match=rf"animals\.idx: file not found .*did you mean '{sft_prefix}'\?"):
+        build_sft_datasets(output_prefix, "98,2,0", 48, 8, 8, seed=0)
+    with pytest.raises(DataError, match=rf"--sft-data {sft_prefix}_mask is the loss mask of {sft_prefix}; give the "
+                                        rf"token dataset, --sft-data {sft_prefix} "):
+        build_sft_datasets(mask_prefix(sft_prefix), "98,2,0", 48, 8, 8, seed=0)
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "plain text"}] * 4)
+    pretraining = preprocess(text, str(tmp_path / "pt"), tokenizer_dir, progress=False)["outputs"]["text"]
+    with pytest.raises(DataError, match=r"pt_text_document_mask\.idx: file not found.*--sft-data needs the loss "
+                                        r"mask .* is .*pt_text_document a --data \(pre-training\) dataset\?"):
+        build_sft_datasets(pretraining, "98,2,0", 48, 8, 8, seed=0)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "llama-test", "--sft-data", output_prefix, "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"data error: {output_prefix}.idx: file not found" in err
+    assert f"did you mean '{sft_prefix}'?" in err, err

@@ -149,3 +149,22 @@ def test_sequence_beyond_the_models_context_warns(tmp_path, capsys):
     assert exc.value.code in (0, None)
     err = capsys.readouterr().err
     assert "--seq-length 256 is beyond llama-test's context of 128 tokens" in err and "factor: 2" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data", "-1 data/a 2 data/b"], "weight -1 for data/a must be > 0 (a positive finite number)"),
+    (["--data", "nan data/a 1 data/b"], "weight nan for data/a must be > 0"),
+    (["--data", "0 data/a 1 data/b"], "weight 0 for data/a must be > 0"),
+    (["--data", "data/a data/b"], "2 prefixes without weights; to blend them give each a weight, e.g. '1 data/a 1 data/b'"),
+    (["--data", "0.5 data/a 0.5"], "expected 'WEIGHT PREFIX' pairs (a weight or a prefix is missing)"),
+    (["--data", "data/a", "--split", "abc"], "split='abc': expected comma-separated numbers like '98,2,0'"),
+    (["--data", "data/a", "--split", "nan,1"], "split='nan,1': need 1 to 3 finite non-negative weights"),
+    (["--sft-data", "data/a", "--split", "1,2,3,4"], "split='1,2,3,4': need 1 to 3"),
+])
+def test_bad_data_and_split_flags_are_configuration_errors(flags, message, capsys):
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # refused before any file is opened: data/a need not exist
+        main(["train", "--model", "llama-test", "--device", "cpu", "--no-progress", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "llamatron train: configuration error:" in err and message in err, err

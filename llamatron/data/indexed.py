@@ -65,11 +65,13 @@ def best_token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _prefix_hint(prefix: str) -> str:
-    """`preprocess --output-prefix P` writes P_<key>_document: name those if the user gave P itself."""
+    """`preprocess --output-prefix P` writes P_<key>_document (P_sft with --sft): name those if the user gave P."""
     for ext in (".bin", ".idx"):  # the prefix names both files, without an extension
         if prefix.endswith(ext) and os.path.isfile(prefix[:-len(ext)] + ".idx"):
             return f"; give the prefix without {ext}: {prefix[:-len(ext)]!r}"
-    found = sorted(p[:-len(".idx")] for p in glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    # preprocess --sft --output-prefix P writes P_sft (for --sft-data)
+    found = sorted(p[:-len(".idx")] for pattern in ("_*_document.idx", "_sft.idx")
+                   for p in glob.glob(glob.escape(prefix) + pattern))
     return f"; did you mean {' or '.join(repr(f) for f in found)}?" if found else ""
 
 

@@ -227,6 +227,16 @@ def _encoded_chunks(paths: Sequence[str], make_encoder: tuple, workers: int) -> 
         pool.join()
 
 
+def _no_documents_message(paths: Sequence[str], bad_kinds: collections.Counter, first_bad: str | None) -> str:
+    files = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    if not bad_kinds:
+        return f"{files}: no records to preprocess (empty input); nothing written"
+    kinds = ", ".join(f"{n} {kind}" for kind, n in bad_kinds.items())
+    return (f"{files}: no usable records, all {sum(bad_kinds.values())} were skipped ({kinds}; first: {first_bad}); "
+            "nothing written. Check the keys (--json-keys, or --messages-key/--prompt-key/--response-key with --sft) "
+            "against the records")
+
+
 def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
@@ -279,6 +289,8 @@ def run_encoder(
             bar.update(len(results))
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{num_bytes / elapsed / 1e6:.1f} MB/s", refresh=False)
+        if num_documents == 0:  # raised inside the writers' block, so no empty dataset is left behind
+            raise BadInputError(_no_documents_message(paths, bad_kinds, first_bad))
     return {
         "documents": num_documents,
         "tokens": sum(num_tokens[name] for name in encoder.token_outputs),
@@ -345,6 +357,10 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 
 def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
     progress = not getattr(args, "no_progress", False)
+    if args.workers < 1:
+        from llamatron.config import ConfigError  # imported here: it pulls in torch, which preprocess needs not
+
+        raise ConfigError(f"--workers {args.workers}: need at least 1 tokenizer process (default: 1)")
     if getattr(args, "sft", False):
         from llamatron.data.sft import preprocess_conversations
 

@@ -13,6 +13,7 @@ As in Megatron, a "document" here is one sequence of the indexed dataset
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Sequence
@@ -34,8 +35,10 @@ def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
         weights = [float(p) for p in parts]
     except ValueError as err:
         raise ValueError(f"split={split!r}: expected comma-separated numbers like '98,2,0'") from err
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split={split!r}: need 1 to 3 non-negative weights with a positive sum")
+    # `not w >= 0` also refuses NaN, which no comparison would catch.
+    if not 1 <= len(weights) <= 3 or any(not 0 <= w < math.inf for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split={split!r}: need 1 to 3 finite non-negative weights with a positive sum, "
+                         "like '98,2,0' (train, valid, test)")
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     bounds = [0]
@@ -270,19 +273,35 @@ def check_token_ids(indexed: IndexedDataset, vocab_size: int, cache_dir: str | N
 
 
 def parse_data_argument(data: str) -> list[tuple[float, str]]:
-    """``"PREFIX"`` or ``"W1 P1 W2 P2 ..."`` -> [(weight, prefix), ...]."""
+    """``"PREFIX"`` or ``"W1 P1 W2 P2 ..."`` -> [(weight, prefix), ...]; ValueError saying what is wrong."""
     words = data.split()
     if len(words) == 1:
         return [(1.0, words[0])]
-    if not words or len(words) % 2:
-        raise ValueError(f"data={data!r}: expected one prefix or 'WEIGHT PREFIX' pairs")
+    if not words:
+        raise ValueError(f"data={data!r}: empty; give a dataset prefix, or 'WEIGHT PREFIX' pairs to blend")
+    if not any(_is_number(w) for w in words):  # Megatron users list prefixes alone
+        raise ValueError(f"data={data!r}: {len(words)} prefixes without weights; to blend them give each a "
+                         f"weight, e.g. '{' '.join(f'1 {w}' for w in words)}'")
+    if len(words) % 2:
+        raise ValueError(f"data={data!r}: {len(words)} words; expected 'WEIGHT PREFIX' pairs (a weight or a prefix "
+                         "is missing), e.g. '0.7 data/a_text_document 0.3 data/b_text_document'")
     pairs = []
     for weight, prefix in zip(words[::2], words[1::2]):
-        try:
-            pairs.append((float(weight), prefix))
-        except ValueError as err:
-            raise ValueError(f"data={data!r}: {weight!r} is not a weight; expected 'WEIGHT PREFIX' pairs") from err
+        if not _is_number(weight):
+            raise ValueError(f"data={data!r}: {weight!r} is not a weight; expected 'WEIGHT PREFIX' pairs")
+        value = float(weight)
+        if not 0 < value < math.inf:  # a weight <= 0 or NaN would silently drop the dataset from the blend
+            raise ValueError(f"data={data!r}: weight {weight} for {prefix} must be > 0 (a positive finite number)")
+        pairs.append((value, prefix))
     return pairs
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def _cache_dir_for(indexed: IndexedDataset) -> str:

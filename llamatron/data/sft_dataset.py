@@ -13,7 +13,9 @@ that ``batches.collate`` understands:
 
 Packing is best-fit decreasing over conversation lengths, which wastes little
 space; the resulting sequences are shuffled anew each epoch from the seed.
-A conversation longer than a sample is truncated (counted in ``truncated``).
+A conversation longer than a sample is truncated (counted in ``truncated``); one
+that truncation leaves without a trained token is counted in ``untrained`` and
+warned about, and a split where no conversation keeps one is a DataError.
 With ``pack=False`` each sample is one conversation followed by padding.
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key
-from llamatron.data.indexed import DataError, IndexedDataset, index_path
+from llamatron.data.indexed import DataError, IndexedDataset, MissingDataError, index_path
 from llamatron.data.samples import check_token_ids, split_documents
 from llamatron.data.sft import mask_prefix
 
@@ -66,7 +68,8 @@ class SFTDataset:
     CACHE_NAMES = ("bin_offsets", "bin_items", "sample_order")
 
     def __init__(self, tokens: IndexedDataset, mask: IndexedDataset, conversations: np.ndarray, seq_length: int,
-                 num_samples: int, seed: int, pack: bool = True, cache_dir: str | None = None) -> None:
+                 num_samples: int, seed: int, pack: bool = True, cache_dir: str | None = None,
+                 split_name: str = "train") -> None:
         if tokens.sizes.shape != mask.sizes.shape or not np.array_equal(tokens.sizes, mask.sizes):
             raise DataError(f"{index_path(mask.prefix)} does not match {index_path(tokens.prefix)} (different "
                             "conversation sizes): the token and mask datasets come from different preprocess runs")
@@ -80,6 +83,12 @@ class SFTDataset:
         lengths = np.minimum(sizes[sizes > 0], capacity)
         if self.conversations.size == 0:
             raise DataError(f"{tokens.prefix}: no conversations in this split; cannot build {num_samples} samples")
+        self.split_name, self.longest = split_name, int(sizes.max())
+        self.untrained = self._count_untrained(self.conversations[lengths == capacity], capacity)
+        if self.untrained == self.conversations.size:
+            # Training would run on loss 0 and report perplexity 1: nothing to learn from.
+            raise DataError(f"--sft-data {tokens.prefix}: {self._untrained_text()}, so no sample has a token to "
+                            f"train on; {self._fix()}")
         start = time.perf_counter()
         key = cache_key("sft", seq_length, num_samples, seed, pack, self.conversations, lengths)
         cache = ArrayCache(cache_dir, os.path.basename(tokens.prefix), key, self.CACHE_NAMES)
@@ -89,6 +98,26 @@ class SFTDataset:
         self.num_sequences = self.bin_offsets.size - 1
         # Share of sample tokens that are conversation tokens rather than padding.
         self.fill = float(lengths.sum() / (self.num_sequences * capacity))
+
+    def _count_untrained(self, candidates: np.ndarray, capacity: int) -> int:
+        """How many of these (truncated) conversations keep no trained token within their first ``capacity``."""
+        # Position 0 is never trained (see __getitem__), so look at 1..capacity-1 only.
+        return sum(not self.mask.get(int(c), 1, capacity - 1).any() for c in candidates.tolist())
+
+    def _untrained_text(self) -> str:
+        return (f"{self.untrained} of the {self.conversations.size} conversations of the {self.split_name} split "
+                f"lose all their trained (assistant) tokens to truncation at {self.seq_length + 1} tokens")
+
+    def _fix(self) -> str:
+        return (f"raise --seq-length (the longest conversation has {self.longest} tokens: --seq-length "
+                f"{self.longest - 1} holds it whole) or shorten the prompts")
+
+    def warning(self) -> str | None:
+        """A warning for conversations that truncation leaves with nothing to train on, else None."""
+        if not self.untrained:
+            return None
+        return (f"warning: --sft-data {self.tokens.prefix}: {self._untrained_text()} (their assistant replies come "
+                f"after the cut) and train on nothing; {self._fix()}")
 
     def _build(self, lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.pack:
@@ -141,7 +170,17 @@ class SFTDataset:
 def build_sft_datasets(prefix: str, split: str, seq_length: int, train_samples: int, valid_samples: int, seed: int,
                        pack: bool = True, vocab_size: int | None = None) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation datasets for ``--sft-data PREFIX`` (conversations split by ``split``)."""
-    tokens, mask = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
+    base = prefix[: -len("_mask")]
+    if prefix.endswith("_mask") and os.path.isfile(index_path(base)) and not os.path.isfile(index_path(
+            mask_prefix(prefix))):
+        raise DataError(f"--sft-data {prefix} is the loss mask of {base}; give the token dataset, --sft-data {base} "
+                        "(its _mask is found from it)")
+    tokens = IndexedDataset(prefix)
+    try:
+        mask = IndexedDataset(mask_prefix(prefix))
+    except MissingDataError as err:
+        raise MissingDataError(f"{err}; --sft-data needs the loss mask that `preprocess --sft` writes next to the "
+                               f"tokens: is {prefix} a --data (pre-training) dataset?") from None
     cache_dir = os.path.dirname(os.path.abspath(prefix))
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, cache_dir)
@@ -151,5 +190,5 @@ def build_sft_datasets(prefix: str, split: str, seq_length: int, train_samples: 
     train = SFTDataset(tokens, mask, train_ids, seq_length, train_samples, seed, pack, cache_dir)
     valid = None
     if valid_ids.size and valid_samples > 0 and tokens.sizes[valid_ids].sum() > 0:
-        valid = SFTDataset(tokens, mask, valid_ids, seq_length, valid_samples, seed, pack, cache_dir)
+        valid = SFTDataset(tokens, mask, valid_ids, seq_length, valid_samples, seed, pack, cache_dir, "valid")
     return train, valid

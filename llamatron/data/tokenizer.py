@@ -15,6 +15,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import tokenizers
 
+from llamatron.data.indexed import DataError
+
 EOD_TOKEN = "<|endoftext|>"
 # Tried in order when no tokenizer_config.json names the EOS token.
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -113,21 +115,39 @@ def _token_content(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as err:  # also invalid UTF-8
+        raise DataError(f"{path}: not valid JSON ({err}); re-download the tokenizer files or remove this one") from err
+
+
 def _read_config(directory: str) -> dict | None:
     path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: expected a JSON object of tokenizer settings; re-download it or remove it")
     # Older exports keep the BOS/EOS tokens only in special_tokens_map.json.
     special_map = os.path.join(directory, "special_tokens_map.json")
     if ("eos_token" not in config or "bos_token" not in config) and os.path.isfile(special_map):
-        with open(special_map, encoding="utf-8") as f:
-            special = json.load(f)
+        special = _read_json(special_map)
+        special = special if isinstance(special, dict) else {}
         for key in ("eos_token", "bos_token"):
             if key not in config and special.get(key) is not None:
                 config[key] = special[key]
     return config
+
+
+def _load_json_tokenizer(json_file: str, source: str, config: dict | None) -> Tokenizer:
+    try:
+        backend = tokenizers.Tokenizer.from_file(json_file)
+    except Exception as err:  # tokenizers raises a bare Exception ("expected value at line 1 column 1")
+        raise DataError(f"{json_file}: not a valid Hugging Face tokenizer.json ({err}); re-download or re-save the "
+                        "tokenizer (a truncated or hand-edited file reads like this)") from err
+    return Tokenizer(backend, "huggingface", source, config)
 
 
 def _load_sentencepiece(model_file: str, config: dict | None) -> Tokenizer:
@@ -138,7 +158,10 @@ def _load_sentencepiece(model_file: str, config: dict | None) -> Tokenizer:
             f"{model_file} is a SentencePiece model; reading it needs the sentencepiece package: "
             "pip install sentencepiece"
         ) from err
-    processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except Exception as err:  # sentencepiece raises RuntimeError or OSError for a corrupt model
+        raise DataError(f"{model_file}: not a valid SentencePiece model ({err}); re-download the tokenizer") from err
     return Tokenizer(processor, "sentencepiece", model_file, config)
 
 
@@ -150,7 +173,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         model_file = os.path.join(path, "tokenizer.model")
         config = _read_config(path)
         if os.path.isfile(json_file):  # preferred: fast, and needs no extra package
-            return Tokenizer(tokenizers.Tokenizer.from_file(json_file), "huggingface", path, config)
+            return _load_json_tokenizer(json_file, path, config)
         if os.path.isfile(model_file):
             return _load_sentencepiece(model_file, config)
         raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
@@ -158,10 +181,10 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise FileNotFoundError(f"{path}: tokenizer not found (expected a directory, tokenizer.json or .model file)")
     config = _read_config(os.path.dirname(path) or ".")
     if path.endswith(".json"):
-        return Tokenizer(tokenizers.Tokenizer.from_file(path), "huggingface", path, config)
+        return _load_json_tokenizer(path, path, config)
     if path.endswith(".model"):
         return _load_sentencepiece(path, config)
-    raise ValueError(f"{path}: unknown tokenizer format (expected a directory, a .json or a .model file)")
+    raise DataError(f"{path}: unknown tokenizer format (expected a directory, a .json or a .model file)")
 
 
 def _read_text_file(path: str) -> Iterator[str]:
