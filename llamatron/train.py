@@ -163,6 +163,8 @@ def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
             print(f"loaded weights of step {state['step']} from {t.load} (--finetune: fresh optimizer, step 0)"
                   if t.finetune else f"resumed from {t.load} at step {start_step} ({consumed} samples consumed)",
                   flush=True)
+            if not t.finetune:
+                _say_what_changed_on_resume(cfg, state, start_step)
     try:
         return train_loop(engine, datasets, start_step, consumed, skipped_before)
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
@@ -300,6 +302,31 @@ def _checkpoint_root(load: str) -> str:
     path = os.path.realpath(load)
     name = os.path.basename(path)
     return os.path.dirname(path) if name.startswith("step-") and name[5:].isdigit() else path
+
+
+# Settings whose change on resume alters the run: the learning-rate schedule, or which samples come next
+# (consumed_samples counts samples of the settings the checkpoint was trained with).
+_SCHEDULE_SETTINGS = ("train_steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "weight_decay", "clip_grad",
+                      "adam_beta1", "adam_beta2")
+_DATA_SETTINGS = ("seq_length", "global_batch_size", "seed", "data", "sft_data", "split")
+
+
+def _say_what_changed_on_resume(cfg: RunConfig, meta: dict, start_step: int) -> None:
+    """Resuming is exact only with the checkpoint's settings: name each one that differs, and a run with
+    nothing left to train."""
+    saved = {k: v for section in (meta.get("config") or {}).values() if isinstance(section, dict)
+             for k, v in section.items()}
+    now = cfg.flat()
+    changed = [k for k in (*_SCHEDULE_SETTINGS, *_DATA_SETTINGS) if k in saved and saved[k] != now.get(k)]
+    if changed:
+        parts = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in changed)
+        data = [k for k in changed if k in _DATA_SETTINGS]
+        why = (" The data position is counted in samples of the old settings, so the samples that follow are not "
+               "the ones the original run would have seen." if data else "")
+        print(f"note: resuming with settings that differ from the checkpoint's run: {parts}.{why}", flush=True)
+    if start_step >= cfg.train.train_steps:
+        print(f"note: nothing to train: the checkpoint is at step {start_step} and --train-steps is "
+              f"{cfg.train.train_steps}; give a larger --train-steps to continue", flush=True)
 
 
 def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:

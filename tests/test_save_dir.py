@@ -119,3 +119,16 @@ def test_the_demo_replaces_its_own_previous_checkpoints_only(tmp_path, monkeypat
     mine = config_from_values({"save": "mine"})
     (tmp_path / "mine" / "step-1").mkdir(parents=True)
     assert not _clear_previous_demo_checkpoint(mine) and (tmp_path / "mine" / "step-1").is_dir()
+
+
+def test_resuming_names_the_settings_that_changed_and_an_empty_run(tmp_path, saved):
+    """The schedule and the data position depend on the settings: a resume that changes them says so."""
+    # BASE_ARGS of the saved run: --lr 1e-3, --seq-length 32, --train-steps 2
+    proc = llamatron("train", *ARGS, "--precision", "fp32", "--load", "ck", "--save", "ck", "--train-steps", "3",
+                     "--lr", "5e-2", "--min-lr", "1e-4", "--warmup-steps", "1", cwd=tmp_path)
+    note = next(line for line in proc.stdout.splitlines() if line.startswith("note: resuming"))
+    assert "--train-steps 2 -> 3" in note and "--lr 0.001 -> 0.05" in note and "--seq-length 32 -> 16" in note
+    assert "--global-batch-size 8 -> 2" in note and "data position" in note and "--min-lr" not in note
+    proc = llamatron("train", *ARGS, "--precision", "fp32", "--load", "ck", "--save", "ck", "--train-steps", "2",
+                     "--lr", "5e-2", "--min-lr", "1e-4", "--warmup-steps", "1", cwd=tmp_path)
+    assert "note: nothing to train: the checkpoint is at step 3 and --train-steps is 2" in proc.stdout
