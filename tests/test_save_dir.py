@@ -132,3 +132,15 @@ def test_resuming_names_the_settings_that_changed_and_an_empty_run(tmp_path, sav
     proc = llamatron("train", *ARGS, "--precision", "fp32", "--load", "ck", "--save", "ck", "--train-steps", "2",
                      "--lr", "5e-2", "--min-lr", "1e-4", "--warmup-steps", "1", cwd=tmp_path)
     assert "note: nothing to train: the checkpoint is at step 3 and --train-steps is 2" in proc.stdout
+
+
+def test_a_checkpoint_directory_without_latest_names_its_steps(tmp_path, saved):
+    from llamatron.checkpoint.dist import CheckpointError
+    from llamatron.checkpoint.reader import resolve_checkpoint
+
+    ck, _ = saved
+    (ck / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"has no `latest` file; load one of its checkpoints by name "
+                                              r"\(step-1, step-2\), e\.g\. --load .*ck/step-2"):
+        resolve_checkpoint(ck)
+    assert resolve_checkpoint(ck / "step-1") == ck / "step-1"

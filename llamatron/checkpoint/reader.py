@@ -95,6 +95,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if (step_dir / META_FILE).is_file():
             return step_dir
         raise CheckpointError(f"{latest} points to {step_dir}, which is not a complete checkpoint")
+    steps = sorted((int(d.name[5:]), d.name) for d in p.glob("step-*") if d.name[5:].isdigit()
+                   and (d / META_FILE).is_file()) if p.is_dir() else []
+    if steps:  # `latest` lost (copied without it, say): the complete checkpoints are there to name
+        names = ", ".join(name for _, name in steps[-5:])
+        raise CheckpointError(f"{path} has no `latest` file; load one of its checkpoints by name ({names}), e.g. "
+                              f"--load {p / steps[-1][1]}")
     raise CheckpointError(f"no checkpoint at {path}: expected {path}/latest or {path}/{META_FILE}")
 
 
