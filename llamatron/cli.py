@@ -117,7 +117,7 @@ def _relaunch_with_torchrun(nproc: int) -> int:
             continue
         out.append(a)
     # --standalone: a single-node job with its own rendezvous on a free local port.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "llamatron.local_launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "llamatron", *out]
     return subprocess.call(cmd)
 

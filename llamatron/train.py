@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -100,7 +101,8 @@ def _rank0_first(mesh: Mesh, build):
     """Rank 0 builds the index files (cached next to the data) first; the other ranks then load them.
 
     When rank 0 fails (a bad data file), the others learn it instead of waiting in a collective until rank 0's
-    exit breaks it: rank 0 reports the error, they exit 2 quietly.
+    exit breaks it: rank 0 reports the error and exits; they wait for the launcher to stop them (so that the
+    first failure, and the job's exit code, is rank 0's), or exit 2 quietly after a minute.
     """
     failure = None
     if mesh.rank == 0:
@@ -112,6 +114,7 @@ def _rank0_first(mesh: Mesh, build):
         said = [f"{type(failure).__name__}: {failure}" if failure is not None else None]
         dist.broadcast_object_list(said, src=0)
         if said[0] is not None and mesh.rank != 0:
+            time.sleep(60)
             raise SystemExit(2)
     if failure is not None:
         raise failure
@@ -144,6 +147,16 @@ def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
     if not replace_save:
         check_save_dir(cfg)
     init_distributed(derived.device, t.dist_timeout)
+    try:
+        return _train_on_this_rank(cfg, derived, model_cfg)
+    finally:  # also after an error: a process group left alive aborts the exit (gloo's threads)
+        restore_signal_handlers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> TrainResult:
+    t = cfg.train
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
         _warn_if_metrics_file_has_another_run(cfg)
@@ -172,10 +185,6 @@ def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
         if failure is None:
             raise
         raise failure from e
-    finally:
-        restore_signal_handlers()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int,

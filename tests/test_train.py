@@ -168,3 +168,14 @@ def test_bad_data_and_split_flags_are_configuration_errors(flags, message, capsy
         main(["train", "--model", "llama-test", "--device", "cpu", "--no-progress", *flags])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "llamatron train: configuration error:" in err and message in err, err
+
+
+def test_nproc_per_node_failure_is_reported_once_with_the_ranks_exit_code(tmp_path):
+    """A bad setting under --nproc-per-node: the rank's clean message, one summary line, exit 2; no gloo
+    traceback from a rank left waiting and no torchrun traceback."""
+    proc = llamatron("train", "--nproc-per-node", "2", "--model", "llama-test", "--data", "data/nope", "--device", "cpu",
+                     "--seq-length", "32", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("data error: data/nope.idx: file not found") == 1
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert "llamatron: the job failed (rank 0: exit code 2; rank 1: " in proc.stderr
