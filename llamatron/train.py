@@ -202,12 +202,14 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     progress = _progress_bar(t.train_steps, start_step) if (logging_rank and t.progress) else None
     timer = Timer(engine.device)
+    train_seconds = 0.0  # training time of the pending steps before the timer's last reset (an eval or a save)
     pending: list[tuple[int, dict]] = []
     guard = FaultGuard(engine, echo=lambda m: _print(progress, m) if logging_rank else None)
     guard.skipped_total = skipped_before  # skipped steps of the run this one resumes
     stop: str | None = None
     if datasets.valid is not None and start_step == 0 and t.eval_interval:
         _evaluate_and_record(engine, datasets, 0, consumed, result, sink, progress)
+        timer.reset()  # the first step's speed is training only
     for step in range(start_step, t.train_steps):
         mbs = micro_batches_for_step(datasets.train, consumed, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank)
         guard.start_step(step + 1)
@@ -216,37 +218,39 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
         pending.append((step + 1, out))
         stop = guard.stop_reason()  # a pre-emption signal or --exit-duration-mins, agreed by all ranks
         if (step + 1) % t.log_interval == 0 or step + 1 == t.train_steps or stop:
-            elapsed = timer.elapsed()
-            timer.reset()
+            train_seconds += timer.elapsed()
             losses = _reduce_step_losses(engine, [o["loss"] for _, o in pending])
-            speed = throughput(tokens_per_step * len(pending), elapsed, flops_per_token, mesh.world_size, peak)
-            for (s, o), loss in zip(pending, losses):
-                record = {"step": s, "loss": loss, "lr": o["lr"], "grad_norm": float(o["grad_norm"]),
-                          "skipped": bool(o["found_inf"] > 0), **_loss_scale(o), **speed, "peak_mem_gib": peak_memory_gib(engine.device),
-                          "consumed_samples": consumed - (pending[-1][0] - s) * t.global_batch_size}
-                guard.count(record)
+            speed = throughput(tokens_per_step * len(pending), train_seconds, flops_per_token, mesh.world_size, peak)
+            for (s, o), loss in zip(pending, losses):  # every step counts for the skipped-step checks
+                guard.count({"step": s, "loss": loss, "grad_norm": float(o["grad_norm"]),
+                             "skipped": bool(o["found_inf"] > 0), **_loss_scale(o),
+                             "consumed_samples": consumed - (pending[-1][0] - s) * t.global_batch_size})
                 result.losses.append(loss)
-                sink.write(record)
+            record = _interval_record(pending, losses, speed, guard.skipped_total, consumed, engine)
+            sink.write(record)
             if progress is not None:
-                progress.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{pending[-1][1]['lr']:.2e}",
+                progress.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{pending[-1][1]['lr']:.2e}",
                                      tok_s=f"{speed['tokens_per_sec']:.0f}",
                                      mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
                 progress.update(len(pending))
             elif logging_rank:  # --no-progress (batch logs): one plain line per logged step
                 mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
-                _print(None, f"step {pending[-1][0]}: loss {losses[-1]:.4f}, lr {pending[-1][1]['lr']:.2e}, "
+                _print(None, f"step {pending[-1][0]}: loss {record['loss']:.4f}, lr {pending[-1][1]['lr']:.2e}, "
                              f"grad norm {float(pending[-1][1]['grad_norm']):.3f}, "
                              f"{speed['tokens_per_sec']:.0f} tokens/s{mfu}")
-            pending = []
+            pending, train_seconds = [], 0.0
+            timer.reset()
             guard.check_skipped(on_abort=sink.close)
         last = step + 1 == t.train_steps
         if datasets.valid is not None and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
+            train_seconds += timer.elapsed()
             _evaluate_and_record(engine, datasets, step + 1, consumed, result, sink, progress)
             timer.reset()
         if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last or stop):
             from .checkpoint.dist import save_checkpoint
 
             # Steps skipped so far, also those not yet logged: a resumed run continues the count.
+            train_seconds += timer.elapsed()
             skipped = guard.skipped_total + sum(bool(o["found_inf"] > 0) for _, o in pending)
             result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed, skipped)
             if logging_rank:
@@ -369,6 +373,18 @@ def _evaluate_and_record(engine: Engine, datasets: Datasets, step: int, consumed
     sink.write(record)
     if engine.mesh.is_logging_rank:  # also with --no-progress: batch logs want the evaluations
         _print(progress, f"step {step}: valid {format_metrics(metrics)}")
+
+
+def _interval_record(pending: list[tuple[int, dict]], losses: list[float], speed: dict, skipped_total: int,
+                     consumed: int, engine: Engine) -> dict:
+    """The metric record of a logged step: the loss averaged over the steps since the last record (their
+    number in `steps_in_record`, skipped ones left out), the rest as of the logged step."""
+    step, last = pending[-1]
+    applied = [loss for (_, o), loss in zip(pending, losses) if not o["found_inf"] > 0]
+    return {"step": step, "loss": sum(applied) / len(applied) if applied else losses[-1], "lr": last["lr"],
+            "grad_norm": float(last["grad_norm"]), "skipped": bool(last["found_inf"] > 0),
+            "skipped_steps": skipped_total, "steps_in_record": len(pending), **_loss_scale(last), **speed,
+            "peak_mem_gib": peak_memory_gib(engine.device), "consumed_samples": consumed}
 
 
 def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[float]:

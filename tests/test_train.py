@@ -179,3 +179,55 @@ def test_nproc_per_node_failure_is_reported_once_with_the_ranks_exit_code(tmp_pa
     assert proc.stderr.count("data error: data/nope.idx: file not found") == 1
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     assert "llamatron: the job failed (rank 0: exit code 2; rank 1: " in proc.stderr
+
+
+def test_log_interval_records_average_their_steps_and_time_only_training(tmp_path, monkeypatch):
+    """--log-interval 4: one record per 4 steps, in step order with the evaluations, its loss the mean of its
+    steps, its speed from the training time of its steps alone (a clock that moves 1 s per step, 50 s per
+    evaluation and 70 s per save: every record must read exactly one step's tokens per second)."""
+    from llamatron import cli, train
+    from llamatron.checkpoint import dist as checkpoint_dist
+
+    clock = [0.0]
+
+    class FakeTimer:
+        def __init__(self, device):
+            self.start = clock[0]
+
+        def elapsed(self, sync=True):
+            return clock[0] - self.start
+
+        def reset(self):
+            self.start = clock[0]
+
+    def advancing(fn, seconds):
+        def wrapped(*args, **kwargs):
+            clock[0] += seconds
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(train, "Timer", FakeTimer)
+    monkeypatch.setattr(train, "train_step", advancing(train.train_step, 1.0))
+    monkeypatch.setattr(train, "_evaluate_and_record", advancing(train._evaluate_and_record, 50.0))
+    monkeypatch.setattr(checkpoint_dist, "save_checkpoint", advancing(checkpoint_dist.save_checkpoint, 70.0))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--model", "llama-test", *BASE_ARGS, "--train-steps", "8", "--eval-interval", "3"]
+
+    def records(extra, name):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*args, *extra, "--metrics-file", name])
+        assert exit_.value.code == 0
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+    every = [r for r in records(["--log-interval", "1"], "every.jsonl") if r.get("split") is None]
+    got = records(["--log-interval", "4", "--save", "ck", "--save-interval", "3"], "four.jsonl")
+    assert [(r["step"], r.get("split")) for r in got] == [(0, "valid"), (3, "valid"), (4, None), (6, "valid"),
+                                                          (8, None), (8, "valid")]
+    tokens_per_step = 8 * 32  # --global-batch-size 8, --seq-length 32 (BASE_ARGS)
+    for record in (r for r in got if r.get("split") is None):
+        window = every[record["step"] - 4:record["step"]]
+        assert record["steps_in_record"] == 4
+        assert record["loss"] == pytest.approx(sum(r["loss"] for r in window) / 4, rel=1e-6)
+        assert record["grad_norm"] == pytest.approx(window[-1]["grad_norm"], rel=1e-6)
+        assert record["tokens_per_sec"] == pytest.approx(tokens_per_step)  # 4 steps' tokens in 4 s
+        assert record["consumed_samples"] == 8 * record["step"]
