@@ -27,7 +27,7 @@ from .data.batches import micro_batches_for_step
 from .data.mock import MockDataset
 from .engine import build_engine, count_tokens, to_device, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
-from .parallel.mesh import build_mesh, init_distributed
+from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
 
 
 # Settings of `train` that bench does not use: it warns instead of silently ignoring them.
@@ -83,9 +83,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for step in range(args.steps):
         out = train_step(engine, batch, args.warmup + step)
-    loss = float(out["loss"])  # one host sync, after the timed steps
     sync_device(device)
     elapsed = time.perf_counter() - start
+    # The last step's global loss (each rank holds its data-parallel share; only the last stage computes it).
+    loss = sum_from_last_stage(out["loss"].detach().float().reshape(1), mesh).item()
     peak_mem = peak_memory_gib(device)
     state = state_memory(engine)
     breakdown = _breakdown(engine, batch, args.warmup + args.steps)

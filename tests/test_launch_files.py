@@ -229,14 +229,24 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
 
 def test_bench_nproc_per_node_starts_torchrun_and_prints_one_row():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "llamatron", "bench", "--nproc-per-node", "2", "--model", "llama-test",
-                           "--device", "cpu", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size",
-                           "2", "--warmup", "1", "--steps", "1", "--json", "--save", "ckpt-not-written"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 1 and rows[0]["gpus"] == 2 and rows[0]["dp"] == 2  # printed by rank 0 only
-    assert proc.stderr.count("ignoring --save") == 1  # said once, before torchrun starts the ranks
+    args = [sys.executable, "-m", "llamatron", "bench", "--model", "llama-test", "--device", "cpu", "--seq-length", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--warmup", "1", "--steps", "1", "--json",
+            "--precision", "fp32"]
+
+    def row(*extra):
+        proc = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(rows) == 1  # printed by rank 0 only
+        return rows[0], proc.stderr
+
+    dp2, stderr = row("--nproc-per-node", "2", "--save", "ckpt-not-written")
+    assert dp2["gpus"] == 2 and dp2["dp"] == 2
+    assert stderr.count("ignoring --save") == 1  # said once, before torchrun starts the ranks
+    # the loss is the global one: rank 0 holds half of it under dp 2, none of it as the first pipeline stage
+    single, _ = row()
+    pp2, _ = row("--nproc-per-node", "2", "--pp", "2")
+    assert dp2["loss"] == pytest.approx(single["loss"], rel=1e-4) and pp2["loss"] == pytest.approx(single["loss"], rel=1e-4)
 
 
 def test_version_names_llamatron_and_torch():
