@@ -135,8 +135,8 @@ class TrainConfig:
                                  "evaluation metrics by name (llamatron.evaluation; MODULE:NAME imports MODULE first)")
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files of the metric records here")
     wandb_project: str | None = _f(None, "log the metric records to this Weights & Biases project")
-    wandb_mode: str = _f("online", "W&B mode (offline: no network, upload later with `wandb sync`)",
-                         ("online", "offline", "disabled"))
+    wandb_mode: str | None = _f(None, "W&B mode (offline: no network, upload later with `wandb sync`; default: "
+                                "W&B's own setting, $WANDB_MODE, else online)", ("online", "offline", "disabled"))
     wandb_name: str | None = _f(None, "W&B run name (None: W&B generates one)")
     # Faults (faults.py)
     max_skipped_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss or gradient "

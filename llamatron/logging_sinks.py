@@ -59,9 +59,13 @@ class TensorBoardSink:
 class WandbSink:
     """One W&B run; `mode` offline writes it under ./wandb (or $WANDB_DIR) with no network (`wandb sync` uploads)."""
 
-    def __init__(self, project: str, mode: str, name: str | None, config: dict[str, Any]):
+    def __init__(self, project: str, mode: str | None, name: str | None, config: dict[str, Any]):
         self.wandb = _import("wandb", "--wandb-project", "wandb")
-        self.run = self.wandb.init(project=project, mode=mode, name=name, config=config)
+        try:  # mode None: W&B's own setting ($WANDB_MODE, else online)
+            self.run = self.wandb.init(project=project, mode=mode, name=name, config=config)
+        except Exception as e:  # no API key, no network, a bad project name: before any training is done
+            raise ConfigError(f"--wandb-project {project}: W&B could not start a run ({type(e).__name__}: {e}); "
+                              "log in with `wandb login` (or set WANDB_API_KEY), or use --wandb-mode offline") from None
 
     def __call__(self, record: dict[str, Any]) -> None:
         prefix, step, values = scalars(record)

@@ -162,6 +162,8 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)
+    # TensorBoard / W&B start before the model is built: a W&B login failure costs no memory or time.
+    sinks = metric_sinks(cfg) if mesh.is_logging_rank else []
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
     start_step, consumed, skipped_before = 0, 0, 0
@@ -179,7 +181,7 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start_step)
     try:
-        return train_loop(engine, datasets, start_step, consumed, skipped_before)
+        return train_loop(engine, datasets, start_step, consumed, skipped_before, sinks)
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
         failure = explain_collective_failure(e, t.dist_timeout)
         if failure is None:
@@ -188,14 +190,12 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
 
 
 def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int,
-               skipped_before: int = 0) -> TrainResult:
+               skipped_before: int = 0, extra_sinks: list | None = None) -> TrainResult:
+    """The training steps; extra_sinks (TensorBoard, W&B; logging rank only) get every record."""
     cfg, mesh = engine.cfg, engine.mesh
     t = cfg.train
     logging_rank = mesh.is_logging_rank
-    sink = MetricsSink(t.metrics_file if logging_rank else None)
-    if logging_rank:
-        for hook in metric_sinks(cfg):
-            sink.extra_sinks.append(hook)
+    sink = MetricsSink(t.metrics_file if logging_rank else None, extra_sinks)
     result = TrainResult(steps=start_step, consumed_samples=consumed)
     flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
     peak = peak_tflops(engine.device)

@@ -242,6 +242,21 @@ def test_wandb_offline_run_is_written_without_network(tmp_path):
         assert json.dumps(record["loss"]).encode() in data
 
 
+@pytest.mark.skipif(not _installed("wandb"), reason="the missing-package path is tested above")
+def test_wandb_mode_comes_from_the_environment_and_a_failed_login_stops_before_training(tmp_path):
+    """Without --wandb-mode, W&B's own WANDB_MODE applies; an online run that cannot log in is a configuration
+    error before the model is built (it was a traceback after it)."""
+    no_network = {"WANDB_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9", "WANDB_SILENT": "true",
+                  "HOME": str(tmp_path), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc")}
+    train(tmp_path, ["--train-steps", "1", "--wandb-project", "env-mode"], WANDB_MODE="offline", **no_network)
+    assert len(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) == 1
+    proc, steps, _ = train(tmp_path, ["--train-steps", "1", "--wandb-project", "no-login", "--wandb-mode", "online"],
+                           check=False, **no_network)
+    assert proc.returncode == 2 and not steps, proc.stderr[-3000:]
+    assert "--wandb-project no-login: W&B could not start a run" in proc.stderr and "wandb login" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_missing_logging_packages_fail_before_training_naming_the_package(monkeypatch):
     from llamatron.config import ConfigError, config_from_values, validate
 
