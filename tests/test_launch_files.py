@@ -50,6 +50,15 @@ def test_config_validates_for_its_world_size(name):
     assert predicted["total"] <= gpu_memory, f"{name}: planner predicts {predicted['total'] / 1e9:.1f} GB per GPU"
 
 
+def test_demo_config_holds_the_demos_settings():
+    from llamatron.cli import DEMO_DEFAULTS
+
+    values = yaml.safe_load((ROOT / "configs" / "demo-cpu.yaml").read_text())
+    assert {k: float(values[k]) if isinstance(v, float) else values[k] for k, v in DEMO_DEFAULTS.items()
+            if k != "save"} == {k: v for k, v in DEMO_DEFAULTS.items() if k != "save"}
+    assert values["save"] != DEMO_DEFAULTS["save"]  # the demo replaces its own directory; this run is another
+
+
 def test_large_configs_keep_tensor_parallelism_inside_a_node():
     for name in ("llama2-70b-32gpu.yaml", "falcon-40b-16gpu.yaml"):
         cfg = _load(name)
