@@ -119,7 +119,15 @@ def _relaunch_with_torchrun(nproc: int) -> int:
     # --standalone: a single-node job with its own rendezvous on a free local port.
     cmd = [sys.executable, "-m", "llamatron.local_launch", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "llamatron", *out]
-    return subprocess.call(cmd)
+    import signal
+
+    launcher = subprocess.Popen(cmd)
+    # A stop signal to this process (a scheduler's SIGTERM) goes on to the ranks, through the launcher, and
+    # this process waits for them to save and exit; Ctrl-C reaches every process of the terminal by itself.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: launcher.send_signal(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    return launcher.wait()
 
 
 def _generate_parser(sub) -> None:

@@ -1,4 +1,4 @@
-"""torchrun for `--nproc-per-node N`, reporting a failed job in one line.
+"""torchrun for `--nproc-per-node N`: stop signals reach the ranks, and a failed job is reported in one line.
 
 The ranks already say what went wrong (a configuration or data error, once). torchrun would follow that with
 its own traceback and failure table; here a failure ends with one line naming the ranks and their exit codes,
@@ -8,13 +8,47 @@ Run as `python -m llamatron.local_launch TORCHRUN_ARGS...`.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+# A scheduler's stop signals go to the ranks, which stop after the same step, save and exit 0 (faults.py);
+# torchrun's own handler would instead stop the ranks itself and kill them 30 s later, mid-save.
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _children() -> list[int]:
+    me = str(os.getpid())
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+            except OSError:
+                continue
+            if fields[1] == me:
+                pids.append(int(entry))
+    return pids
+
+
+def _forward_to_ranks(signum: int, frame) -> None:
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.platform.startswith("linux"):
+        # torchrun's --signals-to-handle (read from PET_*; ignored by a torchrun without it): not SIGTERM
+        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+        for sig in FORWARDED:
+            signal.signal(sig, _forward_to_ranks)
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:

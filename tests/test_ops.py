@@ -20,9 +20,11 @@ from layout import BASE_ARGS, free_port
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def _command(args: list[str], nproc: int) -> list[str]:
+def _command(args: list[str], nproc: int, via_cli: bool = False) -> list[str]:
     cmd = [sys.executable]
-    if nproc > 1:
+    if via_cli:  # llamatron's own --nproc-per-node starts torchrun
+        args = [*args, "--nproc-per-node", str(nproc)]
+    elif nproc > 1:
         cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}"]
     return cmd + ["-m", "llamatron", "train", "--model", "llama-test", *BASE_ARGS, *args, "--metrics-file", "m.jsonl"]
@@ -103,13 +105,14 @@ def test_fp16_overflow_while_the_loss_scale_backs_off_is_not_a_fault(tmp_path):
 CONSTANT_LR = ["--lr-schedule", "constant"]
 
 
-def _interrupt(workdir: Path, nproc: int, signum: int, target_rank: int | None) -> tuple[subprocess.CompletedProcess, int]:
+def _interrupt(workdir: Path, nproc: int, signum: int, target_rank: int | None,
+               via_cli: bool = False) -> tuple[subprocess.CompletedProcess, int]:
     """Start a long run, send `signum` once two steps are logged (to one worker rank, or to the launched
     process itself), and return the finished process and the step its checkpoint holds."""
     metrics = workdir / "m.jsonl"
     metrics.unlink(missing_ok=True)
     args = ["--train-steps", "10000", "--save", "ck", *CONSTANT_LR]
-    proc = subprocess.Popen(_command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(_command(args, nproc, via_cli), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=workdir)
     try:
         deadline = time.monotonic() + 240
@@ -169,6 +172,24 @@ def test_signal_to_one_rank_stops_all_ranks_of_a_torchrun_job(tmp_path):
     assert f"stopping after step {step}: received SIGUSR1" in done.stdout
     interrupted, _ = _records(tmp_path / "m.jsonl")
     _check_resume_is_exact(tmp_path, interrupted, step, 2)
+
+
+def test_sigterm_to_nproc_per_node_reaches_the_ranks_which_save_before_it_returns(tmp_path):
+    """`llamatron train --nproc-per-node 2` killed with SIGTERM (a scheduler): the ranks stop after the same
+    step and save; the command returns 0 only after they finished (it returned at once, leaving them running)."""
+    done, step = _interrupt(tmp_path, 2, signal.SIGTERM, target_rank=None, via_cli=True)
+    assert 2 <= step < 10000 and f"stopping after step {step}: received SIGTERM" in done.stdout
+    assert "Traceback" not in done.stderr
+    here = str(tmp_path)
+    left = [d.name for d in Path("/proc").iterdir() if d.name.isdigit() and _cwd(d) == here]
+    assert not left, f"processes of the job still running: {left}"
+
+
+def _cwd(proc_dir: Path) -> str | None:
+    try:
+        return os.readlink(proc_dir / "cwd")
+    except OSError:
+        return None
 
 
 def test_exit_duration_saves_and_exits_cleanly(tmp_path):
