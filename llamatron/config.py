@@ -400,6 +400,10 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
     """
     p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
     model = model or cfg.model_config()
+    problems = model.problems()
+    if problems:
+        raise ConfigError(f"the model's shape cannot be trained: {'; '.join(problems)} (fix the YAML "
+                          "model_overrides, or the checkpoint's model config)")
     for name in ("tp", "pp", "vpp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"--{name} must be >= 1")
@@ -431,9 +435,23 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         if len(split) != p.pp * p.vpp or sum(split) != model.num_layers or min(split) < 1:
             raise ConfigError(f"--pp-layers must give {p.pp * p.vpp} positive counts summing to "
                               f"{model.num_layers} layers; got {p.pp_layers}")
+    elif p.pp * p.vpp > model.num_layers:
+        raise ConfigError(f"pp*vpp = {p.pp * p.vpp} model chunks but only {model.num_layers} layers: each chunk needs "
+                          f"a layer; lower --vpp or --pp (pp*vpp at most {model.num_layers})")
     elif model.num_layers % (p.pp * p.vpp):
         raise ConfigError(f"{model.num_layers} layers are not divisible by pp*vpp = {p.pp * p.vpp}; "
                           f"give an explicit split with --pp-layers")
+    if t.recompute_layers is not None:
+        chunk = max(split) if p.pp_layers is not None else model.num_layers // (p.pp * p.vpp)  # the largest
+        if t.recompute == "none":
+            raise ConfigError(f"--recompute-layers {t.recompute_layers} needs --recompute full or selective")
+        if not 0 <= t.recompute_layers <= chunk:
+            raise ConfigError(f"--recompute-layers {t.recompute_layers}: a model chunk holds at most {chunk} layers "
+                              f"(pp*vpp = {p.pp * p.vpp}); give 0..{chunk}")
+    if p.bucket_size < 1:
+        raise ConfigError(f"--bucket-size {p.bucket_size} must be >= 1 (elements per gradient bucket)")
+    if not o.clip_grad >= 0:
+        raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0 (0: off)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("--micro-batch-size and --global-batch-size must be >= 1")
     if t.global_batch_size % (t.micro_batch_size * dp):

@@ -90,6 +90,26 @@ def test_model_overrides():
     ({"model": "llama-test", "rope_backend": "triton", "model_overrides": {"hidden_size": 96}}, 1,
      "--rope-backend triton needs a power-of-two head dim; this model's is 24"),
     ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),
+    # model shapes that trained silently wrong (no attention) or crashed deep inside the model
+    ({"model": "llama-test", "model_overrides": {"num_kv_heads": 0}}, 1, "num_kv_heads 0 must be >= 1"),
+    ({"model": "llama-test", "model_overrides": {"sliding_window": 0}}, 1, "sliding_window 0 must be >= 1"),
+    ({"model": "llama-test", "model_overrides": {"sliding_window": -4}}, 1, "sliding_window -4 must be >= 1"),
+    ({"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "linear", "factor": 0}}}, 1,
+     "rope_scaling factor 0 must be a positive number"),
+    ({"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "yarn", "factor": 4.0}}}, 1,
+     "rope_scaling kind 'yarn' must be linear, dynamic or llama3"),
+    ({"model": "llama-test", "model_overrides": {"num_heads": 3, "num_kv_heads": 3}}, 1,
+     "hidden_size 64 is not divisible by num_heads 3"),
+    ({"model": "llama-test", "model_overrides": {"hidden_size": 60}}, 1, r"head dim 15 \(hidden_size / num_heads\) must be even"),
+    ({"model": "llama-test", "model_overrides": {"num_kv_heads": 3}}, 2, "num_heads 4 is not divisible by num_kv_heads 3"),
+    # settings that were ignored or meaningless
+    ({"model": "llama-test4", "pp": 2, "vpp": 4}, 2, r"pp\*vpp = 8 model chunks but only 4 layers.*lower --vpp or --pp"),
+    ({"model": "llama-test", "recompute_layers": 1}, 1, "--recompute-layers 1 needs --recompute full or selective"),
+    ({"model": "llama-test", "recompute": "full", "recompute_layers": 5}, 1,
+     r"--recompute-layers 5: a model chunk holds at most 2 layers \(pp\*vpp = 1\); give 0..2"),
+    ({"model": "llama-test", "recompute": "full", "recompute_layers": -1}, 1, "--recompute-layers -1"),
+    ({"model": "llama-test", "bucket_size": 0}, 1, "--bucket-size 0 must be >= 1"),
+    ({"model": "llama-test", "clip_grad": -1.0}, 1, "--clip-grad -1.0 must be >= 0"),
 ])
 def test_bad_configs_name_the_fix(values, world, message):
     with pytest.raises((ConfigError, ValueError), match=message):

@@ -48,6 +48,35 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
 
+    def problems(self) -> list[str]:
+        """What makes this shape unbuildable or wrong to train (empty when it is sound)."""
+        out = [f"{name} {getattr(self, name)} must be >= 1" for name in
+               ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                "max_seq_length") if not getattr(self, name) >= 1]
+        if self.family not in ("llama", "falcon"):
+            out.append(f"family {self.family!r} must be llama or falcon")
+        if out:
+            return out
+        if self.hidden_size % self.num_heads:
+            out.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        elif self.head_dim % 2:
+            out.append(f"head dim {self.head_dim} (hidden_size / num_heads) must be even: RoPE rotates pairs")
+        if self.num_heads % self.num_kv_heads:
+            out.append(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.sliding_window is not None and not self.sliding_window >= 1:
+            out.append(f"sliding_window {self.sliding_window} must be >= 1 (or null: full causal attention)")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            out.append("rope_theta and norm_eps must be > 0")
+        r = self.rope_scaling
+        if r is not None:
+            if r.kind not in ("linear", "dynamic", "llama3"):
+                out.append(f"rope_scaling kind {r.kind!r} must be linear, dynamic or llama3")
+            if not (r.factor > 0 and r.factor < float("inf")):
+                out.append(f"rope_scaling factor {r.factor} must be a positive number")
+            if r.kind == "llama3" and not 0 < r.low_freq_factor < r.high_freq_factor:
+                out.append("rope_scaling llama3 needs 0 < low_freq_factor < high_freq_factor")
+        return out
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
