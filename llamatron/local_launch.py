@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llamatron: the job failed ({said}); the failing rank's message is above", file=sys.stderr,
               flush=True)
         return next((f.exitcode for _, f in sorted(e.failures.items()) if f.exitcode > 0), 1)
+    except SignalException as e:  # Ctrl-C (SIGINT) or SIGHUP: torchrun stopped the ranks
+        name = signal.Signals(e.sigval).name
+        print(f"llamatron: stopped by {name}; the ranks were stopped without saving", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -231,3 +231,21 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
         assert record["grad_norm"] == pytest.approx(window[-1]["grad_norm"], rel=1e-6)
         assert record["tokens_per_sec"] == pytest.approx(tokens_per_step)  # 4 steps' tokens in 4 s
         assert record["consumed_samples"] == 8 * record["step"]
+
+
+def test_local_launcher_reports_ctrl_c_in_one_line(monkeypatch, capsys):
+    """Ctrl-C under --nproc-per-node: torchrun stops the ranks; the launcher says so instead of a traceback."""
+    import signal as signals
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from llamatron import local_launch
+
+    def interrupted(args):
+        raise SignalException("Process 1 got signal: 2", sigval=signals.SIGINT)
+
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "")  # main() sets it: restored after the test
+    monkeypatch.setattr(local_launch, "run", interrupted)
+    monkeypatch.setattr(local_launch.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone
+    assert local_launch.main(["--nproc-per-node", "2", "-m", "llamatron", "train"]) == 130
+    assert "llamatron: stopped by SIGINT" in capsys.readouterr().err
