@@ -63,12 +63,13 @@ def test_save_path_that_cannot_be_a_directory_fails_before_training(tmp_path):
 
 def test_a_checkpoint_of_another_model_is_refused_before_the_model_is_built(tmp_path, saved, monkeypatch, capsys):
     """--model llama2-7b would take ~100 GB on the CPU before the shapes were compared: they are compared first."""
-    from llamatron import cli, engine
+    from llamatron import cli
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was built before the checkpoint was checked")
 
-    monkeypatch.setattr(engine, "build_engine", no_engine)
+    # train's own name only: patching llamatron.engine first made a fresh `import llamatron.train` take the
+    # stand-in, which monkeypatch then "restored" there for every later test of the process
     monkeypatch.setattr("llamatron.train.build_engine", no_engine)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
