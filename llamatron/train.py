@@ -292,12 +292,13 @@ def check_save_dir(cfg: RunConfig) -> None:
                           "directory") from None
     if not os.access(save, os.W_OK | os.X_OK):
         raise ConfigError(f"--save {save} is not writable by this user: give a writable directory")
-    steps = sorted((int(p.name[5:]), p.name) for p in os.scandir(save) if p.name[5:].isdigit()
-                   and p.name.startswith("step-") and p.is_dir())
+    from .checkpoint.reader import step_dirs
+
+    steps = step_dirs(save)
     if not steps:
         return
     latest_file = os.path.join(save, "latest")
-    latest = open(latest_file).read().strip() if os.path.isfile(latest_file) else steps[-1][1]
+    latest = open(latest_file).read().strip() if os.path.isfile(latest_file) else steps[-1][1].name
     if load and _checkpoint_root(load) == os.path.realpath(save) and not cfg.train.finetune:
         return  # resuming the run that wrote them
     held = f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''}, the latest {latest}"
@@ -312,9 +313,10 @@ def check_save_dir(cfg: RunConfig) -> None:
 
 def _checkpoint_root(load: str) -> str:
     """The directory holding the checkpoint --load names (DIR, or DIR for DIR/step-N)."""
+    from .checkpoint.reader import step_number
+
     path = os.path.realpath(load)
-    name = os.path.basename(path)
-    return os.path.dirname(path) if name.startswith("step-") and name[5:].isdigit() else path
+    return os.path.dirname(path) if step_number(os.path.basename(path)) is not None else path
 
 
 # Settings whose change on resume alters the run: the learning-rate schedule, or which samples come next

@@ -84,6 +84,19 @@ class StoredTensor:
     pieces: list[StoredPiece]
 
 
+def step_number(name: str) -> int | None:
+    """N of a checkpoint directory's name step-N, else None."""
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+
+
+def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """(N, path) of the step-N directories in a checkpoint root, by N; none when root is not a directory."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((n, d) for d in root.iterdir() if (n := step_number(d.name)) is not None and d.is_dir())
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """DIR (follows DIR/latest) or DIR/step-N -> the step directory."""
     p = Path(path)
@@ -95,12 +108,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if (step_dir / META_FILE).is_file():
             return step_dir
         raise CheckpointError(f"{latest} points to {step_dir}, which is not a complete checkpoint")
-    steps = sorted((int(d.name[5:]), d.name) for d in p.glob("step-*") if d.name[5:].isdigit()
-                   and (d / META_FILE).is_file()) if p.is_dir() else []
-    if steps:  # `latest` lost (copied without it, say): the complete checkpoints are there to name
-        names = ", ".join(name for _, name in steps[-5:])
+    complete = [d for _, d in step_dirs(p) if (d / META_FILE).is_file()]
+    if complete:  # `latest` lost (copied without it, say): the complete checkpoints are there to name
+        names = ", ".join(d.name for d in complete[-5:])
         raise CheckpointError(f"{path} has no `latest` file; load one of its checkpoints by name ({names}), e.g. "
-                              f"--load {p / steps[-1][1]}")
+                              f"--load {complete[-1]}")
     raise CheckpointError(f"no checkpoint at {path}: expected {path}/latest or {path}/{META_FILE}")
 
 
@@ -237,4 +249,4 @@ def load_full_tensors(path: str | Path, kind: str = "model") -> dict[str, torch.
 
 __all__ = ["FORMAT", "INDEX_FILE", "META_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_KINDS", "CheckpointReader",
            "StoredPiece", "StoredTensor", "index_to_json", "load_full_tensors", "open_weights", "piece_key",
-           "rank_file", "read_meta", "resolve_checkpoint", "rng_file"]
+           "rank_file", "read_meta", "resolve_checkpoint", "rng_file", "step_dirs", "step_number"]

@@ -47,7 +47,7 @@ from torch import nn
 from ..models import build_model
 from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, CheckpointError, full_shape_of, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
-                     rng_file)
+                     rng_file, step_dirs)
 
 FAIL_ENV = "LLAMATRON_TEST_FAIL_SAVE"  # "STEP:RANK": that rank's write of that step fails half-way (tests)
 
@@ -319,7 +319,7 @@ def apply_retention(root: Path, keep_last: int, keep: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return
-    steps = sorted((int(p.name[5:]), p) for p in root.glob("step-*") if p.name[5:].isdigit() and p.name != keep)
+    steps = [(n, d) for n, d in step_dirs(root) if d.name != keep]
     for _, path in steps[:max(0, len(steps) - (keep_last - 1))]:
         shutil.rmtree(path, ignore_errors=True)
 
