@@ -21,8 +21,9 @@ from torch.distributed.run import parse_args, run
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def _children() -> list[int]:
-    me = str(os.getpid())
+def children(parent: int) -> list[int]:
+    """Pids of the processes whose parent is `parent`, from /proc (Linux)."""
+    me = str(parent)
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -37,7 +38,7 @@ def _children() -> list[int]:
 
 
 def _forward_to_ranks(signum: int, frame) -> None:
-    for pid in _children():
+    for pid in children(os.getpid()):
         try:
             os.kill(pid, signum)
         except ProcessLookupError:

@@ -133,14 +133,14 @@ def _interrupt(workdir: Path, nproc: int, signum: int, target_rank: int | None,
 
 def _worker_pids(parent: int) -> dict[int, int]:
     """rank -> pid of torchrun's worker processes, from /proc."""
+    from llamatron.local_launch import children
+
     out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in children(parent):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent:
-                env = (stat.parent / "environ").read_bytes().split(b"\0")
-                out[int(next(e for e in env if e.startswith(b"RANK="))[5:])] = int(stat.parent.name)
-        except (OSError, StopIteration, IndexError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            out[int(next(e for e in env if e.startswith(b"RANK="))[5:])] = pid
+        except (OSError, StopIteration):
             continue
     return out
 
