@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"llamatron {args.command}: file not found: {e.filename or e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
-        from .checkpoint.dist import CheckpointError
+        from .errors import CheckpointError
 
         if isinstance(e, CheckpointError):
             print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)

@@ -17,13 +17,10 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
 from .triton_check import HAS_TRITON
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says how to fix it."""
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ConfigError
+from .errors import ConfigError
 from .data.batches import micro_batches_for_step
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage

@@ -37,7 +37,7 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 64, 
 
 def load_for_generation(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
     """Model weights of a checkpoint, on one device, in fp32."""
-    from .checkpoint.dist import open_weights
+    from .checkpoint import open_weights
     from .models import ModelConfig, build_model
 
     weights = open_weights(path)  # full tensors, whatever layout saved them

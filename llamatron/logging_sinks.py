@@ -12,7 +12,7 @@ import importlib
 import warnings
 from typing import Any
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # (config field, flag, module to import, pip package)
 _OPTIONAL = (("tensorboard_dir", "--tensorboard-dir", "torch.utils.tensorboard", "tensorboard"),

@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from .config import ConfigError
+from .errors import ConfigError
 from .plan import GB, GiB, Plan, PlanResult, Precision, plan
 
 def parse_memory(text: str) -> float:

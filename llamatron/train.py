@@ -135,13 +135,13 @@ def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
     model_cfg = cfg.model_config()
     if t.load and "model" not in cfg.explicit:
         # The architecture comes from the checkpoint unless --model is given (then they must match).
-        from .checkpoint.dist import read_model_config
+        from .checkpoint import read_model_config
 
         model_cfg = read_model_config(t.load)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     if t.load:
-        from .checkpoint.dist import check_checkpoint_fits
+        from .checkpoint import check_checkpoint_fits
 
         check_checkpoint_fits(t.load, model_cfg, model_label(cfg))
     if not replace_save:
@@ -168,7 +168,7 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
     engine = build_engine(cfg, derived, mesh, model_cfg)
     start_step, consumed, skipped_before = 0, 0, 0
     if t.load:
-        from .checkpoint.dist import load_checkpoint
+        from .checkpoint import load_checkpoint
 
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
         if not t.finetune:
@@ -247,7 +247,7 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
             _evaluate_and_record(engine, datasets, step + 1, consumed, result, sink, progress)
             timer.reset()
         if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last or stop):
-            from .checkpoint.dist import save_checkpoint
+            from .checkpoint import save_checkpoint
 
             # Steps skipped so far, also those not yet logged: a resumed run continues the count.
             train_seconds += timer.elapsed()
@@ -263,7 +263,7 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     for buf in engine.buffers:  # no collective may be left in flight
         buf.finish_param_gather()
     if t.save:  # an --async-save still writing: wait for it and publish it (collective)
-        from .checkpoint.dist import finish_pending_save
+        from .checkpoint import finish_pending_save
 
         finish_pending_save(engine)
     if progress is not None:

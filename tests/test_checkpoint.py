@@ -127,7 +127,7 @@ def _train_steps(engine, steps: range) -> None:
 
 
 def test_async_save_writes_a_snapshot_and_publishes_at_finish(tmp_path):
-    from llamatron.checkpoint.dist import finish_pending_save, save_checkpoint
+    from llamatron.checkpoint import finish_pending_save, save_checkpoint
 
     engine = _engine(precision="fp32", async_save=True)
     _train_steps(engine, range(2))
@@ -143,7 +143,7 @@ def test_async_save_writes_a_snapshot_and_publishes_at_finish(tmp_path):
 
 
 def test_bf16_master_weights_round_trip_and_seed_an_fp32_run(tmp_path):
-    from llamatron.checkpoint.dist import load_checkpoint, save_checkpoint
+    from llamatron.checkpoint import load_checkpoint, save_checkpoint
 
     bf16 = _engine(precision="bf16")
     _train_steps(bf16, range(2))
@@ -163,7 +163,7 @@ def test_bf16_master_weights_round_trip_and_seed_an_fp32_run(tmp_path):
 
 
 def test_fp16_loss_scale_is_restored(tmp_path):
-    from llamatron.checkpoint.dist import load_checkpoint, save_checkpoint
+    from llamatron.checkpoint import load_checkpoint, save_checkpoint
 
     fp16 = _engine(precision="fp16", initial_loss_scale=2.0**60)  # every step overflows: the scale halves
     _train_steps(fp16, range(2))

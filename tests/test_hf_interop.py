@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llamatron.checkpoint.dist import CheckpointError, load_checkpoint
+from llamatron.checkpoint import load_checkpoint
+from llamatron.errors import CheckpointError
 from llamatron.checkpoint.hf import HFConversionError, config_from_hf
 from llamatron.cli import main as llamatron_main
 from llamatron.generate import load_for_generation

@@ -136,7 +136,7 @@ def test_resuming_names_the_settings_that_changed_and_an_empty_run(tmp_path, sav
 
 
 def test_a_checkpoint_directory_without_latest_names_its_steps(tmp_path, saved):
-    from llamatron.checkpoint.dist import CheckpointError
+    from llamatron.errors import CheckpointError
     from llamatron.checkpoint.reader import resolve_checkpoint
 
     ck, _ = saved

@@ -186,7 +186,7 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
     steps, its speed from the training time of its steps alone (a clock that moves 1 s per step, 50 s per
     evaluation and 70 s per save: every record must read exactly one step's tokens per second)."""
     from llamatron import cli, train
-    from llamatron.checkpoint import dist as checkpoint_dist
+    from llamatron import checkpoint as checkpoint_dist
 
     clock = [0.0]
 

@@ -25,17 +25,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..models import ModelConfig, RopeScaling
-from .dist import CheckpointError
+from ..errors import CheckpointError, HFConversionError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "falcon": "FalconForCausalLM"}
 # Keys rewritten on export (rope in the form every transformers >= 4.45 reads; dtype under both names).
 _REWRITTEN_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
 # Hugging Face tensors that carry nothing a llamatron model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class HFConversionError(CheckpointError):
-    """A Hugging Face model llamatron cannot represent, or weights that do not fit their config."""
 
 
 # ---------------------------------------------------------------- configs

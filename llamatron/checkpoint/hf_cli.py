@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .hf_io import DTYPES, export_hf, import_hf
 from .tensor_io import parse_size
 

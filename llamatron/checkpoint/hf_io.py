@@ -18,7 +18,8 @@ from typing import Any, Iterator
 import torch
 
 from ..models import ModelConfig, build_model
-from .dist import META_FILE, MODEL_FILE, CheckpointError, open_weights, resolve_checkpoint
+from ..errors import CheckpointError
+from .reader import META_FILE, MODEL_FILE, open_weights, resolve_checkpoint
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .meta_llama import MetaLlamaSource, is_meta_checkpoint
 from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .dist import CheckpointError
+from ..errors import CheckpointError
 from .tensor_io import load_pickled
 
 # Meta name (after "layers.N.") -> (Hugging Face name, dimension split across model-parallel files or None)

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-class CheckpointError(ValueError):
-    pass
+from ..errors import CheckpointError
 
 
 # safetensors' dtype names (its file header), both ways.

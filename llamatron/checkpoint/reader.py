@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .pieces import TORCH_DTYPES, Box, CheckpointError
+from ..errors import CheckpointError
+from .pieces import TORCH_DTYPES, Box
 
 META_FILE, INDEX_FILE = "meta.json", "index.json"
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"  # the full-tensor layout (imports)

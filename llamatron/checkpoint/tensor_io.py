@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from .dist import CheckpointError
+from ..errors import CheckpointError
 from .reader import open_safetensors
 
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

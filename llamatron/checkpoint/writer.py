@@ -45,7 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import build_model
-from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, CheckpointError, full_shape_of, local_pieces
+from ..errors import CheckpointError
+from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, full_shape_of, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
                      rng_file, step_dirs)
 

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from llamatron.errors import DataError, MissingDataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, num_seqs, num_docs
@@ -41,14 +43,6 @@ TOKEN_DTYPES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16),
 }
 DTYPE_CODES: dict[np.dtype, int] = {dtype: code for code, dtype in TOKEN_DTYPES.items()}
-
-
-class DataError(ValueError):
-    """A data file that cannot be used; the message names the file, the problem and the fix."""
-
-
-class MissingDataError(DataError, FileNotFoundError):
-    """A data file that does not exist."""
 
 
 def index_path(prefix: str) -> str:

@@ -27,7 +27,8 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from llamatron.data.indexed import DataError, IndexedDatasetWriter, best_token_dtype
+from llamatron.data.indexed import IndexedDatasetWriter, best_token_dtype
+from llamatron.errors import ConfigError, DataError
 from llamatron.data.readers import check_readable, expand_inputs, read_records, record_location, record_size
 from llamatron.data.tokenizer import load_tokenizer
 
@@ -358,8 +359,6 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
     progress = not getattr(args, "no_progress", False)
     if args.workers < 1:
-        from llamatron.config import ConfigError  # imported here: it pulls in torch, which preprocess needs not
-
         raise ConfigError(f"--workers {args.workers}: need at least 1 tokenizer process (default: 1)")
     if getattr(args, "sft", False):
         from llamatron.data.sft import preprocess_conversations

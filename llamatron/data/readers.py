@@ -16,7 +16,7 @@ import sys
 import zlib
 from typing import IO, Any, Iterator, Sequence
 
-from llamatron.data.indexed import DataError
+from llamatron.errors import DataError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)

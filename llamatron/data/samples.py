@@ -21,7 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key, file_signature
-from llamatron.data.indexed import DataError, IndexedDataset, data_path, index_path
+from llamatron.data.indexed import IndexedDataset, data_path, index_path
+from llamatron.errors import DataError
 
 
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:

@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from llamatron.data.indexed import DataError, best_token_dtype, data_path
+from llamatron.data.indexed import best_token_dtype, data_path
+from llamatron.errors import DataError
 from llamatron.data.preprocess import RecordError, run_encoder
 from llamatron.data.tokenizer import CONFIG_FILE, load_tokenizer
 

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key
-from llamatron.data.indexed import DataError, IndexedDataset, MissingDataError, index_path
+from llamatron.data.indexed import IndexedDataset, index_path
+from llamatron.errors import DataError, MissingDataError
 from llamatron.data.samples import check_token_ids, split_documents
 from llamatron.data.sft import mask_prefix
 

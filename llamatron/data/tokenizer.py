@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import tokenizers
 
-from llamatron.data.indexed import DataError
+from llamatron.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
 # Tried in order when no tokenizer_config.json names the EOS token.

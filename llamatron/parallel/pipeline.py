@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..models import Transformer
 from .data import zero_if_unwritten
 from .mesh import Mesh, new_group

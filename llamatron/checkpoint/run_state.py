@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
 from ..models import ModelConfig, build_model
 from ..parallel.optimizer import lr_at
-from .pieces import CheckpointError, local_pieces
-from .reader import (META_FILE, MODEL_FILE, CheckpointReader, load_full_tensors, open_weights, read_meta,
-                     resolve_checkpoint, rng_file)
+from ..errors import CheckpointError
+from .pieces import local_pieces
+from .reader import CheckpointReader, read_meta, rng_file
 from .writer import PendingSave, finish, global_named_params, set_rng_state, start_save
 
 FORMAT_VERSION = 2
@@ -172,5 +171,4 @@ def _restore_rng(reader: CheckpointReader, engine) -> None:
         set_rng_state(torch.load(path, weights_only=False))
 
 
-__all__ = ["CheckpointError", "ConfigError", "META_FILE", "MODEL_FILE", "finish_pending_save", "load_checkpoint",
-           "load_full_tensors", "open_weights", "read_meta", "read_model_config", "resolve_checkpoint", "save_checkpoint"]
+__all__ = ["check_checkpoint_fits", "finish_pending_save", "load_checkpoint", "read_model_config", "save_checkpoint"]

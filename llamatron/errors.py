@@ -1,0 +1,37 @@
+"""The errors llamatron reports to a user: one type per kind of input, each message naming the fix.
+
+A leaf module (it imports nothing), so any module may raise these without pulling in torch or another
+package. `llamatron.cli.main` turns each into one line and an exit code.
+"""
+
+
+class ConfigError(ValueError):
+    """Settings (flags, YAML, a model shape, a layout) that cannot work; the message says how to fix them."""
+
+
+class DataError(ValueError):
+    """A data file that cannot be used; the message names the file, the problem and the fix."""
+
+
+class MissingDataError(DataError, FileNotFoundError):
+    """A data file that does not exist."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or imported weights) that cannot be read, written or used for this model."""
+
+
+class HFConversionError(CheckpointError):
+    """A Hugging Face model llamatron cannot represent, or weights that do not fit their config."""
+
+
+class TrainingAborted(Exception):
+    """The run cannot usefully continue; the message says why and what to do.
+
+    `rank_specific`: the message differs between ranks (then every rank prints it, else only rank 0).
+    """
+
+    rank_specific = False
+
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "HFConversionError", "MissingDataError", "TrainingAborted"]
