@@ -1,4 +1,4 @@
-"""`llamatron bench`: synthetic training steps, one table row of throughput and where the time goes.
+"""What `llamatron bench` measures: synthetic training steps, one row of throughput and where the time goes.
 
 The headline numbers come from plain, un-instrumented steps (no host sync
 inside a step). The breakdown comes from separate instrumented steps that
@@ -12,60 +12,22 @@ Pipeline bubble is the schedule's idle fraction, (pp-1) / (m*vpp + pp-1), for m 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from .cli import add_launch_argument, relaunch_if_asked
-from .config import ConfigError, add_config_arguments, kernel_choices, load_config, validate
-from .data.batches import micro_batches_for_step
+from .config import RunConfig, kernel_choices, validate
+from .data.batches import micro_batches_for_step, to_device
 from .data.mock import MockDataset
-from .engine import build_engine, count_tokens, to_device, train_step
+from .engine import build_engine, count_tokens, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
 from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
 
 
-# Settings of `train` that bench does not use: it warns instead of silently ignoring them.
-_TRAIN_ONLY = {"save", "load", "data", "sft_data", "tokenizer", "train_steps", "eval_interval", "eval_iters",
-               "eval_metrics", "save_interval", "metrics_file", "tensorboard_dir", "wandb_project", "wandb_name",
-               "wandb_mode", "finetune", "exit_duration_mins", "log_interval"}
-
-
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="measure training throughput on synthetic data", description=(
-        "Runs --warmup untimed and --steps timed training steps on synthetic tokens and prints one row: tokens/s "
-        "per GPU, TFLOP/s, MFU, peak memory, and a breakdown (forward, backward, exposed gradient sync, optimizer, "
-        "pipeline bubble) measured on one extra instrumented step, so its parts need not add up to the timed "
-        "step. The model, parallel, precision and kernel flags of `train` apply; data, checkpoint, evaluation and "
-        "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."))
-    add_config_arguments(p)
-    add_launch_argument(p)
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3; "
-                                                        "--warmup-steps is the learning rate's warm-up)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table row")
-    p.set_defaults(func=cmd_bench)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: bench needs at least 1 timed step and "
-                          "0 or more warm-up steps")
-    cfg = load_config(args)
-    ignored = sorted(cfg.explicit & _TRAIN_ONLY)
-    cfg.data.mock_data = True
-    cfg.train.train_steps = args.warmup + args.steps + 2
-    status = relaunch_if_asked(args, cfg)
-    if status is not None:
-        return status
-    if ignored and int(os.environ.get("RANK", "0")) == 0:
-        print(f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
-              "synthetic data and saves, evaluates and logs nothing)", file=sys.stderr)
+def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
+    """`warmup` untimed and `steps` timed training steps on synthetic tokens, then one instrumented step for the
+    breakdown: the row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
@@ -75,40 +37,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     t, device = cfg.train, engine.device
     data = MockDataset(model_cfg.vocab_size, cfg.data.seq_length, t.seed)
     batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), device)
-    for step in range(args.warmup):
+    for step in range(warmup):
         train_step(engine, batch, step)
     sync_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    for step in range(args.steps):
-        out = train_step(engine, batch, args.warmup + step)
+    for step in range(steps):
+        out = train_step(engine, batch, warmup + step)
     sync_device(device)
     elapsed = time.perf_counter() - start
     # The last step's global loss (each rank holds its data-parallel share; only the last stage computes it).
     loss = sum_from_last_stage(out["loss"].detach().float().reshape(1), mesh).item()
     peak_mem = peak_memory_gib(device)
     state = state_memory(engine)
-    breakdown = _breakdown(engine, batch, args.warmup + args.steps)
-    tokens = t.global_batch_size * cfg.data.seq_length * args.steps
+    breakdown = _breakdown(engine, batch, warmup + steps)
+    tokens = t.global_batch_size * cfg.data.seq_length * steps
     speed = throughput(tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device))
     p = cfg.parallel
     m = derived.grad_accum_steps
-    row = {"model": t.model, "model_overrides": dict(cfg.model_overrides), "gpus": mesh.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp,
-           "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer, "recompute": t.recompute,
-           "compile": derived.compile,
-           "precision": derived.dtype_name,
-           "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
-           "step_ms": 1000 * elapsed / args.steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
-           "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
-           "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__}
-    if mesh.rank == 0:
-        print(json.dumps(row) if args.json else format_row(row), flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return {"model": t.model, "model_overrides": dict(cfg.model_overrides), "gpus": mesh.world_size, "tp": p.tp,
+            "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp, "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer,
+            "recompute": t.recompute, "compile": derived.compile, "precision": derived.dtype_name,
+            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
+            "step_ms": 1000 * elapsed / steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
+            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
+            "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
 
 
 def state_memory(engine) -> dict[str, float]:

@@ -15,11 +15,17 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+from .data.samples import parse_data_argument, split_documents
 from .errors import ConfigError
+from .evaluation import resolve_eval_metrics
+from .logging_sinks import check_sink_dependencies
 from .models import ModelConfig, get_preset
+from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
 from .models.presets import PRESET_NAMES
+from .models.rope_op import supports_head_dim
 from .triton_check import HAS_TRITON
 
 
@@ -227,7 +233,7 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; see `llamatron train --help` for the names")
     cfg = RunConfig(model_overrides=dict(overrides), explicit=set(values) | ({"model"} if overrides else set()))
     for key, value in values.items():
-        setattr(getattr(cfg, _section_of(key)), key, _checked(key, value))
+        setattr(getattr(cfg, section_of(key)), key, _checked(key, value))
     return cfg
 
 
@@ -262,7 +268,8 @@ def _checked(key: str, value: Any) -> Any:
     return value
 
 
-def _section_of(key: str) -> str:
+def section_of(key: str) -> str:
+    """The config section (parallel, optim, data, train) holding setting `key`."""
     owner = SECTIONS_OWNER[key]
     return next(name for name, cls in SECTIONS.items() if cls is owner)
 
@@ -300,8 +307,6 @@ class Derived:
 
 
 def _validate_data(d: DataConfig) -> None:
-    from .data.samples import parse_data_argument, split_documents
-
     try:  # the same parsing the data loading does, here before anything is built
         if d.data is not None:
             parse_data_argument(d.data)
@@ -322,9 +327,6 @@ def _validate_data(d: DataConfig) -> None:
 
 def _validate_ops(cfg: RunConfig) -> None:
     """Evaluation metrics, logging packages and fault settings (their modules hold the details)."""
-    from .evaluation import resolve_eval_metrics
-    from .logging_sinks import check_sink_dependencies
-
     t = cfg.train
     resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t)
@@ -338,12 +340,6 @@ def _validate_ops(cfg: RunConfig) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _rope_kernels_support(head_dim: int) -> bool:
-    from .models.rope_op import supports_head_dim  # imports torch: only when asked, not at config import
-
-    return supports_head_dim(head_dim)
 
 
 def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
@@ -361,16 +357,12 @@ def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None
     return {"attention": t.attention_backend,
             "swiglu": pick(t.swiglu_backend) if llama else "-",
             "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
-            "rope": pick(t.rope_backend, _rope_kernels_support(model.head_dim)),
+            "rope": pick(t.rope_backend, supports_head_dim(model.head_dim)),
             "cross_entropy": pick(t.cross_entropy_backend) if cfg.parallel.tp == 1 else "-",
             "adamw": pick(cfg.optim.adamw_kernel)}
 
 
 def _check_fa4(head_dim: int, dtype_name: str) -> None:
-    import torch
-
-    from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
-
     if dtype_name not in ("bf16", "fp16"):
         raise ConfigError(f"--attention-backend fa4 runs in bf16 or fp16, not {dtype_name}: use --precision bf16 "
                           "or --attention-backend auto")
@@ -489,7 +481,7 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
     if t.cross_entropy_backend == "triton" and p.tp > 1:
         raise ConfigError(f"--cross-entropy-backend triton: with --tp {p.tp} the loss is the vocabulary-parallel "
                           "one, which has no Triton kernels; leave it at auto")
-    if t.rope_backend == "triton" and not _rope_kernels_support(model.head_dim):
+    if t.rope_backend == "triton" and not supports_head_dim(model.head_dim):
         raise ConfigError(f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
                           "leave it at auto (which runs the torch expression here)")
     kernels = {"--swiglu-backend": t.swiglu_backend, "--rmsnorm-backend": t.rmsnorm_backend,

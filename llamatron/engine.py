@@ -26,6 +26,8 @@ from .parallel.data import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
+from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
+from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,13 +92,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         set_cross_entropy_backend(cfg.train.cross_entropy_backend)
     model = build_model(model_cfg)
     if p.tp > 1:
-        from .parallel.tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel,
                               comm_overlap=p.tp_comm_overlap)
     if p.pp > 1:
-        from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
-
         chunks, global_names = build_stage_chunks(model, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
         forward_backward = pipeline_forward_backward
     else:
@@ -137,10 +135,6 @@ def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], tota
     return loss_sum
 
 
-def to_device(micro_batches: list[dict], device: torch.device) -> list[dict]:
-    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-
-
 def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
     """Tokens that count towards the loss in the whole global batch (summed over data-parallel ranks)."""
     local = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(engine.device, torch.float32)
@@ -161,8 +155,6 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
     for buf in engine.buffers:
         buf.finish_grad_sync()
     if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
-        from .parallel.tensor import sync_tensor_parallel_grads
-
         sync_tensor_parallel_grads(engine.chunks, engine.mesh.tp_group)
     lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
     grad_norm, found_inf = engine.optimizer.step(lr, None if scaler is None else scaler.scale)

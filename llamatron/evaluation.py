@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
-from .data.batches import micro_batches_for_step
+from .data.batches import micro_batches_for_step, to_device
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage
+from .parallel.pipeline import pipeline_forward_each
 
 
 @dataclass
@@ -160,8 +161,6 @@ def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
 
     The result is the same on every rank.
     """
-    from .engine import to_device
-
     cfg, mesh = engine.cfg, engine.mesh
     names = resolve_eval_metrics(cfg.train.eval_metrics if metrics is None else metrics)
     totals = _Totals([_METRICS[n] for n in names if _METRICS[n].derived_from is None], engine.device)
@@ -176,8 +175,6 @@ def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
         totals.add(EvalBatch(model, logits, labels, model.loss_fn(logits, labels)))
 
     if cfg.parallel.pp > 1:  # the last stage sees the logits; it sums, then tells the other stages
-        from .parallel.pipeline import pipeline_forward_each
-
         pipeline_forward_each(engine, to_device([mb for it in range(iters) for mb in batches_of(it)], engine.device), add)
     else:
         model = engine.chunks[0]

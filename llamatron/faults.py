@@ -27,18 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import TrainingAborted
+
 PROCESS_START = time.monotonic()  # --exit-duration-mins counts from here (module import = start of `train`)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NAN_STEPS_ENV, HANG_ENV = "LLAMATRON_TEST_NAN_STEPS", "LLAMATRON_TEST_HANG"
-
-
-class TrainingAborted(Exception):
-    """The run cannot usefully continue; the message says why and what to do.
-
-    `rank_specific`: the message differs between ranks (then every rank prints it, else only rank 0).
-    """
-
-    rank_specific = False
 
 
 class CollectiveTimeout(TrainingAborted):

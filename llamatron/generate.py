@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .models import Transformer
+from .checkpoint import open_weights
+from .models import ModelConfig, Transformer, build_model
 
 
 @torch.no_grad()
@@ -37,9 +38,6 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 64, 
 
 def load_for_generation(path: str, device: str = "cpu") -> tuple[Transformer, dict]:
     """Model weights of a checkpoint, on one device, in fp32."""
-    from .checkpoint import open_weights
-    from .models import ModelConfig, build_model
-
     weights = open_weights(path)  # full tensors, whatever layout saved them
     meta = weights.run_meta
     cfg = ModelConfig.from_dict(meta["model_config"])

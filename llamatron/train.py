@@ -11,18 +11,24 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, RunConfig, validate
-from .data.batches import micro_batches_for_step
+from . import demo
+from .checkpoint import (check_checkpoint_fits, finish_pending_save, load_checkpoint, read_model_config,
+                         save_checkpoint, step_dirs, step_number)
+from .config import RunConfig, validate
+from .data import samples
+from .data.batches import micro_batches_for_step, to_device
+from .data.boundaries import DocumentBoundaries
 from .data.mock import MockDataset
-from .engine import Engine, build_engine, to_device, train_step
+from .data.sft_dataset import build_sft_datasets
+from .data.tokenizer import load_tokenizer
+from .engine import Engine, build_engine, train_step
 from .evaluation import evaluate, format_metrics
+from .errors import ConfigError
 from .faults import FaultGuard, explain_collective_failure, restore_signal_handlers
+from .logging_sinks import build_metric_sinks
 from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
 from .models import ModelConfig
 from .parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
-
-DEMO_DIR = "runs/demo"
-
 
 @dataclass
 class Datasets:
@@ -49,8 +55,6 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
         return Datasets(MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
                         MockDataset(model_cfg.vocab_size, d.seq_length, t.seed + 1))
     if d.sft_data is not None:
-        from .data.sft_dataset import build_sft_datasets
-
         train, valid = _rank0_first(mesh, lambda: build_sft_datasets(
             d.sft_data, d.split, d.seq_length, train_samples, valid_samples, t.seed, d.pack, model_cfg.vocab_size))
         if mesh.is_logging_rank:
@@ -59,22 +63,16 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
                 if warning:
                     print(warning, file=sys.stderr, flush=True)
         return Datasets(train, valid, d.tokenizer)
-    from .data import samples
-
     prefix, tokenizer = d.data, d.tokenizer
     if prefix is None:  # the embedded demo corpus
-        from .data.demo import prepare_demo_data
-
         if mesh.rank == 0:
-            info = prepare_demo_data(os.path.join(DEMO_DIR, "data"))
+            info = demo.prepare_demo_data(demo.DEMO_DATA_DIR)
         if dist.is_initialized():
             dist.barrier()
-        info = prepare_demo_data(os.path.join(DEMO_DIR, "data")) if mesh.rank != 0 else info
+        info = demo.prepare_demo_data(demo.DEMO_DATA_DIR) if mesh.rank != 0 else info
         prefix, tokenizer = info["prefix"], os.path.abspath(info["tokenizer"])
         cfg.data.tokenizer = tokenizer  # recorded in checkpoints, so `generate` finds it from anywhere
     if tokenizer is not None:
-        from .data.tokenizer import load_tokenizer
-
         vocab = load_tokenizer(tokenizer).vocab_size
         if vocab > model_cfg.vocab_size:
             fix = (f"use the tokenizer {t.load} was trained with" if t.load and "model" not in cfg.explicit
@@ -86,9 +84,6 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     if mesh.is_logging_rank:
         print(train.describe(), flush=True)
     if d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss:
-        from .data.boundaries import DocumentBoundaries
-        from .data.tokenizer import load_tokenizer
-
         eod = load_tokenizer(tokenizer).eod_id
         if eod is None:
             raise ConfigError(f"tokenizer {tokenizer} has no end-of-document token; document-boundary flags need one")
@@ -135,14 +130,10 @@ def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
     model_cfg = cfg.model_config()
     if t.load and "model" not in cfg.explicit:
         # The architecture comes from the checkpoint unless --model is given (then they must match).
-        from .checkpoint import read_model_config
-
         model_cfg = read_model_config(t.load)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     if t.load:
-        from .checkpoint import check_checkpoint_fits
-
         check_checkpoint_fits(t.load, model_cfg, model_label(cfg))
     if not replace_save:
         check_save_dir(cfg)
@@ -163,13 +154,11 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
         _warn_if_beyond_trained_context(cfg, model_cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)
     # TensorBoard / W&B start before the model is built: a W&B login failure costs no memory or time.
-    sinks = metric_sinks(cfg) if mesh.is_logging_rank else []
+    sinks = build_metric_sinks(cfg) if mesh.is_logging_rank else []
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
     start_step, consumed, skipped_before = 0, 0, 0
     if t.load:
-        from .checkpoint import load_checkpoint
-
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
         if not t.finetune:
             start_step, consumed = state["step"], state["consumed_samples"]
@@ -247,8 +236,6 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
             _evaluate_and_record(engine, datasets, step + 1, consumed, result, sink, progress)
             timer.reset()
         if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last or stop):
-            from .checkpoint import save_checkpoint
-
             # Steps skipped so far, also those not yet logged: a resumed run continues the count.
             train_seconds += timer.elapsed()
             skipped = guard.skipped_total + sum(bool(o["found_inf"] > 0) for _, o in pending)
@@ -263,8 +250,6 @@ def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: in
     for buf in engine.buffers:  # no collective may be left in flight
         buf.finish_param_gather()
     if t.save:  # an --async-save still writing: wait for it and publish it (collective)
-        from .checkpoint import finish_pending_save
-
         finish_pending_save(engine)
     if progress is not None:
         progress.close()
@@ -292,8 +277,6 @@ def check_save_dir(cfg: RunConfig) -> None:
                           "directory") from None
     if not os.access(save, os.W_OK | os.X_OK):
         raise ConfigError(f"--save {save} is not writable by this user: give a writable directory")
-    from .checkpoint.reader import step_dirs
-
     steps = step_dirs(save)
     if not steps:
         return
@@ -313,8 +296,6 @@ def check_save_dir(cfg: RunConfig) -> None:
 
 def _checkpoint_root(load: str) -> str:
     """The directory holding the checkpoint --load names (DIR, or DIR for DIR/step-N)."""
-    from .checkpoint.reader import step_number
-
     path = os.path.realpath(load)
     return os.path.dirname(path) if step_number(os.path.basename(path)) is not None else path
 
@@ -392,12 +373,6 @@ def _interval_record(pending: list[tuple[int, dict]], losses: list[float], speed
 def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[float]:
     """Per-step global losses: summed over data-parallel ranks, sent from the last pipeline stage to all."""
     return sum_from_last_stage(torch.stack(losses).float(), engine.mesh).tolist()
-
-
-def metric_sinks(cfg: RunConfig) -> list:
-    from .logging_sinks import build_metric_sinks
-
-    return build_metric_sinks(cfg)
 
 
 def _progress_bar(total: int, initial: int):

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from llamatron.data.demo import prepare_demo_data, stdlib_source_files
+from llamatron.demo import prepare_demo_data, stdlib_source_files
 from llamatron.data.indexed import IndexedDataset
 from llamatron.data.samples import build_datasets
 from llamatron.data.tokenizer import load_tokenizer

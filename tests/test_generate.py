@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from llamatron import generate
+from llamatron.commands import generate
 from llamatron.cli import main
 
 from hf_fixtures import train_with_bpe_tokenizer

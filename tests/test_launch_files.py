@@ -51,7 +51,7 @@ def test_config_validates_for_its_world_size(name):
 
 
 def test_demo_config_holds_the_demos_settings():
-    from llamatron.cli import DEMO_DEFAULTS
+    from llamatron.demo import DEMO_DEFAULTS
 
     values = yaml.safe_load((ROOT / "configs" / "demo-cpu.yaml").read_text())
     assert {k: float(values[k]) if isinstance(v, float) else values[k] for k, v in DEMO_DEFAULTS.items()

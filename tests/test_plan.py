@@ -10,7 +10,7 @@ import torch
 
 from llamatron import plan as P
 from llamatron import plan_activations as A
-from llamatron.plan_cli import parse_memory
+from llamatron.commands.plan import parse_memory
 from llamatron.cli import main
 from llamatron.config import ConfigError, config_from_values
 from llamatron.engine import apply_recompute

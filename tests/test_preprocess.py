@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from llamatron.data.indexed import IndexedDataset
-from llamatron.data.preprocess import BadInputError, add_preprocess_arguments, preprocess, run_preprocess
+from llamatron.commands.preprocess import add_preprocess_arguments, run_preprocess
+from llamatron.data.preprocess import BadInputError, preprocess
 from llamatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 TEXTS = [

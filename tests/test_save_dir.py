@@ -109,7 +109,8 @@ def test_a_tokenizer_too_large_for_a_loaded_checkpoint_names_the_checkpoint(tmp_
 
 
 def test_the_demo_replaces_its_own_previous_checkpoints_only(tmp_path, monkeypatch):
-    from llamatron.cli import _apply_demo_defaults, _clear_previous_demo_checkpoint
+    from llamatron.demo import apply_demo_defaults as _apply_demo_defaults
+    from llamatron.demo import clear_previous_demo_checkpoint as _clear_previous_demo_checkpoint
     from llamatron.config import config_from_values
 
     monkeypatch.chdir(tmp_path)

@@ -114,9 +114,10 @@ def test_nproc_per_node_checks_cuda_settings_against_the_gpus_it_sees(monkeypatc
     import torch
 
     from llamatron import cli
+    from llamatron.commands import launch
 
     launched = []
-    monkeypatch.setattr(cli, "_relaunch_with_torchrun", lambda n: launched.append(n) or 0)
+    monkeypatch.setattr(launch, "relaunch_with_torchrun", lambda n: launched.append(n) or 0)
     argv = ["train", "--nproc-per-node", "2", "--model", "llama-test", "--mock-data", "--attention-backend", "cudnn",
             "--swiglu-backend", "triton"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -186,7 +187,6 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
     steps, its speed from the training time of its steps alone (a clock that moves 1 s per step, 50 s per
     evaluation and 70 s per save: every record must read exactly one step's tokens per second)."""
     from llamatron import cli, train
-    from llamatron import checkpoint as checkpoint_dist
 
     clock = [0.0]
 
@@ -209,7 +209,7 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
     monkeypatch.setattr(train, "Timer", FakeTimer)
     monkeypatch.setattr(train, "train_step", advancing(train.train_step, 1.0))
     monkeypatch.setattr(train, "_evaluate_and_record", advancing(train._evaluate_and_record, 50.0))
-    monkeypatch.setattr(checkpoint_dist, "save_checkpoint", advancing(checkpoint_dist.save_checkpoint, 70.0))
+    monkeypatch.setattr(train, "save_checkpoint", advancing(train.save_checkpoint, 70.0))
     monkeypatch.chdir(tmp_path)
     args = ["train", "--model", "llama-test", *BASE_ARGS, "--train-steps", "8", "--eval-interval", "3"]
 

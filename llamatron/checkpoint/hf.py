@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..models import ModelConfig, RopeScaling
-from ..errors import CheckpointError, HFConversionError
+from ..errors import HFConversionError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "falcon": "FalconForCausalLM"}
 # Keys rewritten on export (rope in the form every transformers >= 4.45 reads; dtype under both names).

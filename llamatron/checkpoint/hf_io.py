@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ..config import RunConfig
+from ..data.tokenizer import load_tokenizer
 from ..models import ModelConfig, build_model
 from ..errors import CheckpointError
 from .reader import META_FILE, MODEL_FILE, open_weights, resolve_checkpoint
@@ -85,8 +87,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
             tensor = rule.fuse([source.get(n) for n in rule.hf_names])
             writer.write(rule.name, tensor.to(dtype) if dtype else tensor)
     tokenizer = _copy_tokenizer(Path(hf_dir), out / "tokenizer")
-    from ..config import RunConfig
-
     run = RunConfig()
     run.data.tokenizer = str(tokenizer.resolve()) if tokenizer else None
     generation = Path(hf_dir) / "generation_config.json"
@@ -141,8 +141,6 @@ def _special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
     fill in its per-family defaults (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here."""
     if tokenizer is None:
         return {"bos_token_id": None, "eos_token_id": None}
-    from ..data.tokenizer import load_tokenizer
-
     try:
         tok = load_tokenizer(str(tokenizer))
     except (OSError, ValueError) as e:

@@ -49,6 +49,7 @@ from ..errors import CheckpointError
 from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, full_shape_of, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
                      rng_file, step_dirs)
+from .tensor_io import StreamingSafetensorsWriter
 
 FAIL_ENV = "LLAMATRON_TEST_FAIL_SAVE"  # "STEP:RANK": that rank's write of that step fails half-way (tests)
 
@@ -163,8 +164,6 @@ def _injected_failure(step: int, rank: int) -> bool:
 
 def write_files(tmp: Path, rank: int, step: int, pieces: list[PieceToWrite], rng: dict[str, Any]) -> None:
     """This rank's safetensors file and RNG state, flushed to disk."""
-    from .tensor_io import StreamingSafetensorsWriter  # (tensor_io imports this package's errors)
-
     fail = _injected_failure(step, rank)
     if pieces:
         specs = [(piece_key(p.kind, p.name, p.box), p.data.dtype, p.box.sizes) for p in pieces]

@@ -47,3 +47,7 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
         if key in samples[0]:
             batch[key] = stack(key, np.int64)[:, :-1].contiguous()
     return batch
+
+
+def to_device(micro_batches: list[dict], device: torch.device) -> list[dict]:
+    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]

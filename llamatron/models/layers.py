@@ -15,7 +15,7 @@ from torch import nn
 
 from . import rmsnorm_op, rope_op
 from .config import ModelConfig, RopeScaling
-from .flash4_op import SUPPORTED_HEAD_DIMS
+from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
 
 
 class RMSNorm(nn.Module):
@@ -191,8 +191,6 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_wi
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if _use_fa4 and q.is_cuda and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16):
-        from .flash4_op import fa4_causal_attention
-
         # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.
         return fa4_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
+from .adamw_kernel import adamw_segment
 from .data import GradBuffer
 from .mesh import Mesh, all_reduce
 
@@ -120,8 +121,6 @@ class DistributedAdamW:
     def _triton_step(self, grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | None,
                      found_inf: torch.Tensor) -> None:
         """The same update as the fused torch path, one kernel per segment writing the model weights too."""
-        from .adamw_kernel import adamw_segment
-
         # A skipped step does not count (as torch's fused AdamW). The increment goes in as a tensor list: a 0-d
         # tensor passed as the scalar argument is read on the host, a device sync each step (seen on an H200).
         increment = 1.0 - found_inf

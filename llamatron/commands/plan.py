@@ -1,4 +1,4 @@
-"""`llamatron plan` on the command line: arguments and the table (the model lives in plan.py)."""
+"""`llamatron plan`: arguments and the table (the model of memory and speed lives in llamatron/plan.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import json
 import re
 
-from .errors import ConfigError
-from .plan import GB, GiB, Plan, PlanResult, Precision, plan
+from ..errors import ConfigError
+from ..plan import GB, GiB, Plan, PlanResult, Precision, plan
 
 def parse_memory(text: str) -> float:
     """'80GB' (10^9 bytes), '80GiB' (2^30), '80' (GB) -> bytes."""

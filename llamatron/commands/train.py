@@ -1,0 +1,36 @@
+"""`llamatron train`: one process, torchrun's ranks, or --nproc-per-node N; no data given: the demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .. import demo
+from ..config import add_config_arguments, load_config
+from ..train import run_training
+from .launch import add_launch_argument, relaunch_if_asked
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model (no data given: the embedded demo corpus)",
+                       description="Train a model. With no --data and no --mock-data it trains llama-tiny on the "
+                                   "Python standard library's source (the demo), then samples from it.")
+    add_config_arguments(p)
+    add_launch_argument(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    status = relaunch_if_asked(args, cfg)  # the ranks then apply the demo's settings themselves
+    if status is not None:
+        return status
+    is_demo = demo.is_demo(cfg)
+    replace_save = False
+    if is_demo:
+        demo.apply_demo_defaults(cfg)
+        replace_save = demo.clear_previous_demo_checkpoint(cfg)
+    result = run_training(cfg, replace_save=replace_save)
+    if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
+        demo.print_demo_summary(result.valid, result.checkpoint)
+    return 0
