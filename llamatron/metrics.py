@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-# Dense bf16 peak per GPU, by name fragment (datasheet figures, as DESIGN.md specifies).
+# Dense bf16 peak per GPU, by name fragment (datasheet figures, as docs/design.md specifies).
 _PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0}
 
 

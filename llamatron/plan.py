@@ -149,7 +149,7 @@ class Memory:
 class SpeedAssumptions:
     peak_flops: float = 989e12  # dense bf16, H100/H200
     base_mfu: float = 0.645  # a large GEMM-bound step: fitted to llamatron's own compiled runs on H200 (RESULTS.md, run 2)
-    nvlink_bw: float = 200e9  # bus bandwidth of 32-64 MiB collectives inside a node (GPU_FACTS: all-gather 212 GB/s)
+    nvlink_bw: float = 200e9  # bus bandwidth, 32-64 MiB collectives in a node (docs/gpu_facts.md: all-gather 212 GB/s)
     internode_bw: float = 40e9  # per GPU across nodes (400 Gb/s NIC, ~80% achieved)
     hbm_bw: float = 3.0e12
     gemm_tokens_half: float = 256.0

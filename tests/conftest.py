@@ -8,7 +8,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is available (DESIGN.md, Testing)."""
+    """GPU tests run only where CUDA is available (docs/design.md, Testing)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

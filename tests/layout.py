@@ -1,6 +1,6 @@
 """Run `llamatron train` under a layout and compare it with the single-process reference.
 
-The correctness method of DESIGN.md (Testing): same seed and data, per-step
+The correctness method of docs/design.md (Testing): same seed and data, per-step
 loss and grad norm must agree with the single-process fp32 run.
 """
 

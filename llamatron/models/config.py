@@ -110,7 +110,7 @@ class ModelConfig:
         return self.num_layers * per_layer + final_norm + embed
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Model FLOPs per trained token: 6·N + 12·L·h·S (DESIGN.md)."""
+        """Model FLOPs per trained token: 6·N + 12·L·h·S (docs/design.md)."""
         return 6.0 * self.num_params() + 12.0 * self.num_layers * self.hidden_size * seq_length
 
 

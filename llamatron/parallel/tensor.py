@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism, applied to the plain model (DESIGN.md principle 1).
+"""Tensor and sequence parallelism, applied to the plain model (docs/design.md, principle 1).
 
 `apply_tensor_parallel` runs on the meta model, before anything is allocated,
 and swaps layers for their parallel versions (tensor_layers.py):
