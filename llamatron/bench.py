@@ -22,6 +22,7 @@ from .data.batches import micro_batches_for_step, to_device
 from .data.mock import MockDataset
 from .engine import build_engine, count_tokens, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
+from .plan import bytes_per_param
 from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
 
 
@@ -70,9 +71,9 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
 def state_memory(engine) -> dict[str, float]:
     """Weights + gradients + optimizer state: allocated between steps (no activations alive) vs the formula.
 
-    Formula per parameter: bf16 params 2 + grads 4 + (master 4 + moments 8) / s, s = dp with the
-    distributed optimizer (fp32 params: 4 + 4 + 8 / s). The measured figure also holds the step's batch
-    and the small tensors of the optimizer's bookkeeping.
+    The formula is the planner's (plan.bytes_per_param): bf16 params 2 + grads 4 + (master 4 + moments 8) / s,
+    s = dp with the distributed optimizer (fp32 params: 4 + 4 + 8 / s). The measured figure also holds the
+    step's batch and the small tensors of the optimizer's bookkeeping.
     """
     if engine.device.type != "cuda":
         return {}
@@ -80,8 +81,7 @@ def state_memory(engine) -> dict[str, float]:
         buf.finish_param_gather()
     sync_device(engine.device)
     params = sum(p.numel() for b in engine.buffers for p in b.param_range)
-    shards = engine.mesh.dp if engine.optimizer.distributed else 1
-    per_param = (4 + 4 + 8 / shards) if engine.dtype == torch.float32 else (engine.dtype.itemsize + 4 + 12 / shards)
+    per_param = sum(bytes_per_param(engine.derived.dtype_name, engine.optimizer.distributed, engine.mesh.dp))
     return {"state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
             "state_formula_gib": params * per_param / 2**30}
 

@@ -26,6 +26,10 @@ from .models import ModelConfig, get_preset
 from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
 from .models.presets import PRESET_NAMES
 from .models.rope_op import supports_head_dim
+from .parallel.mesh import mesh_problems
+from .parallel.pipeline import pipeline_problems, split_layers
+from .parallel.schedules import schedule_problems
+from .parallel.tensor import tensor_parallel_problems
 from .triton_check import HAS_TRITON
 
 
@@ -338,10 +342,6 @@ def _validate_ops(cfg: RunConfig) -> None:
         raise ConfigError("--dist-timeout must be > 0 seconds")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
     """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
     installed, else torch), "-" where the model has no such layer (Falcon's GELU MLP and LayerNorm). Attention
@@ -381,81 +381,63 @@ def _check_fa4(head_dim: int, dtype_name: str) -> None:
                           f"{major}.{minor}: use --attention-backend auto")
 
 
-def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
-             model: ModelConfig | None = None) -> Derived:
-    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
-
-    `model` is the architecture to check against (default: the preset of --model).
-    """
-    p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
-    model = model or cfg.model_config()
-    problems = model.problems()
+def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
     if problems:
-        raise ConfigError(f"the model's shape cannot be trained: {'; '.join(problems)} (fix the YAML "
-                          "model_overrides, or the checkpoint's model config)")
-    for name in ("tp", "pp", "vpp"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"--{name} must be >= 1")
-    if world_size % (p.tp * p.pp):
-        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
-                          f"launch a multiple of {p.tp * p.pp} processes (--nproc-per-node N, torchrun or srun) "
-                          "or change --tp/--pp")
+        raise ConfigError(before + "; ".join(problems) + after)
+
+
+def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tuple[int, int]:
+    """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step).
+    Each rule belongs to the module that applies it (its `*_problems`); the flags' own ranges are checked here."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    _raise_if(mesh_problems(world_size, p.tp, p.pp))
     dp = world_size // (p.tp * p.pp)
-    if model.num_heads % p.tp:
-        ok = [x for x in _divisors(model.num_heads)]
-        raise ConfigError(f"num_attention_heads={model.num_heads} is not divisible by tp={p.tp}; use tp in {ok}")
-    kv = model.num_kv_heads
-    if kv % p.tp and p.tp % kv:
-        raise ConfigError(f"num_kv_heads={kv} and tp={p.tp}: one must divide the other "
-                          f"(tp in {[x for x in _divisors(model.num_heads) if kv % x == 0 or x % kv == 0]})")
-    if model.ffn_hidden_size % p.tp:
-        raise ConfigError(f"ffn_hidden_size={model.ffn_hidden_size} is not divisible by tp={p.tp}")
+    _raise_if(tensor_parallel_problems(model, p.tp))
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("--sequence-parallel needs --tp > 1")
     if p.sequence_parallel and d.seq_length % p.tp:
         raise ConfigError(f"--seq-length {d.seq_length} must be divisible by tp={p.tp} with --sequence-parallel")
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers into chunks)")
-    if p.pp_layers is not None:
-        try:
-            split = [int(x) for x in p.pp_layers.split(",")]
-        except ValueError:
-            raise ConfigError(f"--pp-layers {p.pp_layers!r} must be comma-separated integers") from None
-        if len(split) != p.pp * p.vpp or sum(split) != model.num_layers or min(split) < 1:
-            raise ConfigError(f"--pp-layers must give {p.pp * p.vpp} positive counts summing to "
-                              f"{model.num_layers} layers; got {p.pp_layers}")
-    elif p.pp * p.vpp > model.num_layers:
-        raise ConfigError(f"pp*vpp = {p.pp * p.vpp} model chunks but only {model.num_layers} layers: each chunk needs "
-                          f"a layer; lower --vpp or --pp (pp*vpp at most {model.num_layers})")
-    elif model.num_layers % (p.pp * p.vpp):
-        raise ConfigError(f"{model.num_layers} layers are not divisible by pp*vpp = {p.pp * p.vpp}; "
-                          f"give an explicit split with --pp-layers")
+    _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
     if t.recompute_layers is not None:
-        chunk = max(split) if p.pp_layers is not None else model.num_layers // (p.pp * p.vpp)  # the largest
+        chunk = max(split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers))  # the largest
         if t.recompute == "none":
             raise ConfigError(f"--recompute-layers {t.recompute_layers} needs --recompute full or selective")
         if not 0 <= t.recompute_layers <= chunk:
             raise ConfigError(f"--recompute-layers {t.recompute_layers}: a model chunk holds at most {chunk} layers "
                               f"(pp*vpp = {p.pp * p.vpp}); give 0..{chunk}")
-    if p.bucket_size < 1:
-        raise ConfigError(f"--bucket-size {p.bucket_size} must be >= 1 (elements per gradient bucket)")
-    if not o.clip_grad >= 0:
-        raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0 (0: off)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("--micro-batch-size and --global-batch-size must be >= 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of micro-batch-size x "
                           f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
     accum = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.pp > 1 and p.vpp > 1 and accum % p.pp:
-        raise ConfigError(f"interleaved pipeline needs micro-batches per step ({accum}) to be a multiple of pp={p.pp}; "
-                          f"raise --global-batch-size")
+    if p.pp > 1:
+        _raise_if(schedule_problems(accum, p.pp, p.vpp))
+    return dp, accum
+
+
+def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
+    """Ranges of the flags that no other module owns."""
+    p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
+    if p.bucket_size < 1:
+        raise ConfigError(f"--bucket-size {p.bucket_size} must be >= 1 (elements per gradient bucket)")
+    if not o.clip_grad >= 0:
+        raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0 (0: off)")
     if d.seq_length < 1 or d.seq_length > model.max_seq_length * 64:
         raise ConfigError(f"--seq-length {d.seq_length} is out of range for {t.model}")
     if t.train_steps < 0 or o.warmup_steps < 0 or t.log_interval < 1:
         raise ConfigError("--train-steps and --warmup-steps must be >= 0, --log-interval >= 1")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if t.finetune and not t.load:
+        raise ConfigError("--finetune needs --load CHECKPOINT")
+    if p.dp_comm_max_ctas is not None and p.dp_comm_max_ctas < 1:
+        raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} must be >= 1 (or left unset for NCCL's choice)")
+
+
+def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
+    """(device, dtype name): auto resolved, and the settings that depend on them."""
+    p, t = cfg.parallel, cfg.train
     device = t.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
@@ -464,12 +446,13 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
     dtype_name = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
     if dtype_name == "fp16" and p.grad_reduce_dtype == "bf16":
         raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")
-    if t.finetune and not t.load:
-        raise ConfigError("--finetune needs --load CHECKPOINT")
-    if p.dp_comm_max_ctas is not None and p.dp_comm_max_ctas < 1:
-        raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} must be >= 1 (or left unset for NCCL's choice)")
     if p.dp_comm_max_ctas is not None and device != "cuda":
         raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset")
+    return device, dtype_name
+
+
+def _validate_kernels(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: str) -> None:
+    p, t = cfg.parallel, cfg.train
     if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
         raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
     if t.attention_backend == "fa4" and device == "cuda":
@@ -494,8 +477,24 @@ def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
         raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--cross-entropy-backend/--adamw-kernel "
                           "triton need the triton package (pip install triton); or leave them at auto, which then "
                           "runs the torch kernels")
-    _validate_data(d)
+
+
+def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
+             model: ModelConfig | None = None) -> Derived:
+    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
+
+    `model` is the architecture to check against (default: the preset of --model).
+    """
+    model = model or cfg.model_config()
+    _raise_if(model.problems(), "the model's shape cannot be trained: ",
+              " (fix the YAML model_overrides, or the checkpoint's model config)")
+    dp, accum = _validate_layout(cfg, world_size, model)
+    _validate_settings(cfg, model)
+    device, dtype_name = _resolve_device(cfg, cuda_available)
+    _validate_kernels(cfg, model, device, dtype_name)
+    _validate_data(cfg.data)
     _validate_ops(cfg)
+    t = cfg.train
     compile_layers = t.compile if t.compile is not None else device == "cuda"
     return Derived(world_size=world_size, dp=dp, grad_accum_steps=accum, device=device, dtype_name=dtype_name,
                    compile=compile_layers)

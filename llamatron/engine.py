@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig, kernel_choices
+from .dtypes import DTYPES
 from .models import ModelConfig, Transformer, build_model, materialize
 from .models.cross_entropy_op import set_cross_entropy_backend
 from .models.layers import set_attention_backend
@@ -28,8 +29,6 @@ from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
 from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

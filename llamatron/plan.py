@@ -54,6 +54,8 @@ from typing import Iterator
 from .config import ConfigError, RunConfig, config_from_values, kernel_choices, validate
 from .models import ModelConfig, get_preset
 from .models.rope_op import supports_head_dim as rope_supports_head_dim
+from .parallel.mesh import divisors
+from .parallel.pipeline import split_layers
 from .parallel.tensor import local_kv_heads, padded_vocab_size
 from .plan_activations import LayerKernels, chunk_activation_bytes, chunks_in_flight, layer_activation_bytes
 
@@ -203,8 +205,7 @@ def layer_params(model: ModelConfig, tp: int = 1) -> int:
 
 def stage_layers(model: ModelConfig, pp: int, vpp: int, pp_layers: str | None = None) -> list[list[int]]:
     """Decoder layers of each chunk of each pipeline rank; chunk c (model order) lives on rank c % pp."""
-    chunks = pp * vpp
-    counts = [int(x) for x in pp_layers.split(",")] if pp_layers else [model.num_layers // chunks] * chunks
+    counts = split_layers(model.num_layers, pp, vpp, pp_layers)
     return [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
 
 
@@ -363,10 +364,6 @@ def estimate_speed(model: ModelConfig, lay: Layout, seq_length: int, gpus: int, 
 
 # ---- search -------------------------------------------------------------------------------------------------
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length: int) -> RunConfig:
     values = {"model": model_name, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "sequence_parallel": lay.sequence_parallel,
               "distributed_optimizer": lay.distributed_optimizer, "recompute": lay.recompute,
@@ -384,10 +381,10 @@ def candidate_layouts(model_name: str, gpus: int, seq_length: int, gpus_per_node
     sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple of
     micro-batch x dp (x pp when interleaved) closest to ~4M tokens."""
     model = _model(model_name, model_overrides)
-    for tp in _divisors(gpus):
+    for tp in divisors(gpus):
         if tp > gpus_per_node or gpus_per_node % tp:
             continue
-        for pp in _divisors(gpus // tp):
+        for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
             vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
             for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):

@@ -17,7 +17,7 @@ from llamatron.config import ConfigError, config_from_values, validate
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks, split_layers
-from llamatron.parallel.schedules import (ScheduleError, build_program, check_micro_batches, max_alive, output_message,
+from llamatron.parallel.schedules import (build_program, check_micro_batches, max_alive, output_message,
                                           rank_order)
 
 from layout import assert_matches, free_port, run_train
@@ -51,9 +51,9 @@ def test_config_rejects_pipeline_layouts_that_cannot_run():
         validate(_config(pp=3), world_size=3)
     with pytest.raises(ConfigError, match="multiple of pp=2"):  # 1 micro-batch per step, groups of 2 needed
         validate(_config(pp=2, vpp=2, global_batch_size=1), world_size=2)
-    with pytest.raises(ScheduleError, match="groups of pp=2"):
+    with pytest.raises(ConfigError, match="groups of pp=2"):
         check_micro_batches(3, pp=2, vpp=2)
-    with pytest.raises(ScheduleError, match="at least one micro-batch"):
+    with pytest.raises(ConfigError, match="at least one micro-batch"):
         check_micro_batches(0, pp=2, vpp=1)
 
 

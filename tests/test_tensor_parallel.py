@@ -23,7 +23,7 @@ from llamatron.config import ConfigError, config_from_values, validate
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
 from llamatron.parallel.mesh import Mesh
-from llamatron.parallel.tensor import (TensorParallelError, apply_tensor_parallel, gate_up_layout, padded_vocab_size,
+from llamatron.parallel.tensor import (apply_tensor_parallel, gate_up_layout, padded_vocab_size,
                                        qkv_layout, sync_tensor_parallel_grads, vocab_layout)
 from llamatron.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
                                               VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout)
@@ -268,7 +268,7 @@ def test_config_validation_rejects_tp_that_cannot_work(values, world, message):
 def test_apply_tensor_parallel_rejects_unsplittable_model():
     cfg = get_preset("llama-test")
     cfg.num_kv_heads = 3
-    with pytest.raises(TensorParallelError, match="num_kv_heads=3 and tp=2"):
+    with pytest.raises(ConfigError, match="num_kv_heads=3 and tp=2"):
         apply_tensor_parallel(build_model(cfg), Mesh(tp=2, tp_rank=0))
 
 

@@ -29,7 +29,6 @@ from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | MetaLlamaSource, str]:
@@ -231,4 +230,4 @@ def _write_shards(out: Path, specs: list[TensorSpec], tensors: Iterator[tuple[st
     return names
 
 
-__all__ = ["DTYPES", "TOKENIZER_FILES", "export_hf", "find_tokenizer", "import_hf", "open_hf_dir"]
+__all__ = ["TOKENIZER_FILES", "export_hf", "find_tokenizer", "import_hf", "open_hf_dir"]

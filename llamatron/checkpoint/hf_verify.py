@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..generate import load_for_generation
-from .hf_io import DTYPES
 
 # Mean absolute logit difference allowed by `verify`, per precision. bf16: the seeds' documented bar.
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}

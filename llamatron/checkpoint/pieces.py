@@ -28,15 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
-
-
-# safetensors' dtype names (its file header), both ways.
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
-TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-
 
 @dataclass(frozen=True)
 class Box:
@@ -148,5 +139,5 @@ def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) ->
     return pieces
 
 
-__all__ = ["Box", "CheckpointError", "LocalPiece", "SAFETENSORS_DTYPES", "TORCH_DTYPES", "contiguous_blocks",
+__all__ = ["Box", "LocalPiece", "contiguous_blocks",
            "full_shape_of", "local_pieces"]

@@ -29,7 +29,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from .pieces import TORCH_DTYPES, Box
+from ..dtypes import TORCH_DTYPES
+from .pieces import Box
 
 META_FILE, INDEX_FILE = "meta.json", "index.json"
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"  # the full-tensor layout (imports)

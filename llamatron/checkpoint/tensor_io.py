@@ -18,13 +18,10 @@ from typing import Iterable
 
 import torch
 
+from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from ..errors import CheckpointError
 from .reader import open_safetensors
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
-_SAFETENSORS_TO_TORCH = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -61,7 +58,7 @@ class TensorSource:
         owner = self._where[name]
         if hasattr(owner, "get_slice"):
             s = owner.get_slice(name)
-            return torch.empty(s.get_shape(), dtype=_SAFETENSORS_TO_TORCH[s.get_dtype()], device="meta")
+            return torch.empty(s.get_shape(), dtype=TORCH_DTYPES[s.get_dtype()], device="meta")
         t = owner[name]
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
@@ -84,7 +81,7 @@ class StreamingSafetensorsWriter:
         offset = 0
         for name, dtype, shape in specs:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         header["__metadata__"] = {"format": "pt", **(metadata or {})}

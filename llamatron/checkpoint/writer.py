@@ -46,7 +46,8 @@ from torch import nn
 
 from ..models import build_model
 from ..errors import CheckpointError
-from .pieces import SAFETENSORS_DTYPES, TORCH_DTYPES, Box, full_shape_of, local_pieces
+from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
+from .pieces import Box, full_shape_of, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
                      rng_file, step_dirs)
 from .tensor_io import StreamingSafetensorsWriter

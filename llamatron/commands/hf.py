@@ -6,9 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from ..checkpoint.hf_io import DTYPES, export_hf, import_hf
+from ..checkpoint.hf_io import export_hf, import_hf
 from ..checkpoint.hf_verify import DEFAULT_TOLERANCE, compare_with_hf, push_to_hub
 from ..checkpoint.tensor_io import parse_size
+from ..dtypes import DTYPES
 
 
 def register(sub) -> None:

@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
-class MeshError(ValueError):
-    pass
+from ..errors import ConfigError
 
 
 @dataclass
@@ -63,13 +61,25 @@ def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
 
+def divisors(n: int) -> list[int]:
+    """1..n's divisors of n, ascending: the sizes a dimension of n can be split into."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_problems(world_size: int, tp: int, pp: int) -> list[str]:
+    """Why `world_size` processes cannot form a tp x dp x pp mesh (empty when they can)."""
+    out = [f"--{name} must be >= 1" for name, size in (("tp", tp), ("pp", pp)) if size < 1]
+    if not out and world_size % (tp * pp):
+        out.append(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of "
+                   f"{tp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--pp")
+    return out
+
+
 def check_sizes(world_size: int, tp: int, pp: int) -> int:
-    """The data-parallel size; raises before any group is built if the sizes cannot work."""
-    if tp < 1 or pp < 1:
-        raise MeshError(f"tp={tp} and pp={pp} must be >= 1")
-    if world_size % (tp * pp):
-        raise MeshError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                        f"launch a multiple of {tp * pp} processes or change --tp/--pp")
+    """The data-parallel size; raises ConfigError before any group is built if the sizes cannot work."""
+    problems = mesh_problems(world_size, tp, pp)
+    if problems:
+        raise ConfigError("; ".join(problems))
     return world_size // (tp * pp)
 
 

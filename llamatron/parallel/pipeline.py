@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..models import Transformer
 from .data import zero_if_unwritten
 from .mesh import Mesh, new_group
-from .schedules import Action, Message, ScheduleError, Step, build_program, input_message, output_message
+from .schedules import Action, Message, Step, build_program, input_message, output_message
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 
@@ -43,24 +43,43 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 # ---- stages ----------------------------------------------------------------------------------------
 
 
-def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: str | Sequence[int] | None = None) -> list[int]:
-    """Decoder layers of each of the pp*vpp chunks, in model order."""
-    chunks = pp * vpp
+def _parse_pp_layers(pp_layers: str | Sequence[int]) -> list[int] | None:
+    try:
+        return [int(x) for x in (pp_layers.split(",") if isinstance(pp_layers, str) else pp_layers)]
+    except ValueError:
+        return None
+
+
+def pipeline_problems(num_layers: int, pp: int, vpp: int, pp_layers: str | Sequence[int] | None = None) -> list[str]:
+    """Why `num_layers` decoder layers cannot be cut into pp*vpp chunks as asked (empty when they can)."""
+    if vpp < 1:
+        return ["--vpp must be >= 1"]
     if vpp > 1 and pp == 1:
-        raise ConfigError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers into chunks)")
+        return ["--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers into chunks)"]
+    chunks = pp * vpp
     if pp_layers is not None:
-        try:
-            split = [int(x) for x in (pp_layers.split(",") if isinstance(pp_layers, str) else pp_layers)]
-        except ValueError:
-            raise ConfigError(f"--pp-layers {pp_layers!r} must be comma-separated integers") from None
+        split = _parse_pp_layers(pp_layers)
+        if split is None:
+            return [f"--pp-layers {pp_layers!r} must be comma-separated integers"]
         if len(split) != chunks or sum(split) != num_layers or min(split) < 1:
-            raise ConfigError(f"--pp-layers must give {chunks} positive counts (pp*vpp = {pp}*{vpp}) summing to "
-                              f"{num_layers} layers; got {pp_layers}")
-        return split
-    if num_layers % chunks:
-        raise ConfigError(f"{num_layers} layers are not divisible by pp*vpp = {pp}*{vpp}; "
-                          f"give an explicit split with --pp-layers")
-    return [num_layers // chunks] * chunks
+            return [f"--pp-layers must give {chunks} positive counts summing to {num_layers} layers (pp*vpp = "
+                    f"{pp}*{vpp}); got {pp_layers}"]
+    elif chunks > num_layers:
+        return [f"pp*vpp = {chunks} model chunks but only {num_layers} layers: each chunk needs a layer; lower "
+                f"--vpp or --pp (pp*vpp at most {num_layers})"]
+    elif num_layers % chunks:
+        return [f"{num_layers} layers are not divisible by pp*vpp = {chunks}; give an explicit split with --pp-layers"]
+    return []
+
+
+def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: str | Sequence[int] | None = None) -> list[int]:
+    """Decoder layers of each of the pp*vpp chunks, in model order (ConfigError when they cannot be cut so)."""
+    problems = pipeline_problems(num_layers, pp, vpp, pp_layers)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if pp_layers is not None:
+        return _parse_pp_layers(pp_layers)
+    return [num_layers // (pp * vpp)] * (pp * vpp)
 
 
 class TiedHead(nn.Module):
@@ -260,10 +279,7 @@ def _side_inputs(mb: dict) -> dict:
 
 
 def _program(engine, num_micro_batches: int, forward_only: bool) -> tuple[Step, ...]:
-    try:
-        return build_program(engine.mesh.pp, len(engine.chunks), num_micro_batches, engine.mesh.pp_rank, forward_only)
-    except ScheduleError as e:
-        raise ConfigError(str(e)) from None
+    return build_program(engine.mesh.pp, len(engine.chunks), num_micro_batches, engine.mesh.pp_rank, forward_only)
 
 
 class _Runner:

@@ -36,9 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-
-class ScheduleError(ValueError):
-    """A pipeline configuration no schedule can run."""
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -75,15 +73,22 @@ class Step:
     action: Action | None = None
 
 
-def check_micro_batches(num_micro_batches: int, pp: int, vpp: int) -> None:
-    if vpp > 1 and pp == 1:
-        raise ScheduleError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers into chunks)")
+def schedule_problems(num_micro_batches: int, pp: int, vpp: int) -> list[str]:
+    """Why no schedule can run `num_micro_batches` per step on pp ranks of vpp chunks (empty when one can).
+    The chunks themselves (vpp needs pp > 1, layers per chunk) are the pipeline's rules (pipeline.py)."""
     if num_micro_batches < 1:
-        raise ScheduleError("the pipeline needs at least one micro-batch per step")
+        return ["the pipeline needs at least one micro-batch per step"]
     if vpp > 1 and num_micro_batches % pp:
-        raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of pp={pp}, but a step has "
-                            f"{num_micro_batches}; make micro-batches per step (global batch / (micro batch x dp)) "
-                            f"a multiple of {pp}")
+        return [f"the interleaved schedule runs micro-batches in groups of pp={pp}, but a step has "
+                f"{num_micro_batches}; make micro-batches per step (global batch / (micro batch x dp)) a multiple "
+                f"of pp={pp}: raise --global-batch-size"]
+    return []
+
+
+def check_micro_batches(num_micro_batches: int, pp: int, vpp: int) -> None:
+    problems = schedule_problems(num_micro_batches, pp, vpp)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def max_alive(pp: int, vpp: int, rank: int, num_micro_batches: int) -> int:

@@ -58,7 +58,8 @@ from ..models.falcon import GeluMLP
 from ..models.layers import Attention
 from ..models.llama import SwiGLU
 from ..models.transformer import Transformer
-from .mesh import Mesh
+from ..errors import ConfigError
+from .mesh import Mesh, divisors
 from .tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
                             VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout, to_parallel_input,
                             tp_size)
@@ -66,24 +67,29 @@ from .tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout
 VOCAB_MULTIPLE = 128  # per tp rank: the vocabulary is padded to a multiple of 128 * tp
 
 
-class TensorParallelError(ValueError):
-    pass
-
-
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = VOCAB_MULTIPLE * tp
     return -(-vocab_size // multiple) * multiple
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Raise if `cfg` cannot be split over `tp` ranks (config.validate reports the same with the fix)."""
-    kv = cfg.num_kv_heads
-    if tp < 1 or cfg.num_heads % tp:
-        raise TensorParallelError(f"num_attention_heads={cfg.num_heads} is not divisible by tp={tp}")
+def tensor_parallel_problems(cfg: ModelConfig, tp: int) -> list[str]:
+    """Why `cfg` cannot be split over `tp` ranks, each with the sizes that would work (empty when it can)."""
+    heads, kv = cfg.num_heads, cfg.num_kv_heads
+    out = []
+    if heads % tp:
+        out.append(f"num_attention_heads={heads} is not divisible by tp={tp}; use tp in {divisors(heads)}")
     if kv % tp and tp % kv:
-        raise TensorParallelError(f"num_kv_heads={kv} and tp={tp}: one must divide the other")
+        ok = [x for x in divisors(heads) if kv % x == 0 or x % kv == 0]
+        out.append(f"num_kv_heads={kv} and tp={tp}: one must divide the other (tp in {ok})")
     if cfg.ffn_hidden_size % tp:
-        raise TensorParallelError(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by tp={tp}")
+        out.append(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by tp={tp}")
+    return out
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    problems = tensor_parallel_problems(cfg, tp)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -180,14 +186,14 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
 
 def _column(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> ColumnParallelLinear:
     if layout.full_size != linear.out_features:
-        raise TensorParallelError(f"layout of {layout.full_size} rows for a linear with {linear.out_features} outputs")
+        raise ValueError(f"layout of {layout.full_size} rows for a linear with {linear.out_features} outputs")
     return ColumnParallelLinear(linear.in_features, layout, linear.bias is not None, group, sp,
                                 linear.weight.device, linear.weight.dtype)
 
 
 def _row(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> RowParallelLinear:
     if layout.full_size != linear.in_features:
-        raise TensorParallelError(f"layout of {layout.full_size} columns for a linear with {linear.in_features} inputs")
+        raise ValueError(f"layout of {layout.full_size} columns for a linear with {linear.in_features} inputs")
     return RowParallelLinear(linear.out_features, layout, linear.bias is not None, group, sp,
                              linear.weight.device, linear.weight.dtype)
 
@@ -196,7 +202,7 @@ def _check_all_sharded(model: nn.Module) -> None:
     """A plain Linear/Embedding left behind would silently be replicated: fail instead."""
     left = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
     if left:
-        raise TensorParallelError(f"tensor parallelism does not know how to split {left}")
+        raise ValueError(f"tensor parallelism does not know how to split {left}")
 
 
 # ---- gradients that each rank holds only part of -----------------------------------------------
