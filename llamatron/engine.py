@@ -16,13 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig, kernel_choices
 from .dtypes import DTYPES
-from .models import ModelConfig, Transformer, build_model, materialize
-from .models.cross_entropy_op import set_cross_entropy_backend
-from .models.layers import set_attention_backend
-from .models.rmsnorm_op import set_rmsnorm_backend
-from .models.rope_op import set_rope_backend
-from .models.swiglu_op import set_swiglu_backend
-from .models.transformer import IGNORE_INDEX, cross_entropy_per_token
+from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
+from .models.transformer import IGNORE_INDEX, CrossEntropy
 from .parallel.data import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
@@ -74,8 +69,8 @@ def apply_compile(model: Transformer) -> None:
     for layer in model.layers:
         inner = layer.layer if isinstance(layer, _Recomputed) else layer
         inner.forward = torch.compile(inner.forward, dynamic=False)
-    if model.loss_fn is cross_entropy_per_token:  # fuses torch's loss (its fp32 upcast); TP installs its own
-        model.loss_fn = torch.compile(cross_entropy_per_token, dynamic=False)
+    if isinstance(model.loss_fn, CrossEntropy):  # fuses torch's loss (its fp32 upcast); TP installs its own
+        model.loss_fn = torch.compile(model.loss_fn, dynamic=False)
 
 
 def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
@@ -83,12 +78,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     device = torch.device(derived.device, torch.cuda.current_device()) if derived.device == "cuda" else torch.device("cpu")
     dtype = DTYPES[derived.dtype_name]
     p = cfg.parallel
+    kernels = KernelChoices()  # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
     if device.type == "cuda":
-        set_attention_backend(cfg.train.attention_backend)
-        set_swiglu_backend(cfg.train.swiglu_backend)
-        set_rmsnorm_backend(cfg.train.rmsnorm_backend)
-        set_rope_backend(cfg.train.rope_backend)
-        set_cross_entropy_backend(cfg.train.cross_entropy_backend)
+        kernels = KernelChoices.from_resolved(kernel_choices(cfg, device.type, model_cfg))
     model = build_model(model_cfg)
     if p.tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel,
@@ -101,6 +93,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         forward_backward = forward_backward_no_pipeline
     for chunk, names in zip(chunks, global_names):
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, global_name=names)
+        apply_kernels(chunk, kernels)
         if cfg.train.recompute != "none":
             apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_layers)
         if derived.compile:

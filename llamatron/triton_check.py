@@ -1,27 +1,16 @@
 """Whether Triton is installed, looked up once at import (not while torch.compile traces a layer), and the
-switch each model op with Triton kernels (`--swiglu-backend`, `--rmsnorm-backend`, `--rope-backend`,
-`--cross-entropy-backend`) reads."""
+test each layer with Triton kernels makes with its own choice (`--swiglu-backend`, `--rmsnorm-backend`,
+`--rope-backend`, `--cross-entropy-backend`; models/kernels.py sets them per model)."""
 
 import importlib.util
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
+# "auto"/"triton": the op's Triton kernels on CUDA; "torch": the plain expression (compiled with the layer).
+TRITON_SETTINGS = ("auto", "triton", "torch")
 
-class KernelSwitch:
-    """"auto"/"triton": the op's Triton kernels on CUDA; "torch": the plain expression (compiled with the layer).
 
-    Process-wide and read when a layer is compiled or run (torch.compile guards on `setting`).
-    """
-
-    def __init__(self, what: str):
-        self.what = what
-        self.setting = "auto"
-
-    def set(self, setting: str) -> None:
-        if setting not in ("auto", "triton", "torch"):
-            raise ValueError(f"unknown {self.what} backend {setting!r}; use auto, triton or torch")
-        self.setting = setting
-
-    def on(self, x) -> bool:
-        """The kernels run for this tensor: on CUDA, with Triton installed, unless set to torch."""
-        return self.setting != "torch" and x.is_cuda and HAS_TRITON
+def kernels_on(backend: str, x) -> bool:
+    """A layer whose choice is `backend` runs its Triton kernels for this tensor: on CUDA, with Triton installed,
+    unless the choice is torch. Layers call it as `triton_check.kernels_on`, so tests can stand in for CUDA."""
+    return backend != "torch" and x.is_cuda and HAS_TRITON

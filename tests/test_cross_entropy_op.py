@@ -30,19 +30,19 @@ def test_cross_entropy_op_matches_torch_loss_and_gradient(dtype):
 
 
 def test_model_loss_runs_the_op_when_its_kernels_are_on(monkeypatch):
-    """The model's loss function routes through the custom op when the switch says so (CUDA in real runs; its
+    """The model's loss function routes through the custom op when its choice says so (CUDA in real runs; its
     CPU kernel here), and through torch's loss with backend torch."""
     import llamatron.models.cross_entropy_op as ce
+    from llamatron import triton_check
 
     calls = []
     real = ce.cross_entropy_op
     monkeypatch.setattr(ce, "cross_entropy_op", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_check, "kernels_on", lambda backend, x: backend != "torch")  # CUDA with Triton
     logits, labels = torch.randn(3, 4, 10), torch.randint(0, 10, (3, 4))
-    monkeypatch.setattr(ce, "use_kernels", lambda x: True)
-    torch.testing.assert_close(ce.cross_entropy_per_token(logits, labels), reference_cross_entropy(logits, labels))
+    torch.testing.assert_close(ce.CrossEntropy()(logits, labels), reference_cross_entropy(logits, labels))
     assert calls == [1]
-    monkeypatch.setattr(ce, "use_kernels", lambda x: False)
-    ce.cross_entropy_per_token(logits, labels)
+    ce.CrossEntropy("torch")(logits, labels)
     assert calls == [1]
 
 

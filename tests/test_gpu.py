@@ -10,29 +10,26 @@ pytestmark = pytest.mark.gpu
 GPU_ARGS = ["--device", "cuda", "--precision", "bf16", "--seq-length", "128", "--train-steps", "6"]
 
 
-def _model(name="llama-test", seed=0, **changes):
+def _model(name="llama-test", seed=0, kernels=None, **changes):
+    """A bf16 CUDA model; `kernels`: its KernelChoices (default: auto everywhere)."""
     import dataclasses
 
-    from llamatron.models import build_model, get_preset, materialize
+    from llamatron.models import KernelChoices, apply_kernels, build_model, get_preset, materialize
     cfg = dataclasses.replace(get_preset(name), **changes)
-    return cfg, materialize(build_model(cfg), cfg, seed, "cuda", torch.bfloat16)
+    model = materialize(build_model(cfg), cfg, seed, "cuda", torch.bfloat16)
+    apply_kernels(model, kernels or KernelChoices())
+    return cfg, model
 
 
-def _assert_same_loss_and_grads(cfg, reference, other, other_attention: str = "auto") -> None:
+def _assert_same_loss_and_grads(cfg, reference, other) -> None:
     """One forward/backward of both models on the same tokens: loss within 1e-2, each gradient within 5%
-    (relative norm). Parameter names are compared without recompute's `layer.` wrapper level. `other` runs
-    with --attention-backend `other_attention`."""
-    from llamatron.models.layers import set_attention_backend
+    (relative norm). Parameter names are compared without recompute's `layer.` wrapper level."""
     x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     outs = []
-    try:
-        for model, attention in ((reference, "auto"), (other, other_attention)):
-            set_attention_backend(attention)
-            loss = model(x, labels=x).float().mean()
-            loss.backward()
-            outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
-    finally:
-        set_attention_backend("auto")
+    for model in (reference, other):
+        loss = model(x, labels=x).float().mean()
+        loss.backward()
+        outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
     for n, g in outs[0][1].items():
         rel = (g - outs[1][1][n]).norm() / g.norm().clamp_min(1e-6)
@@ -73,10 +70,11 @@ def test_compiled_layers_with_fa4_match_eager_sdpa():
     """--attention-backend fa4 inside compiled layers (one graph around the custom op) gives the eager SDPA
     model's loss and gradients. Head dim 64 (256 / 4 heads): FA4 has no kernels for llama-test's 16."""
     from llamatron.engine import apply_compile
+    from llamatron.models import KernelChoices
     cfg, eager = _model(hidden_size=256)
-    _, compiled = _model(hidden_size=256)
+    _, compiled = _model(hidden_size=256, kernels=KernelChoices(attention="fa4"))
     apply_compile(compiled)
-    _assert_same_loss_and_grads(cfg, eager, compiled, other_attention="fa4")
+    _assert_same_loss_and_grads(cfg, eager, compiled)
 
 
 def test_sdpa_attention_matches_math_reference():
@@ -96,20 +94,16 @@ def test_sdpa_attention_matches_math_reference():
 def test_each_attention_backend_matches_math(backend):
     """--attention-backend: each kernel (GQA, causal; SDPA's and FlashAttention 4) agrees with SDPA's math
     kernel, forward and gradients."""
-    from llamatron.models.layers import attention_core, set_attention_backend
+    from llamatron.models.layers import attention_core
     torch.manual_seed(0)
     q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16)
     results = []
-    try:
-        for name in ("math", backend):
-            set_attention_backend(name)
-            out = attention_core(q, k, v)
-            results.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), grad_out))))
-    finally:
-        set_attention_backend("auto")
+    for name in ("math", backend):
+        out = attention_core(q, k, v, backend=name)
+        results.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), grad_out))))
     for ref, got in zip(*results):
         assert ((got - ref).norm() / ref.norm()) < 1e-2
 
@@ -194,15 +188,6 @@ def test_triton_qkv_rope_matches_torch(dtype):
             torch.testing.assert_close(g.float() / scale, w.float() / scale, rtol=tol, atol=tol)
 
 
-def _kernel_switch(kernel: str):
-    """The setter of a model kernel switch ("auto", the default, runs the Triton kernels on CUDA)."""
-    from llamatron.models.cross_entropy_op import set_cross_entropy_backend
-    from llamatron.models.rmsnorm_op import set_rmsnorm_backend
-    from llamatron.models.rope_op import set_rope_backend
-    return {"rmsnorm": set_rmsnorm_backend, "rope": set_rope_backend,
-            "cross_entropy": set_cross_entropy_backend}[kernel]
-
-
 @pytest.mark.parametrize("kernel, model", [("rmsnorm", "llama-test"), ("rope", "llama-test"),
                                            ("rope", "mistral-test"),  # mistral: packed documents, a window
                                            ("cross_entropy", "llama-test")])
@@ -212,9 +197,9 @@ def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled
     against the plain expressions: same gradients, eager and with compiled layers. mistral-test runs two packed
     documents per row (positions restart, flex-attention document mask with its sliding window)."""
     from llamatron.engine import apply_compile
-    set_backend = _kernel_switch(kernel)
-    cfg, reference = _model(model)
-    _, fused = _model(model)
+    from llamatron.models import KernelChoices
+    cfg, reference = _model(model, kernels=KernelChoices(**{kernel: "torch"}))
+    _, fused = _model(model)  # auto: the Triton kernels on CUDA
     if compiled:
         apply_compile(fused)
     x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
@@ -223,13 +208,8 @@ def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled
         docs = torch.tensor([[0] * 50 + [1] * 78, [0] * 100 + [1] * 28], device="cuda")
         starts = torch.tensor([[0] * 50 + [50] * 78, [0] * 100 + [100] * 28], device="cuda")
         packed = {"document_ids": docs, "position_ids": torch.arange(128, device="cuda") - starts}
-    try:
-        set_backend("torch")
-        reference(x, labels=x, **packed).float().mean().backward()
-        set_backend("auto")
-        fused(x, labels=x, **packed).float().mean().backward()
-    finally:
-        set_backend("auto")
+    reference(x, labels=x, **packed).float().mean().backward()
+    fused(x, labels=x, **packed).float().mean().backward()
     for (n, p), q in zip(reference.named_parameters(), fused.parameters()):
         rel = (p.grad.float() - q.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-6)
         assert rel < 5e-2, (n, float(rel))  # as _assert_same_loss_and_grads: bf16 rounding, not bugs (~20%)

@@ -107,26 +107,26 @@ def test_loss_ignores_masked_labels():
     assert (loss[:, :6] == 0).all() and (loss[:, 6:] > 0).all()
 
 
-def test_forcing_an_attention_backend_switches_sdpa_and_bypasses_compile_caches():
-    """--attention-backend: only the chosen SDPA kernel stays enabled, and torch.compile's caches (which do not
-    key on these switches) are off for the process; auto enables every kernel again."""
+def test_forcing_an_attention_backend_sets_the_layers_and_leaves_the_process_alone():
+    """--attention-backend: the chosen SDPA kernel is each attention layer's own (tests/test_kernel_choices.py
+    shows it runs); every kernel stays enabled for the process, and torch.compile's caches stay on."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    from llamatron.models.layers import set_attention_backend
+    from llamatron.models import KernelChoices, apply_kernels
 
-    saved = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
-    try:
-        set_attention_backend("flash")
-        assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
-        assert not torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
-        assert inductor_config.fx_graph_cache is False and functorch_config.enable_autograd_cache is False
-        with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
-            set_attention_backend("fast")
-    finally:
-        set_attention_backend("auto")
-        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = saved
-    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+    caches = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
+    cfg, model = make("llama-test")
+    apply_kernels(model, KernelChoices(attention="flash"))
+    assert [layer.attn.backend for layer in model.layers] == ["flash"] * cfg.num_layers
+    model(torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache) == caches
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        KernelChoices(attention="fast")
+    with pytest.raises(ValueError, match="unknown rope backend 'fast'"):
+        KernelChoices(rope="fast")
 
 
 def test_swiglu_op_matches_the_plain_expression_forward_and_backward():

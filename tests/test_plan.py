@@ -10,11 +10,12 @@ import torch
 
 from llamatron import plan as P
 from llamatron import plan_activations as A
+from llamatron import triton_check
 from llamatron.commands.plan import parse_memory
 from llamatron.cli import main
 from llamatron.config import ConfigError, config_from_values
 from llamatron.engine import apply_recompute
-from llamatron.models import PRESET_NAMES, build_model, get_preset, materialize
+from llamatron.models import PRESET_NAMES, KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.falcon import FalconBlock
 from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
@@ -71,25 +72,32 @@ def _saved_bytes(fn, exclude: set[int]) -> int:
     return sum(seen.values())
 
 
+def _on_cpu_too(monkeypatch) -> None:
+    """A layer whose choice is "triton" runs the Triton op's custom ops here too (through their CPU kernels: the
+    ops, and so what autograd saves, are the ones CUDA runs)."""
+    monkeypatch.setattr(triton_check, "kernels_on", lambda backend, x: backend == "triton")
+
+
 @pytest.fixture(params=[False, True], ids=["torch-norm", "fused-norm"])
 def fused_norms(request, monkeypatch):
-    """Run the model's RMSNorms as the torch expression, or as the Triton op's custom ops (through their CPU
-    kernels here: the ops, and so what autograd saves, are the ones CUDA runs)."""
-    if request.param:
-        from llamatron.models import rmsnorm_op
-        monkeypatch.setattr(rmsnorm_op, "use_kernels", lambda x: True)
+    """Run the model's RMSNorms as the torch expression, or as the Triton op's custom ops (`_choices`)."""
+    _on_cpu_too(monkeypatch)
     return request.param
 
 
 @pytest.fixture(params=[False, True], ids=["torch-rope-swiglu", "fused-rope-swiglu"])
 def fused_rope_swiglu(request, monkeypatch):
-    """The QKV split + rotary and SwiGLU as the torch expressions, or as the Triton ops' custom ops (their CPU
-    kernels here)."""
-    if request.param:
-        from llamatron.models import rope_op, swiglu_op
-        monkeypatch.setattr(rope_op, "use_kernels", lambda x, head_dim: True)
-        monkeypatch.setattr(swiglu_op, "use_kernels", lambda x: True)
+    """The QKV split + rotary and SwiGLU as the torch expressions, or as the Triton ops' custom ops."""
+    _on_cpu_too(monkeypatch)
     return request.param
+
+
+def _choices(norms: bool, rope_swiglu: bool) -> KernelChoices:
+    """The model kernels the two fixtures stand for."""
+    def pick(fused: bool) -> str:
+        return "triton" if fused else "torch"
+
+    return KernelChoices(rmsnorm=pick(norms), rope=pick(rope_swiglu), swiglu=pick(rope_swiglu))
 
 
 def _eager_kernels(cfg, norms: bool, rope_swiglu: bool) -> A.LayerKernels:
@@ -103,6 +111,7 @@ def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_s
     cfg = get_preset(name)
     torch.manual_seed(0)
     block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).to(dtype)
+    apply_kernels(block, _choices(fused_norms, fused_rope_swiglu))
     batch, seq = 2, 64
     x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(cfg, torch.arange(seq).expand(batch, seq), dtype)
@@ -121,6 +130,7 @@ def test_model_activations_match_autograd(name, recompute, fused_norms, fused_ro
     cfg = get_preset(name)
     model = build_model(cfg)
     materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
+    apply_kernels(model, _choices(fused_norms, fused_rope_swiglu))
     if recompute != "none":
         apply_recompute(model, recompute, None)
     batch, seq = 2, 64
@@ -148,7 +158,8 @@ def test_compiled_layer_activations_match_autograd_on_gpu(name):
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
     from llamatron.models import rope_op
 
-    kernels = A.LayerKernels(compiled=True, rope=rope_op.use_kernels(x, cfg.head_dim))  # the CUDA default
+    rope = triton_check.kernels_on("auto", x) and rope_op.supports_head_dim(cfg.head_dim)
+    kernels = A.LayerKernels(compiled=True, rope=rope)  # the CUDA default
     predicted = sum(A.layer_activation_terms(cfg, 2, kernels=kernels).values()) + 4 * cfg.head_dim
     assert measured == pytest.approx(predicted, rel=0.05)
 

@@ -1,7 +1,8 @@
 from .config import ModelConfig, RopeScaling
 from .init import materialize
+from .kernels import KernelChoices, apply_kernels
 from .presets import PRESET_NAMES, get_preset
 from .transformer import IGNORE_INDEX, Transformer, build_model
 
-__all__ = ["IGNORE_INDEX", "ModelConfig", "PRESET_NAMES", "RopeScaling", "Transformer", "build_model",
-           "get_preset", "materialize"]
+__all__ = ["IGNORE_INDEX", "KernelChoices", "ModelConfig", "PRESET_NAMES", "RopeScaling", "Transformer",
+           "apply_kernels", "build_model", "get_preset", "materialize"]

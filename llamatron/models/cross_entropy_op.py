@@ -15,27 +15,31 @@ torch's own cross-entropy (fp32).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..triton_check import KernelSwitch
+from .. import triton_check
 
 IGNORE_INDEX = -100
 
-_switch = KernelSwitch("cross-entropy")
-set_cross_entropy_backend = _switch.set
 
-
-def use_kernels(logits: torch.Tensor) -> bool:
-    return _switch.on(logits)
-
-
-def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 loss per token, 0 where labels == IGNORE_INDEX."""
-    if use_kernels(logits):
+def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """fp32 loss per token, 0 where labels == IGNORE_INDEX; `backend`: auto, triton or torch."""
+    if triton_check.kernels_on(backend, logits):
         return cross_entropy_op(logits, labels)[0]
     return reference_cross_entropy(logits, labels)
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """A Transformer's `loss_fn`, holding the model's choice of kernels (models/kernels.py sets it)."""
+
+    backend: str = "auto"
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_per_token(logits, labels, self.backend)
 
 
 def reference_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

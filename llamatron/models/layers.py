@@ -12,7 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .. import triton_check
 from . import rmsnorm_op, rope_op
 from .config import ModelConfig, RopeScaling
 from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
@@ -25,15 +27,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.backend = "auto"  # auto, triton or torch: this model's choice (models/kernels.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if rmsnorm_op.use_kernels(x):
+        if triton_check.kernels_on(self.backend, x):
             return rmsnorm_op.rms_norm_op(x, self.weight, self.eps)[0]
         return rmsnorm_op.reference_rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add and the norm after it, in one kernel on CUDA."""
-        if rmsnorm_op.use_kernels(x):
+        if triton_check.kernels_on(self.backend, x):
             h, y, _ = rmsnorm_op.add_rms_norm_op(x, delta, self.weight, self.eps)
             return h, y
         h = x + delta
@@ -120,39 +123,21 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
     return (same & causal)[:, None]
 
 
-_SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
-_expand_kv_heads = False
-_use_fa4 = False  # causal attention through FlashAttention 4 (models/flash4_op.py) instead of SDPA
+# --attention-backend: auto (SDPA picks per call), fa4 (FlashAttention 4 for plain causal attention, SDPA's pick
+# for the masked kinds) or one forced SDPA kernel.
+_SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+ATTENTION_BACKENDS = ("auto", "fa4", *_SDPA_BACKENDS)
 
 
-def set_attention_backend(name: str) -> None:
-    """Restrict scaled_dot_product_attention to one kernel ("auto": every kernel allowed, the fastest wins),
-    or ("fa4") send plain causal attention to FlashAttention 4 and the masked kinds to SDPA's fastest.
-
-    Process-wide switches, read when a layer is compiled or run, so call this before the first step.
-    """
-    global _expand_kv_heads, _use_fa4
-    if name not in ("auto", "fa4") and name not in _SDPA_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; use auto, fa4 or one of {', '.join(_SDPA_BACKENDS)}")
-    _use_fa4 = name == "fa4"
-    if name == "fa4":
-        name = "auto"
-    if name != "auto":
-        # The compile caches do not key on these switches: a cached graph of another backend would be
-        # reused (seen on an H200: "--attention-backend flash" silently ran cuDNN, and a later default run
-        # ran flash). A forced backend compiles afresh and leaves the caches alone.
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-
-        inductor_config.fx_graph_cache = False
-        functorch_config.enable_autograd_cache = False
-    _expand_kv_heads = name == "efficient"  # the memory-efficient kernel has no grouped-query (GQA) support
-    for backend in _SDPA_BACKENDS:
-        enabled = name in ("auto", backend)
-        if backend == "efficient":
-            torch.backends.cuda.enable_mem_efficient_sdp(enabled)
-        else:
-            getattr(torch.backends.cuda, f"enable_{backend}_sdp")(enabled)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, **kwargs) -> torch.Tensor:
+    """scaled_dot_product_attention, restricted to a forced kernel for this call only. torch.compile traces
+    sdpa_kernel into the layer's graph (no graph break), so a compiled graph, and its cache key, hold the kernel
+    it runs. auto takes no context manager: SDPA's own pick, as fast as a bare call."""
+    if backend not in _SDPA_BACKENDS:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(_SDPA_BACKENDS[backend]):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 _compiled_flex_attention = None
@@ -173,27 +158,29 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None,
-                   doc_mask=None) -> torch.Tensor:
+                   doc_mask=None, backend: str = "auto") -> torch.Tensor:
     """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads (GQA/MQA).
 
     doc_mask (from `document_mask`, the sliding window already in it) keeps each token inside its document.
+    backend: one of ATTENTION_BACKENDS (the layer's choice).
     """
     gqa = q.shape[1] != k.shape[1]
-    if gqa and _expand_kv_heads:
+    if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         gqa = False
     seq_len = q.shape[2]
     if isinstance(doc_mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, enable_gqa=gqa)
+        return _sdpa(q, k, v, backend, attn_mask=doc_mask, enable_gqa=gqa)
     if doc_mask is not None:
         return flex_attention(q, k, v, doc_mask, gqa)
     if sliding_window is not None and seq_len > sliding_window:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    if _use_fa4 and q.is_cuda and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16):
+        return _sdpa(q, k, v, backend, attn_mask=mask, enable_gqa=gqa)
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if backend == "fa4" and q.is_cuda and half and q.shape[-1] in SUPPORTED_HEAD_DIMS:
         # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.
         return fa4_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return _sdpa(q, k, v, backend, is_causal=True, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -209,13 +196,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
         self.core = attention_core  # replaceable: selective recompute wraps it
+        # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
+        self.backend = "auto"
+        self.rope_backend = "auto"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
         batch, seq, _ = qkv.shape  # sequence parallelism: x is a sequence shard, qkv the whole sequence
-        if rope_op.use_kernels(qkv, d):  # one kernel: split, rotate, (batch, seq, heads, dim) outputs
+        if triton_check.kernels_on(self.rope_backend, qkv) and rope_op.supports_head_dim(d):
+            # one kernel: split, rotate, (batch, seq, heads, dim) outputs
             q, k, v = rope_op.qkv_rope_op(qkv, cos, sin, self.num_heads, self.num_kv_heads)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
@@ -224,5 +215,5 @@ class Attention(nn.Module):
             k = k.view(batch, seq, -1, d).transpose(1, 2)
             v = v.view(batch, seq, -1, d).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, self.sliding_window, doc_mask)
+        out = self.core(q, k, v, self.sliding_window, doc_mask, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))

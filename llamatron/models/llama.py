@@ -17,10 +17,11 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+        self.backend = "auto"  # auto, triton or torch: this model's choice (models/kernels.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down(...), plus `residual` when given."""
-        act = swiglu(self.gate_up(x))
+        act = swiglu(self.gate_up(x), self.backend)
         if residual is None:
             return self.down(act)
         if type(self.down) is nn.Linear and self.down.bias is None:

@@ -18,15 +18,6 @@ import functools
 
 import torch
 
-from ..triton_check import KernelSwitch
-
-_switch = KernelSwitch("RMSNorm")
-set_rmsnorm_backend = _switch.set
-
-
-def use_kernels(x: torch.Tensor) -> bool:
-    return _switch.on(x)
-
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()

@@ -19,20 +19,10 @@ import functools
 
 import torch
 
-from ..triton_check import KernelSwitch
-
-_switch = KernelSwitch("rotary")
-set_rope_backend = _switch.set
-
 
 def supports_head_dim(head_dim: int) -> bool:
     """A power of two: the kernels index half a head with one block."""
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0
-
-
-def use_kernels(x: torch.Tensor, head_dim: int) -> bool:
-    """For a CUDA tensor and a supported head dim."""
-    return _switch.on(x) and supports_head_dim(head_dim)
 
 
 @torch.library.custom_op("llamatron::qkv_rope", mutates_args=())

@@ -17,19 +17,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..triton_check import KernelSwitch
-
-_switch = KernelSwitch("SwiGLU")
-set_swiglu_backend = _switch.set
+from .. import triton_check
 
 
-def use_kernels(x: torch.Tensor) -> bool:
-    return _switch.on(x)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, where gate_up = [gate | up] along the last dimension."""
-    if use_kernels(gate_up):
+def swiglu(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """silu(gate) * up, where gate_up = [gate | up] along the last dimension; `backend`: the layer's choice."""
+    if triton_check.kernels_on(backend, gate_up):
         return swiglu_op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)  # (swiglu_op's CPU kernel is for tests)
     return F.silu(gate) * up

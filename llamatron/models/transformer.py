@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .cross_entropy_op import IGNORE_INDEX, cross_entropy_per_token
+from .cross_entropy_op import IGNORE_INDEX, CrossEntropy, cross_entropy_per_token
 from .falcon import FalconBlock
 from .layers import RMSNorm, document_mask, rope_cos_sin
 from .llama import LlamaBlock
 
-__all__ = ["IGNORE_INDEX", "Transformer", "build_model", "cross_entropy_per_token"]
+__all__ = ["IGNORE_INDEX", "CrossEntropy", "Transformer", "build_model", "cross_entropy_per_token"]
 
 
 class Transformer(nn.Module):
@@ -33,7 +33,7 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = norm
         self.lm_head: nn.Module | None = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Swappable so tensor parallelism can install a vocabulary-parallel loss.
-        self.loss_fn = cross_entropy_per_token
+        self.loss_fn = CrossEntropy()
         # Sequence parallelism splits hidden states along the sequence into this many shards.
         self.seq_shards = 1
 
