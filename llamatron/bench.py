@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from .config import RunConfig, kernel_choices, validate
+from .config import RunConfig, validate
 from .data.batches import micro_batches_for_step, to_device
 from .data.mock import MockDataset
+from .kernel_settings import kernel_choices
 from .engine import build_engine, count_tokens, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
 from .plan import bytes_per_param

@@ -15,26 +15,23 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from .data.samples import parse_data_argument, split_documents
 from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
+from .kernel_settings import check_kernel_settings
 from .logging_sinks import check_sink_dependencies
 from .models import ModelConfig, get_preset
-from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
 from .models.presets import PRESET_NAMES
-from .models.rope_op import supports_head_dim
 from .parallel.mesh import mesh_problems
 from .parallel.pipeline import pipeline_problems, split_layers
 from .parallel.schedules import schedule_problems
 from .parallel.tensor import tensor_parallel_problems
-from .triton_check import HAS_TRITON
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
-    meta = {"help": help}
+    meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = choices
     if isinstance(default, (list, dict)):
@@ -42,12 +39,17 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-def _kernel_switch(what: str, triton: str, torch_path: str = "the plain expression, fused by --compile",
-                   auto_also: str = "") -> Any:
+def _kernel_switch(
+    what: str, triton: str, torch_path: str = "the plain expression, fused by --compile", auto_also: str = ""
+) -> Any:
     """A kernel switch (auto | triton | torch): auto runs the Triton kernels on CUDA when triton is installed
     (config.kernel_choices resolves it)."""
-    return _f("auto", f"{what}: triton ({triton}) or torch ({torch_path}); auto: triton on CUDA when triton is "
-                      f"installed{auto_also}; for comparison and debugging", ("auto", "triton", "torch"))
+    return _f(
+        "auto",
+        f"{what}: triton ({triton}) or torch ({torch_path}); auto: triton on CUDA when triton is "
+        f"installed{auto_also}; for comparison and debugging",
+        ("auto", "triton", "torch"),
+    )
 
 
 @dataclass
@@ -58,15 +60,21 @@ class ParallelConfig:
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
-    tp_comm_overlap: bool = _f(True, "with --tp > 1, column-parallel backward runs the input gradient's "
-                                     "reduce-scatter/all-reduce while the weight gradient is computed")
+    tp_comm_overlap: bool = _f(
+        True,
+        "with --tp > 1, column-parallel backward runs the input gradient's "
+        "reduce-scatter/all-reduce while the weight gradient is computed",
+    )
     overlap_grad_reduce: bool = _f(True, "reduce gradient buckets while backward runs")
     overlap_param_gather: bool = _f(True, "all-gather updated parameters during the next forward")
     bucket_size: int = _f(40_000_000, "gradient bucket size in elements")
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction", ("fp32", "bf16"))
-    dp_comm_max_ctas: int | None = _f(None, "NCCL: at most this many thread blocks (SMs) for the data-parallel "
-                                            "group's collectives, so overlapped ones slow the compute less "
-                                            "(default: NCCL's choice)")
+    dp_comm_max_ctas: int | None = _f(
+        None,
+        "NCCL: at most this many thread blocks (SMs) for the data-parallel "
+        "group's collectives, so overlapped ones slow the compute less "
+        "(default: NCCL's choice)",
+    )
 
 
 @dataclass
@@ -80,9 +88,13 @@ class OptimConfig:
     adam_beta2: float = _f(0.95, "AdamW beta2")
     adam_eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)")
-    adamw_kernel: str = _f("auto", "AdamW update: triton (one pass that also writes the model weights; CUDA) or "
-                                   "torch (torch's fused kernel, then a copy into the weights); auto: triton on "
-                                   "CUDA when triton is installed", ("auto", "torch", "triton"))
+    adamw_kernel: str = _f(
+        "auto",
+        "AdamW update: triton (one pass that also writes the model weights; CUDA) or "
+        "torch (torch's fused kernel, then a copy into the weights); auto: triton on "
+        "CUDA when triton is installed",
+        ("auto", "torch", "triton"),
+    )
 
 
 @dataclass
@@ -106,52 +118,78 @@ class TrainConfig:
     global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks")
     train_steps: int = _f(100, "optimizer steps")
     seed: int = _f(1234, "seed of initialisation, data order and dropout")
-    precision: str = _f("auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
+    precision: str = _f(
+        "auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16")
+    )
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
     recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
-    initial_loss_scale: float = _f(2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)")
+    initial_loss_scale: float = _f(
+        2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)"
+    )
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
-    attention_backend: str = _f("auto", "attention kernel: a scaled_dot_product_attention backend (auto: SDPA's "
-                                        "fastest, cuDNN on Hopper; auto never picks fa4; the others for comparison "
-                                        "and debugging), or fa4: FlashAttention 4 for plain causal attention (Hopper "
-                                        "or newer, bf16/fp16, head dims 64/96/128; document masks and sliding "
-                                        "windows still run on SDPA; pip install -e '.[fa4]')",
-                                ("auto", "fa4", "cudnn", "flash", "efficient", "math"))
+    attention_backend: str = _f(
+        "auto",
+        "attention kernel: a scaled_dot_product_attention backend (auto: SDPA's "
+        "fastest, cuDNN on Hopper; auto never picks fa4; the others for comparison "
+        "and debugging), or fa4: FlashAttention 4 for plain causal attention (Hopper "
+        "or newer, bf16/fp16, head dims 64/96/128; document masks and sliding "
+        "windows still run on SDPA; pip install -e '.[fa4]')",
+        ("auto", "fa4", "cudnn", "flash", "efficient", "math"),
+    )
     swiglu_backend: str = _kernel_switch("SwiGLU activation", "fused kernels")
     rmsnorm_backend: str = _kernel_switch("RMSNorm (and the residual add before it)", "one kernel each way")
-    rope_backend: str = _kernel_switch("QKV split + rotary embedding", "one kernel each way",
-                                       auto_also=" and the head dim is a power of two")
-    cross_entropy_backend: str = _kernel_switch("the loss (tensor parallelism has its own)",
-                                                "one kernel each way, no fp32 logits",
-                                                "its cross-entropy, fused by --compile")
+    rope_backend: str = _kernel_switch(
+        "QKV split + rotary embedding", "one kernel each way", auto_also=" and the head dim is a power of two"
+    )
+    cross_entropy_backend: str = _kernel_switch(
+        "the loss (tensor parallelism has its own)",
+        "one kernel each way, no fp32 logits",
+        "its cross-entropy, fused by --compile",
+    )
     device: str = _f("auto", "cpu (gloo) or cuda (NCCL); auto: cuda when available", ("auto", "cpu", "cuda"))
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
     finetune: bool = _f(False, "with --load: weights only, fresh optimizer and step count")
     save_interval: int = _f(0, "steps between checkpoints (0: only at the end when --save is set)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
-    async_save: bool = _f(False, "write checkpoints in a background thread while training goes on (published at the "
-                                 "next save or at the end)")
+    async_save: bool = _f(
+        False,
+        "write checkpoints in a background thread while training goes on (published at the next save or at the end)",
+    )
     eval_interval: int = _f(0, "steps between evaluations (0: only at the end)")
     eval_iters: int = _f(4, "batches per evaluation")
     log_interval: int = _f(1, "steps between metric records")
     metrics_file: str | None = _f(None, "JSON-lines metrics file")
     progress: bool = _f(True, "show a progress bar (--no-progress: a plain line per logged step, for batch logs)")
     # Watching a run (logging_sinks.py, evaluation.py)
-    eval_metrics: list[str] = _f(["loss", "perplexity", "accuracy"],
-                                 "evaluation metrics by name (llamatron.evaluation; MODULE:NAME imports MODULE first)")
+    eval_metrics: list[str] = _f(
+        ["loss", "perplexity", "accuracy"],
+        "evaluation metrics by name (llamatron.evaluation; MODULE:NAME imports MODULE first)",
+    )
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files of the metric records here")
     wandb_project: str | None = _f(None, "log the metric records to this Weights & Biases project")
-    wandb_mode: str | None = _f(None, "W&B mode (offline: no network, upload later with `wandb sync`; default: "
-                                "W&B's own setting, $WANDB_MODE, else online)", ("online", "offline", "disabled"))
+    wandb_mode: str | None = _f(
+        None,
+        "W&B mode (offline: no network, upload later with `wandb sync`; default: "
+        "W&B's own setting, $WANDB_MODE, else online)",
+        ("online", "offline", "disabled"),
+    )
     wandb_name: str | None = _f(None, "W&B run name (None: W&B generates one)")
     # Faults (faults.py)
-    max_skipped_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss or gradient "
-                                    "norm (each is skipped; 0: never stop)")
-    exit_duration_mins: float | None = _f(None, "save and exit cleanly once this many minutes have passed since "
-                                                "start (set below the job's time limit, leaving time to save)")
-    dist_timeout: float = _f(1800.0, "seconds a collective may wait before failing with the ranks it waited for "
-                                     "(checkpoint saves must fit in it)")
+    max_skipped_steps: int = _f(
+        10,
+        "stop after this many consecutive steps with a non-finite loss or gradient "
+        "norm (each is skipped; 0: never stop)",
+    )
+    exit_duration_mins: float | None = _f(
+        None,
+        "save and exit cleanly once this many minutes have passed since "
+        "start (set below the job's time limit, leaving time to save)",
+    )
+    dist_timeout: float = _f(
+        1800.0,
+        "seconds a collective may wait before failing with the ranks it waited for (checkpoint saves must fit in it)",
+    )
 
 
 SECTIONS = {"parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
@@ -192,7 +230,9 @@ class RunConfig:
 
 @functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)  # evaluates every annotation's string: slow, and the planner asks thousands of times
+    return typing.get_type_hints(
+        cls
+    )  # evaluates every annotation's string: slow, and the planner asks thousands of times
 
 
 def _field_type(f) -> type:
@@ -207,25 +247,44 @@ SECTIONS_OWNER: dict[str, type] = {f.name: cls for cls in SECTIONS.values() for 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field; defaults are suppressed so YAML values are not overridden by them."""
-    parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML file of settings (flag names with underscores)")
+    parser.add_argument(
+        "--config", default=argparse.SUPPRESS, help="YAML file of settings (flag names with underscores)"
+    )
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             t = _field_type(f)
-            default = f.default if f.default is not MISSING else (
-                f.default_factory() if f.default_factory is not MISSING else None)
+            default = (
+                f.default
+                if f.default is not MISSING
+                else (f.default_factory() if f.default_factory is not MISSING else None)
+            )
             help_text = f.metadata.get("help", "")
             if "(default:" not in help_text and default is not None:  # unset (None): the help says what happens
                 help_text += f" (default: {default})"
             if t is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+                )
             elif typing.get_origin(t) is list:  # space-separated values: --eval-metrics loss accuracy
-                group.add_argument(flag, nargs="+", type=typing.get_args(t)[0], default=argparse.SUPPRESS,
-                                   help=help_text, metavar=f.name.upper())
+                group.add_argument(
+                    flag,
+                    nargs="+",
+                    type=typing.get_args(t)[0],
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                    metavar=f.name.upper(),
+                )
             else:
-                group.add_argument(flag, type=t, default=argparse.SUPPRESS, choices=f.metadata.get("choices"),
-                                   help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper())
+                group.add_argument(
+                    flag,
+                    type=t,
+                    default=argparse.SUPPRESS,
+                    choices=f.metadata.get("choices"),
+                    help=help_text,
+                    metavar=None if f.metadata.get("choices") else f.name.upper(),
+                )
 
 
 def config_from_values(values: dict[str, Any]) -> RunConfig:
@@ -263,8 +322,12 @@ def _checked(key: str, value: Any) -> Any:
     elif typing.get_origin(t) is list and isinstance(value, str):
         value = value.split()  # `eval_metrics: loss accuracy`, as on the command line
     kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(t, "a list")
-    ok = {bool: isinstance(value, bool), int: number and isinstance(value, int), float: isinstance(value, float),
-          str: isinstance(value, str)}.get(t, isinstance(value, list))
+    ok = {
+        bool: isinstance(value, bool),
+        int: number and isinstance(value, int),
+        float: isinstance(value, float),
+        str: isinstance(value, str),
+    }.get(t, isinstance(value, list))
     if not ok:
         raise ConfigError(f"setting {key} ({flag}): {value!r} is not {kind}")
     if choices and value not in choices:
@@ -317,16 +380,23 @@ def _validate_data(d: DataConfig) -> None:
         split_documents(0, d.split)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    boundaries = [f"--{n.replace('_', '-')}" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
-                  if getattr(d, n)]
+    boundaries = [
+        f"--{n.replace('_', '-')}"
+        for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+        if getattr(d, n)
+    ]
     if d.sft_data is not None and (d.data is not None or d.mock_data):
         raise ConfigError("--sft-data replaces --data / --mock-data; give only one of them")
     if boundaries and (d.mock_data or d.sft_data is not None):
-        raise ConfigError(f"{', '.join(boundaries)} apply to --data corpora with EOD tokens; --mock-data has none and "
-                          "--sft-data already keeps attention and positions inside each conversation")
+        raise ConfigError(
+            f"{', '.join(boundaries)} apply to --data corpora with EOD tokens; --mock-data has none and "
+            "--sft-data already keeps attention and positions inside each conversation"
+        )
     if boundaries and d.data is not None and d.tokenizer is None:
-        raise ConfigError(f"{', '.join(boundaries)} need the end-of-document token id: pass --tokenizer (the one "
-                          "the data was preprocessed with)")
+        raise ConfigError(
+            f"{', '.join(boundaries)} need the end-of-document token id: pass --tokenizer (the one "
+            "the data was preprocessed with)"
+        )
 
 
 def _validate_ops(cfg: RunConfig) -> None:
@@ -340,45 +410,6 @@ def _validate_ops(cfg: RunConfig) -> None:
         raise ConfigError("--exit-duration-mins must be > 0")
     if t.dist_timeout <= 0:
         raise ConfigError("--dist-timeout must be > 0 seconds")
-
-
-def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
-    """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
-    installed, else torch), "-" where the model has no such layer (Falcon's GELU MLP and LayerNorm). Attention
-    stays as set: under auto SDPA picks per call."""
-    model = model or cfg.model_config()
-    t = cfg.train
-    triton_here = device == "cuda" and HAS_TRITON
-
-    def pick(setting: str, supported: bool = True) -> str:
-        return "triton" if setting != "torch" and triton_here and supported else "torch"
-
-    llama = model.family != "falcon"
-    return {"attention": t.attention_backend,
-            "swiglu": pick(t.swiglu_backend) if llama else "-",
-            "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
-            "rope": pick(t.rope_backend, supports_head_dim(model.head_dim)),
-            "cross_entropy": pick(t.cross_entropy_backend) if cfg.parallel.tp == 1 else "-",
-            "adamw": pick(cfg.optim.adamw_kernel)}
-
-
-def _check_fa4(head_dim: int, dtype_name: str) -> None:
-    if dtype_name not in ("bf16", "fp16"):
-        raise ConfigError(f"--attention-backend fa4 runs in bf16 or fp16, not {dtype_name}: use --precision bf16 "
-                          "or --attention-backend auto")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ConfigError(f"--attention-backend fa4: FlashAttention 4 supports head dims "
-                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; this model's is {head_dim}: use "
-                          "--attention-backend auto")
-    reason = unavailable_reason()
-    if reason is not None:
-        raise ConfigError(f"--attention-backend fa4 needs FlashAttention 4 ({reason}): pip install -e '.[fa4]' in "
-                          "llamatron's checkout (or pip install 'flash-attn-4[cu13]==4.0.0b36', the tested version), "
-                          "or use --attention-backend auto")
-    major, minor = torch.cuda.get_device_capability()
-    if major < 9:
-        raise ConfigError(f"--attention-backend fa4 runs on Hopper (compute capability 9.0) or newer; this GPU is "
-                          f"{major}.{minor}: use --attention-backend auto")
 
 
 def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
@@ -403,13 +434,17 @@ def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tup
         if t.recompute == "none":
             raise ConfigError(f"--recompute-layers {t.recompute_layers} needs --recompute full or selective")
         if not 0 <= t.recompute_layers <= chunk:
-            raise ConfigError(f"--recompute-layers {t.recompute_layers}: a model chunk holds at most {chunk} layers "
-                              f"(pp*vpp = {p.pp * p.vpp}); give 0..{chunk}")
+            raise ConfigError(
+                f"--recompute-layers {t.recompute_layers}: a model chunk holds at most {chunk} layers "
+                f"(pp*vpp = {p.pp * p.vpp}); give 0..{chunk}"
+            )
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("--micro-batch-size and --global-batch-size must be >= 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of micro-batch-size x "
-                          f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} is not a multiple of micro-batch-size x "
+            f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
+        )
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     if p.pp > 1:
         _raise_if(schedule_problems(accum, p.pp, p.vpp))
@@ -451,50 +486,32 @@ def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
     return device, dtype_name
 
 
-def _validate_kernels(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: str) -> None:
-    p, t = cfg.parallel, cfg.train
-    if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
-        raise ConfigError(f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto")
-    if t.attention_backend == "fa4" and device == "cuda":
-        _check_fa4(model.head_dim, dtype_name)
-    if t.swiglu_backend == "triton" and model.family == "falcon":
-        raise ConfigError("--swiglu-backend triton: Falcon models use a GELU MLP, not SwiGLU; leave it at auto")
-    if t.rmsnorm_backend == "triton" and model.family == "falcon":
-        raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
-    if t.cross_entropy_backend == "triton" and p.tp > 1:
-        raise ConfigError(f"--cross-entropy-backend triton: with --tp {p.tp} the loss is the vocabulary-parallel "
-                          "one, which has no Triton kernels; leave it at auto")
-    if t.rope_backend == "triton" and not supports_head_dim(model.head_dim):
-        raise ConfigError(f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
-                          "leave it at auto (which runs the torch expression here)")
-    kernels = {"--swiglu-backend": t.swiglu_backend, "--rmsnorm-backend": t.rmsnorm_backend,
-               "--rope-backend": t.rope_backend, "--cross-entropy-backend": t.cross_entropy_backend,
-               "--adamw-kernel": cfg.optim.adamw_kernel}
-    for flag, value in kernels.items():
-        if value == "triton" and device != "cuda":
-            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} leave it at auto (which runs torch)")
-    if "triton" in kernels.values() and not HAS_TRITON:
-        raise ConfigError("--swiglu-backend/--rmsnorm-backend/--rope-backend/--cross-entropy-backend/--adamw-kernel "
-                          "triton need the triton package (pip install triton); or leave them at auto, which then "
-                          "runs the torch kernels")
-
-
-def validate(cfg: RunConfig, world_size: int = 1, cuda_available: bool = False,
-             model: ModelConfig | None = None) -> Derived:
+def validate(
+    cfg: RunConfig, world_size: int = 1, cuda_available: bool = False, model: ModelConfig | None = None
+) -> Derived:
     """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
 
     `model` is the architecture to check against (default: the preset of --model).
     """
     model = model or cfg.model_config()
-    _raise_if(model.problems(), "the model's shape cannot be trained: ",
-              " (fix the YAML model_overrides, or the checkpoint's model config)")
+    _raise_if(
+        model.problems(),
+        "the model's shape cannot be trained: ",
+        " (fix the YAML model_overrides, or the checkpoint's model config)",
+    )
     dp, accum = _validate_layout(cfg, world_size, model)
     _validate_settings(cfg, model)
     device, dtype_name = _resolve_device(cfg, cuda_available)
-    _validate_kernels(cfg, model, device, dtype_name)
+    check_kernel_settings(cfg, model, device, dtype_name)
     _validate_data(cfg.data)
     _validate_ops(cfg)
     t = cfg.train
     compile_layers = t.compile if t.compile is not None else device == "cuda"
-    return Derived(world_size=world_size, dp=dp, grad_accum_steps=accum, device=device, dtype_name=dtype_name,
-                   compile=compile_layers)
+    return Derived(
+        world_size=world_size,
+        dp=dp,
+        grad_accum_steps=accum,
+        device=device,
+        dtype_name=dtype_name,
+        compile=compile_layers,
+    )

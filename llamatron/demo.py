@@ -29,9 +29,18 @@ from .generate import load_for_generation, sample
 DEMO_DIR = "runs/demo"
 DEMO_DATA_DIR = os.path.join(DEMO_DIR, "data")
 # The demo's settings where the user gave none: llama-tiny learns code in a few CPU minutes.
-DEMO_DEFAULTS = {"seq_length": 256, "micro_batch_size": 8, "global_batch_size": 16, "train_steps": 200, "lr": 2e-3,
-                 "min_lr": 2e-4, "warmup_steps": 20, "eval_interval": 50, "eval_iters": 8,
-                 "save": os.path.join(DEMO_DIR, "checkpoint")}
+DEMO_DEFAULTS = {
+    "seq_length": 256,
+    "micro_batch_size": 8,
+    "global_batch_size": 16,
+    "train_steps": 200,
+    "lr": 2e-3,
+    "min_lr": 2e-4,
+    "warmup_steps": 20,
+    "eval_interval": 50,
+    "eval_iters": 8,
+    "save": os.path.join(DEMO_DIR, "checkpoint"),
+}
 
 DEFAULT_MAX_BYTES = 8 << 20
 MAX_FILE_BYTES = 200_000  # larger stdlib files are generated tables, not code worth learning
@@ -155,7 +164,7 @@ def clear_previous_demo_checkpoint(cfg: RunConfig) -> bool:
     where a run saving into another run's directory is refused (train.check_save_dir)."""
     if "save" in cfg.explicit or cfg.train.load:
         return False
-    save = cfg.train.save
+    save = str(cfg.train.save)  # apply_demo_defaults set it
     if os.environ.get("RANK", "0") == "0" and os.path.isdir(save) and os.listdir(save):
         print(f"replacing the previous demo run's checkpoints in {save}", flush=True)
         shutil.rmtree(save)
@@ -167,10 +176,13 @@ def print_demo_summary(valid: list[dict[str, Any]], checkpoint: str) -> None:
     if valid:
         first, last = valid[0], valid[-1]
         metrics = {k: v for k, v in last.items() if k not in ("step", "split", "consumed_samples")}
-        print(f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step "
-              f"{last['step']} ({format_metrics(metrics)})")
+        print(
+            f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step "
+            f"{last['step']} ({format_metrics(metrics)})"
+        )
     model, _ = load_for_generation(checkpoint)
     tok = load_tokenizer(os.path.join(DEMO_DATA_DIR, "tokenizer"))
     ids = sample(model, tok.encode("def "), max_new_tokens=80, temperature=0.7, seed=0)
-    print(f"checkpoint: {checkpoint}\nsample (prompt 'def '):\n" + "-" * 40 + "\ndef " + tok.decode(ids) + "\n"
-          + "-" * 40)
+    print(
+        f"checkpoint: {checkpoint}\nsample (prompt 'def '):\n" + "-" * 40 + "\ndef " + tok.decode(ids) + "\n" + "-" * 40
+    )

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import Derived, RunConfig, kernel_choices
+from .config import Derived, RunConfig
 from .dtypes import DTYPES
+from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from .models.transformer import IGNORE_INDEX, CrossEntropy
 from .parallel.data import GradBuffer

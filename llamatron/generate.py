@@ -9,8 +9,15 @@ from .models import ModelConfig, Transformer, build_model
 
 
 @torch.no_grad()
-def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 64, temperature: float = 0.8,
-           top_k: int | None = 50, seed: int = 0, stop_id: int | None = None) -> list[int]:
+def sample(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> list[int]:
     """Autoregressive sampling (full recompute per token: small models only); temperature <= 0: greedy."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: start from at least one token (e.g. the tokenizer's BOS)")
@@ -33,7 +40,7 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 64, 
         ids = torch.cat([ids, next_id], dim=1)
         if stop_id is not None and int(next_id) == stop_id:
             break
-    return ids[0, len(prompt_ids):].tolist()
+    return ids[0, len(prompt_ids) :].tolist()
 
 
 def load_for_generation(path: str, device: str = "cpu") -> tuple[Transformer, dict]:

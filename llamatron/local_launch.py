@@ -55,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
         # Ranks ended by a signal were mostly stopped by torchrun after another rank failed.
-        said = "; ".join(f"rank {r}: " + (f"exit code {f.exitcode}" if f.exitcode >= 0 else
-                                          f"stopped by {f.signal_name()}") for r, f in sorted(e.failures.items()))
-        print(f"llamatron: the job failed ({said}); the failing rank's message is above", file=sys.stderr,
-              flush=True)
+        said = "; ".join(
+            f"rank {r}: " + (f"exit code {f.exitcode}" if f.exitcode >= 0 else f"stopped by {f.signal_name()}")
+            for r, f in sorted(e.failures.items())
+        )
+        print(f"llamatron: the job failed ({said}); the failing rank's message is above", file=sys.stderr, flush=True)
         return next((f.exitcode for _, f in sorted(e.failures.items()) if f.exitcode > 0), 1)
     except SignalException as e:  # Ctrl-C (SIGINT) or SIGHUP: torchrun stopped the ranks
         name = signal.Signals(e.sigval).name

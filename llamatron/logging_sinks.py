@@ -15,16 +15,20 @@ from typing import Any
 from .errors import ConfigError
 
 # (config field, flag, module to import, pip package)
-_OPTIONAL = (("tensorboard_dir", "--tensorboard-dir", "torch.utils.tensorboard", "tensorboard"),
-             ("wandb_project", "--wandb-project", "wandb", "wandb"))
+_OPTIONAL = (
+    ("tensorboard_dir", "--tensorboard-dir", "torch.utils.tensorboard", "tensorboard"),
+    ("wandb_project", "--wandb-project", "wandb", "wandb"),
+)
 
 
 def _import(module: str, flag: str, package: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"{flag} needs the '{package}' package, which is not installed ({e}); "
-                          f"install it with `pip install {package}`") from None
+        raise ConfigError(
+            f"{flag} needs the '{package}' package, which is not installed ({e}); "
+            f"install it with `pip install {package}`"
+        ) from None
 
 
 def check_sink_dependencies(train_cfg) -> None:
@@ -36,8 +40,11 @@ def check_sink_dependencies(train_cfg) -> None:
 def scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
     """(prefix, step, {key: value}) of the numeric fields of a metric record."""
     prefix = record.get("split") or "train"
-    values = {k: float(v) for k, v in record.items()
-              if k not in ("step", "split") and isinstance(v, (int, float)) and v is not None}
+    values = {
+        k: float(v)
+        for k, v in record.items()
+        if k not in ("step", "split") and isinstance(v, (int, float)) and v is not None
+    }
     return prefix, int(record["step"]), values
 
 
@@ -64,8 +71,10 @@ class WandbSink:
         try:  # mode None: W&B's own setting ($WANDB_MODE, else online)
             self.run = self.wandb.init(project=project, mode=mode, name=name, config=config)
         except Exception as e:  # no API key, no network, a bad project name: before any training is done
-            raise ConfigError(f"--wandb-project {project}: W&B could not start a run ({type(e).__name__}: {e}); "
-                              "log in with `wandb login` (or set WANDB_API_KEY), or use --wandb-mode offline") from None
+            raise ConfigError(
+                f"--wandb-project {project}: W&B could not start a run ({type(e).__name__}: {e}); "
+                "log in with `wandb login` (or set WANDB_API_KEY), or use --wandb-mode offline"
+            ) from None
 
     def __call__(self, record: dict[str, Any]) -> None:
         prefix, step, values = scalars(record)
@@ -76,7 +85,7 @@ class WandbSink:
         try:
             self.run.finish()
         except Exception as e:  # noqa: BLE001 -- never fail a finished training run over a logging service
-            warnings.warn(f"W&B: finishing the run failed: {e}")
+            warnings.warn(f"W&B: finishing the run failed: {e}", stacklevel=2)
 
 
 def build_metric_sinks(cfg) -> list:

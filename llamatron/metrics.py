@@ -38,7 +38,9 @@ def peak_memory_gib(device: torch.device | str) -> float:
         return float("nan")
 
 
-def throughput(tokens: int, seconds: float, flops_per_token: float, num_gpus: int, peak: float | None) -> dict[str, Any]:
+def throughput(
+    tokens: int, seconds: float, flops_per_token: float, num_gpus: int, peak: float | None
+) -> dict[str, Any]:
     """tokens/s per GPU, TFLOP/s per GPU and MFU for `tokens` trained by `num_gpus` in `seconds`."""
     tps = tokens / seconds / num_gpus
     tflops = tps * flops_per_token / 1e12
@@ -56,7 +58,9 @@ class MetricsSink:
         self.extra_sinks = extra_sinks or []
 
     def write(self, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) and k == "mfu" else v) for k, v in record.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) and k == "mfu" else v) for k, v in record.items()
+        }
         if self.file is not None:
             self.file.write(json.dumps(clean) + "\n")
         for sink in self.extra_sinks:

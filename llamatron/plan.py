@@ -1,4 +1,5 @@
-"""`llamatron plan`: which layouts fit a model on a cluster, their memory per GPU, and which should run fastest.
+"""The planner's model: the memory per GPU of a layout, and how fast it should run (plan_search.py searches the
+layouts that fit a model on a cluster with it).
 
 Memory model (bytes on the busiest GPU: every pipeline rank is evaluated, the largest is reported)
 ---------------------------------------------------------------------------------------------------
@@ -48,23 +49,18 @@ Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator
+from dataclasses import asdict, dataclass, field
 
-from .config import ConfigError, RunConfig, config_from_values, kernel_choices, validate
-from .models import ModelConfig, get_preset
+from .config import RunConfig, validate
+from .kernel_settings import kernel_choices
+from .models import ModelConfig
 from .models.rope_op import supports_head_dim as rope_supports_head_dim
-from .parallel.mesh import divisors
 from .parallel.pipeline import split_layers
 from .parallel.tensor import local_kv_heads, padded_vocab_size
 from .plan_activations import LayerKernels, chunk_activation_bytes, chunks_in_flight, layer_activation_bytes
 
 GB = 1e9
 GiB = 2**30
-RECOMPUTE_MODES = ("none", "selective", "full")
-MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-MAX_VPP = 8
-DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
 FRAGMENTATION = 0.15
 RUNTIME_BASE, RUNTIME_PER_COMM = 1 * GiB, 0.5 * GiB
 
@@ -113,8 +109,12 @@ class Precision:
         """What a decoder layer of `model` runs: Falcon has no RMSNorm or SwiGLU, the rotary kernels need a
         power-of-two head dim."""
         llama = model.family != "falcon"
-        return LayerKernels(self.compiled, self.fused_norms and llama,
-                            self.fused_rope and rope_supports_head_dim(model.head_dim), self.fused_swiglu and llama)
+        return LayerKernels(
+            self.compiled,
+            self.fused_norms and llama,
+            self.fused_rope and rope_supports_head_dim(model.head_dim),
+            self.fused_swiglu and llama,
+        )
 
 
 @dataclass
@@ -150,7 +150,9 @@ class Memory:
 @dataclass(frozen=True)
 class SpeedAssumptions:
     peak_flops: float = 989e12  # dense bf16, H100/H200
-    base_mfu: float = 0.645  # a large GEMM-bound step: fitted to llamatron's own compiled runs on H200 (RESULTS.md, run 2)
+    base_mfu: float = (
+        0.645  # a large GEMM-bound step: fitted to llamatron's own compiled runs on H200 (RESULTS.md, run 2)
+    )
     nvlink_bw: float = 200e9  # bus bandwidth, 32-64 MiB collectives in a node (docs/gpu_facts.md: all-gather 212 GB/s)
     internode_bw: float = 40e9  # per GPU across nodes (400 Gb/s NIC, ~80% achieved)
     hbm_bw: float = 3.0e12
@@ -176,15 +178,28 @@ class Plan:
 
     def to_dict(self) -> dict:
         m = self.memory
-        return {**asdict(self.layout), "micro_batches": self.layout.micro_batches,
-                "memory_gb": {"weights": m.weights / GB, "gradients": m.gradients / GB, "optimizer": m.optimizer / GB,
-                              "activations": m.activations / GB, "buffers": m.buffers_total / GB, "total": m.total / GB,
-                              "buffer_parts": {k: v / GB for k, v in m.buffers.items()}},
-                "peak_stage": m.stage, "tokens_per_sec_per_gpu": self.speed.tokens_per_sec_per_gpu,
-                "mfu": self.speed.mfu, "bubble": self.speed.bubble, "step_seconds": self.speed.step_seconds}
+        return {
+            **asdict(self.layout),
+            "micro_batches": self.layout.micro_batches,
+            "memory_gb": {
+                "weights": m.weights / GB,
+                "gradients": m.gradients / GB,
+                "optimizer": m.optimizer / GB,
+                "activations": m.activations / GB,
+                "buffers": m.buffers_total / GB,
+                "total": m.total / GB,
+                "buffer_parts": {k: v / GB for k, v in m.buffers.items()},
+            },
+            "peak_stage": m.stage,
+            "tokens_per_sec_per_gpu": self.speed.tokens_per_sec_per_gpu,
+            "mfu": self.speed.mfu,
+            "bubble": self.speed.bubble,
+            "step_seconds": self.speed.step_seconds,
+        }
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------
+
 
 def local_vocab(model: ModelConfig, tp: int) -> int:
     """Vocabulary rows of the embedding/head on one tensor-parallel rank."""
@@ -233,8 +248,9 @@ def bytes_per_param(dtype: str, distributed_optimizer: bool, dp: int) -> tuple[f
     return 2.0, 4.0, 12.0 / shards
 
 
-def loss_bytes_per_token(model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2,
-                         fused: bool = False) -> float:
+def loss_bytes_per_token(
+    model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2, fused: bool = False
+) -> float:
     """Peak of the loss's temporaries per token on the last stage (see the module docstring)."""
     vocab = local_vocab(model, tp)
     if tp == 1 and (compiled or fused):  # no fp32 copy of the logits: the logits and their gradient only
@@ -247,48 +263,100 @@ def loss_bytes_per_token(model: ModelConfig, tp: int, compiled: bool = False, ac
 
 # ---- memory of a layout -------------------------------------------------------------------------------------
 
-def layout_memory(model: ModelConfig, layout: Layout, seq_length: int, precision: Precision = Precision(),
-                  pp_layers: str | None = None, recompute_layers: int | None = None) -> Memory:
+
+def layout_memory(
+    model: ModelConfig,
+    layout: Layout,
+    seq_length: int,
+    precision: Precision = Precision(),
+    pp_layers: str | None = None,
+    recompute_layers: int | None = None,
+) -> Memory:
     """Peak memory per GPU of a layout: the largest over its pipeline ranks."""
     if recompute_layers is None:
         recompute_layers = layout.recompute_layers
-    ranks = [_rank_memory(model, layout, seq_length, precision, pp_layers, recompute_layers, r) for r in range(layout.pp)]
+    ranks = [
+        _rank_memory(model, layout, seq_length, precision, pp_layers, recompute_layers, r) for r in range(layout.pp)
+    ]
     return max(ranks, key=lambda m: m.total)
 
 
-def _rank_memory(model: ModelConfig, lay: Layout, seq_length: int, prec: Precision, pp_layers: str | None,
-                 recompute_layers: int | None, rank: int) -> Memory:
+def _rank_memory(
+    model: ModelConfig,
+    lay: Layout,
+    seq_length: int,
+    prec: Precision,
+    pp_layers: str | None,
+    recompute_layers: int | None,
+    rank: int,
+) -> Memory:
     a = prec.act_bytes
     chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)[rank]
     params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks))
     w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.dp)
     tokens = lay.micro_batch_size * seq_length
     kernels = prec.layer_kernels(model)
-    per_chunk = [chunk_activation_bytes(model, layers, rank == 0 and v == 0, rank == lay.pp - 1 and v == lay.vpp - 1,
-                                        a, lay.tp, lay.sequence_parallel, lay.recompute, lay.pp > 1, kernels,
-                                        recompute_layers) for v, layers in enumerate(chunks)]
+    per_chunk = [
+        chunk_activation_bytes(
+            model,
+            layers,
+            rank == 0 and v == 0,
+            rank == lay.pp - 1 and v == lay.vpp - 1,
+            a,
+            lay.tp,
+            lay.sequence_parallel,
+            lay.recompute,
+            lay.pp > 1,
+            kernels,
+            recompute_layers,
+        )
+        for v, layers in enumerate(chunks)
+    ]
     in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
     activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
     one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
-    loss = loss_bytes_per_token(model, lay.tp, prec.compiled, a, prec.fused_loss) * tokens if rank == lay.pp - 1 else 0.0
+    loss = (
+        loss_bytes_per_token(model, lay.tp, prec.compiled, a, prec.fused_loss) * tokens if rank == lay.pp - 1 else 0.0
+    )
     temporaries, kind = (loss, "logits/loss") if loss > one_layer else (one_layer, "one layer's backward")
     reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.dp > 1 else 0.0
     gather_staging = a * params / lay.dp if lay.distributed_optimizer and lay.dp > 1 else 0.0
     during_backward = activations + temporaries + a * largest + reduce_staging
     staging = reduce_staging + max(0.0, gather_staging - during_backward)
-    buffers = {"temporaries": temporaries, "staging": staging, "param_grad": float(a * largest),
-               "batch": 16.0 * seq_length * lay.global_batch_size / lay.dp}
+    buffers = {
+        "temporaries": temporaries,
+        "staging": staging,
+        "param_grad": float(a * largest),
+        "batch": 16.0 * seq_length * lay.global_batch_size / lay.dp,
+    }
     buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest)
     buffers["runtime"] = RUNTIME_BASE + RUNTIME_PER_COMM * sum(1 for n in (lay.tp, lay.pp, lay.dp) if n > 1)
-    return Memory(weights=w * params, gradients=g * params, optimizer=o * params, activations=activations,
-                  buffers=buffers, stage=rank, temporaries_kind=kind)
+    return Memory(
+        weights=w * params,
+        gradients=g * params,
+        optimizer=o * params,
+        activations=activations,
+        buffers=buffers,
+        stage=rank,
+        temporaries_kind=kind,
+    )
 
 
 def run_layout(run_config: RunConfig, dp: int) -> Layout:
     """The Layout of a run's configuration (dp: its data-parallel size, from config.validate)."""
     p, t = run_config.parallel, run_config.train
-    return Layout(p.tp, p.pp, p.vpp, dp, p.sequence_parallel, p.distributed_optimizer, t.recompute,
-                  t.micro_batch_size, t.global_batch_size, t.recompute_layers)
+    return Layout(
+        p.tp,
+        p.pp,
+        p.vpp,
+        dp,
+        p.sequence_parallel,
+        p.distributed_optimizer,
+        t.recompute,
+        t.micro_batch_size,
+        t.global_batch_size,
+        t.recompute_layers,
+    )
 
 
 def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
@@ -300,21 +368,49 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p = run_config.parallel
     kernels = kernel_choices(run_config, derived.device)
-    precision = Precision("fp32" if derived.dtype_name == "fp32" else "bf16", derived.compile, p.grad_reduce_dtype,
-                          fused_norms=kernels["rmsnorm"] == "triton", fused_rope=kernels["rope"] == "triton",
-                          fused_swiglu=kernels["swiglu"] == "triton", fused_loss=kernels["cross_entropy"] == "triton")
-    mem = layout_memory(run_config.model_config(), run_layout(run_config, derived.dp), run_config.data.seq_length,
-                        precision, p.pp_layers)
-    return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
-            "activations": mem.activations, "buffers": mem.buffers_total, "buffer_parts": dict(mem.buffers),
-            "allocated": mem.allocated, "total": mem.total, "stage": mem.stage,
-            "allocated_gib": mem.allocated / GiB, "total_gib": mem.total / GiB}
+    precision = Precision(
+        "fp32" if derived.dtype_name == "fp32" else "bf16",
+        derived.compile,
+        p.grad_reduce_dtype,
+        fused_norms=kernels["rmsnorm"] == "triton",
+        fused_rope=kernels["rope"] == "triton",
+        fused_swiglu=kernels["swiglu"] == "triton",
+        fused_loss=kernels["cross_entropy"] == "triton",
+    )
+    mem = layout_memory(
+        run_config.model_config(),
+        run_layout(run_config, derived.dp),
+        run_config.data.seq_length,
+        precision,
+        p.pp_layers,
+    )
+    return {
+        "weights": mem.weights,
+        "gradients": mem.gradients,
+        "optimizer": mem.optimizer,
+        "activations": mem.activations,
+        "buffers": mem.buffers_total,
+        "buffer_parts": dict(mem.buffers),
+        "allocated": mem.allocated,
+        "total": mem.total,
+        "stage": mem.stage,
+        "allocated_gib": mem.allocated / GiB,
+        "total_gib": mem.total / GiB,
+    }
 
 
 # ---- speed --------------------------------------------------------------------------------------------------
 
-def estimate_speed(model: ModelConfig, lay: Layout, seq_length: int, gpus: int, gpus_per_node: int,
-                   hw: SpeedAssumptions = SpeedAssumptions(), precision: str = "bf16") -> Speed:
+
+def estimate_speed(
+    model: ModelConfig,
+    lay: Layout,
+    seq_length: int,
+    gpus: int,
+    gpus_per_node: int,
+    hw: SpeedAssumptions = SpeedAssumptions(),
+    precision: str = "bf16",
+) -> Speed:
     """Expected step time and throughput of a layout (see the module docstring)."""
     a = 4 if precision == "fp32" else 2
     h, L = model.hidden_size, model.num_layers
@@ -327,7 +423,7 @@ def estimate_speed(model: ModelConfig, lay: Layout, seq_length: int, gpus: int, 
     share = 1.0 if lay.recompute_layers is None else min(lay.recompute_layers, per_chunk) / per_chunk
     extra = share * {"none": 0.0, "selective": attention_fwd, "full": layers_fwd}[lay.recompute]
     width = h / lay.tp
-    efficiency = (hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half))
+    efficiency = hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half)
     compute = tokens * (model_flops + extra) / (lay.tp * lay.pp) / (hw.peak_flops * efficiency)
     layers_here = L / lay.pp
     tp_comm = 0.0
@@ -357,205 +453,17 @@ def estimate_speed(model: ModelConfig, lay: Layout, seq_length: int, gpus: int, 
     optimizer = (30 * owned + 8 * params) / hw.hbm_bw
     step = pipeline + reduce_exposed + gather_exposed + optimizer
     tokens_per_gpu = lay.global_batch_size * seq_length / step / gpus
-    return Speed(step, tokens_per_gpu, tokens_per_gpu * model_flops / hw.peak_flops, bubble,
-                 {"compute": compute * m, "tp_comm": tp_comm * m, "p2p": p2p * m, "bubble": pipeline - per_micro_batch * m,
-                  "dp_exposed": reduce_exposed + gather_exposed, "optimizer": optimizer})
-
-
-# ---- search -------------------------------------------------------------------------------------------------
-
-def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length: int) -> RunConfig:
-    values = {"model": model_name, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "sequence_parallel": lay.sequence_parallel,
-              "distributed_optimizer": lay.distributed_optimizer, "recompute": lay.recompute,
-              "recompute_layers": lay.recompute_layers,
-              "micro_batch_size": lay.micro_batch_size, "global_batch_size": lay.global_batch_size,
-              "seq_length": seq_length, "precision": "bf16", "device": "cuda"}
-    if overrides:
-        values["model_overrides"] = overrides
-    return config_from_values(values)
-
-
-def candidate_layouts(model_name: str, gpus: int, seq_length: int, gpus_per_node: int,
-                      global_batch_size: int | None = None, model_overrides: dict | None = None) -> Iterator[Layout]:
-    """Every layout the trainer accepts (config.validate) with tp inside a node, even pipeline splits and
-    sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple of
-    micro-batch x dp (x pp when interleaved) closest to ~4M tokens."""
-    model = _model(model_name, model_overrides)
-    for tp in divisors(gpus):
-        if tp > gpus_per_node or gpus_per_node % tp:
-            continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
-            for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):
-                gbs = global_batch_size
-                if gbs is None:
-                    step = mb * dp * (pp if vpp > 1 else 1)
-                    gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
-                for dist_opt in ((False, True) if dp > 1 else (False,)):
-                    lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs)
-                    try:
-                        validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
-                    except ConfigError:
-                        continue
-                    yield lay
-
-
-@dataclass
-class PlanResult:
-    model: str
-    gpus: int
-    gpu_memory: float
-    seq_length: int
-    fits: list[Plan]
-    explanation: str = ""
-
-
-def plan(model_name: str, gpus: int, gpu_memory: float, seq_length: int, global_batch_size: int | None = None,
-         gpus_per_node: int = 8, model_overrides: dict | None = None, precision: Precision = Precision(),
-         explain: bool = True) -> PlanResult:
-    """All layouts that fit, fastest first; when none does, an explanation of why."""
-    _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
-    model = _model(model_name, model_overrides)
-    fits, rejected = [], []
-    for lay in candidate_layouts(model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides):
-        mem = layout_memory(model, lay, seq_length, precision)
-        if mem.total <= gpu_memory:
-            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
-        else:
-            rejected.append((lay, mem))
-    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
-    fits = _drop_dominated_recompute(fits)
-    fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
-    result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
-    if not fits and explain:
-        result.explanation = _explain(model_name, model, gpus, gpu_memory, seq_length, gpus_per_node,
-                                      global_batch_size, model_overrides, precision, rejected)
-    return result
-
-
-def _partial_recompute(model: ModelConfig, fits: list[Plan], rejected: list, seq_length: int, gpu_memory: float,
-                       precision: Precision, gpus: int, gpus_per_node: int) -> list[Plan]:
-    """Where full recompute fits and no recompute does not, the fewest recomputed layers per chunk that fit
-    (--recompute-layers N): each layer not recomputed saves a layer's forward."""
-    too_big = {replace(lay, recompute="full") for lay, _ in rejected if lay.recompute == "none"}
-    out = []
-    for p in fits:
-        lay = p.layout
-        if lay.recompute != "full" or lay.recompute_layers is not None or lay not in too_big:
-            continue
-        per_chunk = model.num_layers // (lay.pp * lay.vpp)
-        lo, hi = 1, per_chunk  # hi: all of the chunk's layers (fits)
-        while lo < hi:  # smallest N that fits; memory falls as N grows
-            mid = (lo + hi) // 2
-            if layout_memory(model, replace(lay, recompute_layers=mid), seq_length, precision).total <= gpu_memory:
-                hi = mid
-            else:
-                lo = mid + 1
-        if lo < per_chunk:
-            partial = replace(lay, recompute_layers=lo)
-            mem = layout_memory(model, partial, seq_length, precision)
-            out.append(Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node)))
-    return out
-
-
-def _drop_dominated_recompute(fits: list[Plan]) -> list[Plan]:
-    """Drop a recomputing layout when the same layout without recompute also fits and needs at most 1% more
-    memory (selective recompute frees almost nothing when the attention kernel keeps no score matrix): it is
-    only slower."""
-    def key(p: Plan) -> tuple:
-        lay = p.layout
-        return (lay.tp, lay.pp, lay.vpp, lay.dp, lay.sequence_parallel, lay.distributed_optimizer,
-                lay.micro_batch_size, lay.global_batch_size)
-
-    plain = {key(p): p.memory.total for p in fits if p.layout.recompute == "none"}
-    return [p for p in fits if p.layout.recompute == "none" or plain.get(key(p), float("inf")) > 1.01 * p.memory.total]
-
-
-def _model(model_name: str, overrides: dict | None) -> ModelConfig:
-    cfg = RunConfig(model_overrides=dict(overrides or {}))
-    cfg.train.model = model_name
-    return cfg.model_config()
-
-
-def _check_inputs(model_name: str, gpus: int, gpu_memory: float, seq_length: int, gpus_per_node: int,
-                  global_batch_size: int | None) -> None:
-    try:
-        model = get_preset(model_name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if gpus < 1 or gpus_per_node < 1:
-        raise ConfigError("--gpus and --gpus-per-node must be >= 1")
-    if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise ConfigError(f"--gpus {gpus} spans nodes but is not a multiple of --gpus-per-node {gpus_per_node}")
-    if gpu_memory <= 0:
-        raise ConfigError("--gpu-memory must be positive")
-    if seq_length < 1 or seq_length > 64 * model.max_seq_length:
-        raise ConfigError(f"--seq-length {seq_length} is out of range for {model_name}")
-    if global_batch_size is not None and global_batch_size < 1:
-        raise ConfigError("--global-batch-size must be >= 1")
-
-
-def minimum_gpus(model_name: str, gpu_memory: float, seq_length: int, gpus_per_node: int = 8,
-                 global_batch_size: int | None = None, model_overrides: dict | None = None,
-                 precision: Precision = Precision(), start: int = 1, limit: int = 16384) -> int | None:
-    """The smallest GPU count >= start (powers of two inside a node, whole nodes beyond) where a layout fits.
-
-    Doubling counts are tried first, so that a model that fits on no count is answered after ~log2(limit) plans,
-    not one plan per node; then the counts between the last doubling that failed and the first that fits, one by
-    one (halving first while more than 64 are left, which assumes more GPUs there never fit worse).
-    """
-    model = _model(model_name, model_overrides)
-    counts = [g for g in [2**i for i in range(32) if 2**i < gpus_per_node] +
-              list(range(gpus_per_node, limit + 1, gpus_per_node)) if g >= start]
-
-    def fits(gpus: int) -> bool:
-        # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share, and the CUDA
-        # runtime (with NCCL's buffers once there are several GPUs), which no GPU count shrinks.
-        runtime = RUNTIME_BASE + (RUNTIME_PER_COMM if gpus > 1 else 0)
-        if model.num_params() * 6 / gpus + runtime > gpu_memory:
-            return False
-        return bool(plan(model_name, gpus, gpu_memory, seq_length, global_batch_size, gpus_per_node, model_overrides,
-                         precision, explain=False).fits)
-
-    doubling = [i for i, g in enumerate(counts) if g < gpus_per_node or (g // gpus_per_node).bit_count() == 1]
-    if counts and doubling[-1:] != [len(counts) - 1]:
-        doubling.append(len(counts) - 1)  # the limit itself
-    failed = -1  # index into counts of the largest count known not to fit
-    for i in doubling:
-        if fits(counts[i]):
-            break
-        failed = i
-    else:
-        return None
-    while i - failed > 64:
-        mid = (failed + i) // 2
-        if fits(counts[mid]):
-            i = mid
-        else:
-            failed = mid
-    return next(counts[k] for k in range(failed + 1, i + 1) if k == i or fits(counts[k]))
-
-
-def _explain(model_name: str, model: ModelConfig, gpus: int, gpu_memory: float, seq_length: int, gpus_per_node: int,
-             global_batch_size: int | None, overrides: dict | None, precision: Precision,
-             rejected: list[tuple[Layout, Memory]]) -> str:
-    setup = f"{model_name} ({model.num_params() / 1e9:.1f}B parameters) does not fit on {gpus} x {gpu_memory / GB:.0f} GB"
-    if not rejected:
-        batch = f" and global batch size {global_batch_size}" if global_batch_size else ""
-        return (f"{setup}: no layout of {gpus} GPUs is valid for this model{batch} (tp must divide the heads and "
-                f"stay within a node of {gpus_per_node}, pp*vpp must divide its {model.num_layers} layers)")
-    static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
-    if static_mem.static > gpu_memory:
-        why = (f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU even at the largest "
-               f"model-parallel size tp*pp = {static_lay.tp * static_lay.pp} (tp {static_lay.tp} x pp {static_lay.pp}, "
-               f"dp {static_lay.dp}{', distributed optimizer' if static_lay.distributed_optimizer else ''})")
-    else:
-        lay, mem = min(rejected, key=lambda r: r[1].total)
-        why = (f"the smallest layout (tp {lay.tp} x pp {lay.pp}, dp {lay.dp}, recompute {lay.recompute}, micro-batch "
-               f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
-               f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}")
-    needed = minimum_gpus(model_name, gpu_memory, seq_length, gpus_per_node, global_batch_size, overrides, precision,
-                          start=gpus + 1)
-    more = f"; it needs at least {needed} GPUs of this size" if needed else ""
-    return f"{setup}: {why}, and a GPU has {gpu_memory / GB:.1f} GB{more}"
+    return Speed(
+        step,
+        tokens_per_gpu,
+        tokens_per_gpu * model_flops / hw.peak_flops,
+        bubble,
+        {
+            "compute": compute * m,
+            "tp_comm": tp_comm * m,
+            "p2p": p2p * m,
+            "bubble": pipeline - per_micro_batch * m,
+            "dp_exposed": reduce_exposed + gather_exposed,
+            "optimizer": optimizer,
+        },
+    )

@@ -51,8 +51,13 @@ class LayerKernels:
 EAGER_TORCH = LayerKernels()  # what runs on CPU
 
 
-def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequence_parallel: bool = False,
-                           kernels: LayerKernels = EAGER_TORCH) -> dict[str, float]:
+def layer_activation_terms(
+    model: ModelConfig,
+    act_bytes: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    kernels: LayerKernels = EAGER_TORCH,
+) -> dict[str, float]:
     """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
     compiled = kernels.compiled
     a, h, d = act_bytes, model.hidden_size, model.head_dim
@@ -67,21 +72,34 @@ def layer_activation_terms(model: ModelConfig, act_bytes: int, tp: int = 1, sequ
         norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if kernels.norms else 2 * (4 * h + a * h + 4)
         norm_outputs = 2 * a * h
         mlp = (3 if compiled or kernels.swiglu else 4) * a * f
-    return {"norm_inputs": norm_inputs / (tp if sequence_parallel else 1), "norm_outputs": norm_outputs,
-            "qkv": a * (q + 2 * kv) * d, "rope": 0 if kernels.rope else a * (q + kv) * d, "softmax_stats": 4 * q,
-            "attn_output": (2 if compiled else 1) * a * q * d, "mlp": mlp}
+    return {
+        "norm_inputs": norm_inputs / (tp if sequence_parallel else 1),
+        "norm_outputs": norm_outputs,
+        "qkv": a * (q + 2 * kv) * d,
+        "rope": 0 if kernels.rope else a * (q + kv) * d,
+        "softmax_stats": 4 * q,
+        "attn_output": (2 if compiled else 1) * a * q * d,
+        "mlp": mlp,
+    }
 
 
-def final_norm_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool,
-                     fused_norms: bool = False) -> float:
+def final_norm_bytes(
+    model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, fused_norms: bool = False
+) -> float:
     """The last chunk's final norm per token (eager), its output saved whole by the head."""
     a, h = act_bytes, model.hidden_size
     inputs = (a * h + 8) if model.family == "falcon" else (a * h + 4) if fused_norms else (4 * h + a * h + 4)
     return inputs / (tp if sequence_parallel else 1) + a * h
 
 
-def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, recompute: str,
-                           kernels: LayerKernels = EAGER_TORCH) -> float:
+def layer_activation_bytes(
+    model: ModelConfig,
+    act_bytes: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: str,
+    kernels: LayerKernels = EAGER_TORCH,
+) -> float:
     """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
     if recompute == "full":
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
@@ -91,9 +109,19 @@ def layer_activation_bytes(model: ModelConfig, act_bytes: int, tp: int, sequence
     return sum(terms.values())
 
 
-def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: bool, act_bytes: int, tp: int,
-                           sequence_parallel: bool, recompute: str, pipelined: bool,
-                           kernels: LayerKernels = EAGER_TORCH, recompute_layers: int | None = None) -> float:
+def chunk_activation_bytes(
+    model: ModelConfig,
+    layers: int,
+    first: bool,
+    last: bool,
+    act_bytes: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: str,
+    pipelined: bool,
+    kernels: LayerKernels = EAGER_TORCH,
+    recompute_layers: int | None = None,
+) -> float:
     """Bytes per token one model chunk keeps for one micro-batch until its backward.
 
     recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
@@ -115,5 +143,3 @@ def chunk_activation_bytes(model: ModelConfig, layers: int, first: bool, last: b
 def chunks_in_flight(pp: int, vpp: int, micro_batches: int, rank: int) -> int:
     """Chunk activations pipeline rank `rank` holds at its peak (one micro-batch at a time without a pipeline)."""
     return 1 if pp == 1 else max_alive(pp, vpp, rank, micro_batches)
-
-

@@ -49,16 +49,34 @@ def main() -> int:
     cfg.data.mock_data = True
     cfg.train.train_steps = args.steps
     predicted = predict_peak_memory(cfg, args.nproc_per_node)
-    row = {"stage": predicted["stage"], "predicted_allocated_gib": round(predicted["allocated_gib"], 2),
-           "predicted_total_gib": round(predicted["total_gib"], 2),
-           "breakdown_gib": {k: round(predicted[k] / 2**30, 2) for k in ("weights", "gradients", "optimizer",
-                                                                         "activations", "buffers")},
-           "buffers_gib": {k: round(v / 2**30, 2) for k, v in predicted["buffer_parts"].items()}, "flags": train_flags}
+    row = {
+        "stage": predicted["stage"],
+        "predicted_allocated_gib": round(predicted["allocated_gib"], 2),
+        "predicted_total_gib": round(predicted["total_gib"], 2),
+        "breakdown_gib": {
+            k: round(predicted[k] / 2**30, 2) for k in ("weights", "gradients", "optimizer", "activations", "buffers")
+        },
+        "buffers_gib": {k: round(v / 2**30, 2) for k, v in predicted["buffer_parts"].items()},
+        "flags": train_flags,
+    }
     if not args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = Path(tmp) / "metrics.jsonl"
-            cmd = [sys.executable, "-m", "llamatron", "train", *train_flags, "--mock-data", "--train-steps",
-                   str(args.steps), "--no-progress", "--eval-iters", "1", "--metrics-file", str(metrics)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "llamatron",
+                "train",
+                *train_flags,
+                "--mock-data",
+                "--train-steps",
+                str(args.steps),
+                "--no-progress",
+                "--eval-iters",
+                "1",
+                "--metrics-file",
+                str(metrics),
+            ]
             subprocess.run(cmd, check=True)
             steps = [json.loads(line) for line in metrics.read_text().splitlines()]
             measured = max(r["peak_mem_gib"] for r in steps if r.get("split") is None)

@@ -36,7 +36,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
         base = node.module or ""
         if node.level:
             here = module.split(".") if is_package else module.split(".")[:-1]
-            here = here[:len(here) - node.level + 1]
+            here = here[: len(here) - node.level + 1]
             base = ".".join(here + ([node.module] if node.module else []))
         names = [base] + [f"{base}.{a.name}" for a in node.names]
     return [n for n in names if n in known]
@@ -61,8 +61,11 @@ def import_edges(known: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
                 # A package's __init__ importing its own submodules is how packages work, not a cycle.
-                edges[module].update(t for t in _targets(node, module, is_package, known)
-                                     if t != module and not module.startswith(t + "."))
+                edges[module].update(
+                    t
+                    for t in _targets(node, module, is_package, known)
+                    if t != module and not module.startswith(t + ".")
+                )
     return edges, sorted(set(local))
 
 

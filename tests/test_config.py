@@ -4,8 +4,9 @@ import sys
 import pytest
 import yaml
 
-from llamatron.config import (ConfigError, add_config_arguments, config_from_values, kernel_choices, load_config,
-                              validate)
+from llamatron.config import add_config_arguments, config_from_values, load_config, validate
+from llamatron.errors import ConfigError
+from llamatron.kernel_settings import kernel_choices
 
 
 def parse(argv):
@@ -183,10 +184,10 @@ def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypat
 
 def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
     """What `bench --json` records as "kernels" and the planner and engine use: auto resolved."""
-    import llamatron.config as config
+    import llamatron.kernel_settings as kernel_settings
 
     def run(values, device="cuda", has_triton=True):
-        monkeypatch.setattr(config, "HAS_TRITON", has_triton)
+        monkeypatch.setattr(kernel_settings, "HAS_TRITON", has_triton)
         return kernel_choices(config_from_values(values), device)
 
     assert run({"model": "llama-test"}) == {"attention": "auto", "swiglu": "triton", "rmsnorm": "triton",

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llamatron import plan as P
+from llamatron import plan_search as S
 from llamatron import plan_activations as A
 from llamatron import triton_check
 from llamatron.commands.plan import parse_memory
@@ -317,7 +318,7 @@ def test_planner_speed_matches_h200_throughput(row):
 # ---- known minimums and explanations ------------------------------------------------------------------------
 
 def _fits(model, gpus, memory_gb, seq, **kw):
-    return P.plan(model, gpus, memory_gb * GB, seq, **kw)
+    return S.plan(model, gpus, memory_gb * GB, seq, **kw)
 
 
 def test_llama2_7b_minimum_is_two_80gb_gpus_with_tp2():
@@ -379,21 +380,21 @@ def _linear_minimum(model, memory_gb, seq, gpus_per_node=8, limit=512):
 def test_minimum_gpus_search_finds_what_trying_every_count_finds(model, memory_gb, seq, gpus_per_node):
     expected = _linear_minimum(model, memory_gb, seq, gpus_per_node)
     assert expected is not None and expected > 8  # the searches below pass doubling counts that fail
-    assert P.minimum_gpus(model, memory_gb * GB, seq, gpus_per_node, limit=512) == expected
+    assert S.minimum_gpus(model, memory_gb * GB, seq, gpus_per_node, limit=512) == expected
 
 
 def test_a_gpu_smaller_than_the_cuda_runtime_is_answered_at_once(monkeypatch):
     """A 1 GB GPU fits no layout of any size (the CUDA runtime alone is 1 GiB): the search for a GPU count must
     not plan every whole-node count up to its limit (it took minutes)."""
     calls = []
-    real_plan = P.plan
-    monkeypatch.setattr(P, "plan", lambda *a, **kw: calls.append(a[1]) or real_plan(*a, **kw))
-    result = P.plan("llama-tiny", 1, 1 * GB, 256)
+    real_plan = S.plan
+    monkeypatch.setattr(S, "plan", lambda *a, **kw: calls.append(a[1]) or real_plan(*a, **kw))
+    result = S.plan("llama-tiny", 1, 1 * GB, 256)
     assert not result.fits and "does not fit on 1 x 1 GB" in result.explanation
     assert "it needs at least" not in result.explanation
     assert len(calls) <= 1  # the runtime bound rules out every count without planning it
     calls.clear()
-    assert P.minimum_gpus("llama2-7b", 2 * GB, 4096, limit=16384) is None  # weights fit from ~100 GPUs, nothing else
+    assert S.minimum_gpus("llama2-7b", 2 * GB, 4096, limit=16384) is None  # weights fit from ~100 GPUs, nothing else
     assert len(calls) <= 12  # doubling counts only
 
 
@@ -442,12 +443,12 @@ def test_speed_model_penalties():
 def test_impossible_inputs_raise(kwargs, message):
     args = dict(model_name="llama2-7b", gpus=8, gpu_memory=80 * GB, seq_length=4096)
     with pytest.raises(ConfigError, match=message):
-        P.plan(**{**args, **kwargs})
+        S.plan(**{**args, **kwargs})
 
 
 def test_no_valid_layout_is_explained():
     # Falcon 7B has 71 heads (tp 1 only): on 64 GPUs dp >= 2, so a global batch of 1 sample cannot be split.
-    result = P.plan("falcon-7b", 64, 80 * GB, 2048, global_batch_size=1)
+    result = S.plan("falcon-7b", 64, 80 * GB, 2048, global_batch_size=1)
     assert not result.fits and "no layout of 64 GPUs is valid" in result.explanation
 
 

@@ -19,13 +19,14 @@ Hugging Face config (which decides Falcon's layout and norm names).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
-from ..models import ModelConfig, RopeScaling
 from ..errors import HFConversionError
+from ..models import ModelConfig, RopeScaling
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "falcon": "FalconForCausalLM"}
 # Keys rewritten on export (rope in the form every transformers >= 4.45 reads; dtype under both names).
@@ -57,9 +58,13 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Rop
     if kind == "dynamic":  # Hugging Face grows the base past max_position_embeddings
         return theta, RopeScaling("dynamic", factor, original_max_position=max_positions)
     if kind == "llama3":
-        return theta, RopeScaling("llama3", factor,
-                                  int(params.get("original_max_position_embeddings", max_positions)),
-                                  float(params["low_freq_factor"]), float(params["high_freq_factor"]))
+        return theta, RopeScaling(
+            "llama3",
+            factor,
+            int(params.get("original_max_position_embeddings", max_positions)),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+        )
     raise HFConversionError(f"rope scaling {kind!r} is not supported; llamatron has linear, dynamic and llama3")
 
 
@@ -69,15 +74,22 @@ def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
         return None
     if s.kind in ("linear", "dynamic"):
         return {"rope_type": s.kind, "factor": s.factor}
-    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position,
+    }
 
 
 def _check_head_dim(hf: Mapping[str, Any], hidden: int, heads: int) -> None:
     head_dim = hf.get("head_dim")
     if hidden % heads or (head_dim is not None and head_dim != hidden // heads):
-        raise HFConversionError(f"head_dim={head_dim} with hidden_size={hidden} and {heads} heads: llamatron needs "
-                                f"head_dim = hidden_size / num_attention_heads")
+        raise HFConversionError(
+            f"head_dim={head_dim} with hidden_size={hidden} and {heads} heads: llamatron needs "
+            f"head_dim = hidden_size / num_attention_heads"
+        )
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
@@ -87,8 +99,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         return _llama_config_from_hf(hf)
     if model_type == "falcon":
         return _falcon_config_from_hf(hf)
-    raise HFConversionError(f"model_type {model_type!r} is not supported; llamatron converts llama, mistral "
-                            f"and falcon (Llama 1/2/3, Code Llama, Mistral, Falcon)")
+    raise HFConversionError(
+        f"model_type {model_type!r} is not supported; llamatron converts llama, mistral "
+        f"and falcon (Llama 1/2/3, Code Llama, Mistral, Falcon)"
+    )
 
 
 def _llama_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
@@ -98,18 +112,29 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     _check_head_dim(hf, hidden, heads)
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
-        raise HFConversionError(f"attention_bias={attention_bias} but mlp_bias={mlp_bias}: llamatron has one "
-                                f"bias switch for all linear layers")
+        raise HFConversionError(
+            f"attention_bias={attention_bias} but mlp_bias={mlp_bias}: llamatron has one "
+            f"bias switch for all linear layers"
+        )
     max_positions = hf.get("max_position_embeddings", 2048)
     theta, scaling = _rope_from_hf(hf, max_positions)
     return ModelConfig(
-        family="llama", vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=_get(hf, "num_key_value_heads", default=heads),
-        ffn_hidden_size=hf["intermediate_size"], max_seq_length=max_positions, rope_theta=theta,
-        rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        family="llama",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=_get(hf, "num_key_value_heads", default=heads),
+        ffn_hidden_size=hf["intermediate_size"],
+        max_seq_length=max_positions,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
-        bias=attention_bias, init_std=float(hf.get("initializer_range", 0.02)))
+        bias=attention_bias,
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
 
 
 def falcon_qkv_layout(hf: Mapping[str, Any]) -> str:
@@ -127,8 +152,10 @@ def _falcon_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if hf.get("alibi"):
         raise HFConversionError("Falcon with alibi=True is not supported (llamatron uses rotary embeddings)")
     if not hf.get("new_decoder_architecture") and not hf.get("parallel_attn", True):
-        raise HFConversionError("Falcon with parallel_attn=False is not supported (llamatron's Falcon block runs "
-                                "attention and MLP in parallel)")
+        raise HFConversionError(
+            "Falcon with parallel_attn=False is not supported (llamatron's Falcon block runs "
+            "attention and MLP in parallel)"
+        )
     if hf.get("activation", "gelu") != "gelu":
         raise HFConversionError(f"Falcon activation={hf['activation']!r}: llamatron's Falcon MLP uses gelu")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -138,16 +165,30 @@ def _falcon_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     max_positions = hf.get("max_position_embeddings", 2048)
     theta, scaling = _rope_from_hf(hf, max_positions)
     return ModelConfig(
-        family="falcon", vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=kv_heads, ffn_hidden_size=_get(hf, "ffn_hidden_size", default=4 * hidden),
-        max_seq_length=max_positions, rope_theta=theta, rope_scaling=scaling,
+        family="falcon",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        ffn_hidden_size=_get(hf, "ffn_hidden_size", default=4 * hidden),
+        max_seq_length=max_positions,
+        rope_theta=theta,
+        rope_scaling=scaling,
         norm_eps=float(_get(hf, "layer_norm_epsilon", default=1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), separate_mlp_norm=_falcon_separate_norms(hf),
-        bias=bool(hf.get("bias", False)), init_std=float(hf.get("initializer_range", 0.02)))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        separate_mlp_norm=_falcon_separate_norms(hf),
+        bias=bool(hf.get("bias", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
 
 
-def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.float32,
-                 vocab_size: int | None = None) -> dict[str, Any]:
+def config_to_hf(
+    cfg: ModelConfig,
+    base: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
     """A Hugging Face `config.json` for `cfg`.
 
     `base` (the config.json the model was imported from) keeps what llamatron
@@ -157,9 +198,16 @@ def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any] | None = None, dtype:
     """
     hf = {k: v for k, v in (base or {}).items() if k not in _REWRITTEN_KEYS}
     hf.update(_falcon_to_hf(cfg, hf) if cfg.family == "falcon" else _llama_to_hf(cfg, hf))
-    hf.update({"vocab_size": vocab_size or cfg.vocab_size, "max_position_embeddings": cfg.max_seq_length,
-               "rope_theta": cfg.rope_theta, "rope_scaling": _rope_to_hf(cfg),
-               "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std})
+    hf.update(
+        {
+            "vocab_size": vocab_size or cfg.vocab_size,
+            "max_position_embeddings": cfg.max_seq_length,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": _rope_to_hf(cfg),
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std,
+        }
+    )
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic":
         # Hugging Face's dynamic scaling starts growing the base past max_position_embeddings.
         hf["max_position_embeddings"] = cfg.rope_scaling.original_max_position
@@ -172,10 +220,18 @@ def _llama_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
     model_type = "mistral" if cfg.sliding_window is not None or base.get("model_type") == "mistral" else "llama"
     if model_type == "mistral" and cfg.bias:
         raise HFConversionError("Mistral has no biases in transformers; this model has bias=True")
-    out = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "hidden_size": cfg.hidden_size,
-           "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-           "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps}
+    out = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+    }
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     else:
@@ -185,17 +241,31 @@ def _llama_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
 
 def _falcon_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
     layout = falcon_qkv_layout(base) if base.get("model_type") == "falcon" else None
-    fits = {"grouped": True, "multi_query": cfg.num_kv_heads == 1 and not cfg.separate_mlp_norm,
-            "interleaved": cfg.num_kv_heads == cfg.num_heads and not cfg.separate_mlp_norm, None: False}
+    fits = {
+        "grouped": True,
+        "multi_query": cfg.num_kv_heads == 1 and not cfg.separate_mlp_norm,
+        "interleaved": cfg.num_kv_heads == cfg.num_heads and not cfg.separate_mlp_norm,
+        None: False,
+    }
     if not fits[layout]:  # the 7B layout where it can express the model, else the 40B one
         layout = "multi_query" if fits["multi_query"] else "grouped"
-    out = {"architectures": [ARCHITECTURES["falcon"]], "model_type": "falcon", "hidden_size": cfg.hidden_size,
-           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-           "ffn_hidden_size": cfg.ffn_hidden_size, "layer_norm_epsilon": cfg.norm_eps, "bias": cfg.bias,
-           "alibi": False, "parallel_attn": True, "activation": "gelu",
-           "new_decoder_architecture": layout == "grouped", "num_kv_heads": cfg.num_kv_heads,
-           # ignored by the grouped layout: keep what the source said there
-           "multi_query": bool(base.get("multi_query", True)) if layout == "grouped" else layout == "multi_query"}
+    out = {
+        "architectures": [ARCHITECTURES["falcon"]],
+        "model_type": "falcon",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "ffn_hidden_size": cfg.ffn_hidden_size,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "bias": cfg.bias,
+        "alibi": False,
+        "parallel_attn": True,
+        "activation": "gelu",
+        "new_decoder_architecture": layout == "grouped",
+        "num_kv_heads": cfg.num_kv_heads,
+        # ignored by the grouped layout: keep what the source said there
+        "multi_query": bool(base.get("multi_query", True)) if layout == "grouped" else layout == "multi_query",
+    }
     out["num_ln_in_parallel_attn"] = (2 if cfg.separate_mlp_norm else 1) if layout == "grouped" else None
     return out
 
@@ -237,14 +307,26 @@ def _grouped_qkv(heads: int, kv_heads: int, head_dim: int) -> tuple[Callable, Ca
         t = parts[0]
         g = t.reshape(kv_heads, group + 2, head_dim, *t.shape[1:])
         q, k, v = g[:, :group], g[:, group], g[:, group + 1]
-        return torch.cat([q.reshape(heads * head_dim, *t.shape[1:]), k.reshape(kv_heads * head_dim, *t.shape[1:]),
-                          v.reshape(kv_heads * head_dim, *t.shape[1:])], dim=0)
+        return torch.cat(
+            [
+                q.reshape(heads * head_dim, *t.shape[1:]),
+                k.reshape(kv_heads * head_dim, *t.shape[1:]),
+                v.reshape(kv_heads * head_dim, *t.shape[1:]),
+            ],
+            dim=0,
+        )
 
     def split(t: torch.Tensor) -> list[torch.Tensor]:
         rest = t.shape[1:]
         q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=0)
-        g = torch.cat([q.reshape(kv_heads, group, head_dim, *rest), k.reshape(kv_heads, 1, head_dim, *rest),
-                       v.reshape(kv_heads, 1, head_dim, *rest)], dim=1)
+        g = torch.cat(
+            [
+                q.reshape(kv_heads, group, head_dim, *rest),
+                k.reshape(kv_heads, 1, head_dim, *rest),
+                v.reshape(kv_heads, 1, head_dim, *rest),
+            ],
+            dim=1,
+        )
         return [g.reshape(t.shape)]
 
     return fuse, split
@@ -283,8 +365,9 @@ def _llama_rules(cfg: ModelConfig) -> list[TensorRule]:
     for i in range(cfg.num_layers):
         h, L = f"model.layers.{i}", f"layers.{i}"
         rules.append(TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",)))
-        rules += _linear(f"{L}.attn.qkv", f"{h}.self_attn.q_proj|{h}.self_attn.k_proj|{h}.self_attn.v_proj", b,
-                         fuse=_cat, split=qkv)
+        rules += _linear(
+            f"{L}.attn.qkv", f"{h}.self_attn.q_proj|{h}.self_attn.k_proj|{h}.self_attn.v_proj", b, fuse=_cat, split=qkv
+        )
         rules += _linear(f"{L}.attn.o", f"{h}.self_attn.o_proj", b)
         rules.append(TensorRule(f"{L}.mlp_norm.weight", (f"{h}.post_attention_layernorm.weight",)))
         rules += _linear(f"{L}.mlp.gate_up", f"{h}.mlp.gate_proj|{h}.mlp.up_proj", b, fuse=_cat, split=gate_up)
@@ -305,8 +388,10 @@ def _falcon_rules(cfg: ModelConfig, hf: Mapping[str, Any]) -> list[TensorRule]:
         qkv_fuse, qkv_split = _only, _itself  # [Q; K; V] already
     separate = _falcon_separate_norms(hf)
     if separate != cfg.separate_mlp_norm:
-        raise HFConversionError(f"Falcon config has {'two' if separate else 'one'} layer norm(s) per block but the "
-                                f"model separate_mlp_norm={cfg.separate_mlp_norm}")
+        raise HFConversionError(
+            f"Falcon config has {'two' if separate else 'one'} layer norm(s) per block but the "
+            f"model separate_mlp_norm={cfg.separate_mlp_norm}"
+        )
     rules = [TensorRule("embed.weight", ("transformer.word_embeddings.weight",))]
     for i in range(cfg.num_layers):
         h, L = f"transformer.h.{i}", f"layers.{i}"
@@ -331,25 +416,38 @@ def check_hf_names(rules: list[TensorRule], available: set[str], cfg: ModelConfi
     extra = sorted(n for n in available - needed - ignorable if not n.endswith(_IGNORED_SUFFIXES))
     if missing or extra:
         lines = [f"missing {n}" for n in missing[:20]] + [f"unexpected {n}" for n in extra[:20]]
-        raise HFConversionError(f"{where} does not match its config.json ({cfg.family}, {cfg.num_layers} layers):\n  "
-                                + "\n  ".join(lines))
+        raise HFConversionError(
+            f"{where} does not match its config.json ({cfg.family}, {cfg.num_layers} layers):\n  " + "\n  ".join(lines)
+        )
 
 
-def hf_to_llamatron(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                    hf: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def hf_to_llamatron(
+    hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, hf: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     """In-memory conversion of a Hugging Face state dict (for tests and `verify`; import-hf streams)."""
     rules = weight_rules(cfg, hf)
     check_hf_names(rules, set(hf_state), cfg, "state dict")
     return {r.name: r.fuse([hf_state[n] for n in r.hf_names]).contiguous() for r in rules}
 
 
-def llamatron_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                    hf: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def llamatron_to_hf(
+    state: Mapping[str, torch.Tensor], cfg: ModelConfig, hf: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     out = {}
     for r in weight_rules(cfg, hf):
         out.update({n: t.contiguous() for n, t in zip(r.hf_names, r.split(state[r.name]))})
     return out
 
 
-__all__ = ["ARCHITECTURES", "HFConversionError", "TensorRule", "check_hf_names", "config_from_hf", "config_to_hf",
-           "falcon_qkv_layout", "hf_to_llamatron", "llamatron_to_hf", "weight_rules"]
+__all__ = [
+    "ARCHITECTURES",
+    "HFConversionError",
+    "TensorRule",
+    "check_hf_names",
+    "config_from_hf",
+    "config_to_hf",
+    "falcon_qkv_layout",
+    "hf_to_llamatron",
+    "llamatron_to_hf",
+    "weight_rules",
+]

@@ -12,22 +12,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..config import RunConfig
 from ..data.tokenizer import load_tokenizer
-from ..models import ModelConfig, build_model
 from ..errors import CheckpointError
-from .reader import META_FILE, MODEL_FILE, open_weights, resolve_checkpoint
+from ..models import ModelConfig, build_model
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .meta_llama import MetaLlamaSource, is_meta_checkpoint
-from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec
+from .reader import META_FILE, MODEL_FILE, open_weights, resolve_checkpoint
+from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -50,8 +60,9 @@ def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | Meta
             return hf, TensorSource(d / f for f in files), f"{weights.split('.')[-1]} (sharded)"
         if (d / weights).is_file():
             return hf, TensorSource([d / weights]), weights.split(".")[-1]
-    raise CheckpointError(f"{d}: no weights; expected model.safetensors, pytorch_model.bin or their "
-                          f"*.index.json with shards")
+    raise CheckpointError(
+        f"{d}: no weights; expected model.safetensors, pytorch_model.bin or their *.index.json with shards"
+    )
 
 
 def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -59,8 +70,9 @@ def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: di
     problems = [f"{n}: converted {shapes.get(n)} vs model {s}" for n, s in expected.items() if shapes.get(n) != s]
     problems += [f"unexpected {n}" for n in shapes if n not in expected]
     if problems:
-        raise CheckpointError("converted weights do not fit the model built from config.json:\n  "
-                              + "\n  ".join(problems[:40]))
+        raise CheckpointError(
+            "converted weights do not fit the model built from config.json:\n  " + "\n  ".join(problems[:40])
+        )
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -89,10 +101,20 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
     run = RunConfig()
     run.data.tokenizer = str(tokenizer.resolve()) if tokenizer else None
     generation = Path(hf_dir) / "generation_config.json"
-    meta = {"step": 0, "consumed_samples": 0, "weights_only": True, "config": run.to_dict(),
-            "model_config": cfg.to_dict(), "tokenizer": run.data.tokenizer,
-            "hf": {"config": hf, "source": str(Path(hf_dir).resolve()), "format": fmt,
-                   "generation_config": json.loads(generation.read_text()) if generation.is_file() else None}}
+    meta = {
+        "step": 0,
+        "consumed_samples": 0,
+        "weights_only": True,
+        "config": run.to_dict(),
+        "model_config": cfg.to_dict(),
+        "tokenizer": run.data.tokenizer,
+        "hf": {
+            "config": hf,
+            "source": str(Path(hf_dir).resolve()),
+            "format": fmt,
+            "generation_config": json.loads(generation.read_text()) if generation.is_file() else None,
+        },
+    }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     os.replace(tmp, final)
     latest_tmp = out / ".latest.tmp"
@@ -129,9 +151,11 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
         if _is_tokenizer(Path(c)):
             return Path(c)
     if recorded:  # exporting without it would publish a model nobody can tokenize for
-        raise CheckpointError(f"the checkpoint's tokenizer {recorded[0]} (recorded in {step_dir / META_FILE}) is "
-                              f"not there any more (moved or deleted); pass --tokenizer PATH with the tokenizer "
-                              f"the model was trained with")
+        raise CheckpointError(
+            f"the checkpoint's tokenizer {recorded[0]} (recorded in {step_dir / META_FILE}) is "
+            f"not there any more (moved or deleted); pass --tokenizer PATH with the tokenizer "
+            f"the model was trained with"
+        )
     return None
 
 
@@ -147,15 +171,21 @@ def _special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
     return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id}
 
 
-def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9,
-              dtype: torch.dtype | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+def export_hf(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | None = None,
+) -> dict[str, Any]:
     """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config)."""
     step_dir = resolve_checkpoint(str(ckpt))
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         # Another model's config.json or tokenizer files would be overwritten or mixed with this one's.
-        raise CheckpointError(f"{out} already exists and is not empty; export into a new directory (or delete "
-                              f"{out} first)")
+        raise CheckpointError(
+            f"{out} already exists and is not empty; export into a new directory (or delete {out} first)"
+        )
     meta = json.loads((step_dir / META_FILE).read_text())
     cfg = ModelConfig.from_dict(meta["model_config"])
     hf_meta = meta.get("hf") or {}
@@ -167,8 +197,10 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 1
     missing = sorted({r.name for r in rules} - source.keys())
     extra = sorted(source.keys() - {r.name for r in rules})
     if missing or extra:
-        raise CheckpointError(f"{step_dir} does not match its model_config:\n  "
-                              + "\n  ".join([f"missing {n}" for n in missing] + [f"unexpected {n}" for n in extra]))
+        raise CheckpointError(
+            f"{step_dir} does not match its model_config:\n  "
+            + "\n  ".join([f"missing {n}" for n in missing] + [f"unexpected {n}" for n in extra])
+        )
     specs: list[TensorSpec] = []
     for rule in rules:
         for name, part in zip(rule.hf_names, rule.split(_strip_padding(rule.name, source.meta(rule.name), vocab))):
@@ -177,8 +209,9 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 1
     hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
     if base is None:  # trained here: the token ids are the tokenizer's (an import keeps its source's)
         hf = dict(sorted({**hf, **_special_token_ids(tok)}.items()))
-    generation = hf_meta.get("generation_config") or {k: hf[k] for k in ("bos_token_id", "eos_token_id",
-                                                                          "pad_token_id") if k in hf}
+    generation = hf_meta.get("generation_config") or {
+        k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf
+    }
     out.mkdir(parents=True, exist_ok=True)
     files = _write_shards(out, specs, _hf_tensors(rules, source, vocab, dtype), max_shard_size)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -196,15 +229,17 @@ def _strip_padding(name: str, t: torch.Tensor, vocab: int) -> torch.Tensor:
     return t
 
 
-def _hf_tensors(rules: list[TensorRule], source: TensorSource, vocab: int,
-                dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_tensors(
+    rules: list[TensorRule], source: WeightSource, vocab: int, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for rule in rules:  # one llamatron tensor in memory at a time
         for name, part in zip(rule.hf_names, rule.split(_strip_padding(rule.name, source.get(rule.name), vocab))):
             yield name, part.to(dtype) if dtype else part
 
 
-def _write_shards(out: Path, specs: list[TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]],
-                  max_shard_size: int) -> list[str]:
+def _write_shards(
+    out: Path, specs: list[TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]], max_shard_size: int
+) -> list[str]:
     """Hugging Face's sharding: fill a file up to max_shard_size (one tensor may exceed it alone), plus an index."""
     shards: list[list[TensorSpec]] = [[]]
     size = 0
@@ -223,8 +258,10 @@ def _write_shards(out: Path, specs: list[TensorSpec], tensors: Iterator[tuple[st
                 writer.write(*next(tensors))
     if n > 1:
         total = sum(s[1].itemsize * int(torch.Size(s[2]).numel()) for s in specs)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {spec[0]: fname for fname, shard in zip(names, shards) for spec in shard}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {spec[0]: fname for fname, shard in zip(names, shards) for spec in shard},
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         names.append("model.safetensors.index.json")
     return names

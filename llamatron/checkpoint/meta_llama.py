@@ -35,8 +35,11 @@ _LAYER_NAMES = {
     "attention_norm.weight": ("input_layernorm.weight", None),
     "ffn_norm.weight": ("post_attention_layernorm.weight", None),
 }
-_GLOBAL_NAMES = {"tok_embeddings.weight": ("model.embed_tokens.weight", 1), "norm.weight": ("model.norm.weight", None),
-                 "output.weight": ("lm_head.weight", 0)}
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": ("model.embed_tokens.weight", 1),
+    "norm.weight": ("model.norm.weight", None),
+    "output.weight": ("lm_head.weight", 0),
+}
 
 
 def is_meta_checkpoint(directory: Path) -> bool:
@@ -59,15 +62,17 @@ class MetaLlamaSource:
         self.shards = [load_pickled(f) for f in files]
         p = self.params
         if p.get("use_scaled_rope") or p.get("moe"):
-            raise CheckpointError(f"{directory}: this Meta checkpoint (Llama 3.1+ scaled rope or MoE) is not "
-                                  f"supported; convert it with transformers' script and import that directory")
+            raise CheckpointError(
+                f"{directory}: this Meta checkpoint (Llama 3.1+ scaled rope or MoE) is not "
+                f"supported; convert it with transformers' script and import that directory"
+            )
         self.heads, self.dim = p["n_heads"], p["dim"]
         self.kv_heads = p.get("n_kv_heads") or self.heads
         self._names: dict[str, tuple[str, int | None]] = {v[0]: (k, v[1]) for k, v in _GLOBAL_NAMES.items()}
         for i in range(p["n_layers"]):
             for meta_name, (hf_name, dim) in _LAYER_NAMES.items():
                 self._names[f"model.layers.{i}.{hf_name}"] = (f"layers.{i}.{meta_name}", dim)
-        for hf_name, (meta_name, _) in self._names.items():
+        for meta_name, _ in self._names.values():
             missing = [f.name for f, s in zip(files, self.shards) if meta_name not in s]
             if missing:
                 raise CheckpointError(f"{directory}: {meta_name} is missing from {', '.join(missing)}")
@@ -75,11 +80,19 @@ class MetaLlamaSource:
         ffn = self.meta("model.layers.0.mlp.gate_proj.weight").shape[0]
         dtype = self.shards[0]["norm.weight"].dtype
         self.hf_config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-            "hidden_size": self.dim, "intermediate_size": ffn, "num_hidden_layers": p["n_layers"],
-            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "hidden_act": "silu",
-            "rms_norm_eps": p.get("norm_eps", 1e-5), "rope_theta": float(p.get("rope_theta", 10000.0)),
-            "max_position_embeddings": p.get("max_seq_len", 4096), "tie_word_embeddings": False,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "hidden_size": self.dim,
+            "intermediate_size": ffn,
+            "num_hidden_layers": p["n_layers"],
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": p.get("norm_eps", 1e-5),
+            "rope_theta": float(p.get("rope_theta", 10000.0)),
+            "max_position_embeddings": p.get("max_seq_len", 4096),
+            "tie_word_embeddings": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..errors import CheckpointError
 from ..dtypes import TORCH_DTYPES
+from ..errors import CheckpointError
 from .pieces import Box
 
 META_FILE, INDEX_FILE = "meta.json", "index.json"
@@ -113,8 +113,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     complete = [d for _, d in step_dirs(p) if (d / META_FILE).is_file()]
     if complete:  # `latest` lost (copied without it, say): the complete checkpoints are there to name
         names = ", ".join(d.name for d in complete[-5:])
-        raise CheckpointError(f"{path} has no `latest` file; load one of its checkpoints by name ({names}), e.g. "
-                              f"--load {complete[-1]}")
+        raise CheckpointError(
+            f"{path} has no `latest` file; load one of its checkpoints by name ({names}), e.g. --load {complete[-1]}"
+        )
     raise CheckpointError(f"no checkpoint at {path}: expected {path}/latest or {path}/{META_FILE}")
 
 
@@ -124,11 +125,21 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def index_to_json(files: list[str], tensors: dict[str, dict[str, StoredTensor]]) -> dict[str, Any]:
     file_ids = {f: i for i, f in enumerate(files)}
-    return {"format": FORMAT, "files": files, "tensors": {
-        kind: {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype),
-                      "pieces": [[file_ids[p.file], list(p.box.offsets), list(p.box.sizes)] for p in t.pieces]}
-               for name, t in sorted(by_name.items())}
-        for kind, by_name in tensors.items()}}
+    return {
+        "format": FORMAT,
+        "files": files,
+        "tensors": {
+            kind: {
+                name: {
+                    "shape": list(t.shape),
+                    "dtype": _dtype_name(t.dtype),
+                    "pieces": [[file_ids[p.file], list(p.box.offsets), list(p.box.sizes)] for p in t.pieces],
+                }
+                for name, t in sorted(by_name.items())
+            }
+            for kind, by_name in tensors.items()
+        },
+    }
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -137,8 +148,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _index_from_json(data: dict[str, Any], where: Path) -> dict[str, dict[str, StoredTensor]]:
     if data.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: unknown checkpoint format {data.get('format')!r} "
-                              f"(this version reads {FORMAT})")
+        raise CheckpointError(
+            f"{where}: unknown checkpoint format {data.get('format')!r} (this version reads {FORMAT})"
+        )
     files = data["files"]
     out: dict[str, dict[str, StoredTensor]] = {}
     for kind, by_name in data["tensors"].items():
@@ -165,8 +177,9 @@ def _index_of_full_tensor_files(step_dir: Path) -> dict[str, dict[str, StoredTen
                     name, kind = key.rsplit(".", 1)
                 s = f.get_slice(key)
                 shape = tuple(s.get_shape())
-                out.setdefault(kind, {})[name] = StoredTensor(shape, TORCH_DTYPES[s.get_dtype()],
-                                                              [StoredPiece(fname, key, Box.whole(shape))])
+                out.setdefault(kind, {})[name] = StoredTensor(
+                    shape, TORCH_DTYPES[s.get_dtype()], [StoredPiece(fname, key, Box.whole(shape))]
+                )
     if not out["model"]:
         raise CheckpointError(f"{step_dir}: neither {INDEX_FILE} nor {MODEL_FILE}; not a checkpoint")
     return out
@@ -179,8 +192,11 @@ class CheckpointReader:
         self.step_dir = resolve_checkpoint(path)
         self.run_meta: dict[str, Any] = _read_json(self.step_dir / META_FILE)
         index = self.step_dir / INDEX_FILE
-        self.tensors = (_index_from_json(_read_json(index), index) if index.is_file()
-                        else _index_of_full_tensor_files(self.step_dir))
+        self.tensors = (
+            _index_from_json(_read_json(index), index)
+            if index.is_file()
+            else _index_of_full_tensor_files(self.step_dir)
+        )
         self._handles: dict[str, Any] = {}
 
     def has(self, kind: str, name: str | None = None) -> bool:
@@ -214,8 +230,10 @@ class CheckpointReader:
             out[part.slices_within(box)] = block
             covered += part.numel()
         if covered != box.numel():  # pieces never overlap, so this counts exactly the elements found
-            raise CheckpointError(f"{self.step_dir}: {kind} {name} offsets {box.offsets} sizes {box.sizes}: only "
-                                  f"{covered} of {box.numel()} elements are stored")
+            raise CheckpointError(
+                f"{self.step_dir}: {kind} {name} offsets {box.offsets} sizes {box.sizes}: only "
+                f"{covered} of {box.numel()} elements are stored"
+            )
         return out
 
     def _handle(self, fname: str):
@@ -249,6 +267,24 @@ def load_full_tensors(path: str | Path, kind: str = "model") -> dict[str, torch.
     return {name: reader.read(kind, name) for name in sorted(reader.names(kind))}
 
 
-__all__ = ["FORMAT", "INDEX_FILE", "META_FILE", "MODEL_FILE", "OPTIM_FILE", "STATE_KINDS", "CheckpointReader",
-           "StoredPiece", "StoredTensor", "index_to_json", "load_full_tensors", "open_weights", "piece_key",
-           "rank_file", "read_meta", "resolve_checkpoint", "rng_file", "step_dirs", "step_number"]
+__all__ = [
+    "FORMAT",
+    "INDEX_FILE",
+    "META_FILE",
+    "MODEL_FILE",
+    "OPTIM_FILE",
+    "STATE_KINDS",
+    "CheckpointReader",
+    "StoredPiece",
+    "StoredTensor",
+    "index_to_json",
+    "load_full_tensors",
+    "open_weights",
+    "piece_key",
+    "rank_file",
+    "read_meta",
+    "resolve_checkpoint",
+    "rng_file",
+    "step_dirs",
+    "step_number",
+]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Protocol
 
 import torch
 
@@ -22,15 +23,24 @@ from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from ..errors import CheckpointError
 from .reader import open_safetensors
 
-
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+class WeightSource(Protocol):
+    """Full tensors by name: a TensorSource (files) or a CheckpointReader (a checkpoint of any layout)."""
+
+    def keys(self) -> set[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def meta(self, name: str) -> torch.Tensor: ...
 
 
 class TensorSource:
     """Lazy tensors from safetensors or PyTorch files, by name."""
 
     def __init__(self, files: Iterable[str | Path]):
-        self._where: dict[str, object] = {}  # name -> open safetensors handle or memory-mapped state dict
+        self._where: dict[str, Any] = {}  # name -> open safetensors handle or memory-mapped state dict
         self._handles = []
         for path in files:
             path = Path(path)
@@ -81,8 +91,11 @@ class StreamingSafetensorsWriter:
         offset = 0
         for name, dtype, shape in specs:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         header["__metadata__"] = {"format": "pt", **(metadata or {})}
         blob = json.dumps(header, separators=(",", ":")).encode()
@@ -94,8 +107,10 @@ class StreamingSafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, dtype, shape = self._specs[self._next]
         if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(f"{self.path}: expected {want_name} {dtype} {tuple(shape)}, "
-                                  f"got {name} {tensor.dtype} {tuple(tensor.shape)}")
+            raise CheckpointError(
+                f"{self.path}: expected {want_name} {dtype} {tuple(shape)}, "
+                f"got {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.write(data.numpy().data)
         self._next += 1
@@ -105,7 +120,7 @@ class StreamingSafetensorsWriter:
         if self._next != len(self._specs):
             raise CheckpointError(f"{self.path}: only {self._next} of {len(self._specs)} tensors were written")
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
+    def __enter__(self) -> StreamingSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
@@ -117,8 +132,17 @@ class StreamingSafetensorsWriter:
 
 def parse_size(text: str) -> int:
     """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20, '1000' -> 1000 (the units of Hugging Face's max_shard_size)."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
+    units = {
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "B": 1,
+    }
     t = text.strip().upper()
     for unit, scale in units.items():
         if t.endswith(unit):
@@ -135,4 +159,4 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-__all__ = ["StreamingSafetensorsWriter", "TensorSource", "TensorSpec", "load_pickled", "parse_size"]
+__all__ = ["StreamingSafetensorsWriter", "TensorSource", "WeightSource", "TensorSpec", "load_pickled", "parse_size"]

@@ -15,31 +15,59 @@ from ..errors import ConfigError
 from .launch import add_launch_argument, relaunch_if_asked
 
 # Settings of `train` that bench does not use: it warns instead of silently ignoring them.
-_TRAIN_ONLY = {"save", "load", "data", "sft_data", "tokenizer", "train_steps", "eval_interval", "eval_iters",
-               "eval_metrics", "save_interval", "metrics_file", "tensorboard_dir", "wandb_project", "wandb_name",
-               "wandb_mode", "finetune", "exit_duration_mins", "log_interval"}
+_TRAIN_ONLY = {
+    "save",
+    "load",
+    "data",
+    "sft_data",
+    "tokenizer",
+    "train_steps",
+    "eval_interval",
+    "eval_iters",
+    "eval_metrics",
+    "save_interval",
+    "metrics_file",
+    "tensorboard_dir",
+    "wandb_project",
+    "wandb_name",
+    "wandb_mode",
+    "finetune",
+    "exit_duration_mins",
+    "log_interval",
+}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="measure training throughput on synthetic data", description=(
-        "Runs --warmup untimed and --steps timed training steps on synthetic tokens and prints one row: tokens/s "
-        "per GPU, TFLOP/s, MFU, peak memory, and a breakdown (forward, backward, exposed gradient sync, optimizer, "
-        "pipeline bubble) measured on one extra instrumented step, so its parts need not add up to the timed "
-        "step. The model, parallel, precision and kernel flags of `train` apply; data, checkpoint, evaluation and "
-        "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."))
+    p = sub.add_parser(
+        "bench",
+        help="measure training throughput on synthetic data",
+        description=(
+            "Runs --warmup untimed and --steps timed training steps on synthetic tokens and prints one row: tokens/s "
+            "per GPU, TFLOP/s, MFU, peak memory, and a breakdown (forward, backward, exposed gradient sync, optimizer, "
+            "pipeline bubble) measured on one extra instrumented step, so its parts need not add up to the timed "
+            "step. The model, parallel, precision and kernel flags of `train` apply; data, checkpoint, evaluation and "
+            "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."
+        ),
+    )
     add_config_arguments(p)
     add_launch_argument(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first: compilation, allocator (default: 3; "
-                                                        "--warmup-steps is the learning rate's warm-up)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed steps first: compilation, allocator (default: 3; --warmup-steps is the learning rate's warm-up)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table row")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
-        raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: bench needs at least 1 timed step and "
-                          "0 or more warm-up steps")
+        raise ConfigError(
+            f"--steps {args.steps} --warmup {args.warmup}: bench needs at least 1 timed step and "
+            "0 or more warm-up steps"
+        )
     cfg = load_config(args)
     ignored = sorted(cfg.explicit & _TRAIN_ONLY)
     cfg.data.mock_data = True
@@ -48,8 +76,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     if ignored and int(os.environ.get("RANK", "0")) == 0:
-        print(f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
-              "synthetic data and saves, evaluates and logs nothing)", file=sys.stderr)
+        print(
+            f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
+            "synthetic data and saves, evaluates and logs nothing)",
+            file=sys.stderr,
+        )
     row = run_bench(cfg, args.steps, args.warmup)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(row) if args.json else format_row(row), flush=True)

@@ -13,20 +13,28 @@ from ..dtypes import DTYPES
 
 
 def register(sub) -> None:
-    p = sub.add_parser("import-hf", help="convert a Hugging Face (or Meta consolidated) model into a checkpoint",
-                       description="Convert a Hugging Face directory (config.json, safetensors or .bin, single or "
-                                   "sharded; tokenizer files) or Meta's consolidated.*.pth + params.json into the "
-                                   "llamatron checkpoint OUT (OUT/step-0, OUT/latest, OUT/tokenizer). The result "
-                                   "holds weights only: train from it with --load OUT --finetune.")
+    p = sub.add_parser(
+        "import-hf",
+        help="convert a Hugging Face (or Meta consolidated) model into a checkpoint",
+        description="Convert a Hugging Face directory (config.json, safetensors or .bin, single or "
+        "sharded; tokenizer files) or Meta's consolidated.*.pth + params.json into the "
+        "llamatron checkpoint OUT (OUT/step-0, OUT/latest, OUT/tokenizer). The result "
+        "holds weights only: train from it with --load OUT --finetune.",
+    )
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out", metavar="OUT")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="store weights in this dtype (default: as given)")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="store weights in this dtype (default: as given)"
+    )
     p.set_defaults(func=cmd_import_hf)
 
-    p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face directory",
-                       description="Write checkpoint CKPT (DIR or DIR/step-N, saved under any layout) as a directory "
-                                   "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, sharded "
-                                   "safetensors with an index, tokenizer files.")
+    p = sub.add_parser(
+        "export-hf",
+        help="write a checkpoint as a Hugging Face directory",
+        description="Write checkpoint CKPT (DIR or DIR/step-N, saved under any layout) as a directory "
+        "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, sharded "
+        "safetensors with an index, tokenizer files.",
+    )
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default: 5GB)")
@@ -36,15 +44,19 @@ def register(sub) -> None:
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     p.set_defaults(func=cmd_export_hf)
 
-    p = sub.add_parser("verify", help="compare a checkpoint's logits with transformers' on the same batches",
-                       description="Run llamatron on CKPT and transformers on HF_DIR over the same random batches; "
-                                   "print max and mean absolute logit difference and loss difference; exit 1 when "
-                                   "the mean difference is above the tolerance.")
+    p = sub.add_parser(
+        "verify",
+        help="compare a checkpoint's logits with transformers' on the same batches",
+        description="Run llamatron on CKPT and transformers on HF_DIR over the same random batches; "
+        "print max and mean absolute logit difference and loss difference; exit 1 when "
+        "the mean difference is above the tolerance.",
+    )
     p.add_argument("ckpt", metavar="CKPT")
     p.add_argument("--hf", required=True, metavar="HF_DIR", help="Hugging Face directory to compare with")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help=f"largest mean |logit difference| (default: {DEFAULT_TOLERANCE})")
+    p.add_argument(
+        "--tolerance", type=float, default=None, help=f"largest mean |logit difference| (default: {DEFAULT_TOLERANCE})"
+    )
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=None, help="default: min(128, max positions)")
@@ -57,20 +69,29 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     step_dir = import_hf(args.hf_dir, args.out, DTYPES[args.dtype] if args.dtype else None)
     meta = json.loads((step_dir / "meta.json").read_text())
     c = meta["model_config"]
-    print(f"imported {args.hf_dir} ({meta['hf']['format']}) -> {step_dir}\n"
-          f"  {c['family']}: {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']} "
-          f"(kv {c['num_kv_heads']}), vocab {c['vocab_size']}\n"
-          f"  tokenizer: {meta['tokenizer'] or 'none found'}\n"
-          f"  weights only: train with `llamatron train --load {args.out} --finetune ...`")
+    print(
+        f"imported {args.hf_dir} ({meta['hf']['format']}) -> {step_dir}\n"
+        f"  {c['family']}: {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']} "
+        f"(kv {c['num_kv_heads']}), vocab {c['vocab_size']}\n"
+        f"  tokenizer: {meta['tokenizer'] or 'none found'}\n"
+        f"  weights only: train with `llamatron train --load {args.out} --finetune ...`"
+    )
     return 0
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    summary = export_hf(args.ckpt, args.out_dir, parse_size(args.max_shard_size),
-                        DTYPES[args.dtype] if args.dtype else None, args.tokenizer)
+    summary = export_hf(
+        args.ckpt,
+        args.out_dir,
+        parse_size(args.max_shard_size),
+        DTYPES[args.dtype] if args.dtype else None,
+        args.tokenizer,
+    )
     print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
-    tokenizer = summary["tokenizer"] or (f"none: the checkpoint records no tokenizer, so {args.out_dir} has no "
-                                         f"tokenizer files; pass --tokenizer PATH to ship one")
+    tokenizer = summary["tokenizer"] or (
+        f"none: the checkpoint records no tokenizer, so {args.out_dir} has no "
+        f"tokenizer files; pass --tokenizer PATH to ship one"
+    )
     print(f"  tokenizer: {tokenizer}")
     if args.push_to_hub:
         url = push_to_hub(Path(args.out_dir), args.push_to_hub, args.private)
@@ -80,15 +101,22 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
-    result = compare_with_hf(args.ckpt, args.hf, args.dtype, args.batches, args.batch_size, args.seq_length,
-                             args.seed, args.device)
-    print(f"{'batch':>5}  {'max |dlogit|':>12}  {'mean |dlogit|':>13}  {'loss llamatron':>14}  {'loss hf':>9}  "
-          f"{'|dloss|':>9}")
+    result = compare_with_hf(
+        args.ckpt, args.hf, args.dtype, args.batches, args.batch_size, args.seq_length, args.seed, args.device
+    )
+    print(
+        f"{'batch':>5}  {'max |dlogit|':>12}  {'mean |dlogit|':>13}  {'loss llamatron':>14}  {'loss hf':>9}  "
+        f"{'|dloss|':>9}"
+    )
     for r in result["rows"]:
-        print(f"{r['batch']:>5}  {r['max_abs']:>12.3e}  {r['mean_abs']:>13.3e}  {r['loss_llamatron']:>14.6f}  "
-              f"{r['loss_hf']:>9.6f}  {r['loss_diff']:>9.3e}")
+        print(
+            f"{r['batch']:>5}  {r['max_abs']:>12.3e}  {r['mean_abs']:>13.3e}  {r['loss_llamatron']:>14.6f}  "
+            f"{r['loss_hf']:>9.6f}  {r['loss_diff']:>9.3e}"
+        )
     ok = result["mean_abs"] <= tolerance
-    print(f"{args.dtype}, {len(result['rows'])} x {args.batch_size} x {result['seq_length']} tokens: max abs logit "
-          f"difference {result['max_abs']:.3e}, mean {result['mean_abs']:.3e}, loss difference "
-          f"{result['loss_diff']:.3e}; tolerance mean <= {tolerance:g}: {'PASS' if ok else 'FAIL'}")
+    print(
+        f"{args.dtype}, {len(result['rows'])} x {args.batch_size} x {result['seq_length']} tokens: max abs logit "
+        f"difference {result['max_abs']:.3e}, mean {result['mean_abs']:.3e}, loss difference "
+        f"{result['loss_diff']:.3e}; tolerance mean <= {tolerance:g}: {'PASS' if ok else 'FAIL'}"
+    )
     return 0 if ok else 1

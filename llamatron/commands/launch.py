@@ -13,8 +13,12 @@ from ..config import RunConfig, validate
 
 
 def add_launch_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="start torchrun with this many processes on this machine (one per GPU)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="start torchrun with this many processes on this machine (one per GPU)",
+    )
 
 
 def relaunch_if_asked(args: argparse.Namespace, cfg: RunConfig) -> int | None:
@@ -41,8 +45,16 @@ def _argv_without_nproc(argv: list[str]) -> list[str]:
 def relaunch_with_torchrun(nproc: int) -> int:
     """This process's command line, minus --nproc-per-node, as `nproc` torchrun ranks; their exit status."""
     # --standalone: a single-node job with its own rendezvous on a free local port.
-    cmd = [sys.executable, "-m", "llamatron.local_launch", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "llamatron", *_argv_without_nproc(sys.argv[1:])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamatron.local_launch",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "llamatron",
+        *_argv_without_nproc(sys.argv[1:]),
+    ]
     launcher = subprocess.Popen(cmd)
     # A stop signal to this process (a scheduler's SIGTERM) goes on to the ranks, through the launcher, and
     # this process waits for them to save and exit; Ctrl-C reaches every process of the terminal by itself.

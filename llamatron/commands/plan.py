@@ -7,7 +7,9 @@ import json
 import re
 
 from ..errors import ConfigError
-from ..plan import GB, GiB, Plan, PlanResult, Precision, plan
+from ..plan import GB, GiB, Plan, Precision
+from ..plan_search import PlanResult, plan
+
 
 def parse_memory(text: str) -> float:
     """'80GB' (10^9 bytes), '80GiB' (2^30), '80' (GB) -> bytes."""
@@ -19,35 +21,64 @@ def parse_memory(text: str) -> float:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="list the parallel layouts that fit a model on a cluster, fastest first",
-                       description="Memory per GPU and expected speed of every tp/pp/vpp/dp/optimizer/recompute/"
-                                   "micro-batch layout that fits. Memory is given in GB (10^9 bytes); a GPU sold as "
-                                   "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin; "
-                                   "an H200 (sold as 141GB) gives torch 139.8 GiB: --gpu-memory 139.8GiB. Speeds assume "
-                                   "H100/H200-class GPUs and the measured kernel efficiencies of benchmarks/RESULTS.md.")
+    p = sub.add_parser(
+        "plan",
+        help="list the parallel layouts that fit a model on a cluster, fastest first",
+        description="Memory per GPU and expected speed of every tp/pp/vpp/dp/optimizer/recompute/"
+        "micro-batch layout that fits. Memory is given in GB (10^9 bytes); a GPU sold as "
+        "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin; "
+        "an H200 (sold as 141GB) gives torch 139.8 GiB: --gpu-memory 139.8GiB. Speeds assume "
+        "H100/H200-class GPUs and the measured kernel efficiencies of benchmarks/RESULTS.md.",
+    )
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB (H100) or 139.8GiB (H200)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per step (default: about 4M tokens, rounded per layout)")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per step (default: about 4M tokens, rounded per layout)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
     p.add_argument("--top", type=int, default=10, help="show the K fastest layouts")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="the run compiles its decoder layers (the GPU default), which saves fewer activations")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the run compiles its decoder layers (the GPU default), which saves fewer activations",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     memory = parse_memory(args.gpu_memory)
-    result = plan(args.model, args.gpus, memory, args.seq_length, args.global_batch_size, args.gpus_per_node,
-                  precision=Precision(compiled=args.compile))
-    shown = result.fits[:max(args.top, 0)]
+    result = plan(
+        args.model,
+        args.gpus,
+        memory,
+        args.seq_length,
+        args.global_batch_size,
+        args.gpus_per_node,
+        precision=Precision(compiled=args.compile),
+    )
+    shown = result.fits[: max(args.top, 0)]
     if args.json:
-        print(json.dumps({"model": result.model, "gpus": result.gpus, "gpu_memory_gb": memory / GB,
-                          "seq_length": result.seq_length, "fits": len(result.fits),
-                          "layouts": [p.to_dict() for p in shown], "explanation": result.explanation or None}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": result.model,
+                    "gpus": result.gpus,
+                    "gpu_memory_gb": memory / GB,
+                    "seq_length": result.seq_length,
+                    "fits": len(result.fits),
+                    "layouts": [p.to_dict() for p in shown],
+                    "explanation": result.explanation or None,
+                },
+                indent=2,
+            )
+        )
     else:
         print(format_table(result, shown))
     return 0 if result.fits else 1
@@ -56,21 +87,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def format_table(result: PlanResult, shown: list[Plan]) -> str:
     if not result.fits:
         return result.explanation
-    head = (f"{result.model} on {result.gpus} x {result.gpu_memory / GB:.0f} GB, seq {result.seq_length}: "
-            f"{len(result.fits)} layouts fit; the {len(shown)} fastest (memory per GPU in GB, busiest pipeline stage)")
-    cols = ["#", "tp", "pp", "vpp", "dp", "dist-opt", "recompute", "mb", "gbs", "weights", "grads", "optim",
-            "activ", "buffers", "total", "tok/s/gpu", "mfu"]
+    head = (
+        f"{result.model} on {result.gpus} x {result.gpu_memory / GB:.0f} GB, seq {result.seq_length}: "
+        f"{len(result.fits)} layouts fit; the {len(shown)} fastest (memory per GPU in GB, busiest pipeline stage)"
+    )
+    cols = [
+        "#",
+        "tp",
+        "pp",
+        "vpp",
+        "dp",
+        "dist-opt",
+        "recompute",
+        "mb",
+        "gbs",
+        "weights",
+        "grads",
+        "optim",
+        "activ",
+        "buffers",
+        "total",
+        "tok/s/gpu",
+        "mfu",
+    ]
     rows = [cols]
     for i, p in enumerate(shown, 1):
         lay, m = p.layout, p.memory
-        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.vpp), str(lay.dp),
-                     "yes" if lay.distributed_optimizer else "no", lay.recompute_label, str(lay.micro_batch_size),
-                     str(lay.global_batch_size)] +
-                    [f"{x / GB:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.buffers_total, m.total)] +
-                    [f"{p.speed.tokens_per_sec_per_gpu:,.0f}", f"{p.speed.mfu:.0%}"])
+        rows.append(
+            [
+                str(i),
+                str(lay.tp),
+                str(lay.pp),
+                str(lay.vpp),
+                str(lay.dp),
+                "yes" if lay.distributed_optimizer else "no",
+                lay.recompute_label,
+                str(lay.micro_batch_size),
+                str(lay.global_batch_size),
+            ]
+            + [f"{x / GB:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.buffers_total, m.total)]
+            + [f"{p.speed.tokens_per_sec_per_gpu:,.0f}", f"{p.speed.mfu:.0%}"]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    note = ("sequence parallelism is on whenever tp > 1; recompute full:N = --recompute full --recompute-layers N "
-            "(the fewest layers per chunk that fit); buffers = logits/loss or backward temporaries, staging, "
-            "batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc llamatron.plan`)")
+    note = (
+        "sequence parallelism is on whenever tp > 1; recompute full:N = --recompute full --recompute-layers N "
+        "(the fewest layers per chunk that fit); buffers = logits/loss or backward temporaries, staging, "
+        "batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc llamatron.plan`)"
+    )
     return "\n".join([head, *lines, note])

@@ -12,35 +12,54 @@ from ..errors import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("preprocess", help="tokenize jsonl/parquet (text or conversations) into Megatron-format .bin/.idx")
+    p = sub.add_parser(
+        "preprocess", help="tokenize jsonl/parquet (text or conversations) into Megatron-format .bin/.idx"
+    )
     add_preprocess_arguments(p)
     p.set_defaults(func=lambda a: run_preprocess(a) and 0)  # the summary is printed, not an exit status
 
 
 def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the ``llamatron preprocess`` flags on ``parser``."""
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help=".jsonl, .jsonl.gz, .jsonl.zst or .parquet files, globs (quote them) or directories")
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes PREFIX_{key}_document.bin/.idx (with --sft: PREFIX_sft and PREFIX_sft_mask)")
-    parser.add_argument("--tokenizer", required=True, help="Hugging Face directory, tokenizer.json or tokenizer.model")
-    parser.add_argument("--json-keys", nargs="+", default=["text"],
-                        help="JSON keys to tokenize, one output dataset each (default: text)")
     parser.add_argument(
-        "--append-eod", action=argparse.BooleanOptionalAction, default=True,
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help=".jsonl, .jsonl.gz, .jsonl.zst or .parquet files, globs (quote them) or directories",
+    )
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX_{key}_document.bin/.idx (with --sft: PREFIX_sft and PREFIX_sft_mask)",
+    )
+    parser.add_argument("--tokenizer", required=True, help="Hugging Face directory, tokenizer.json or tokenizer.model")
+    parser.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="JSON keys to tokenize, one output dataset each (default: text)",
+    )
+    parser.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="append the tokenizer's EOS token to every document (default: on)",
     )
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     parser.add_argument(
-        "--skip-bad-lines", action="store_true",
+        "--skip-bad-lines",
+        action="store_true",
         help="skip and count unusable records (malformed JSON, missing key, empty document) instead of failing",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     sft = parser.add_argument_group("instruction tuning (--sft)")
-    sft.add_argument("--sft", action="store_true",
-                     help="records are conversations: store tokens and an assistant-only loss mask")
-    sft.add_argument("--messages-key", default="messages",
-                     help="key of the list of {role, content} messages (default: messages)")
+    sft.add_argument(
+        "--sft", action="store_true", help="records are conversations: store tokens and an assistant-only loss mask"
+    )
+    sft.add_argument(
+        "--messages-key", default="messages", help="key of the list of {role, content} messages (default: messages)"
+    )
     sft.add_argument("--prompt-key", default=None, help="instead of messages: key of a user prompt")
     sft.add_argument("--response-key", default=None, help="with --prompt-key: key of the assistant response")
     sft.add_argument("--system-key", default=None, help="with --prompt-key: optional key of a system prompt")
@@ -53,14 +72,27 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--workers {args.workers}: need at least 1 tokenizer process (default: 1)")
     if getattr(args, "sft", False):
         summary = preprocess_conversations(
-            args.input, args.output_prefix, args.tokenizer, messages_key=args.messages_key,
-            prompt_key=args.prompt_key, response_key=args.response_key, system_key=args.system_key,
-            workers=args.workers, skip_bad_lines=args.skip_bad_lines, progress=progress,
+            args.input,
+            args.output_prefix,
+            args.tokenizer,
+            messages_key=args.messages_key,
+            prompt_key=args.prompt_key,
+            response_key=args.response_key,
+            system_key=args.system_key,
+            workers=args.workers,
+            skip_bad_lines=args.skip_bad_lines,
+            progress=progress,
         )
     else:
         summary = preprocess(
-            args.input, args.output_prefix, args.tokenizer, json_keys=args.json_keys, append_eod=args.append_eod,
-            workers=args.workers, skip_bad_lines=args.skip_bad_lines, progress=progress,
+            args.input,
+            args.output_prefix,
+            args.tokenizer,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            skip_bad_lines=args.skip_bad_lines,
+            progress=progress,
         )
     print(format_summary(summary), file=sys.stderr)
     return summary

@@ -12,9 +12,12 @@ from .launch import add_launch_argument, relaunch_if_asked
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a model (no data given: the embedded demo corpus)",
-                       description="Train a model. With no --data and no --mock-data it trains llama-tiny on the "
-                                   "Python standard library's source (the demo), then samples from it.")
+    p = sub.add_parser(
+        "train",
+        help="train a model (no data given: the embedded demo corpus)",
+        description="Train a model. With no --data and no --mock-data it trains llama-tiny on the "
+        "Python standard library's source (the demo), then samples from it.",
+    )
     add_config_arguments(p)
     add_launch_argument(p)
     p.set_defaults(func=cmd_train)

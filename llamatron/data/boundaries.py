@@ -16,7 +16,7 @@ masked ``labels``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,8 +37,14 @@ def document_ids_and_positions(tokens: np.ndarray, eod_id: int) -> tuple[np.ndar
 class DocumentBoundaries:
     """A dataset of token samples with the boundary options applied (see the module doc)."""
 
-    def __init__(self, dataset: Sequence, eod_id: int, reset_position_ids: bool = False,
-                 reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Sequence,
+        eod_id: int,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+        eod_mask_loss: bool = False,
+    ) -> None:
         self.dataset = dataset
         self.eod_id = int(eod_id)
         self.reset_position_ids = reset_position_ids

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,7 @@ class ArrayCache:
 
     def save(self, arrays: Sequence[np.ndarray]) -> bool:
         """Write the arrays (each atomically); a read-only data directory only warns."""
-        if not self.paths:
+        if not self.paths or self.cache_dir is None:
             return False
         try:
             os.makedirs(self.cache_dir, exist_ok=True)

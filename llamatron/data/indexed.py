@@ -22,7 +22,7 @@ import glob
 import os
 import struct
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,11 +61,14 @@ def best_token_dtype(vocab_size: int) -> np.dtype:
 def _prefix_hint(prefix: str) -> str:
     """`preprocess --output-prefix P` writes P_<key>_document (P_sft with --sft): name those if the user gave P."""
     for ext in (".bin", ".idx"):  # the prefix names both files, without an extension
-        if prefix.endswith(ext) and os.path.isfile(prefix[:-len(ext)] + ".idx"):
-            return f"; give the prefix without {ext}: {prefix[:-len(ext)]!r}"
+        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
+            return f"; give the prefix without {ext}: {prefix[: -len(ext)]!r}"
     # preprocess --sft --output-prefix P writes P_sft (for --sft-data)
-    found = sorted(p[:-len(".idx")] for pattern in ("_*_document.idx", "_sft.idx")
-                   for p in glob.glob(glob.escape(prefix) + pattern))
+    found = sorted(
+        p[: -len(".idx")]
+        for pattern in ("_*_document.idx", "_sft.idx")
+        for p in glob.glob(glob.escape(prefix) + pattern)
+    )
     return f"; did you mean {' or '.join(repr(f) for f in found)}?" if found else ""
 
 
@@ -148,7 +151,7 @@ class IndexedDatasetWriter:
                 os.remove(path)
         self._finalized = True
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -213,16 +216,16 @@ class IndexedDataset:
         idx_file, bin_file = index_path(self.prefix), data_path(self.prefix)
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
-                raise MissingDataError(f"{path}: file not found (indexed dataset prefix {self.prefix!r})"
-                                       + _prefix_hint(self.prefix))
+                raise MissingDataError(
+                    f"{path}: file not found (indexed dataset prefix {self.prefix!r})" + _prefix_hint(self.prefix)
+                )
 
         idx_bytes = os.path.getsize(idx_file)
         with open(idx_file, "rb") as f:
             header = f.read(HEADER.size)
         if header[: len(MAGIC)] != MAGIC:
             raise DataError(
-                f"{idx_file}: not a Megatron indexed dataset index "
-                f"(magic {header[:len(MAGIC)]!r}, expected {MAGIC!r})"
+                f"{idx_file}: not a Megatron indexed dataset index (magic {header[: len(MAGIC)]!r}, expected {MAGIC!r})"
             )
         if len(header) < HEADER.size:
             raise DataError(f"{idx_file}: header truncated ({idx_bytes} bytes, need {HEADER.size})")
@@ -301,12 +304,12 @@ class IndexedDataset:
         and a reused buffer avoids faulting in fresh pages for every chunk.
         """
         buffer = np.empty(max(chunk_bytes // self.dtype.itemsize, 1), dtype=self.dtype)
-        raw = memoryview(buffer).cast("B")
+        raw = buffer.data.cast("B")
         signed = self.dtype.kind != "u"  # unsigned ids cannot be negative: one pass instead of two
         low, high = None, None
         with open(data_path(self.prefix), "rb", buffering=0) as f:
             while True:
-                filled = f.readinto(buffer)
+                filled = f.readinto(raw)
                 while 0 < filled < len(raw) and (got := f.readinto(raw[filled:])):  # a short read
                     filled += got
                 if filled == 0:
@@ -317,7 +320,7 @@ class IndexedDataset:
                 high = int(chunk.max()) if high is None else max(high, int(chunk.max()))
                 if filled < len(raw):
                     break
-        return (0, -1) if low is None else (low, high)
+        return (0, -1) if low is None or high is None else (low, high)
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)

@@ -20,7 +20,8 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -97,8 +98,10 @@ class TextEncoder:
                 results.append(err)
         ids = iter(self.tokenizer.encode_batch(texts)) if texts else iter(())
         # Sent back as small arrays: pickling them is far cheaper than int lists.
-        return [r if isinstance(r, RecordError) else [np.asarray(next(ids) + self.eod, dtype=self.dtype) for _ in r]
-                for r in results]
+        return [
+            r if isinstance(r, RecordError) else [np.asarray(next(ids) + self.eod, dtype=self.dtype) for _ in r]
+            for r in results
+        ]
 
 
 # A chunk is a list of (file index, record number, raw line bytes or a decoded parquet row).
@@ -231,9 +234,11 @@ def _no_documents_message(paths: Sequence[str], bad_kinds: collections.Counter, 
     if not bad_kinds:
         return f"{files}: no records to preprocess (empty input); nothing written"
     kinds = ", ".join(f"{n} {kind}" for kind, n in bad_kinds.items())
-    return (f"{files}: no usable records, all {sum(bad_kinds.values())} were skipped ({kinds}; first: {first_bad}); "
-            "nothing written. Check the keys (--json-keys, or --messages-key/--prompt-key/--response-key with --sft) "
-            "against the records")
+    return (
+        f"{files}: no usable records, all {sum(bad_kinds.values())} were skipped ({kinds}; first: {first_bad}); "
+        "nothing written. Check the keys (--json-keys, or --messages-key/--prompt-key/--response-key with --sft) "
+        "against the records"
+    )
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:

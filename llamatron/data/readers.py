@@ -14,7 +14,8 @@ import io
 import os
 import sys
 import zlib
-from typing import IO, Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import IO, Any, cast
 
 from llamatron.errors import DataError
 
@@ -37,7 +38,7 @@ def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     paths: list[str] = []
-    for pattern in map(os.fspath, patterns):
+    for pattern in [str(os.fspath(p)) for p in patterns]:
         if os.path.isfile(pattern):
             matches = [pattern]
         elif os.path.isdir(pattern):
@@ -46,11 +47,15 @@ def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> 
             hint = ""
             if nested:
                 example = os.path.join(pattern, "**", "*" + _suffix(nested[0]))
-                hint = (f"{len(nested)} input file(s) in its subdirectories are not read (a directory stands for the "
-                        f"files directly inside it); to read them give a recursive glob, quoted: '{example}'")
+                hint = (
+                    f"{len(nested)} input file(s) in its subdirectories are not read (a directory stands for the "
+                    f"files directly inside it); to read them give a recursive glob, quoted: '{example}'"
+                )
             if not matches:
-                raise FileNotFoundError(f"{pattern}: directory holds no input files ({', '.join(SUPPORTED)})"
-                                        + (f"; {hint}" if hint else ""))
+                raise FileNotFoundError(
+                    f"{pattern}: directory holds no input files ({', '.join(SUPPORTED)})"
+                    + (f"; {hint}" if hint else "")
+                )
             if hint:
                 print(f"warning: {pattern}: {hint}", file=sys.stderr, flush=True)
         elif glob.has_magic(pattern):
@@ -70,8 +75,13 @@ def expand_inputs(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> 
 
 def _nested_inputs(directory: str) -> list[str]:
     """Supported files below the top level of ``directory``."""
-    return sorted(os.path.join(root, n) for root, _, names in os.walk(directory) if root != directory
-                  for n in names if n.endswith(SUPPORTED))
+    return sorted(
+        os.path.join(root, n)
+        for root, _, names in os.walk(directory)
+        if root != directory
+        for n in names
+        if n.endswith(SUPPORTED)
+    )
 
 
 def _suffix(path: str) -> str:
@@ -90,8 +100,12 @@ def _without_repeats(paths: list[str]) -> list[str]:
             seen[key] = path
             unique.append(path)
     if repeated:
-        print(f"warning: {len(repeated)} input file(s) named more than once are read once: {', '.join(repeated[:3])}"
-              + (f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""), file=sys.stderr, flush=True)
+        print(
+            f"warning: {len(repeated)} input file(s) named more than once are read once: {', '.join(repeated[:3])}"
+            + (f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     return unique
 
 
@@ -148,7 +162,7 @@ class _ZstdStream(io.RawIOBase):
                 return 0
             self._pending, self._offset = self._decompress(chunk), 0
         n = min(len(buffer), len(self._pending) - self._offset)
-        buffer[:n] = self._pending[self._offset: self._offset + n]
+        buffer[:n] = self._pending[self._offset : self._offset + n]
         self._offset += n
         return n
 
@@ -175,7 +189,7 @@ class TruncatedError(EOFError):
 def open_jsonl(path: str) -> IO[bytes]:
     """A binary line reader over a plain, gzip or zstandard jsonl file."""
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     if path.endswith(".zst"):
         # A frame may be written without its content size (streaming writers): read it as a stream.
         return io.BufferedReader(_ZstdStream(path), buffer_size=1 << 20)
@@ -195,8 +209,9 @@ def _jsonl_records(file_index: int, path: str) -> Iterator[Record]:
     except (OSError, zlib.error, zstd_error) as err:
         if isinstance(err, FileNotFoundError):
             raise
-        raise DataError(f"{path}: not a readable {os.path.splitext(path)[1]} file ({err}); re-download or "
-                        "re-create it") from err
+        raise DataError(
+            f"{path}: not a readable {os.path.splitext(path)[1]} file ({err}); re-download or re-create it"
+        ) from err
 
 
 def _parquet_records(file_index: int, path: str) -> Iterator[Record]:
@@ -210,8 +225,10 @@ def _parquet_records(file_index: int, path: str) -> Iterator[Record]:
                 yield file_index, row, record
     except Exception as err:  # pyarrow raises its own error types for a corrupt or truncated file
         where = f" after row {row}" if row else ""
-        raise DataError(f"{path}: not a readable parquet file{where} ({err}); the file is truncated or corrupt: "
-                        "re-download or re-export it") from err
+        raise DataError(
+            f"{path}: not a readable parquet file{where} ({err}); the file is truncated or corrupt: "
+            "re-download or re-export it"
+        ) from err
 
 
 def read_records(paths: Sequence[str]) -> Iterator[Record]:

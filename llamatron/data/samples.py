@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,8 +38,10 @@ def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
         raise ValueError(f"split={split!r}: expected comma-separated numbers like '98,2,0'") from err
     # `not w >= 0` also refuses NaN, which no comparison would catch.
     if not 1 <= len(weights) <= 3 or any(not 0 <= w < math.inf for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split={split!r}: need 1 to 3 finite non-negative weights with a positive sum, "
-                         "like '98,2,0' (train, valid, test)")
+        raise ValueError(
+            f"split={split!r}: need 1 to 3 finite non-negative weights with a positive sum, "
+            "like '98,2,0' (train, valid, test)"
+        )
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     bounds = [0]
@@ -128,14 +130,23 @@ class GPTSampleDataset:
 
     def describe(self) -> str:
         origin = "loaded from cache" if self.loaded_from_cache else f"built in {self.build_seconds:.1f}s"
-        return (f"data {self.indexed.prefix}: {self.num_samples} samples of {self.seq_length + 1} tokens over "
-                f"{self.documents.size} documents; sample index {self.index_bytes / 2**20:.1f} MiB, {origin}")
+        return (
+            f"data {self.indexed.prefix}: {self.num_samples} samples of {self.seq_length + 1} tokens over "
+            f"{self.documents.size} documents; sample index {self.index_bytes / 2**20:.1f} MiB, {origin}"
+        )
 
     def _make_cache(self, cache_dir: str | None) -> ArrayCache:
         if cache_dir is None:
             return ArrayCache(None, "", "", self.CACHE_NAMES)
-        key = cache_key("gpt", self.seq_length, self.num_samples, self.seed, len(self.indexed), self.documents,
-                        np.asarray(self.indexed.sizes[self.documents]))
+        key = cache_key(
+            "gpt",
+            self.seq_length,
+            self.num_samples,
+            self.seed,
+            len(self.indexed),
+            self.documents,
+            np.asarray(self.indexed.sizes[self.documents]),
+        )
         return ArrayCache(cache_dir, os.path.basename(self.indexed.prefix), key, self.CACHE_NAMES)
 
     def _cached_on_disk(self) -> bool:
@@ -153,7 +164,9 @@ class GPTSampleDataset:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if not hasattr(self, "doc_order"):
-            self.doc_order, self.sample_starts, self.sample_order = self._cache.load()
+            arrays = self._cache.load()
+            assert arrays is not None, "pickled without its arrays only when they are cached on disk (__getstate__)"
+            self.doc_order, self.sample_starts, self.sample_order = arrays
 
     def __len__(self) -> int:
         return self.num_samples
@@ -221,8 +234,15 @@ class BlendedDataset:
 
     CACHE_NAMES = ("dataset_index", "sample_index")
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int,
-                 cache_dir: str | None = None, names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        datasets: Sequence,
+        weights: Sequence[float],
+        num_samples: int,
+        seed: int,
+        cache_dir: str | None = None,
+        names: Sequence[str] | None = None,
+    ) -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
@@ -239,8 +259,9 @@ class BlendedDataset:
                 raise ValueError(f"blended dataset {k} has {len(dataset)} samples but the blend needs {count}")
 
     def describe(self) -> str:
-        parts = "\n".join(f"  {w:.3f} x {d.describe() if hasattr(d, 'describe') else d}"
-                          for w, d in zip(self.weights, self.datasets))
+        parts = "\n".join(
+            f"  {w:.3f} x {d.describe() if hasattr(d, 'describe') else d}" for w, d in zip(self.weights, self.datasets)
+        )
         return f"blend of {len(self.datasets)} datasets, {self.num_samples} samples:\n{parts}"
 
     def __len__(self) -> int:
@@ -281,11 +302,15 @@ def parse_data_argument(data: str) -> list[tuple[float, str]]:
     if not words:
         raise ValueError(f"data={data!r}: empty; give a dataset prefix, or 'WEIGHT PREFIX' pairs to blend")
     if not any(_is_number(w) for w in words):  # Megatron users list prefixes alone
-        raise ValueError(f"data={data!r}: {len(words)} prefixes without weights; to blend them give each a "
-                         f"weight, e.g. '{' '.join(f'1 {w}' for w in words)}'")
+        raise ValueError(
+            f"data={data!r}: {len(words)} prefixes without weights; to blend them give each a "
+            f"weight, e.g. '{' '.join(f'1 {w}' for w in words)}'"
+        )
     if len(words) % 2:
-        raise ValueError(f"data={data!r}: {len(words)} words; expected 'WEIGHT PREFIX' pairs (a weight or a prefix "
-                         "is missing), e.g. '0.7 data/a_text_document 0.3 data/b_text_document'")
+        raise ValueError(
+            f"data={data!r}: {len(words)} words; expected 'WEIGHT PREFIX' pairs (a weight or a prefix "
+            "is missing), e.g. '0.7 data/a_text_document 0.3 data/b_text_document'"
+        )
     pairs = []
     for weight, prefix in zip(words[::2], words[1::2]):
         if not _is_number(weight):
@@ -326,12 +351,18 @@ def _build_split(
     datasets = [one(ds, docs, int(w / total * num_samples) + 1) for w, ds, docs in sources]
     # Named by each part's own cache key: the blend changes whenever a part does.
     names = [os.path.basename(d._cache.paths[0]) if d._cache.paths else d.indexed.prefix for d in datasets]
-    return BlendedDataset(datasets, [w for w, _, _ in sources], num_samples, seed,
-                          cache_dir=_cache_dir_for(sources[0][1]), names=names)
+    return BlendedDataset(
+        datasets, [w for w, _, _ in sources], num_samples, seed, cache_dir=_cache_dir_for(sources[0][1]), names=names
+    )
 
 
 def build_datasets(
-    data: str, split: str, seq_length: int, train_samples: int, valid_samples: int, seed: int,
+    data: str,
+    split: str,
+    seq_length: int,
+    train_samples: int,
+    valid_samples: int,
+    seed: int,
     vocab_size: int | None = None,
 ) -> tuple[GPTSampleDataset | BlendedDataset, GPTSampleDataset | BlendedDataset | None]:
     """Train and validation datasets for ``--data`` (one prefix, or weighted pairs to blend).

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from llamatron.data.indexed import best_token_dtype, data_path
-from llamatron.errors import DataError
 from llamatron.data.preprocess import RecordError, run_encoder
 from llamatron.data.tokenizer import CONFIG_FILE, load_tokenizer
+from llamatron.errors import DataError
 
 ROLES = ("system", "user", "assistant")
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
@@ -50,8 +51,13 @@ def mask_prefix(prefix: str) -> str:
 # --- Conversations from records ---
 
 
-def conversation_from_record(record: dict, messages_key: str = "messages", prompt_key: str | None = None,
-                             response_key: str | None = None, system_key: str | None = None) -> list[Message]:
+def conversation_from_record(
+    record: dict,
+    messages_key: str = "messages",
+    prompt_key: str | None = None,
+    response_key: str | None = None,
+    system_key: str | None = None,
+) -> list[Message]:
     """The record's messages as [{"role", "content"}], or RecordError saying what is wrong."""
     if prompt_key is not None:
         messages = []
@@ -117,10 +123,10 @@ def template_segments(render: Callable[[list[Message], bool], str], messages: Se
             prompt = render(list(messages[:i]), True) if i else ""
             _check_prefix(previous, prompt, i)
             _check_prefix(prompt, full, i)
-            segments += [(prompt[len(previous):], False), (full[len(prompt):], True)]
+            segments += [(prompt[len(previous) :], False), (full[len(prompt) :], True)]
         else:
             _check_prefix(previous, full, i)
-            segments.append((full[len(previous):], False))
+            segments.append((full[len(previous) :], False))
         previous = full
     return merge_segments(segments)
 
@@ -183,7 +189,8 @@ class ChatRenderer:
             self.format = "chat template"
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert self._hf is not None  # set by __init__ for the chat-template format, the only one rendering here
+        return str(self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
 
     def segments(self, messages: Sequence[Message]) -> list[Segment]:
         if self._hf is None:
@@ -202,8 +209,14 @@ class ChatRenderer:
 class ConversationEncoder:
     """Preprocess encoder for conversations: outputs tokens and the 0/1 loss mask."""
 
-    def __init__(self, tokenizer_path: str, messages_key: str = "messages", prompt_key: str | None = None,
-                 response_key: str | None = None, system_key: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str,
+        messages_key: str = "messages",
+        prompt_key: str | None = None,
+        response_key: str | None = None,
+        system_key: str | None = None,
+    ) -> None:
         if (prompt_key is None) != (response_key is None):
             raise ValueError("--prompt-key and --response-key go together")
         self.tokenizer = load_tokenizer(tokenizer_path)

@@ -30,9 +30,9 @@ import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key
 from llamatron.data.indexed import IndexedDataset, index_path
-from llamatron.errors import DataError, MissingDataError
 from llamatron.data.samples import check_token_ids, split_documents
 from llamatron.data.sft import mask_prefix
+from llamatron.errors import DataError, MissingDataError
 
 
 def pack_conversations(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,12 +68,23 @@ class SFTDataset:
 
     CACHE_NAMES = ("bin_offsets", "bin_items", "sample_order")
 
-    def __init__(self, tokens: IndexedDataset, mask: IndexedDataset, conversations: np.ndarray, seq_length: int,
-                 num_samples: int, seed: int, pack: bool = True, cache_dir: str | None = None,
-                 split_name: str = "train") -> None:
+    def __init__(
+        self,
+        tokens: IndexedDataset,
+        mask: IndexedDataset,
+        conversations: np.ndarray,
+        seq_length: int,
+        num_samples: int,
+        seed: int,
+        pack: bool = True,
+        cache_dir: str | None = None,
+        split_name: str = "train",
+    ) -> None:
         if tokens.sizes.shape != mask.sizes.shape or not np.array_equal(tokens.sizes, mask.sizes):
-            raise DataError(f"{index_path(mask.prefix)} does not match {index_path(tokens.prefix)} (different "
-                            "conversation sizes): the token and mask datasets come from different preprocess runs")
+            raise DataError(
+                f"{index_path(mask.prefix)} does not match {index_path(tokens.prefix)} (different "
+                "conversation sizes): the token and mask datasets come from different preprocess runs"
+            )
         self.tokens, self.mask = tokens, mask
         self.seq_length, self.num_samples, self.seed, self.pack = seq_length, num_samples, seed, pack
         capacity = seq_length + 1
@@ -88,13 +99,16 @@ class SFTDataset:
         self.untrained = self._count_untrained(self.conversations[lengths == capacity], capacity)
         if self.untrained == self.conversations.size:
             # Training would run on loss 0 and report perplexity 1: nothing to learn from.
-            raise DataError(f"--sft-data {tokens.prefix}: {self._untrained_text()}, so no sample has a token to "
-                            f"train on; {self._fix()}")
+            raise DataError(
+                f"--sft-data {tokens.prefix}: {self._untrained_text()}, so no sample has a token to "
+                f"train on; {self._fix()}"
+            )
         start = time.perf_counter()
         key = cache_key("sft", seq_length, num_samples, seed, pack, self.conversations, lengths)
         cache = ArrayCache(cache_dir, os.path.basename(tokens.prefix), key, self.CACHE_NAMES)
         (self.bin_offsets, self.bin_items, self.sample_order), self.loaded_from_cache = cache.get_or_build(
-            lambda: self._build(lengths, capacity))
+            lambda: self._build(lengths, capacity)
+        )
         self.build_seconds = time.perf_counter() - start
         self.num_sequences = self.bin_offsets.size - 1
         # Share of sample tokens that are conversation tokens rather than padding.
@@ -106,19 +120,25 @@ class SFTDataset:
         return sum(not self.mask.get(int(c), 1, capacity - 1).any() for c in candidates.tolist())
 
     def _untrained_text(self) -> str:
-        return (f"{self.untrained} of the {self.conversations.size} conversations of the {self.split_name} split "
-                f"lose all their trained (assistant) tokens to truncation at {self.seq_length + 1} tokens")
+        return (
+            f"{self.untrained} of the {self.conversations.size} conversations of the {self.split_name} split "
+            f"lose all their trained (assistant) tokens to truncation at {self.seq_length + 1} tokens"
+        )
 
     def _fix(self) -> str:
-        return (f"raise --seq-length (the longest conversation has {self.longest} tokens: --seq-length "
-                f"{self.longest - 1} holds it whole) or shorten the prompts")
+        return (
+            f"raise --seq-length (the longest conversation has {self.longest} tokens: --seq-length "
+            f"{self.longest - 1} holds it whole) or shorten the prompts"
+        )
 
     def warning(self) -> str | None:
         """A warning for conversations that truncation leaves with nothing to train on, else None."""
         if not self.untrained:
             return None
-        return (f"warning: --sft-data {self.tokens.prefix}: {self._untrained_text()} (their assistant replies come "
-                f"after the cut) and train on nothing; {self._fix()}")
+        return (
+            f"warning: --sft-data {self.tokens.prefix}: {self._untrained_text()} (their assistant replies come "
+            f"after the cut) and train on nothing; {self._fix()}"
+        )
 
     def _build(self, lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.pack:
@@ -135,9 +155,11 @@ class SFTDataset:
 
     def describe(self) -> str:
         packing = f"packed into {self.num_sequences} sequences" if self.pack else "one per sequence (--no-pack)"
-        return (f"sft data {self.tokens.prefix}: {self.conversations.size} conversations {packing} of "
-                f"{self.seq_length + 1} tokens, {self.fill:.0%} filled; {self.truncated} truncated to "
-                f"{self.seq_length + 1} tokens")
+        return (
+            f"sft data {self.tokens.prefix}: {self.conversations.size} conversations {packing} of "
+            f"{self.seq_length + 1} tokens, {self.fill:.0%} filled; {self.truncated} truncated to "
+            f"{self.seq_length + 1} tokens"
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -147,7 +169,7 @@ class SFTDataset:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
         capacity = self.seq_length + 1
         sequence = int(self.sample_order[index])
-        members = self.bin_items[self.bin_offsets[sequence]: self.bin_offsets[sequence + 1]]
+        members = self.bin_items[self.bin_offsets[sequence] : self.bin_offsets[sequence + 1]]
         tokens = np.zeros(capacity, dtype=np.int64)
         loss_mask = np.zeros(capacity, dtype=bool)
         document_ids = np.full(capacity, len(members), dtype=np.int64)  # padding: a document of its own
@@ -155,11 +177,11 @@ class SFTDataset:
         at = 0
         for k, conversation in enumerate(members.tolist()):
             n = min(int(self.tokens.sizes[conversation]), capacity - at)
-            tokens[at: at + n] = self.tokens.get(conversation, 0, n)
-            loss_mask[at: at + n] = self.mask.get(conversation, 0, n) != 0
+            tokens[at : at + n] = self.tokens.get(conversation, 0, n)
+            loss_mask[at : at + n] = self.mask.get(conversation, 0, n) != 0
             loss_mask[at] = False  # a conversation's first token is never predicted from the one before
-            document_ids[at: at + n] = k
-            position_ids[at: at + n] = np.arange(n)
+            document_ids[at : at + n] = k
+            position_ids[at : at + n] = np.arange(n)
             at += n
         position_ids[at:] = np.arange(capacity - at)
         sample: dict[str, Any] = {"tokens": tokens, "loss_mask": loss_mask}
@@ -168,20 +190,35 @@ class SFTDataset:
         return sample
 
 
-def build_sft_datasets(prefix: str, split: str, seq_length: int, train_samples: int, valid_samples: int, seed: int,
-                       pack: bool = True, vocab_size: int | None = None) -> tuple[SFTDataset, SFTDataset | None]:
+def build_sft_datasets(
+    prefix: str,
+    split: str,
+    seq_length: int,
+    train_samples: int,
+    valid_samples: int,
+    seed: int,
+    pack: bool = True,
+    vocab_size: int | None = None,
+) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation datasets for ``--sft-data PREFIX`` (conversations split by ``split``)."""
     base = prefix[: -len("_mask")]
-    if prefix.endswith("_mask") and os.path.isfile(index_path(base)) and not os.path.isfile(index_path(
-            mask_prefix(prefix))):
-        raise DataError(f"--sft-data {prefix} is the loss mask of {base}; give the token dataset, --sft-data {base} "
-                        "(its _mask is found from it)")
+    if (
+        prefix.endswith("_mask")
+        and os.path.isfile(index_path(base))
+        and not os.path.isfile(index_path(mask_prefix(prefix)))
+    ):
+        raise DataError(
+            f"--sft-data {prefix} is the loss mask of {base}; give the token dataset, --sft-data {base} "
+            "(its _mask is found from it)"
+        )
     tokens = IndexedDataset(prefix)
     try:
         mask = IndexedDataset(mask_prefix(prefix))
     except MissingDataError as err:
-        raise MissingDataError(f"{err}; --sft-data needs the loss mask that `preprocess --sft` writes next to the "
-                               f"tokens: is {prefix} a --data (pre-training) dataset?") from None
+        raise MissingDataError(
+            f"{err}; --sft-data needs the loss mask that `preprocess --sft` writes next to the "
+            f"tokens: is {prefix} a --data (pre-training) dataset?"
+        ) from None
     cache_dir = os.path.dirname(os.path.abspath(prefix))
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, cache_dir)

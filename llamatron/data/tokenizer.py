@@ -11,7 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import tokenizers
 
@@ -104,8 +105,10 @@ class Tokenizer:
         return self._backend.token_to_id(named) if named else None
 
     def __repr__(self) -> str:
-        return (f"Tokenizer({self.source!r}, kind={self.kind}, vocab_size={self.vocab_size}, eod_id={self.eod_id}, "
-                f"bos_id={self.bos_id})")
+        return (
+            f"Tokenizer({self.source!r}, kind={self.kind}, vocab_size={self.vocab_size}, eod_id={self.eod_id}, "
+            f"bos_id={self.bos_id})"
+        )
 
 
 def _token_content(token: Any) -> str | None:
@@ -145,8 +148,10 @@ def _load_json_tokenizer(json_file: str, source: str, config: dict | None) -> To
     try:
         backend = tokenizers.Tokenizer.from_file(json_file)
     except Exception as err:  # tokenizers raises a bare Exception ("expected value at line 1 column 1")
-        raise DataError(f"{json_file}: not a valid Hugging Face tokenizer.json ({err}); re-download or re-save the "
-                        "tokenizer (a truncated or hand-edited file reads like this)") from err
+        raise DataError(
+            f"{json_file}: not a valid Hugging Face tokenizer.json ({err}); re-download or re-save the "
+            "tokenizer (a truncated or hand-edited file reads like this)"
+        ) from err
     return Tokenizer(backend, "huggingface", source, config)
 
 
@@ -211,7 +216,7 @@ def _training_texts(files_or_texts: Iterable[str | os.PathLike]) -> Iterator[str
         if _names_a_file(item):
             yield from _read_text_file(os.fspath(item))
         else:
-            yield item
+            yield str(item)
 
 
 def train_bpe_tokenizer(

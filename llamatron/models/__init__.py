@@ -4,5 +4,15 @@ from .kernels import KernelChoices, apply_kernels
 from .presets import PRESET_NAMES, get_preset
 from .transformer import IGNORE_INDEX, Transformer, build_model
 
-__all__ = ["IGNORE_INDEX", "KernelChoices", "ModelConfig", "PRESET_NAMES", "RopeScaling", "Transformer",
-           "apply_kernels", "build_model", "get_preset", "materialize"]
+__all__ = [
+    "IGNORE_INDEX",
+    "KernelChoices",
+    "ModelConfig",
+    "PRESET_NAMES",
+    "RopeScaling",
+    "Transformer",
+    "apply_kernels",
+    "build_model",
+    "get_preset",
+    "materialize",
+]

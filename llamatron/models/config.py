@@ -29,7 +29,8 @@ class ModelConfig:
     hidden_size: int = 4096
     num_layers: int = 32
     num_heads: int = 32
-    num_kv_heads: int | None = None  # None: multi-head (= num_heads); 1: multi-query
+    # None: multi-head (__post_init__ sets num_heads, so every reader sees an int); 1: multi-query
+    num_kv_heads: int = None  # type: ignore[assignment]
     ffn_hidden_size: int = 11008
     max_seq_length: int = 4096
     rope_theta: float = 10000.0
@@ -50,9 +51,19 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """What makes this shape unbuildable or wrong to train (empty when it is sound)."""
-        out = [f"{name} {getattr(self, name)} must be >= 1" for name in
-               ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                "max_seq_length") if not getattr(self, name) >= 1]
+        out = [
+            f"{name} {getattr(self, name)} must be >= 1"
+            for name in (
+                "vocab_size",
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "ffn_hidden_size",
+                "max_seq_length",
+            )
+            if not getattr(self, name) >= 1
+        ]
         if self.family not in ("llama", "falcon"):
             out.append(f"family {self.family!r} must be llama or falcon")
         if out:
@@ -85,7 +96,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

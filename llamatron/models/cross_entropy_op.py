@@ -43,8 +43,7 @@ class CrossEntropy:
 
 
 def reference_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="none")
+    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     return loss.view(labels.shape)
 
 
@@ -52,8 +51,10 @@ def reference_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
 
 
 def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
-    torch._check(labels.shape == logits.shape[:-1],
-                 lambda: f"cross-entropy: labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
+    torch._check(
+        labels.shape == logits.shape[:-1],
+        lambda: f"cross-entropy: labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}",
+    )
 
 
 @torch.library.custom_op("llamatron::cross_entropy", mutates_args=())
@@ -76,8 +77,9 @@ def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 @torch.library.custom_op("llamatron::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                               lse: torch.Tensor) -> torch.Tensor:
+def _cross_entropy_backward_op(
+    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
     _check_shapes(logits, labels)
     x, y = logits.reshape(-1, logits.shape[-1]).contiguous(), labels.reshape(-1).contiguous()
     dx = torch.empty_like(x)
@@ -140,8 +142,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def cross_entropy_forward_kernel(x_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, ignore_index,
-                                     BLOCK: tl.constexpr):
+    def cross_entropy_forward_kernel(x_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, ignore_index, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * vocab
         running_max = tl.full([], float("-inf"), tl.float32)
@@ -163,8 +164,9 @@ def _kernels():
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
-    def cross_entropy_backward_kernel(x_ptr, labels_ptr, lse_ptr, grad_ptr, dx_ptr, vocab, ignore_index,
-                                      BLOCK: tl.constexpr):
+    def cross_entropy_backward_kernel(
+        x_ptr, labels_ptr, lse_ptr, grad_ptr, dx_ptr, vocab, ignore_index, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < vocab
@@ -181,14 +183,16 @@ def _kernels():
         @staticmethod
         def forward(x, labels, loss, lse):
             rows, vocab = x.shape
-            cross_entropy_forward_kernel[(rows,)](x, labels, loss, lse, vocab, IGNORE_INDEX,
-                                                  BLOCK=_FORWARD_BLOCK, num_warps=8)
+            cross_entropy_forward_kernel[(rows,)](
+                x, labels, loss, lse, vocab, IGNORE_INDEX, BLOCK=_FORWARD_BLOCK, num_warps=8
+            )
 
         @staticmethod
         def backward(x, labels, lse, grad, dx):
             rows, vocab = x.shape
             grid = (rows, triton.cdiv(vocab, _BACKWARD_BLOCK))
-            cross_entropy_backward_kernel[grid](x, labels, lse, grad, dx, vocab, IGNORE_INDEX,
-                                                BLOCK=_BACKWARD_BLOCK, num_warps=8)
+            cross_entropy_backward_kernel[grid](
+                x, labels, lse, grad, dx, vocab, IGNORE_INDEX, BLOCK=_BACKWARD_BLOCK, num_warps=8
+            )
 
     return Kernels

@@ -15,7 +15,6 @@ import importlib.util
 
 import torch
 
-
 # Head dims whose kernels FlashAttention 4 tunes on Hopper. Others are not refused by it but can be wrong:
 # on an H200 its backward gave gradients 20-50% off for head dim 16 (64 agreed with fp32 SDPA to 0.3%).
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -57,15 +56,17 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @torch.library.custom_op("llamatron::fa4_attention_backward", mutates_args=(), device_types="cuda")
-def _fa4_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fa4_attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from flash_attn.cute.interface import _flash_attn_bwd
 
     # Contiguous gradients whatever the inputs' strides: the fake below promises that layout to torch.compile
     # (the kernel's own choice, empty_like(input), follows strides that compiled code may pass differently).
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out.contiguous(), lse, causal=True,
-                                 dq=grads[0], dk=grads[1], dv=grads[2])[:3]
+    dq, dk, dv = _flash_attn_bwd(
+        q, k, v, out, grad_out.contiguous(), lse, causal=True, dq=grads[0], dk=grads[1], dv=grads[2]
+    )[:3]
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

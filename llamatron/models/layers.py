@@ -43,15 +43,16 @@ class RMSNorm(nn.Module):
         return h, rmsnorm_op.reference_rms_norm(h, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, seq_len: int,
-                  device: torch.device | None = None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, seq_len: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with long-context scaling applied."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     if scaling is not None and scaling.kind == "dynamic" and seq_len > scaling.original_max_position:
         # NTK-aware: grow the base once the sequence is longer than the trained context.
         ratio = scaling.factor * seq_len / scaling.original_max_position - (scaling.factor - 1)
         theta = theta * ratio ** (head_dim / (head_dim - 2))
-    inv_freq = 1.0 / (theta ** exponent)
+    inv_freq = 1.0 / (theta**exponent)
     if scaling is None or scaling.kind == "dynamic":
         return inv_freq
     if scaling.kind == "linear":
@@ -115,8 +116,15 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
             return keep & (q - kv < sliding_window) if sliding_window is not None else keep
 
         # _compile builds the block structure without materialising a (seq, seq) mask.
-        return create_block_mask(same_document, document_ids.shape[0], None, seq_len, seq_len,
-                                 device=document_ids.device, _compile=document_ids.is_cuda)
+        return create_block_mask(
+            same_document,
+            document_ids.shape[0],
+            None,
+            seq_len,
+            seq_len,
+            device=document_ids.device,
+            _compile=document_ids.is_cuda,
+        )
     window = sliding_window if sliding_window is not None else seq_len  # a window of seq_len: plain causal
     causal = sliding_window_mask(seq_len, window, document_ids.device)
     same = document_ids[:, :, None] == document_ids[:, None, :]
@@ -125,8 +133,12 @@ def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None,
 
 # --attention-backend: auto (SDPA picks per call), fa4 (FlashAttention 4 for plain causal attention, SDPA's pick
 # for the masked kinds) or one forced SDPA kernel.
-_SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+_SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 ATTENTION_BACKENDS = ("auto", "fa4", *_SDPA_BACKENDS)
 
 
@@ -157,8 +169,14 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None,
-                   doc_mask=None, backend: str = "auto") -> torch.Tensor:
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sliding_window: int | None = None,
+    doc_mask=None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads (GQA/MQA).
 
     doc_mask (from `document_mask`, the sliding window already in it) keeps each token inside its document.

@@ -5,10 +5,31 @@ from __future__ import annotations
 from .config import ModelConfig, RopeScaling
 
 
-def _llama(h: int, layers: int, heads: int, ffn: int, kv: int | None = None, vocab: int = 32000,
-           seq: int = 2048, theta: float = 10000.0, eps: float = 1e-6, **kw) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads,
-                       num_kv_heads=kv, ffn_hidden_size=ffn, max_seq_length=seq, rope_theta=theta, norm_eps=eps, **kw)
+def _llama(
+    h: int,
+    layers: int,
+    heads: int,
+    ffn: int,
+    kv: int | None = None,
+    vocab: int = 32000,
+    seq: int = 2048,
+    theta: float = 10000.0,
+    eps: float = 1e-6,
+    **kw,
+) -> ModelConfig:
+    return ModelConfig(
+        family="llama",
+        vocab_size=vocab,
+        hidden_size=h,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv if kv is not None else heads,
+        ffn_hidden_size=ffn,
+        max_seq_length=seq,
+        rope_theta=theta,
+        norm_eps=eps,
+        **kw,
+    )
 
 
 def _llama3_scaling() -> RopeScaling:
@@ -32,33 +53,89 @@ _PRESETS = {
     # Llama 3 / 3.1: 128k vocab, GQA, theta 5e5; 3.1 adds the llama3 rope scaling
     "llama3-8b": lambda: _llama(4096, 32, 32, 14336, kv=8, vocab=128256, seq=8192, theta=500000.0, eps=1e-5),
     "llama3-70b": lambda: _llama(8192, 80, 64, 28672, kv=8, vocab=128256, seq=8192, theta=500000.0, eps=1e-5),
-    "llama3.1-8b": lambda: _llama(4096, 32, 32, 14336, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5,
-                                  rope_scaling=_llama3_scaling()),
+    "llama3.1-8b": lambda: _llama(
+        4096, 32, 32, 14336, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5, rope_scaling=_llama3_scaling()
+    ),
     # Mistral 7B v0.1: GQA + sliding window 4096
     "mistral-7b": lambda: _llama(4096, 32, 32, 14336, kv=8, seq=32768, eps=1e-5, sliding_window=4096),
     # Falcon: parallel attention/MLP, LayerNorm, GELU MLP, tied embeddings
-    "falcon-7b": lambda: ModelConfig(family="falcon", vocab_size=65024, hidden_size=4544, num_layers=32, num_heads=71,
-                                     num_kv_heads=1, ffn_hidden_size=4 * 4544, max_seq_length=2048,
-                                     tie_embeddings=True, separate_mlp_norm=False),
-    "falcon-40b": lambda: ModelConfig(family="falcon", vocab_size=65024, hidden_size=8192, num_layers=60, num_heads=128,
-                                      num_kv_heads=8, ffn_hidden_size=4 * 8192, max_seq_length=2048,
-                                      tie_embeddings=True, separate_mlp_norm=True),
+    "falcon-7b": lambda: ModelConfig(
+        family="falcon",
+        vocab_size=65024,
+        hidden_size=4544,
+        num_layers=32,
+        num_heads=71,
+        num_kv_heads=1,
+        ffn_hidden_size=4 * 4544,
+        max_seq_length=2048,
+        tie_embeddings=True,
+        separate_mlp_norm=False,
+    ),
+    "falcon-40b": lambda: ModelConfig(
+        family="falcon",
+        vocab_size=65024,
+        hidden_size=8192,
+        num_layers=60,
+        num_heads=128,
+        num_kv_heads=8,
+        ffn_hidden_size=4 * 8192,
+        max_seq_length=2048,
+        tie_embeddings=True,
+        separate_mlp_norm=True,
+    ),
     # The benchmark shape (issue 7): ~1.1B parameters
     "llama-1b": lambda: _llama(2048, 16, 32, 5632, kv=8, seq=4096, eps=1e-5),
     # Tiny shapes for tests and the CPU demo
     "llama-tiny": lambda: _llama(256, 4, 8, 688, kv=4, vocab=4096, seq=512, eps=1e-5),
     "llama-test": lambda: _llama(64, 2, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5),
     "mistral-test": lambda: _llama(64, 2, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5, sliding_window=16),
-    "llama3-test": lambda: _llama(64, 2, 4, 160, kv=1, vocab=256, seq=128, theta=500000.0, eps=1e-5,
-                                  rope_scaling=RopeScaling("llama3", 8.0, 32, 1.0, 4.0)),
+    "llama3-test": lambda: _llama(
+        64,
+        2,
+        4,
+        160,
+        kv=1,
+        vocab=256,
+        seq=128,
+        theta=500000.0,
+        eps=1e-5,
+        rope_scaling=RopeScaling("llama3", 8.0, 32, 1.0, 4.0),
+    ),
     "llama-test4": lambda: _llama(64, 4, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5),  # pipeline tests: 4 layers
-    "falcon-test4": lambda: ModelConfig(family="falcon", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
-                                        num_kv_heads=1, ffn_hidden_size=256, max_seq_length=128, tie_embeddings=True),
-    "falcon-test": lambda: ModelConfig(family="falcon", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
-                                       num_kv_heads=1, ffn_hidden_size=256, max_seq_length=128, tie_embeddings=True),
-    "falcon40b-test": lambda: ModelConfig(family="falcon", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,
-                                          num_kv_heads=2, ffn_hidden_size=256, max_seq_length=128, tie_embeddings=True,
-                                          separate_mlp_norm=True),
+    "falcon-test4": lambda: ModelConfig(
+        family="falcon",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=1,
+        ffn_hidden_size=256,
+        max_seq_length=128,
+        tie_embeddings=True,
+    ),
+    "falcon-test": lambda: ModelConfig(
+        family="falcon",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        ffn_hidden_size=256,
+        max_seq_length=128,
+        tie_embeddings=True,
+    ),
+    "falcon40b-test": lambda: ModelConfig(
+        family="falcon",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        ffn_hidden_size=256,
+        max_seq_length=128,
+        tie_embeddings=True,
+        separate_mlp_norm=True,
+    ),
 }
 
 PRESET_NAMES = sorted(_PRESETS)

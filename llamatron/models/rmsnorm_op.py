@@ -43,8 +43,9 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("llamatron::add_rms_norm", mutates_args=())
-def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_rms_norm_op(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x + delta, weight * normalised (x + delta), 1/rms per row)."""
     x, delta = x.contiguous(), delta.contiguous()
     h, y, rstd = torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
@@ -59,8 +60,9 @@ def _(x, delta, weight, eps):
 
 
 @torch.library.custom_op("llamatron::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(grad_y: torch.Tensor, grad_h: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
-                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward_op(
+    grad_y: torch.Tensor, grad_h: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient of the normalised input, plus grad_h when given; weight gradient)."""
     grad_y, h = grad_y.contiguous(), h.contiguous()
     grad_h = None if grad_h is None else grad_h.contiguous()
@@ -137,8 +139,19 @@ def _forward(x, delta, weight, h, y, rstd, eps: float) -> None:
         return
     fwd, _ = _kernels()
     block = _block(cols)
-    fwd[(rows,)](x, delta if delta is not None else x, weight, h if h is not None else y, y, rstd, cols, eps,
-                 HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block))
+    fwd[(rows,)](
+        x,
+        delta if delta is not None else x,
+        weight,
+        h if h is not None else y,
+        y,
+        rstd,
+        cols,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        num_warps=_warps(block),
+    )
 
 
 def _backward(grad_y, grad_h, h, weight, rstd, dx) -> torch.Tensor:
@@ -151,8 +164,21 @@ def _backward(grad_y, grad_h, h, weight, rstd, dx) -> torch.Tensor:
     rows_per_program = -(-rows // programs)
     partial = torch.empty(programs, cols, device=h.device, dtype=torch.float32)
     block = _block(cols)
-    bwd[(programs,)](grad_y, grad_h if grad_h is not None else grad_y, h, weight, rstd, dx, partial, rows, cols,
-                     rows_per_program, HAS_GRAD_H=grad_h is not None, BLOCK=block, num_warps=_warps(block))
+    bwd[(programs,)](
+        grad_y,
+        grad_h if grad_h is not None else grad_y,
+        h,
+        weight,
+        rstd,
+        dx,
+        partial,
+        rows,
+        cols,
+        rows_per_program,
+        HAS_GRAD_H=grad_h is not None,
+        BLOCK=block,
+        num_warps=_warps(block),
+    )
     return partial.sum(0).to(weight.dtype)
 
 
@@ -170,14 +196,15 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_norm_forward_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, cols, eps,
-                                HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_norm_forward_kernel(
+        x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
         x = tl.load(x_ptr + row * cols + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(delta_ptr + row * cols + offs, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(tl.float32) + tl.load(delta_ptr + row * cols + offs, mask=mask, other=0.0).to(tl.float32)
             x = x.to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row * cols + offs, x, mask=mask)
         x = x.to(tl.float32)
@@ -188,8 +215,20 @@ def _kernels():
         tl.store(y_ptr + row * cols + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rms_norm_backward_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, cols,
-                                 rows_per_program, HAS_GRAD_H: tl.constexpr, BLOCK: tl.constexpr):
+    def rms_norm_backward_kernel(
+        dy_ptr,
+        dh_ptr,
+        h_ptr,
+        w_ptr,
+        rstd_ptr,
+        dx_ptr,
+        dw_ptr,
+        rows,
+        cols,
+        rows_per_program,
+        HAS_GRAD_H: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         program = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols

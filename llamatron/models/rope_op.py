@@ -26,8 +26,9 @@ def supports_head_dim(head_dim: int) -> bool:
 
 
 @torch.library.custom_op("llamatron::qkv_rope", mutates_args=())
-def qkv_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_rope_op(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv (batch, seq, (heads + 2·kv_heads)·dim) -> q, k rotated and v, each (batch, seq, n, dim) contiguous;
     cos, sin: (batch, seq, dim)."""
     batch, seq, width = qkv.shape
@@ -35,10 +36,24 @@ def qkv_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     q = qkv.new_empty(batch, seq, heads, dim)
     k, v = qkv.new_empty(batch, seq, kv_heads, dim), qkv.new_empty(batch, seq, kv_heads, dim)
     if q.numel():
-        forward, _ = _kernels()
-        forward[(batch * seq,)](qkv, cos, sin, q, k, v, seq, *qkv.stride()[:2], *cos.stride()[:2],
-                                *sin.stride()[:2], HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-                                PAIRS=_pow2(heads + kv_heads), KV_POW2=_pow2(kv_heads))
+        forward = _forward_kernel()
+        forward[(batch * seq,)](
+            qkv,
+            cos,
+            sin,
+            q,
+            k,
+            v,
+            seq,
+            *qkv.stride()[:2],
+            *cos.stride()[:2],
+            *sin.stride()[:2],
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=dim // 2,
+            PAIRS=_pow2(heads + kv_heads),
+            KV_POW2=_pow2(kv_heads),
+        )
     return q, k, v
 
 
@@ -46,24 +61,43 @@ def qkv_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
 def _(qkv, cos, sin, heads, kv_heads):
     batch, seq, width = qkv.shape
     dim = width // (heads + 2 * kv_heads)
-    return (qkv.new_empty(batch, seq, heads, dim), qkv.new_empty(batch, seq, kv_heads, dim),
-            qkv.new_empty(batch, seq, kv_heads, dim))
+    return (
+        qkv.new_empty(batch, seq, heads, dim),
+        qkv.new_empty(batch, seq, kv_heads, dim),
+        qkv.new_empty(batch, seq, kv_heads, dim),
+    )
 
 
 @torch.library.custom_op("llamatron::qkv_rope_backward", mutates_args=())
-def qkv_rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> torch.Tensor:
+def qkv_rope_backward_op(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Gradient of the QKV row from the gradients of q, k (rotated back) and v; any strides, last dim 1."""
     dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
     batch, seq, heads, dim = dq.shape
     kv_heads = dk.shape[2]
     dqkv = dq.new_empty(batch, seq, (heads + 2 * kv_heads) * dim)
     if dqkv.numel():
-        _, backward = _kernels()
-        backward[(batch * seq,)](dq, dk, dv, cos, sin, dqkv, seq, *dq.stride()[:3], *dk.stride()[:3],
-                                 *dv.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], HEADS=heads,
-                                 KV_HEADS=kv_heads, HALF=dim // 2, PAIRS=_pow2(heads + kv_heads),
-                                 KV_POW2=_pow2(kv_heads))
+        backward = _backward_kernel()
+        backward[(batch * seq,)](
+            dq,
+            dk,
+            dv,
+            cos,
+            sin,
+            dqkv,
+            seq,
+            *dq.stride()[:3],
+            *dk.stride()[:3],
+            *dv.stride()[:3],
+            *cos.stride()[:2],
+            *sin.stride()[:2],
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=dim // 2,
+            PAIRS=_pow2(heads + kv_heads),
+            KV_POW2=_pow2(kv_heads),
+        )
     return dqkv
 
 
@@ -118,15 +152,32 @@ def _pow2(n: int) -> int:
 
 
 @functools.cache
-def _kernels():
+def _forward_kernel():
     """Built on first CUDA use: CPU installs need no Triton."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def qkv_rope_forward_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, seq, qkv_sb, qkv_ss, cos_sb, cos_ss,
-                                sin_sb, sin_ss, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                                PAIRS: tl.constexpr, KV_POW2: tl.constexpr):
+    def qkv_rope_forward_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        seq,
+        qkv_sb,
+        qkv_ss,
+        cos_sb,
+        cos_ss,
+        sin_sb,
+        sin_ss,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        PAIRS: tl.constexpr,
+        KV_POW2: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         b, s = token // seq, token % seq
         dim = 2 * HALF
@@ -157,11 +208,43 @@ def _kernels():
         v = tl.load(row + (HEADS + KV_HEADS) * dim + kv_head * dim + cols, mask=kv_live)
         tl.store(v_ptr + token * KV_HEADS * dim + kv_head * dim + cols, v, mask=kv_live)
 
+    return qkv_rope_forward_kernel
+
+
+@functools.cache
+def _backward_kernel():
+    """Built on first CUDA use: CPU installs need no Triton."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
-    def qkv_rope_backward_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, seq, dq_sb, dq_ss, dq_sh,
-                                 dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh, cos_sb, cos_ss, sin_sb, sin_ss,
-                                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                                 PAIRS: tl.constexpr, KV_POW2: tl.constexpr):
+    def qkv_rope_backward_kernel(
+        dq_ptr,
+        dk_ptr,
+        dv_ptr,
+        cos_ptr,
+        sin_ptr,
+        dqkv_ptr,
+        seq,
+        dq_sb,
+        dq_ss,
+        dq_sh,
+        dk_sb,
+        dk_ss,
+        dk_sh,
+        dv_sb,
+        dv_ss,
+        dv_sh,
+        cos_sb,
+        cos_ss,
+        sin_sb,
+        sin_ss,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        PAIRS: tl.constexpr,
+        KV_POW2: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         b, s = token // seq, token % seq
         dim = 2 * HALF
@@ -189,4 +272,4 @@ def _kernels():
         dv = tl.load(dv_ptr + b * dv_sb + s * dv_ss + kv_head * dv_sh + cols, mask=kv_live)
         tl.store(row + (HEADS + KV_HEADS) * dim + kv_head * dim + cols, dv, mask=kv_live)
 
-    return qkv_rope_forward_kernel, qkv_rope_backward_kernel
+    return qkv_rope_backward_kernel

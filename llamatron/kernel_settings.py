@@ -1,0 +1,107 @@
+"""What the kernel flags (--attention-backend, --swiglu-backend, --rmsnorm-backend, --rope-backend,
+--cross-entropy-backend, --adamw-kernel) run, auto resolved, and the rules they must follow."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ConfigError
+from .models import ModelConfig
+from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
+from .models.rope_op import supports_head_dim
+from .triton_check import HAS_TRITON
+
+if TYPE_CHECKING:  # config imports this module to validate: the type only
+    from .config import RunConfig
+
+
+def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
+    """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
+    installed, else torch), "-" where the model has no such layer (Falcon's GELU MLP and LayerNorm). Attention
+    stays as set: under auto SDPA picks per call."""
+    model = model or cfg.model_config()
+    t = cfg.train
+    triton_here = device == "cuda" and HAS_TRITON
+
+    def pick(setting: str, supported: bool = True) -> str:
+        return "triton" if setting != "torch" and triton_here and supported else "torch"
+
+    llama = model.family != "falcon"
+    return {
+        "attention": t.attention_backend,
+        "swiglu": pick(t.swiglu_backend) if llama else "-",
+        "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
+        "rope": pick(t.rope_backend, supports_head_dim(model.head_dim)),
+        "cross_entropy": pick(t.cross_entropy_backend) if cfg.parallel.tp == 1 else "-",
+        "adamw": pick(cfg.optim.adamw_kernel),
+    }
+
+
+def _check_fa4(head_dim: int, dtype_name: str) -> None:
+    if dtype_name not in ("bf16", "fp16"):
+        raise ConfigError(
+            f"--attention-backend fa4 runs in bf16 or fp16, not {dtype_name}: use --precision bf16 "
+            "or --attention-backend auto"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ConfigError(
+            f"--attention-backend fa4: FlashAttention 4 supports head dims "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; this model's is {head_dim}: use "
+            "--attention-backend auto"
+        )
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ConfigError(
+            f"--attention-backend fa4 needs FlashAttention 4 ({reason}): pip install -e '.[fa4]' in "
+            "llamatron's checkout (or pip install 'flash-attn-4[cu13]==4.0.0b36', the tested version), "
+            "or use --attention-backend auto"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        raise ConfigError(
+            f"--attention-backend fa4 runs on Hopper (compute capability 9.0) or newer; this GPU is "
+            f"{major}.{minor}: use --attention-backend auto"
+        )
+
+
+def check_kernel_settings(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: str) -> None:
+    """The kernel flags against the model, the device and the precision (config.validate calls this)."""
+    p, t = cfg.parallel, cfg.train
+    if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
+        raise ConfigError(
+            f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto"
+        )
+    if t.attention_backend == "fa4" and device == "cuda":
+        _check_fa4(model.head_dim, dtype_name)
+    if t.swiglu_backend == "triton" and model.family == "falcon":
+        raise ConfigError("--swiglu-backend triton: Falcon models use a GELU MLP, not SwiGLU; leave it at auto")
+    if t.rmsnorm_backend == "triton" and model.family == "falcon":
+        raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
+    if t.cross_entropy_backend == "triton" and p.tp > 1:
+        raise ConfigError(
+            f"--cross-entropy-backend triton: with --tp {p.tp} the loss is the vocabulary-parallel "
+            "one, which has no Triton kernels; leave it at auto"
+        )
+    if t.rope_backend == "triton" and not supports_head_dim(model.head_dim):
+        raise ConfigError(
+            f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
+            "leave it at auto (which runs the torch expression here)"
+        )
+    kernels = {
+        "--swiglu-backend": t.swiglu_backend,
+        "--rmsnorm-backend": t.rmsnorm_backend,
+        "--rope-backend": t.rope_backend,
+        "--cross-entropy-backend": t.cross_entropy_backend,
+        "--adamw-kernel": cfg.optim.adamw_kernel,
+    }
+    for flag, value in kernels.items():
+        if value == "triton" and device != "cuda":
+            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} leave it at auto (which runs torch)")
+    if "triton" in kernels.values() and not HAS_TRITON:
+        raise ConfigError(
+            "--swiglu-backend/--rmsnorm-backend/--rope-backend/--cross-entropy-backend/--adamw-kernel "
+            "triton need the triton package (pip install triton); or leave them at auto, which then "
+            "runs the torch kernels"
+        )

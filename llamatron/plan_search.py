@@ -1,0 +1,310 @@
+"""`llamatron plan`: every layout the trainer accepts for a model on a cluster, those that fit, fastest first
+(the memory and speed of one layout are plan.py's model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from .config import RunConfig, config_from_values, validate
+from .errors import ConfigError
+from .models import ModelConfig, get_preset
+from .parallel.mesh import divisors
+from .plan import GB, RUNTIME_BASE, RUNTIME_PER_COMM, Layout, Memory, Plan, Precision, estimate_speed, layout_memory
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+MAX_VPP = 8
+DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
+
+# ---- search -------------------------------------------------------------------------------------------------
+
+
+def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length: int) -> RunConfig:
+    values = {
+        "model": model_name,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "vpp": lay.vpp,
+        "sequence_parallel": lay.sequence_parallel,
+        "distributed_optimizer": lay.distributed_optimizer,
+        "recompute": lay.recompute,
+        "recompute_layers": lay.recompute_layers,
+        "micro_batch_size": lay.micro_batch_size,
+        "global_batch_size": lay.global_batch_size,
+        "seq_length": seq_length,
+        "precision": "bf16",
+        "device": "cuda",
+    }
+    if overrides:
+        values["model_overrides"] = overrides
+    return config_from_values(values)
+
+
+def candidate_layouts(
+    model_name: str,
+    gpus: int,
+    seq_length: int,
+    gpus_per_node: int,
+    global_batch_size: int | None = None,
+    model_overrides: dict | None = None,
+) -> Iterator[Layout]:
+    """Every layout the trainer accepts (config.validate) with tp inside a node, even pipeline splits and
+    sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple of
+    micro-batch x dp (x pp when interleaved) closest to ~4M tokens."""
+    model = _model(model_name, model_overrides)
+    for tp in divisors(gpus):
+        if tp > gpus_per_node or gpus_per_node % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
+            for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):
+                gbs = global_batch_size
+                if gbs is None:
+                    step = mb * dp * (pp if vpp > 1 else 1)
+                    gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
+                for dist_opt in (False, True) if dp > 1 else (False,):
+                    lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs)
+                    try:
+                        validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
+                    except ConfigError:
+                        continue
+                    yield lay
+
+
+@dataclass
+class PlanResult:
+    model: str
+    gpus: int
+    gpu_memory: float
+    seq_length: int
+    fits: list[Plan]
+    explanation: str = ""
+
+
+def plan(
+    model_name: str,
+    gpus: int,
+    gpu_memory: float,
+    seq_length: int,
+    global_batch_size: int | None = None,
+    gpus_per_node: int = 8,
+    model_overrides: dict | None = None,
+    precision: Precision = Precision(),
+    explain: bool = True,
+) -> PlanResult:
+    """All layouts that fit, fastest first; when none does, an explanation of why."""
+    _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
+    model = _model(model_name, model_overrides)
+    fits, rejected = [], []
+    for lay in candidate_layouts(model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides):
+        mem = layout_memory(model, lay, seq_length, precision)
+        if mem.total <= gpu_memory:
+            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
+        else:
+            rejected.append((lay, mem))
+    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+    fits = _drop_dominated_recompute(fits)
+    fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
+    result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
+    if not fits and explain:
+        result.explanation = _explain(
+            model_name,
+            model,
+            gpus,
+            gpu_memory,
+            seq_length,
+            gpus_per_node,
+            global_batch_size,
+            model_overrides,
+            precision,
+            rejected,
+        )
+    return result
+
+
+def _partial_recompute(
+    model: ModelConfig,
+    fits: list[Plan],
+    rejected: list,
+    seq_length: int,
+    gpu_memory: float,
+    precision: Precision,
+    gpus: int,
+    gpus_per_node: int,
+) -> list[Plan]:
+    """Where full recompute fits and no recompute does not, the fewest recomputed layers per chunk that fit
+    (--recompute-layers N): each layer not recomputed saves a layer's forward."""
+    too_big = {replace(lay, recompute="full") for lay, _ in rejected if lay.recompute == "none"}
+    out = []
+    for p in fits:
+        lay = p.layout
+        if lay.recompute != "full" or lay.recompute_layers is not None or lay not in too_big:
+            continue
+        per_chunk = model.num_layers // (lay.pp * lay.vpp)
+        lo, hi = 1, per_chunk  # hi: all of the chunk's layers (fits)
+        while lo < hi:  # smallest N that fits; memory falls as N grows
+            mid = (lo + hi) // 2
+            if layout_memory(model, replace(lay, recompute_layers=mid), seq_length, precision).total <= gpu_memory:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < per_chunk:
+            partial = replace(lay, recompute_layers=lo)
+            mem = layout_memory(model, partial, seq_length, precision)
+            out.append(Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node)))
+    return out
+
+
+def _drop_dominated_recompute(fits: list[Plan]) -> list[Plan]:
+    """Drop a recomputing layout when the same layout without recompute also fits and needs at most 1% more
+    memory (selective recompute frees almost nothing when the attention kernel keeps no score matrix): it is
+    only slower."""
+
+    def key(p: Plan) -> tuple:
+        lay = p.layout
+        return (
+            lay.tp,
+            lay.pp,
+            lay.vpp,
+            lay.dp,
+            lay.sequence_parallel,
+            lay.distributed_optimizer,
+            lay.micro_batch_size,
+            lay.global_batch_size,
+        )
+
+    plain = {key(p): p.memory.total for p in fits if p.layout.recompute == "none"}
+    return [p for p in fits if p.layout.recompute == "none" or plain.get(key(p), float("inf")) > 1.01 * p.memory.total]
+
+
+def _model(model_name: str, overrides: dict | None) -> ModelConfig:
+    cfg = RunConfig(model_overrides=dict(overrides or {}))
+    cfg.train.model = model_name
+    return cfg.model_config()
+
+
+def _check_inputs(
+    model_name: str, gpus: int, gpu_memory: float, seq_length: int, gpus_per_node: int, global_batch_size: int | None
+) -> None:
+    try:
+        model = get_preset(model_name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if gpus < 1 or gpus_per_node < 1:
+        raise ConfigError("--gpus and --gpus-per-node must be >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ConfigError(f"--gpus {gpus} spans nodes but is not a multiple of --gpus-per-node {gpus_per_node}")
+    if gpu_memory <= 0:
+        raise ConfigError("--gpu-memory must be positive")
+    if seq_length < 1 or seq_length > 64 * model.max_seq_length:
+        raise ConfigError(f"--seq-length {seq_length} is out of range for {model_name}")
+    if global_batch_size is not None and global_batch_size < 1:
+        raise ConfigError("--global-batch-size must be >= 1")
+
+
+def minimum_gpus(
+    model_name: str,
+    gpu_memory: float,
+    seq_length: int,
+    gpus_per_node: int = 8,
+    global_batch_size: int | None = None,
+    model_overrides: dict | None = None,
+    precision: Precision = Precision(),
+    start: int = 1,
+    limit: int = 16384,
+) -> int | None:
+    """The smallest GPU count >= start (powers of two inside a node, whole nodes beyond) where a layout fits.
+
+    Doubling counts are tried first, so that a model that fits on no count is answered after ~log2(limit) plans,
+    not one plan per node; then the counts between the last doubling that failed and the first that fits, one by
+    one (halving first while more than 64 are left, which assumes more GPUs there never fit worse).
+    """
+    model = _model(model_name, model_overrides)
+    counts = [
+        g
+        for g in [2**i for i in range(32) if 2**i < gpus_per_node]
+        + list(range(gpus_per_node, limit + 1, gpus_per_node))
+        if g >= start
+    ]
+
+    def fits(gpus: int) -> bool:
+        # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share, and the CUDA
+        # runtime (with NCCL's buffers once there are several GPUs), which no GPU count shrinks.
+        runtime = RUNTIME_BASE + (RUNTIME_PER_COMM if gpus > 1 else 0)
+        if model.num_params() * 6 / gpus + runtime > gpu_memory:
+            return False
+        return bool(
+            plan(
+                model_name,
+                gpus,
+                gpu_memory,
+                seq_length,
+                global_batch_size,
+                gpus_per_node,
+                model_overrides,
+                precision,
+                explain=False,
+            ).fits
+        )
+
+    doubling = [i for i, g in enumerate(counts) if g < gpus_per_node or (g // gpus_per_node).bit_count() == 1]
+    if counts and doubling[-1:] != [len(counts) - 1]:
+        doubling.append(len(counts) - 1)  # the limit itself
+    failed = -1  # index into counts of the largest count known not to fit
+    for i in doubling:
+        if fits(counts[i]):
+            break
+        failed = i
+    else:
+        return None
+    while i - failed > 64:
+        mid = (failed + i) // 2
+        if fits(counts[mid]):
+            i = mid
+        else:
+            failed = mid
+    return next(counts[k] for k in range(failed + 1, i + 1) if k == i or fits(counts[k]))
+
+
+def _explain(
+    model_name: str,
+    model: ModelConfig,
+    gpus: int,
+    gpu_memory: float,
+    seq_length: int,
+    gpus_per_node: int,
+    global_batch_size: int | None,
+    overrides: dict | None,
+    precision: Precision,
+    rejected: list[tuple[Layout, Memory]],
+) -> str:
+    setup = (
+        f"{model_name} ({model.num_params() / 1e9:.1f}B parameters) does not fit on {gpus} x {gpu_memory / GB:.0f} GB"
+    )
+    if not rejected:
+        batch = f" and global batch size {global_batch_size}" if global_batch_size else ""
+        return (
+            f"{setup}: no layout of {gpus} GPUs is valid for this model{batch} (tp must divide the heads and "
+            f"stay within a node of {gpus_per_node}, pp*vpp must divide its {model.num_layers} layers)"
+        )
+    static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
+    if static_mem.static > gpu_memory:
+        why = (
+            f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU even at the largest "
+            f"model-parallel size tp*pp = {static_lay.tp * static_lay.pp} (tp {static_lay.tp} x pp {static_lay.pp}, "
+            f"dp {static_lay.dp}{', distributed optimizer' if static_lay.distributed_optimizer else ''})"
+        )
+    else:
+        lay, mem = min(rejected, key=lambda r: r[1].total)
+        why = (
+            f"the smallest layout (tp {lay.tp} x pp {lay.pp}, dp {lay.dp}, recompute {lay.recompute}, micro-batch "
+            f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
+            f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}"
+        )
+    needed = minimum_gpus(
+        model_name, gpu_memory, seq_length, gpus_per_node, global_batch_size, overrides, precision, start=gpus + 1
+    )
+    more = f"; it needs at least {needed} GPUs of this size" if needed else ""
+    return f"{setup}: {why}, and a GPU has {gpu_memory / GB:.1f} GB{more}"
