@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig, kernel_choices
+from .data.batches import model_kwargs
 from .models import ModelConfig, Transformer, build_model, materialize
 from .models.cross_entropy_op import set_cross_entropy_backend
 from .models.layers import set_attention_backend
@@ -127,8 +128,7 @@ def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], tota
     loss_sum = torch.zeros((), device=engine.device)
     for i, mb in enumerate(micro_batches):
         buffer.is_last_microbatch = i == len(micro_batches) - 1
-        per_token = model(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"],
-                          document_ids=mb.get("document_ids"))
+        per_token = model(mb["input_ids"], **model_kwargs(mb, with_labels=True))
         loss = per_token.sum() / total_tokens
         loss.backward()
         loss_sum += loss.detach()

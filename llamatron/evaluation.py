@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
-from .data.batches import micro_batches_for_step, to_device
+from .data.batches import micro_batches_for_step, model_kwargs, to_device
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage
 from .parallel.pipeline import pipeline_forward_each
@@ -182,8 +182,7 @@ def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
         model.eval()
         for it in range(iters):
             for mb in to_device(batches_of(it), engine.device):
-                add(model, model(mb["input_ids"], position_ids=mb.get("position_ids"),
-                                 document_ids=mb.get("document_ids")), mb)
+                add(model, model(mb["input_ids"], **model_kwargs(mb, with_labels=False)), mb)
         model.train(was_training)
     sum_from_last_stage(totals.sums, mesh)
     return _with_derived(names, totals.values())
