@@ -33,6 +33,11 @@ from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# Called inside train_step after each phase ("forward_backward", "grad_sync", "optimizer"): bench's instrumented
+# step syncs the device and reads the clock there. Plain steps pass none (no extra work, no host sync).
+OnPhase = Callable[[str], None]
+
+
 @dataclass
 class Engine:
     cfg: RunConfig
@@ -141,8 +146,11 @@ def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
     return all_reduce(local, engine.mesh.dp_group).clamp_min(1.0)
 
 
-def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str, torch.Tensor | float]:
-    """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
+def train_step(engine: Engine, micro_batches: list[dict], step: int,
+               on_phase: OnPhase | None = None) -> dict[str, torch.Tensor | float | None]:
+    """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync).
+
+    on_phase: called after each phase, for bench's breakdown; the training loop passes none."""
     cfg = engine.cfg
     total = count_tokens(engine, micro_batches)
     for buf in engine.buffers:
@@ -152,14 +160,20 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
         loss = engine.forward_backward(engine, micro_batches, total)
     else:  # fp16: dividing by total/scale multiplies every gradient by the scale
         loss = engine.forward_backward(engine, micro_batches, total / scaler.scale) / scaler.scale
+    if on_phase is not None:
+        on_phase("forward_backward")
     for buf in engine.buffers:
         buf.finish_grad_sync()
     if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
         sync_tensor_parallel_grads(engine.chunks, engine.mesh.tp_group)
+    if on_phase is not None:
+        on_phase("grad_sync")
     lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
     grad_norm, found_inf = engine.optimizer.step(lr, None if scaler is None else scaler.scale)
     if scaler is not None:
         scaler.update(found_inf)
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
+    if on_phase is not None:
+        on_phase("optimizer")
     return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr,
             "loss_scale": None if scaler is None else scaler.scale}
