@@ -33,13 +33,22 @@ from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# (engine, this rank's micro-batches, the global batch's label tokens) -> the summed loss on this rank (device)
+ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]
+
+
 # Called inside train_step after each phase ("forward_backward", "grad_sync", "optimizer"): bench's instrumented
 # step syncs the device and reads the clock there. Plain steps pass none (no extra work, no host sync).
 OnPhase = Callable[[str], None]
 
 
-@dataclass
+@dataclass(slots=True)  # declared fields only: setting any other attribute raises AttributeError
 class Engine:
+    """What a run trains: the model chunks of this rank, their gradient buffers and optimizer, the mesh.
+
+    The run's other state (the save in flight, metadata inherited from a loaded checkpoint, logging) lives
+    with the Trainer's components (train.py), not here."""
+
     cfg: RunConfig
     derived: Derived
     mesh: Mesh
@@ -49,7 +58,7 @@ class Engine:
     optimizer: DistributedAdamW
     device: torch.device
     dtype: torch.dtype
-    forward_backward: Callable  # (engine, micro_batches, total_tokens) -> summed loss on this rank (device)
+    forward_backward: ForwardBackward
     loss_scaler: DynamicLossScaler | None = None  # fp16 only
 
 
