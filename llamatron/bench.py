@@ -1,12 +1,13 @@
 """What `llamatron bench` measures: synthetic training steps, one row of throughput and where the time goes.
 
 The headline numbers come from plain, un-instrumented steps (no host sync
-inside a step). The breakdown comes from separate instrumented steps that
-synchronise between phases:
-  forward    forward passes of all micro-batches (graph kept, as in training)
-  backward   forward+backward minus forward
-  grad_sync  waiting for gradient reductions after the last backward (exposed communication)
-  optimizer  clipping, AdamW and publishing parameters
+inside a step). The breakdown comes from one more step, the same `train_step`
+training runs, whose phase hooks synchronise the device and read the clock:
+  forward    forward passes of all micro-batches (pp 1; graph kept, as in training)
+  backward   forward+backward minus forward (pp > 1: forward_backward, the whole schedule)
+  grad_sync  waiting for gradient reductions after the last backward and the tensor-parallel
+             gradient sync (exposed communication)
+  optimizer  clipping, AdamW (with the step's learning rate and loss scale) and publishing parameters
 Pipeline bubble is the schedule's idle fraction, (pp-1) / (m*vpp + pp-1), for m micro-batches.
 """
 
@@ -16,12 +17,13 @@ import os
 import time
 
 import torch
+from torch import nn
 
 from .config import RunConfig, validate
 from .data.batches import micro_batches_for_step, to_device
 from .data.mock import MockDataset
+from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
-from .engine import build_engine, count_tokens, train_step
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
 from .plan import bytes_per_param
 from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
@@ -69,7 +71,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
             "torch": torch.__version__}
 
 
-def state_memory(engine) -> dict[str, float]:
+def state_memory(engine: Engine) -> dict[str, float]:
     """Weights + gradients + optimizer state: allocated between steps (no activations alive) vs the formula.
 
     The formula is the planner's (plan.bytes_per_param): bf16 params 2 + grads 4 + (master 4 + moments 8) / s,
@@ -87,52 +89,54 @@ def state_memory(engine) -> dict[str, float]:
             "state_formula_gib": params * per_param / 2**30}
 
 
-def _breakdown(engine, batch: list[dict], step: int) -> dict[str, float]:
-    """Milliseconds per phase from one instrumented step (syncs between phases)."""
+def _breakdown(engine: Engine, batch: list[dict], step: int) -> dict[str, float]:
+    """Milliseconds per phase of one instrumented train_step (syncs between phases)."""
     device = engine.device
-    total = count_tokens(engine, batch)
-    for buf in engine.buffers:
-        buf.zero_grad()
+    for buf in engine.buffers:  # the last timed step's parameter all-gather is not this step's work
         buf.finish_param_gather()
-    times = {}
-    if engine.cfg.parallel.pp == 1:
-        # Forward time of each micro-batch, its backward run (untimed) before the next forward so that
-        # only one micro-batch's activations are alive, as in a real step.
-        model, buffer = engine.chunks[0], engine.buffers[0]
-        buffer.is_last_microbatch = False  # no reductions from these backwards
-        forward = 0.0
-        for mb in batch:
-            sync_device(device)
-            t0 = time.perf_counter()
-            loss = model(mb["input_ids"], labels=mb["labels"]).sum()
-            sync_device(device)
-            forward += time.perf_counter() - t0
-            (loss / total).backward()
-        buffer.is_last_microbatch = True
-        times["forward_ms"] = 1000 * forward
-    for buf in engine.buffers:
-        buf.zero_grad()
+    marks: dict[str, float] = {}
+
+    def on_phase(name: str) -> None:
+        sync_device(device)
+        marks[name] = time.perf_counter()
+
+    forwards = _ForwardClock(engine.chunks[0], device) if engine.mesh.pp == 1 else None
     sync_device(device)
-    t0 = time.perf_counter()
-    engine.forward_backward(engine, batch, total)
-    sync_device(device)
-    t1 = time.perf_counter()
-    for buf in engine.buffers:
-        buf.finish_grad_sync()
-    sync_device(device)
-    t2 = time.perf_counter()
-    engine.optimizer.step(engine.cfg.optim.lr)
-    engine.optimizer.publish_params(overlap=False)
-    sync_device(device)
-    t3 = time.perf_counter()
-    fwd_bwd = 1000 * (t1 - t0)
-    if "forward_ms" in times:
-        times["backward_ms"] = fwd_bwd - times["forward_ms"]
+    start = time.perf_counter()
+    try:
+        train_step(engine, batch, step, on_phase=on_phase)
+    finally:
+        if forwards is not None:
+            forwards.remove()
+    fwd_bwd = 1000 * (marks["forward_backward"] - start)
+    if forwards is not None:
+        times = {"forward_ms": 1000 * forwards.seconds, "backward_ms": fwd_bwd - 1000 * forwards.seconds}
     else:
-        times["forward_backward_ms"] = fwd_bwd
-    times["grad_sync_ms"] = 1000 * (t2 - t1)
-    times["optimizer_ms"] = 1000 * (t3 - t2)
+        times = {"forward_backward_ms": fwd_bwd}
+    times["grad_sync_ms"] = 1000 * (marks["grad_sync"] - marks["forward_backward"])
+    times["optimizer_ms"] = 1000 * (marks["optimizer"] - marks["grad_sync"])
     return times
+
+
+class _ForwardClock:
+    """The time of every forward of `model` (pp 1: one per micro-batch, each followed by its backward, as in a
+    real step), between device syncs, through module hooks that `remove` takes off again."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.device, self.seconds, self._started = device, 0.0, 0.0
+        self._hooks = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._stop)]
+
+    def _start(self, module: nn.Module, args: tuple) -> None:
+        sync_device(self.device)
+        self._started = time.perf_counter()
+
+    def _stop(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        sync_device(self.device)
+        self.seconds += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def format_row(row: dict) -> str:

@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from . import __version__
 from .commands import COMMANDS
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
+from .faults import NO_FAULTS, FaultInjection
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,9 +51,11 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> None:
+    """faults: what a test injects into a run (tests/inject_faults.py); none otherwise."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.faults = faults
     if unknown:  # report against the command's own usage, with the nearest real flags
         _reject_unknown(parser, args.command, unknown)
     if args.command is None:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig
+from .data.batches import model_kwargs
 from .dtypes import DTYPES
 from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
@@ -27,8 +28,22 @@ from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 
 
-@dataclass
+# (engine, this rank's micro-batches, the global batch's label tokens) -> the summed loss on this rank (device)
+ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]
+
+
+# Called inside train_step after each phase ("forward_backward", "grad_sync", "optimizer"): bench's instrumented
+# step syncs the device and reads the clock there. Plain steps pass none (no extra work, no host sync).
+OnPhase = Callable[[str], None]
+
+
+@dataclass(slots=True)  # declared fields only: setting any other attribute raises AttributeError
 class Engine:
+    """What a run trains: the model chunks of this rank, their gradient buffers and optimizer, the mesh.
+
+    The run's other state (the save in flight, metadata inherited from a loaded checkpoint, logging) lives
+    with the Trainer's components (train.py), not here."""
+
     cfg: RunConfig
     derived: Derived
     mesh: Mesh
@@ -38,7 +53,7 @@ class Engine:
     optimizer: DistributedAdamW
     device: torch.device
     dtype: torch.dtype
-    forward_backward: Callable  # (engine, micro_batches, total_tokens) -> summed loss on this rank (device)
+    forward_backward: ForwardBackward
     loss_scaler: DynamicLossScaler | None = None  # fp16 only
 
 
@@ -120,8 +135,7 @@ def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], tota
     loss_sum = torch.zeros((), device=engine.device)
     for i, mb in enumerate(micro_batches):
         buffer.is_last_microbatch = i == len(micro_batches) - 1
-        per_token = model(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"],
-                          document_ids=mb.get("document_ids"))
+        per_token = model(mb["input_ids"], **model_kwargs(mb, with_labels=True))
         loss = per_token.sum() / total_tokens
         loss.backward()
         loss_sum += loss.detach()
@@ -134,8 +148,11 @@ def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
     return all_reduce(local, engine.mesh.dp_group).clamp_min(1.0)
 
 
-def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str, torch.Tensor | float]:
-    """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync)."""
+def train_step(engine: Engine, micro_batches: list[dict], step: int,
+               on_phase: OnPhase | None = None) -> dict[str, torch.Tensor | float | None]:
+    """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync).
+
+    on_phase: called after each phase, for bench's breakdown; the training loop passes none."""
     cfg = engine.cfg
     total = count_tokens(engine, micro_batches)
     for buf in engine.buffers:
@@ -145,14 +162,20 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int) -> dict[str
         loss = engine.forward_backward(engine, micro_batches, total)
     else:  # fp16: dividing by total/scale multiplies every gradient by the scale
         loss = engine.forward_backward(engine, micro_batches, total / scaler.scale) / scaler.scale
+    if on_phase is not None:
+        on_phase("forward_backward")
     for buf in engine.buffers:
         buf.finish_grad_sync()
     if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
         sync_tensor_parallel_grads(engine.chunks, engine.mesh.tp_group)
+    if on_phase is not None:
+        on_phase("grad_sync")
     lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
     grad_norm, found_inf = engine.optimizer.step(lr, None if scaler is None else scaler.scale)
     if scaler is not None:
         scaler.update(found_inf)
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
+    if on_phase is not None:
+        on_phase("optimizer")
     return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr,
             "loss_scale": None if scaler is None else scaler.scale}

@@ -31,14 +31,18 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ConfigError
-from .data.batches import micro_batches_for_step, to_device
+from .data.batches import micro_batches_for_step, model_kwargs, to_device
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage
 from .parallel.pipeline import pipeline_forward_each
+
+if TYPE_CHECKING:  # the annotation only: engine imports config, which imports this module (--eval-metrics)
+    from .engine import Engine
 
 
 @dataclass
@@ -155,7 +159,7 @@ class _Totals:
 
 
 @torch.no_grad()
-def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
+def evaluate(engine: Engine, dataset: Sequence, iters: int, start_sample: int = 0,
              metrics: Sequence[str] | None = None) -> dict[str, float]:
     """The selected metrics (default: --eval-metrics) over `iters` global batches of the validation set.
 
@@ -182,11 +186,32 @@ def evaluate(engine, dataset: Sequence, iters: int, start_sample: int = 0,
         model.eval()
         for it in range(iters):
             for mb in to_device(batches_of(it), engine.device):
-                add(model, model(mb["input_ids"], position_ids=mb.get("position_ids"),
-                                 document_ids=mb.get("document_ids")), mb)
+                add(model, model(mb["input_ids"], **model_kwargs(mb, with_labels=False)), mb)
         model.train(was_training)
     sum_from_last_stage(totals.sums, mesh)
     return _with_derived(names, totals.values())
+
+
+class Evaluation:
+    """A run's evaluations: every --eval-interval steps, after the last step and, in a fresh run with
+    --eval-interval, before the first; --eval-iters global batches of the validation set each."""
+
+    def __init__(self, engine: Engine, valid: Sequence | None):
+        self.engine, self.valid = engine, valid
+        self.interval, self.iters = engine.cfg.train.eval_interval, engine.cfg.train.eval_iters
+
+    def at_start(self, start_step: int) -> bool:
+        """Evaluate the initial weights first: a fresh run (also --finetune) does, a resumed one does not."""
+        return self.valid is not None and start_step == 0 and bool(self.interval)
+
+    def due(self, step: int, last: bool) -> bool:
+        """Evaluate after (1-based) `step`."""
+        return self.valid is not None and (bool(self.interval and step % self.interval == 0) or last)
+
+    def run(self) -> dict[str, float]:
+        """The --eval-metrics values, the same on every rank (collective)."""
+        assert self.valid is not None, "no validation set: due() and at_start() are False"
+        return evaluate(self.engine, self.valid, self.iters)
 
 
 def _with_derived(names: list[str], values: dict[str, float]) -> dict[str, float]:

@@ -11,27 +11,38 @@
 - --dist-timeout bounds every collective. When one fails, `explain_collective_failure` finds out through
   the rendezvous store which ranks did not see the failure themselves (the hung or dead ones) and names them.
 
-Test hooks (environment variables, read when the guard is built):
-  LLAMATRON_TEST_NAN_STEPS="3,4"         the loss of these (1-based) steps becomes NaN before backward
-  LLAMATRON_TEST_HANG="RANK:STEP:SECONDS" rank RANK sleeps before step STEP (until SECONDS pass or a signal)
+Faults for tests are injected, never read from the environment: a `FaultInjection` goes to the guard (NaN
+steps, a hung rank) and to the checkpointing (a failed write); tests/inject_faults.py runs a command with one.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .engine import Engine
 from .errors import TrainingAborted
 
 PROCESS_START = time.monotonic()  # --exit-duration-mins counts from here (module import = start of `train`)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-NAN_STEPS_ENV, HANG_ENV = "LLAMATRON_TEST_NAN_STEPS", "LLAMATRON_TEST_HANG"
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Faults a test makes happen (tests/inject_faults.py); a real run has none (NO_FAULTS)."""
+
+    nan_steps: frozenset[int] = frozenset()  # the loss of these (1-based) steps becomes NaN before backward
+    hang: tuple[int, int, float] | None = None  # (rank, step, seconds): it sleeps before that step, until a signal
+    fail_save: tuple[int, int] | None = None  # (step, rank): that rank's write of that checkpoint fails half-way
+
+
+NO_FAULTS = FaultInjection()
 
 
 class CollectiveTimeout(TrainingAborted):
@@ -72,14 +83,14 @@ def _in_main_thread() -> bool:
 
 
 class FaultGuard:
-    """Per-run fault state: skipped-step counts, stop requests agreed across ranks, test hooks."""
+    """Per-run fault state: skipped-step counts, stop requests agreed across ranks, injected faults."""
 
-    def __init__(self, engine, echo: Callable[[str], None] = print):
+    def __init__(self, engine: Engine, faults: FaultInjection = NO_FAULTS, echo: Callable[[str], None] = print):
         t = engine.cfg.train
         self.max_skipped = t.max_skipped_steps
         self.exit_duration_mins = t.exit_duration_mins
         self.mesh, self.echo = engine.mesh, echo
-        scaler = getattr(engine, "loss_scaler", None)
+        scaler = engine.loss_scaler
         self.min_loss_scale = None if scaler is None else scaler.min_scale
         self.skipped_total = 0
         self.streak: list[dict] = []  # records of the current run of consecutive skipped steps
@@ -91,14 +102,13 @@ class FaultGuard:
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
             self.flag_group = dist.new_group(backend="gloo")
         install_signal_handlers()
-        self.nan_steps = _parse_steps(os.environ.get(NAN_STEPS_ENV, ""))
+        self.nan_steps, self.hang = faults.nan_steps, faults.hang
         self.inject_nan = False
         if self.nan_steps:
             _install_nan_injection(engine.chunks, self)
-        self.hang = _parse_hang(os.environ.get(HANG_ENV, ""))
 
     def start_step(self, step: int) -> None:
-        """Called before the (1-based) step `step` runs: test hooks only."""
+        """Called before the (1-based) step `step` runs: injected faults only."""
         self.inject_nan = step in self.nan_steps
         if self.hang is not None and self.hang[0] == self.mesh.rank and self.hang[1] == step:
             end = time.monotonic() + self.hang[2]
@@ -163,19 +173,8 @@ class FaultGuard:
                 f"up to {last['consumed_samples']}).")
 
 
-def _parse_steps(text: str) -> set[int]:
-    return {int(s) for s in text.replace(",", " ").split()}
-
-
-def _parse_hang(text: str) -> tuple[int, int, float] | None:
-    if not text:
-        return None
-    rank, step, seconds = text.split(":")
-    return int(rank), int(step), float(seconds)
-
-
-def _install_nan_injection(chunks: list[torch.nn.Module], guard: FaultGuard) -> None:
-    """Test hook: multiply the final norm's output by NaN on chosen steps, so loss and gradients become NaN."""
+def _install_nan_injection(chunks: Sequence[torch.nn.Module], guard: FaultGuard) -> None:
+    """Injected fault: multiply the final norm's output by NaN on chosen steps, so loss and gradients become NaN."""
     def hook(module, inputs, output):
         return output * float("nan") if guard.inject_nan and module.training else output
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .engine import Engine
+from .evaluation import format_metrics
+from .parallel.mesh import sum_from_last_stage
 
 # Dense bf16 peak per GPU, by name fragment (datasheet figures, as docs/design.md specifies).
 _PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0}
@@ -93,3 +99,119 @@ class Timer:
 
     def reset(self) -> None:
         self.start = time.perf_counter()
+
+
+class MetricsLog:
+    """A run's metric records and console lines.
+
+    One step record per --log-interval steps (and after the last step, and before a stop): the loss averaged
+    over its steps, the speed over their training time only (evaluations and saves are left out, `paused`);
+    the evaluation records; each also as a progress-bar update or, with --no-progress, one plain line. Records
+    go to --metrics-file and the TensorBoard / W&B sinks, from the logging rank only.
+    """
+
+    def __init__(self, engine: Engine, start_step: int, extra_sinks: list | None = None):
+        cfg, t = engine.cfg, engine.cfg.train
+        self.engine, self.interval, self.total_steps = engine, t.log_interval, t.train_steps
+        self.global_batch = t.global_batch_size
+        self.logging_rank = engine.mesh.is_logging_rank
+        self.sink = MetricsSink(t.metrics_file if self.logging_rank else None, extra_sinks)
+        self.progress = _progress_bar(t.train_steps, start_step) if (self.logging_rank and t.progress) else None
+        self.flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
+        self.peak = peak_tflops(engine.device)
+        self.tokens_per_step = t.global_batch_size * cfg.data.seq_length
+        self.timer = Timer(engine.device)
+        self.train_seconds = 0.0  # training time of the pending steps before the timer's last reset
+        self.pending: list[tuple[int, dict]] = []  # (1-based step, train_step's output) not yet logged
+
+    def start_clock(self) -> None:
+        """Training starts now: the first record's speed counts from here."""
+        self.timer.reset()
+        self.train_seconds = 0.0
+
+    def add_step(self, step: int, out: dict) -> None:
+        self.pending.append((step, out))
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return step % self.interval == 0 or step == self.total_steps or stopping
+
+    def pending_skipped(self) -> int:
+        """Skipped steps among those not yet logged."""
+        return sum(bool(o["found_inf"] > 0) for _, o in self.pending)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (an evaluation, a save) is not training time."""
+        self.train_seconds += self.timer.elapsed()
+        yield
+        self.timer.reset()
+
+    def step_records(self, consumed: int) -> list[dict]:
+        """A record of each step since the last log, with its global loss (a collective: every rank calls it)."""
+        self.train_seconds += self.timer.elapsed()
+        losses = sum_from_last_stage(torch.stack([o["loss"] for _, o in self.pending]).float(), self.engine.mesh)
+        last = self.pending[-1][0]
+        return [{"step": s, "loss": loss, "lr": o["lr"], "grad_norm": float(o["grad_norm"]),
+                 "skipped": bool(o["found_inf"] > 0), **_loss_scale(o),
+                 "consumed_samples": consumed - (last - s) * self.global_batch}
+                for (s, o), loss in zip(self.pending, losses.tolist())]
+
+    def write_steps(self, steps: list[dict], skipped_total: int, consumed: int) -> None:
+        """The record of the logged step, steps[-1]: the loss averaged over `steps` (their number in
+        `steps_in_record`, skipped ones left out), the rest as of the logged step; then a new interval."""
+        speed = throughput(self.tokens_per_step * len(steps), self.train_seconds, self.flops_per_token,
+                           self.engine.mesh.world_size, self.peak)
+        last = steps[-1]
+        applied = [r["loss"] for r in steps if not r["skipped"]]
+        record = {"step": last["step"], "loss": sum(applied) / len(applied) if applied else last["loss"],
+                  "lr": last["lr"], "grad_norm": last["grad_norm"], "skipped": last["skipped"],
+                  "skipped_steps": skipped_total, "steps_in_record": len(steps), **_loss_scale(last), **speed,
+                  "peak_mem_gib": peak_memory_gib(self.engine.device), "consumed_samples": consumed}
+        self.sink.write(record)
+        self._show(record, speed)
+        self.pending, self.train_seconds = [], 0.0
+        self.timer.reset()
+
+    def _show(self, record: dict, speed: dict) -> None:
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                      tok_s=f"{speed['tokens_per_sec']:.0f}",
+                                      mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
+            self.progress.update(record["steps_in_record"])
+        elif self.logging_rank:  # --no-progress (batch logs): one plain line per logged step
+            mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
+            self.echo(f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                      f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu}")
+
+    def write_evaluation(self, step: int, metrics: dict[str, float], consumed: int) -> dict:
+        """The evaluation record of (1-based) `step`, written and shown (also with --no-progress: batch logs
+        want the evaluations); returns it."""
+        record = {"step": step, "split": "valid", **metrics, "consumed_samples": consumed}
+        self.sink.write(record)
+        self.echo(f"step {step}: valid {format_metrics(metrics)}")
+        return record
+
+    def echo(self, message: str) -> None:
+        """A console line from the logging rank, above the progress bar when there is one."""
+        if not self.logging_rank:
+            return
+        if self.progress is not None:
+            self.progress.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        self.sink.close()
+
+
+def _loss_scale(step_out: dict) -> dict:
+    scale = step_out.get("loss_scale")
+    return {} if scale is None else {"loss_scale": float(scale)}
+
+
+def _progress_bar(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from . import demo
-from .checkpoint import (check_checkpoint_fits, finish_pending_save, load_checkpoint, read_model_config,
-                         save_checkpoint, step_dirs, step_number)
-from .config import RunConfig, validate
+from .checkpoint import (Checkpointing, check_checkpoint_fits, load_checkpoint, meta_to_inherit, read_model_config,
+                         step_dirs, step_number)
+from .config import Derived, RunConfig, validate
 from .data import samples
 from .data.batches import micro_batches_for_step, to_device
 from .data.boundaries import DocumentBoundaries
@@ -22,19 +22,28 @@ from .data.mock import MockDataset
 from .data.sft_dataset import build_sft_datasets
 from .data.tokenizer import load_tokenizer
 from .engine import Engine, build_engine, train_step
-from .evaluation import evaluate, format_metrics
+from .evaluation import Evaluation
 from .errors import ConfigError
-from .faults import FaultGuard, explain_collective_failure, restore_signal_handlers
+from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
 from .logging_sinks import build_metric_sinks
-from .metrics import MetricsSink, Timer, peak_memory_gib, peak_tflops, throughput
+from .metrics import MetricsLog
 from .models import ModelConfig
-from .parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
+from .parallel.mesh import Mesh, build_mesh, init_distributed
 
 @dataclass
 class Datasets:
     train: Sequence
     valid: Sequence | None
     tokenizer_path: str | None = None
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Where the run starts: 0 for a fresh run (also --finetune), the checkpoint's position on resume."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    skipped_steps: int = 0  # non-finite steps skipped by the run this one resumes
 
 
 @dataclass
@@ -122,8 +131,9 @@ def model_label(cfg: RunConfig) -> str:
     return t.model if "model" in cfg.explicit or not t.load else f"the model of checkpoint {t.load}"
 
 
-def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
-    """Train as configured. replace_save: the caller has cleared --save (the demo's own directory)."""
+def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInjection = NO_FAULTS) -> TrainResult:
+    """Train as configured. replace_save: the caller has cleared --save (the demo's own directory); faults:
+    what a test injects (none in a real run)."""
     t = cfg.train
     if cfg.data.tokenizer and os.path.exists(cfg.data.tokenizer):
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)  # checkpoints must name it from anywhere
@@ -139,14 +149,15 @@ def run_training(cfg: RunConfig, replace_save: bool = False) -> TrainResult:
         check_save_dir(cfg)
     init_distributed(derived.device, t.dist_timeout)
     try:
-        return _train_on_this_rank(cfg, derived, model_cfg)
+        return _train_on_this_rank(cfg, derived, model_cfg, faults)
     finally:  # also after an error: a process group left alive aborts the exit (gloo's threads)
         restore_signal_handlers()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> TrainResult:
+def _train_on_this_rank(cfg: RunConfig, derived: Derived, model_cfg: ModelConfig,
+                        faults: FaultInjection) -> TrainResult:
     t = cfg.train
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
@@ -157,20 +168,21 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
     sinks = build_metric_sinks(cfg) if mesh.is_logging_rank else []
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
-    start_step, consumed, skipped_before = 0, 0, 0
+    start, inherited = RunStart(), {}
     if t.load:
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
+        inherited = meta_to_inherit(state)
         if not t.finetune:
-            start_step, consumed = state["step"], state["consumed_samples"]
-            skipped_before = state.get("skipped_steps", 0)
+            start = RunStart(state["step"], state["consumed_samples"], state.get("skipped_steps", 0))
         if mesh.rank == 0:
             print(f"loaded weights of step {state['step']} from {t.load} (--finetune: fresh optimizer, step 0)"
-                  if t.finetune else f"resumed from {t.load} at step {start_step} ({consumed} samples consumed)",
-                  flush=True)
+                  if t.finetune else f"resumed from {t.load} at step {start.step} ({start.consumed_samples} samples "
+                  "consumed)", flush=True)
             if not t.finetune:
-                _say_what_changed_on_resume(cfg, state, start_step)
+                _say_what_changed_on_resume(cfg, state, start.step)
     try:
-        return train_loop(engine, datasets, start_step, consumed, skipped_before, sinks)
+        trainer = Trainer(engine, datasets, start, Checkpointing(t, inherited, faults), faults, sinks)
+        return trainer.run()
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
         failure = explain_collective_failure(e, t.dist_timeout)
         if failure is None:
@@ -178,84 +190,79 @@ def _train_on_this_rank(cfg: RunConfig, derived, model_cfg: ModelConfig) -> Trai
         raise failure from e
 
 
-def train_loop(engine: Engine, datasets: Datasets, start_step: int, consumed: int,
-               skipped_before: int = 0, extra_sinks: list | None = None) -> TrainResult:
-    """The training steps; extra_sinks (TensorBoard, W&B; logging rank only) get every record."""
-    cfg, mesh = engine.cfg, engine.mesh
-    t = cfg.train
-    logging_rank = mesh.is_logging_rank
-    sink = MetricsSink(t.metrics_file if logging_rank else None, extra_sinks)
-    result = TrainResult(steps=start_step, consumed_samples=consumed)
-    flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
-    peak = peak_tflops(engine.device)
-    tokens_per_step = t.global_batch_size * cfg.data.seq_length
-    progress = _progress_bar(t.train_steps, start_step) if (logging_rank and t.progress) else None
-    timer = Timer(engine.device)
-    train_seconds = 0.0  # training time of the pending steps before the timer's last reset (an eval or a save)
-    pending: list[tuple[int, dict]] = []
-    guard = FaultGuard(engine, echo=lambda m: _print(progress, m) if logging_rank else None)
-    guard.skipped_total = skipped_before  # skipped steps of the run this one resumes
-    stop: str | None = None
-    if datasets.valid is not None and start_step == 0 and t.eval_interval:
-        _evaluate_and_record(engine, datasets, 0, consumed, result, sink, progress)
-        timer.reset()  # the first step's speed is training only
-    for step in range(start_step, t.train_steps):
-        mbs = micro_batches_for_step(datasets.train, consumed, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank)
-        guard.start_step(step + 1)
-        out = train_step(engine, to_device(mbs, engine.device), step)
-        consumed += t.global_batch_size
-        pending.append((step + 1, out))
-        stop = guard.stop_reason()  # a pre-emption signal or --exit-duration-mins, agreed by all ranks
-        if (step + 1) % t.log_interval == 0 or step + 1 == t.train_steps or stop:
-            train_seconds += timer.elapsed()
-            losses = _reduce_step_losses(engine, [o["loss"] for _, o in pending])
-            speed = throughput(tokens_per_step * len(pending), train_seconds, flops_per_token, mesh.world_size, peak)
-            for (s, o), loss in zip(pending, losses):  # every step counts for the skipped-step checks
-                guard.count({"step": s, "loss": loss, "grad_norm": float(o["grad_norm"]),
-                             "skipped": bool(o["found_inf"] > 0), **_loss_scale(o),
-                             "consumed_samples": consumed - (pending[-1][0] - s) * t.global_batch_size})
-                result.losses.append(loss)
-            record = _interval_record(pending, losses, speed, guard.skipped_total, consumed, engine)
-            sink.write(record)
-            if progress is not None:
-                progress.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{pending[-1][1]['lr']:.2e}",
-                                     tok_s=f"{speed['tokens_per_sec']:.0f}",
-                                     mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
-                progress.update(len(pending))
-            elif logging_rank:  # --no-progress (batch logs): one plain line per logged step
-                mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
-                _print(None, f"step {pending[-1][0]}: loss {record['loss']:.4f}, lr {pending[-1][1]['lr']:.2e}, "
-                             f"grad norm {float(pending[-1][1]['grad_norm']):.3f}, "
-                             f"{speed['tokens_per_sec']:.0f} tokens/s{mfu}")
-            pending, train_seconds = [], 0.0
-            timer.reset()
-            guard.check_skipped(on_abort=sink.close)
-        last = step + 1 == t.train_steps
-        if datasets.valid is not None and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
-            train_seconds += timer.elapsed()
-            _evaluate_and_record(engine, datasets, step + 1, consumed, result, sink, progress)
-            timer.reset()
-        if t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or last or stop):
+class Trainer:
+    """The training loop. It runs the steps and asks its components when to act, each owning its flags and
+    cadence: metrics and console logging (`MetricsLog`), the fault guard (`FaultGuard`: skipped steps, stop
+    requests, injected faults), evaluation (`Evaluation`) and checkpointing (`Checkpointing`)."""
+
+    def __init__(self, engine: Engine, datasets: Datasets, start: RunStart, saves: Checkpointing,
+                 faults: FaultInjection = NO_FAULTS, extra_sinks: list | None = None):
+        """extra_sinks: TensorBoard, W&B (logging rank only), given every record."""
+        self.engine, self.train_data, self.saves = engine, datasets.train, saves
+        self.start_step, self.consumed = start.step, start.consumed_samples
+        self.result = TrainResult(steps=start.step, consumed_samples=start.consumed_samples)
+        self.log = MetricsLog(engine, start.step, extra_sinks)
+        self.guard = FaultGuard(engine, faults, echo=self.log.echo)
+        self.guard.skipped_total = start.skipped_steps  # skipped steps of the run this one resumes
+        self.evaluation = Evaluation(engine, datasets.valid)
+
+    def run(self) -> TrainResult:
+        t = self.engine.cfg.train
+        if self.evaluation.at_start(self.start_step):
+            self._evaluate(0)
+        self.log.start_clock()  # the first step's speed is training only
+        step, stop = self.start_step, None
+        for step in range(self.start_step + 1, t.train_steps + 1):  # 1-based: the step just trained
+            self._train(step)
+            stop = self.guard.stop_reason()  # a pre-emption signal or --exit-duration-mins, agreed by all ranks
+            last = step == t.train_steps
+            if self.log.due(step, stop is not None):
+                self._log()
+            if self.evaluation.due(step, last):
+                self._evaluate(step)
+            if self.saves.due(step, last, stop is not None):
+                self._save(step)
+            if stop:
+                self.guard.echo(self.guard.stop_message(step, stop, self.result.checkpoint, t.save))
+                break
+        self._finish()
+        self.result.steps, self.result.consumed_samples = (step if stop else t.train_steps), self.consumed
+        return self.result
+
+    def _train(self, step: int) -> None:
+        t, mesh = self.engine.cfg.train, self.engine.mesh
+        mbs = micro_batches_for_step(self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size,
+                                     mesh.dp, mesh.dp_rank)
+        self.guard.start_step(step)
+        out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
+        self.consumed += t.global_batch_size
+        self.log.add_step(step, out)
+
+    def _log(self) -> None:
+        steps = self.log.step_records(self.consumed)
+        for record in steps:  # every step counts for the skipped-step checks
+            self.guard.count(record)
+            self.result.losses.append(record["loss"])
+        self.log.write_steps(steps, self.guard.skipped_total, self.consumed)
+        self.guard.check_skipped(on_abort=self.log.close)
+
+    def _evaluate(self, step: int) -> None:
+        with self.log.paused():
+            self.result.valid.append(self.log.write_evaluation(step, self.evaluation.run(), self.consumed))
+
+    def _save(self, step: int) -> None:
+        with self.log.paused():
             # Steps skipped so far, also those not yet logged: a resumed run continues the count.
-            train_seconds += timer.elapsed()
-            skipped = guard.skipped_total + sum(bool(o["found_inf"] > 0) for _, o in pending)
-            result.checkpoint = save_checkpoint(engine, t.save, step + 1, consumed, skipped)
-            if logging_rank:
-                _print(progress, f"step {step + 1}: saved {result.checkpoint}"
-                                 + (" (writing in the background)" if t.async_save else ""))
-            timer.reset()
-        if stop:
-            guard.echo(guard.stop_message(step + 1, stop, result.checkpoint if t.save else None, t.save))
-            break
-    for buf in engine.buffers:  # no collective may be left in flight
-        buf.finish_param_gather()
-    if t.save:  # an --async-save still writing: wait for it and publish it (collective)
-        finish_pending_save(engine)
-    if progress is not None:
-        progress.close()
-    sink.close()
-    result.steps, result.consumed_samples = (step + 1 if stop else t.train_steps), consumed
-    return result
+            skipped = self.guard.skipped_total + self.log.pending_skipped()
+            self.result.checkpoint = self.saves.save(self.engine, step, self.consumed, skipped)
+            self.log.echo(f"step {step}: saved {self.result.checkpoint}"
+                          + (" (writing in the background)" if self.saves.background else ""))
+
+    def _finish(self) -> None:
+        for buf in self.engine.buffers:  # no collective may be left in flight
+            buf.finish_param_gather()
+        self.saves.finish(self.engine)  # an --async-save still writing: wait for it and publish it (collective)
+        self.log.close()
 
 
 def check_save_dir(cfg: RunConfig) -> None:
@@ -341,48 +348,3 @@ def _warn_if_beyond_trained_context(cfg: RunConfig, model_cfg) -> None:
         print(f"warning: --seq-length {seq} is beyond {model_label(cfg)}'s context of {limit} tokens and no rope "
               f"scaling is set; for pretrained weights set one in YAML (model_overrides: rope_scaling: "
               f"{{kind: linear, factor: {seq / limit:g}}}) or use --seq-length <= {limit}.", file=sys.stderr, flush=True)
-
-
-def _loss_scale(step_out: dict) -> dict:
-    scale = step_out.get("loss_scale")
-    return {} if scale is None else {"loss_scale": float(scale)}
-
-
-def _evaluate_and_record(engine: Engine, datasets: Datasets, step: int, consumed: int, result: TrainResult,
-                         sink: MetricsSink, progress) -> None:
-    metrics = evaluate(engine, datasets.valid, engine.cfg.train.eval_iters)
-    record = {"step": step, "split": "valid", **metrics, "consumed_samples": consumed}
-    result.valid.append(record)
-    sink.write(record)
-    if engine.mesh.is_logging_rank:  # also with --no-progress: batch logs want the evaluations
-        _print(progress, f"step {step}: valid {format_metrics(metrics)}")
-
-
-def _interval_record(pending: list[tuple[int, dict]], losses: list[float], speed: dict, skipped_total: int,
-                     consumed: int, engine: Engine) -> dict:
-    """The metric record of a logged step: the loss averaged over the steps since the last record (their
-    number in `steps_in_record`, skipped ones left out), the rest as of the logged step."""
-    step, last = pending[-1]
-    applied = [loss for (_, o), loss in zip(pending, losses) if not o["found_inf"] > 0]
-    return {"step": step, "loss": sum(applied) / len(applied) if applied else losses[-1], "lr": last["lr"],
-            "grad_norm": float(last["grad_norm"]), "skipped": bool(last["found_inf"] > 0),
-            "skipped_steps": skipped_total, "steps_in_record": len(pending), **_loss_scale(last), **speed,
-            "peak_mem_gib": peak_memory_gib(engine.device), "consumed_samples": consumed}
-
-
-def _reduce_step_losses(engine: Engine, losses: list[torch.Tensor]) -> list[float]:
-    """Per-step global losses: summed over data-parallel ranks, sent from the last pipeline stage to all."""
-    return sum_from_last_stage(torch.stack(losses).float(), engine.mesh).tolist()
-
-
-def _progress_bar(total: int, initial: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _print(progress, message: str) -> None:
-    if progress is not None:
-        progress.write(message)
-    else:
-        print(message, flush=True)

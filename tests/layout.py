@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 
 BASE_ARGS = ["--mock-data", "--device", "cpu", "--precision", "fp32", "--seq-length", "32", "--micro-batch-size", "2",
              "--global-batch-size", "8", "--train-steps", "5", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "1",
@@ -25,8 +26,10 @@ def free_port() -> int:
 
 
 def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-test", timeout: int = 300,
-              include_eval: bool = False) -> list[dict]:
-    """Train through the public command; returns the per-step metric records (evaluation lines only if asked)."""
+              include_eval: bool = False, faults: Sequence[str] = ()) -> list[dict]:
+    """Train through the public command; returns the per-step metric records (evaluation lines only if asked).
+
+    faults: flags of tests/inject_faults.py (e.g. ["--fail-save", "4:1"]), which then runs the command."""
     metrics = workdir / f"metrics-{nproc}-{abs(hash(tuple(args))) % 10**8}.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -34,7 +37,9 @@ def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-te
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}"]
-    cmd += ["-m", "llamatron", "train", "--model", model, *BASE_ARGS, *args, "--metrics-file", str(metrics)]
+    inject = str(Path(__file__).resolve().parent / "inject_faults.py")
+    entry = [inject, *faults, "--"] if faults else ["-m", "llamatron"]
+    cmd += [*entry, "train", "--model", model, *BASE_ARGS, *args, "--metrics-file", str(metrics)]
     repo = str(Path(__file__).resolve().parents[1])  # importable even where the package is not installed
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}

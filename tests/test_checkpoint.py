@@ -13,7 +13,6 @@ import torch
 
 from llamatron.checkpoint.pieces import contiguous_blocks, full_shape_of, local_pieces
 from llamatron.checkpoint.reader import CheckpointReader, load_full_tensors
-from llamatron.checkpoint.writer import FAIL_ENV
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.tensor import apply_tensor_parallel
@@ -127,19 +126,32 @@ def _train_steps(engine, steps: range) -> None:
 
 
 def test_async_save_writes_a_snapshot_and_publishes_at_finish(tmp_path):
-    from llamatron.checkpoint import finish_pending_save, save_checkpoint
+    from llamatron.checkpoint import Checkpointing
 
-    engine = _engine(precision="fp32", async_save=True)
+    engine = _engine(precision="fp32", async_save=True, save=str(tmp_path))
+    saves = Checkpointing(engine.cfg.train)
     _train_steps(engine, range(2))
     before = {n: p.detach().clone() for n, p in engine.chunks[0].named_parameters()}
-    path = save_checkpoint(engine, str(tmp_path), 2, 4)
+    path = saves.save(engine, 2, 4, 0)
     _train_steps(engine, range(2, 3))  # training goes on while the files are written
     assert not (tmp_path / "step-2").exists() and not (tmp_path / "latest").exists()
-    assert finish_pending_save(engine) == path
+    assert saves.finish(engine) == path
     assert (tmp_path / "latest").read_text().strip() == "step-2"
     saved = load_full_tensors(path)
     assert all(torch.equal(saved[n], before[n]) for n in before)  # the values at the save, not after
     assert not torch.equal(saved["layers.0.attn.qkv.weight"], engine.chunks[0].layers[0].attn.qkv.weight)
+
+
+def test_engine_takes_no_attributes_after_build_and_async_saves_resume(tmp_path):
+    """The Engine has declared fields only: the run's save in flight and the metadata a loaded checkpoint passes
+    on live with the checkpointing, so a run that saves in the background and resumes works without them."""
+    engine = _engine(precision="fp32")
+    with pytest.raises(AttributeError):
+        engine.pending_save = None
+    run_train(["--train-steps", "2", "--save", "ck", "--save-interval", "1", "--async-save"], 1, tmp_path)
+    resumed = run_train(["--train-steps", "3", "--load", "ck", "--save", "ck", "--async-save"], 1, tmp_path)
+    assert [r["step"] for r in resumed] == [3]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-3"
 
 
 def test_bf16_master_weights_round_trip_and_seed_an_fp32_run(tmp_path):
@@ -186,10 +198,8 @@ def tp2_failed_save(workdir) -> dict:
     """tp=2, saving at steps 2 and 4; rank 1's write of step 4 fails half-way (a full disk)."""
     run_dir = workdir / "tp2-fail"
     run_dir.mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAIL_ENV, "4:1")
-        with pytest.raises(AssertionError) as failure:
-            run_train(["--tp", "2", "--save", "../ck-tp2", *SAVE_2_AND_4], 2, run_dir)
+    with pytest.raises(AssertionError) as failure:
+        run_train(["--tp", "2", "--save", "../ck-tp2", *SAVE_2_AND_4], 2, run_dir, faults=["--fail-save", "4:1"])
     root = workdir / "ck-tp2"
     return {"error": str(failure.value), "records": _records(run_dir), "latest": (root / "latest").read_text(),
             "entries": sorted(p.name for p in root.iterdir())}

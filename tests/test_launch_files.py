@@ -236,6 +236,43 @@ def test_bench_prints_one_json_row_and_refuses_zero_steps():
     assert proc.returncode == 2 and "at least 1 timed step" in proc.stderr
 
 
+def test_bench_breakdown_is_the_training_step(monkeypatch):
+    """bench's instrumented step is train_step itself, timed through its phase hooks: it changes the weights,
+    the AdamW state and the fp16 loss scale exactly as training's step does (the warm-up learning rate, the
+    loss scaling), and its row has every phase."""
+    import torch
+
+    from llamatron import bench
+    from llamatron.data.batches import micro_batches_for_step
+    from llamatron.data.mock import MockDataset
+    from llamatron.engine import build_engine, train_step
+    from llamatron.parallel.mesh import build_mesh
+
+    def engine():
+        cfg = config_from_values({"model": "llama-test", "mock_data": True, "device": "cpu", "seq_length": 16,
+                                  "micro_batch_size": 1, "global_batch_size": 2, "precision": "fp16",
+                                  "warmup_steps": 4, "train_steps": 8})
+        return build_engine(cfg, validate(cfg), build_mesh())
+
+    benched, trained = engine(), engine()
+    batch = micro_batches_for_step(MockDataset(benched.model_cfg.vocab_size, 16, 0), 0, 2, 1, 1, 0)
+    phases = []
+
+    def recording(e, b, step, on_phase=None):
+        return train_step(e, b, step, on_phase=lambda name: (phases.append(name), on_phase(name)))
+
+    monkeypatch.setattr(bench, "train_step", recording)
+    times = bench._breakdown(benched, batch, 1)
+    train_step(trained, batch, 1)
+    assert phases == ["forward_backward", "grad_sync", "optimizer"]
+    assert list(times) == ["forward_ms", "backward_ms", "grad_sync_ms", "optimizer_ms"] and times["forward_ms"] > 0
+    for a, b in zip(benched.chunks[0].parameters(), trained.chunks[0].parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(benched.optimizer.exp_avg, trained.optimizer.exp_avg):
+        assert torch.equal(a, b)
+    assert benched.loss_scaler.state_dict() == trained.loss_scaler.state_dict()
+
+
 def test_bench_nproc_per_node_starts_torchrun_and_prints_one_row():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "llamatron", "bench", "--model", "llama-test", "--device", "cpu", "--seq-length", "16",

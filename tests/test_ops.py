@@ -12,22 +12,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 import torch
 from layout import BASE_ARGS, free_port
 
 REPO = str(Path(__file__).resolve().parents[1])
+INJECT_FAULTS = str(Path(__file__).resolve().parent / "inject_faults.py")
 
 
-def _command(args: list[str], nproc: int, via_cli: bool = False) -> list[str]:
+def _command(args: list[str], nproc: int, via_cli: bool = False, faults: Sequence[str] = ()) -> list[str]:
+    """faults: tests/inject_faults.py's flags (e.g. ["--nan-steps", "3"]); it runs the command with them."""
     cmd = [sys.executable]
     if via_cli:  # llamatron's own --nproc-per-node starts torchrun
         args = [*args, "--nproc-per-node", str(nproc)]
     elif nproc > 1:
         cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}"]
-    return cmd + ["-m", "llamatron", "train", "--model", "llama-test", *BASE_ARGS, *args, "--metrics-file", "m.jsonl"]
+    entry = [INJECT_FAULTS, *faults, "--"] if faults else ["-m", "llamatron"]
+    return cmd + [*entry, "train", "--model", "llama-test", *BASE_ARGS, *args, "--metrics-file", "m.jsonl"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -35,12 +39,13 @@ def _env(**extra: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **extra}
 
 
-def train(workdir: Path, args: list[str], nproc: int = 1, check: bool = True, **env: str):
-    """Run `llamatron train` in `workdir`; returns (process, step records, evaluation records)."""
+def train(workdir: Path, args: list[str], nproc: int = 1, check: bool = True, faults: Sequence[str] = (), **env: str):
+    """Run `llamatron train` in `workdir` (with faults injected); returns (process, step records, evaluation
+    records)."""
     metrics = workdir / "m.jsonl"
     metrics.unlink(missing_ok=True)
-    proc = subprocess.run(_command(args, nproc), capture_output=True, text=True, timeout=300, env=_env(**env),
-                          cwd=workdir, check=False)
+    proc = subprocess.run(_command(args, nproc, faults=faults), capture_output=True, text=True, timeout=300,
+                          env=_env(**env), cwd=workdir, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return (proc, *_records(metrics))
@@ -62,7 +67,7 @@ def _tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_nan_step_is_skipped_leaving_parameters_and_optimizer_state_unchanged(tmp_path):
     _, steps, _ = train(tmp_path, ["--train-steps", "4", "--save", "ck", "--save-interval", "1"],
-                        LLAMATRON_TEST_NAN_STEPS="3")
+                        faults=["--nan-steps", "3"])
     assert [r["skipped"] for r in steps] == [False, False, True, False]
     assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 1]
     assert math.isnan(steps[2]["loss"]) and math.isnan(steps[2]["grad_norm"])
@@ -76,7 +81,7 @@ def test_nan_step_is_skipped_leaving_parameters_and_optimizer_state_unchanged(tm
 
 def test_consecutive_nan_steps_stop_the_run_with_a_clear_message(tmp_path):
     proc, steps, _ = train(tmp_path, ["--train-steps", "8", "--max-skipped-steps", "2"], check=False,
-                           LLAMATRON_TEST_NAN_STEPS="2,4,5")
+                           faults=["--nan-steps", "2,4,5"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "stopped: 2 steps in a row (steps 4-5) had a non-finite loss or gradient norm" in proc.stderr
     assert "--max-skipped-steps 2" in proc.stderr and "those after step 3." in proc.stderr
@@ -89,7 +94,7 @@ def test_consecutive_nan_steps_stop_the_run_with_a_clear_message(tmp_path):
 def test_fp16_overflow_while_the_loss_scale_backs_off_is_not_a_fault(tmp_path):
     # Scale 4 -> 2 (step 2: the scaler calibrating) -> 1 (step 3, the floor) -> 1 (step 4): only 3 and 4 count.
     proc, steps, _ = train(tmp_path, ["--train-steps", "6", "--precision", "fp16", "--initial-loss-scale", "4",
-                                      "--max-skipped-steps", "2"], check=False, LLAMATRON_TEST_NAN_STEPS="2,3,4")
+                                      "--max-skipped-steps", "2"], check=False, faults=["--nan-steps", "2,3,4"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "stopped: 2 steps in a row (steps 3-4)" in proc.stderr and "those after step 1." in proc.stderr
     assert [r["loss_scale"] for r in steps] == [4.0, 2.0, 1.0, 1.0]
@@ -205,7 +210,7 @@ def test_exit_duration_saves_and_exits_cleanly(tmp_path):
 def test_hung_rank_fails_within_dist_timeout_naming_it(tmp_path):
     start = time.monotonic()
     proc, steps, _ = train(tmp_path, ["--train-steps", "5", "--dist-timeout", "4"], nproc=2, check=False,
-                           LLAMATRON_TEST_HANG="1:2:300")  # rank 1 sleeps 300 s before step 2
+                           faults=["--hang", "1:2:300"])  # rank 1 sleeps 300 s before step 2
     assert proc.returncode != 0
     assert time.monotonic() - start < 150, "the run waited for the hung rank instead of timing out"
     assert "rank 0: a collective operation did not complete within --dist-timeout (4 s)" in proc.stderr
@@ -292,7 +297,7 @@ def test_missing_logging_packages_fail_before_training_naming_the_package(monkey
 def test_skipped_step_count_continues_after_resume(tmp_path):
     """skipped_steps counts the whole run: a resumed run starts from the checkpoint's count, also for skips not
     yet logged when the checkpoint was written (log interval 2, save after step 3)."""
-    train(tmp_path, ["--train-steps", "3", "--save", "ck", "--log-interval", "2"], LLAMATRON_TEST_NAN_STEPS="2,3")
+    train(tmp_path, ["--train-steps", "3", "--save", "ck", "--log-interval", "2"], faults=["--nan-steps", "2,3"])
     _, steps, _ = train(tmp_path, ["--train-steps", "5", "--load", "ck"])
     assert [r["step"] for r in steps] == [4, 5]
     assert [r["skipped_steps"] for r in steps] == [2, 2]

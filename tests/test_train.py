@@ -186,7 +186,9 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
     """--log-interval 4: one record per 4 steps, in step order with the evaluations, its loss the mean of its
     steps, its speed from the training time of its steps alone (a clock that moves 1 s per step, 50 s per
     evaluation and 70 s per save: every record must read exactly one step's tokens per second)."""
-    from llamatron import cli, train
+    from llamatron import cli, metrics, train
+    from llamatron.checkpoint import Checkpointing
+    from llamatron.evaluation import Evaluation
 
     clock = [0.0]
 
@@ -206,10 +208,10 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(train, "Timer", FakeTimer)
+    monkeypatch.setattr(metrics, "Timer", FakeTimer)
     monkeypatch.setattr(train, "train_step", advancing(train.train_step, 1.0))
-    monkeypatch.setattr(train, "_evaluate_and_record", advancing(train._evaluate_and_record, 50.0))
-    monkeypatch.setattr(train, "save_checkpoint", advancing(train.save_checkpoint, 70.0))
+    monkeypatch.setattr(Evaluation, "run", advancing(Evaluation.run, 50.0))
+    monkeypatch.setattr(Checkpointing, "save", advancing(Checkpointing.save, 70.0))
     monkeypatch.chdir(tmp_path)
     args = ["train", "--model", "llama-test", *BASE_ARGS, "--train-steps", "8", "--eval-interval", "3"]
 

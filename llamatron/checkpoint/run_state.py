@@ -5,9 +5,9 @@ weights, fp32 master weights (when separate from the weights), AdamW moments
 and step counts, plus its RNG states; rank 0 adds meta.json (step,
 consumed_samples, the resolved config, the layout) and index.json, renames
 the directory into place and then points DIR/latest at it (writer.py; the
-format is described in reader.py). With --async-save the writing runs in the
-background and is published at the next save or when training ends
-(`finish_pending_save`).
+format is described in reader.py). It is `begin_save` then
+`finish_pending_save`; with --async-save the `Checkpointing` of a run writes
+in the background and publishes at the next save or when training ends.
 
 `load_checkpoint` gives every rank exactly its shards: for each local
 parameter and optimizer segment it computes the full-tensor boxes it holds
@@ -23,6 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import TrainConfig
+from ..engine import Engine
+from ..faults import NO_FAULTS, FaultInjection
 from ..models import ModelConfig, build_model
 from ..parallel.optimizer import lr_at
 from ..errors import CheckpointError
@@ -33,45 +36,86 @@ from .writer import PendingSave, finish, global_named_params, set_rng_state, sta
 FORMAT_VERSION = 2
 
 
-def _layout(engine) -> dict[str, Any]:
+def _layout(engine: Engine) -> dict[str, Any]:
     m, p = engine.mesh, engine.cfg.parallel
     return {"world_size": m.world_size, "tp": m.tp, "pp": m.pp, "vpp": len(engine.chunks), "dp": m.dp,
             "distributed_optimizer": engine.optimizer.distributed, "sequence_parallel": p.sequence_parallel,
             "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
-def _meta(engine, step: int, consumed_samples: int, skipped_steps: int) -> dict[str, Any]:
+def _meta(engine: Engine, step: int, consumed_samples: int, skipped_steps: int,
+          inherited_meta: dict[str, Any]) -> dict[str, Any]:
     cfg, o = engine.cfg, engine.cfg.optim
-    scaler = getattr(engine, "loss_scaler", None)  # fp16: the same on every rank
+    scaler = engine.loss_scaler  # fp16: the same on every rank
     return {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
             "config": cfg.to_dict(), "model_config": engine.model_cfg.to_dict(), "layout": _layout(engine),
             "has_master_weights": not engine.optimizer.master_is_param,
             "lr_schedule": {"completed_steps": step, "next_lr": lr_at(step, o.lr, o.min_lr, o.warmup_steps,
                                                                        cfg.train.train_steps, o.lr_schedule)},
             "loss_scaler": None if scaler is None else scaler.state_dict(),
-            "skipped_steps": skipped_steps, **getattr(engine, "inherited_meta", {})}
+            "skipped_steps": skipped_steps, **inherited_meta}
 
 
-def save_checkpoint(engine, root: str, step: int, consumed_samples: int, skipped_steps: int = 0) -> str:
-    """Save checkpoint `step` into `root`; returns its directory (published already unless --async-save).
-
-    skipped_steps: non-finite steps skipped so far in the run, which a resumed run continues counting."""
-    finish_pending_save(engine)  # one save at a time: the previous one is published before this one starts
-    pending = start_save(engine, root, step, _meta(engine, step, consumed_samples, skipped_steps),
-                         background=engine.cfg.train.async_save)
-    if pending.thread is None:
-        return finish(engine, pending)
-    engine.pending_save = pending
-    return str(pending.final)
+def meta_to_inherit(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a loaded checkpoint's meta passes on to the run's saves: where the weights came from (Hugging Face
+    config, tokenizer), which export-hf needs."""
+    return {k: meta[k] for k in ("hf", "tokenizer") if k in meta}
 
 
-def finish_pending_save(engine) -> str | None:
-    """Wait for an --async-save in progress and publish it (call on every rank: it is collective)."""
-    pending: PendingSave | None = getattr(engine, "pending_save", None)
-    if pending is None:
-        return None
-    engine.pending_save = None
+def begin_save(engine: Engine, root: str, step: int, consumed_samples: int, skipped_steps: int = 0, *,
+               background: bool = False, keep_last: int = 0, inherited_meta: dict[str, Any] | None = None,
+               fail: bool = False) -> PendingSave:
+    """Write this rank's files of checkpoint `step` into `root` (in a thread with `background`);
+    `finish_pending_save` publishes it.
+
+    skipped_steps: non-finite steps skipped so far in the run, which a resumed run continues counting;
+    keep_last: --keep-last; inherited_meta: `meta_to_inherit` of the loaded checkpoint; fail: an injected fault."""
+    meta = _meta(engine, step, consumed_samples, skipped_steps, inherited_meta or {})
+    return start_save(engine, root, step, meta, background=background, keep_last=keep_last, fail=fail)
+
+
+def finish_pending_save(engine: Engine, pending: PendingSave) -> str:
+    """Wait for the save's writes on every rank, then publish it; returns its directory (collective: call it
+    on every rank)."""
     return finish(engine, pending)
+
+
+def save_checkpoint(engine: Engine, root: str, step: int, consumed_samples: int, skipped_steps: int = 0) -> str:
+    """Save checkpoint `step` into `root` and publish it; returns its directory."""
+    return finish_pending_save(engine, begin_save(engine, root, step, consumed_samples, skipped_steps))
+
+
+class Checkpointing:
+    """A run's saves: --save, --save-interval, --keep-last and --async-save; the save still being written in
+    the background; and what the loaded checkpoint passes on to them (`meta_to_inherit`)."""
+
+    def __init__(self, t: TrainConfig, inherited_meta: dict[str, Any] | None = None,
+                 faults: FaultInjection = NO_FAULTS):
+        self.root = t.save or ""  # "": no --save, nothing is saved
+        self.interval, self.keep_last, self.background = t.save_interval, t.keep_last, t.async_save
+        self.inherited_meta = inherited_meta or {}
+        self.faults = faults
+        self.pending: PendingSave | None = None
+
+    def due(self, step: int, last: bool, stopping: bool) -> bool:
+        """Save after (1-based) `step`: every --save-interval steps, after the last one and before a stop."""
+        return bool(self.root) and (bool(self.interval and step % self.interval == 0) or last or stopping)
+
+    def save(self, engine: Engine, step: int, consumed_samples: int, skipped_steps: int) -> str:
+        """Save checkpoint `step`; returns its directory (published already unless --async-save)."""
+        self.finish(engine)  # one save at a time: the previous one is published before this one starts
+        pending = begin_save(engine, self.root, step, consumed_samples, skipped_steps, background=self.background,
+                             keep_last=self.keep_last, inherited_meta=self.inherited_meta,
+                             fail=self.faults.fail_save == (step, engine.mesh.rank))
+        if pending.thread is None:  # written (or failed) already: publish it, or say why not, now
+            return finish_pending_save(engine, pending)
+        self.pending = pending
+        return str(pending.final)
+
+    def finish(self, engine: Engine) -> str | None:
+        """Wait for an --async-save in progress and publish it (call on every rank: it is collective)."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else finish_pending_save(engine, pending)
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -121,14 +165,13 @@ def _fill_master(reader: CheckpointReader, opt, i: int, name: str) -> None:
     _read_into(reader, "master" if reader.has("master") else "model", name, seg.param, opt.master[i], seg.param_offset)
 
 
-def load_checkpoint(engine, path: str, weights_only: bool = False) -> dict[str, Any]:
+def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> dict[str, Any]:
+    """Restore the checkpoint into the engine (weights only with `weights_only`); returns its meta.json."""
     reader = CheckpointReader(path)
     meta = reader.run_meta
     if meta.get("weights_only") and not weights_only:  # e.g. from `llamatron import-hf`: no optimizer state
         raise CheckpointError(f"weights-only checkpoint: add --finetune to train from {reader.step_dir} "
                               f"(it has no optimizer state or step to resume)")
-    # Where the weights came from (Hugging Face config, tokenizer) is kept by later saves, for export-hf.
-    engine.inherited_meta = {k: meta[k] for k in ("hf", "tokenizer") if k in meta}
     _check_architecture(reader, engine.model_cfg, engine.cfg.train.model)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
@@ -153,14 +196,14 @@ def load_checkpoint(engine, path: str, weights_only: bool = False) -> dict[str, 
             if not opt.master_is_param:
                 _fill_master(reader, opt, i, name)
             opt.steps[i].fill_(reader.read("step", name).item())
-    scaler = getattr(engine, "loss_scaler", None)
+    scaler = engine.loss_scaler
     if scaler is not None and meta.get("loss_scaler"):  # else (from bf16/fp32) the initial scale, as at the start
         scaler.load_state_dict(meta["loss_scaler"])
     _restore_rng(reader, engine)
     return meta
 
 
-def _restore_rng(reader: CheckpointReader, engine) -> None:
+def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
     """Each rank's RNG states, when the layout is the one that saved them (otherwise rank r's state means nothing)."""
     saved = reader.run_meta.get("layout", {})
     now = _layout(engine)
@@ -171,4 +214,5 @@ def _restore_rng(reader: CheckpointReader, engine) -> None:
         set_rng_state(torch.load(path, weights_only=False))
 
 
-__all__ = ["check_checkpoint_fits", "finish_pending_save", "load_checkpoint", "read_model_config", "save_checkpoint"]
+__all__ = ["Checkpointing", "begin_save", "check_checkpoint_fits", "finish_pending_save", "load_checkpoint",
+           "meta_to_inherit", "read_model_config", "save_checkpoint"]

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine import Engine
 from ..models import build_model
 from ..errors import CheckpointError
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
@@ -51,9 +52,6 @@ from .pieces import Box, full_shape_of, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
                      rng_file, step_dirs)
 from .tensor_io import StreamingSafetensorsWriter
-
-FAIL_ENV = "LLAMATRON_TEST_FAIL_SAVE"  # "STEP:RANK": that rank's write of that step fails half-way (tests)
-
 
 @dataclass
 class PieceToWrite:
@@ -159,24 +157,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _injected_failure(step: int, rank: int) -> bool:
-    return os.environ.get(FAIL_ENV, "") == f"{step}:{rank}"
+_INJECTED = "No space left on device (injected: FaultInjection.fail_save)"
 
 
-def write_files(tmp: Path, rank: int, step: int, pieces: list[PieceToWrite], rng: dict[str, Any]) -> None:
-    """This rank's safetensors file and RNG state, flushed to disk."""
-    fail = _injected_failure(step, rank)
+def write_files(tmp: Path, rank: int, pieces: list[PieceToWrite], rng: dict[str, Any], fail: bool = False) -> None:
+    """This rank's safetensors file and RNG state, flushed to disk. fail: a test's injected failure half-way."""
     if pieces:
         specs = [(piece_key(p.kind, p.name, p.box), p.data.dtype, p.box.sizes) for p in pieces]
         path = tmp / rank_file(rank)
         with StreamingSafetensorsWriter(path, specs) as writer:
             for n, (spec, piece) in enumerate(zip(specs, pieces)):
                 if fail and n == len(pieces) // 2:
-                    raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_ENV})", str(path))
+                    raise OSError(errno.ENOSPC, _INJECTED, str(path))
                 writer.write(spec[0], piece.data)
         _fsync(path)
     elif fail:
-        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_ENV})")
+        raise OSError(errno.ENOSPC, _INJECTED)
     torch.save(rng, tmp / rng_file(rank))
 
 
@@ -190,14 +186,16 @@ def _snapshot(pieces: list[PieceToWrite]) -> list[PieceToWrite]:
     return out
 
 
-def start_save(engine, root: str | Path, step: int, meta: dict[str, Any], background: bool) -> PendingSave:
+def start_save(engine: Engine, root: str | Path, step: int, meta: dict[str, Any], background: bool, keep_last: int = 0,
+               fail: bool = False) -> PendingSave:
     """Write this rank's files of checkpoint `step` (in a thread with `background`); publish with `finish`.
 
+    keep_last: --keep-last, applied once it is published; fail: a test's injected write failure.
     Failures are kept in the returned PendingSave, not raised: `finish` tells every rank, so none hangs.
     """
     mesh = engine.mesh
     root = Path(root)
-    pending = PendingSave(root, step, root / f".tmp-step-{step}", meta, [], None, keep_last=engine.cfg.train.keep_last)
+    pending = PendingSave(root, step, root / f".tmp-step-{step}", meta, [], None, keep_last=keep_last)
     if mesh.rank == 0:
         model = build_model(engine.model_cfg, device="meta")
         pending.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -218,7 +216,7 @@ def start_save(engine, root: str | Path, step: int, meta: dict[str, Any], backgr
 
     def write(to_write: list[PieceToWrite]) -> None:
         try:
-            write_files(pending.tmp, mesh.rank, step, to_write, rng)
+            write_files(pending.tmp, mesh.rank, to_write, rng, fail)
         except Exception as e:
             pending.error = pending.error or _describe(mesh.rank, e)
 
@@ -241,7 +239,7 @@ def _describe(rank: int, e: Exception) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}"
 
 
-def finish(engine, pending: PendingSave) -> str:
+def finish(engine: Engine, pending: PendingSave) -> str:
     """Wait for every rank's writes, then publish step-N and `latest` (rank 0), or discard it everywhere."""
     if pending.thread is not None:
         pending.thread.join()
@@ -330,5 +328,5 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["FAIL_ENV", "PendingSave", "apply_retention", "finish", "global_named_params", "rank_pieces", "rng_state",
+__all__ = ["PendingSave", "apply_retention", "finish", "global_named_params", "rank_pieces", "rng_state",
            "set_rng_state", "start_save", "write_latest"]

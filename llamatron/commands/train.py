@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if is_demo:
         demo.apply_demo_defaults(cfg)
         replace_save = demo.clear_previous_demo_checkpoint(cfg)
-    result = run_training(cfg, replace_save=replace_save)
+    result = run_training(cfg, replace_save=replace_save, faults=args.faults)
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         demo.print_demo_summary(result.valid, result.checkpoint)
     return 0

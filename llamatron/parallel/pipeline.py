@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data.batches import model_kwargs
 from ..errors import ConfigError
 from ..models import Transformer
 from .data import zero_if_unwritten
@@ -273,11 +274,6 @@ def _activation_shape(engine, micro_batches: list[dict]) -> tuple[int, int, int]
     return batch, seq // shards, engine.model_cfg.hidden_size
 
 
-def _side_inputs(mb: dict) -> dict:
-    """What every stage reads from its own copy of the micro-batch (rotary positions, document masks)."""
-    return {"position_ids": mb.get("position_ids"), "document_ids": mb.get("document_ids")}
-
-
 def _program(engine, num_micro_batches: int, forward_only: bool) -> tuple[Step, ...]:
     return build_program(engine.mesh.pp, len(engine.chunks), num_micro_batches, engine.mesh.pp_rank, forward_only)
 
@@ -330,10 +326,10 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
         mb = micro_batches[a.micro_batch]
         x = mb["input_ids"] if a.chunk == 0 else received.requires_grad_()
         if runner.is_last(a):
-            out = runner.chunk(a)(x, labels=mb["labels"], **_side_inputs(mb)).sum() / total_tokens
+            out = runner.chunk(a)(x, **model_kwargs(mb, with_labels=True)).sum() / total_tokens
             loss_sum = loss_sum + out.detach()
         else:
-            out = runner.chunk(a)(x, **_side_inputs(mb))
+            out = runner.chunk(a)(x, **model_kwargs(mb, with_labels=False))
         if runner.is_last(a):
             runner.saved[(a.chunk, a.micro_batch)] = (x, out)
             return None
@@ -369,7 +365,7 @@ def pipeline_forward_each(engine, micro_batches: list[dict], on_output: Callable
     def forward(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         mb = micro_batches[a.micro_batch]
         chunk = runner.chunk(a)
-        out = chunk(mb["input_ids"] if a.chunk == 0 else received, **_side_inputs(mb))
+        out = chunk(mb["input_ids"] if a.chunk == 0 else received, **model_kwargs(mb, with_labels=False))
         if not runner.is_last(a):
             return out
         on_output(chunk, out, mb)
