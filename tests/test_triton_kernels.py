@@ -96,14 +96,17 @@ def test_triton_adamw_matches_the_fused_torch_path(precision):
             e.optimizer.grads()[0][0] = float("nan")
             e.optimizer.step(1e-2)
         a, b = engines[0].optimizer, engines[1].optimizer
+        # ~0.1% of an update (lr 1e-2) after one step; fp32 runs three, whose rounding differences feed the next
+        # gradients (with triton 3.9's interpreter one element of 16384 ends 1.7e-5 apart): 0.3% there
+        atol = 3e-5 if steps == 3 else 1e-5
         for name in ("master", "exp_avg", "exp_avg_sq", "steps"):
             for x, y in zip(getattr(a, name), getattr(b, name)):
-                torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)  # ~0.1% of an update (lr 1e-2)
+                torch.testing.assert_close(y, x, rtol=1e-4, atol=atol)
         assert float(b.steps[0]) == steps
         pa, pb = a.buffers[0].param_data.float(), b.buffers[0].param_data.float()
         mantissa = {{"fp32": None, "bf16": 7, "fp16": 10}}["{precision}"]
         ulp = pa.abs() * 2.0 ** -mantissa if mantissa else torch.zeros_like(pa)
-        assert ((pa - pb).abs() <= ulp + 1e-5).all()
+        assert ((pa - pb).abs() <= ulp + atol).all()
     """)
 
 
@@ -151,7 +154,7 @@ def test_qkv_rope_kernels_match_split_and_apply_rope():
         import torch
         from llamatron.models.config import ModelConfig
         from llamatron.models.layers import apply_rope, rope_cos_sin
-        from llamatron.models.rope_op import _kernels, _pow2
+        from llamatron.models.rope_op import _backward_kernel, _forward_kernel, _pow2
 
         torch.manual_seed(0)
         batch, seq, dim = 2, 5, 16
@@ -164,7 +167,7 @@ def test_qkv_rope_kernels_match_split_and_apply_rope():
             cos, sin = rope_cos_sin(cfg, positions, dtype)
             qkv = torch.randn(batch, seq, (heads + 2 * kv) * dim, dtype=dtype)
             q, k, v = (torch.empty(batch, seq, n, dim, dtype=dtype) for n in (heads, kv, kv))
-            forward, backward = _kernels()
+            forward, backward = _forward_kernel(), _backward_kernel()
             forward[(batch * seq,)](qkv, cos, sin, q, k, v, seq, *qkv.stride()[:2], *cos.stride()[:2],
                                     *sin.stride()[:2], HEADS=heads, KV_HEADS=kv, HALF=dim // 2,
                                     PAIRS=_pow2(heads + kv), KV_POW2=_pow2(kv))
