@@ -25,6 +25,7 @@ from llamatron.models.flash4_op import fa4_causal_attention
 
 def make(layout: str, b: int, h: int, kv: int, s: int, d: int, device: str, dtype: torch.dtype):
     """q, k, v (leaves) and the output gradient in the given layout."""
+
     def bhsd(heads):
         return torch.randn(b, heads, s, d, device=device, dtype=dtype)
 
@@ -84,12 +85,23 @@ def main() -> None:
             ms = start.elapsed_time(end) / args.iters
         else:
             import time
+
             t0 = time.perf_counter()
             for _ in range(args.iters):
                 step()
             ms = 1000 * (time.perf_counter() - t0) / args.iters
-        print(json.dumps({"layout": layout, "shape": [b, h, kv, s, d], "ms_fwd_bwd": round(ms, 3),
-                          "tflops": round(flops / ms / 1e9, 1), **extra}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "layout": layout,
+                    "shape": [b, h, kv, s, d],
+                    "ms_fwd_bwd": round(ms, 3),
+                    "tflops": round(flops / ms / 1e9, 1),
+                    **extra,
+                }
+            ),
+            flush=True,
+        )
 
 
 def fa4_difference(q, k, v, grad) -> dict[str, float]:

@@ -3,7 +3,7 @@
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
-#   1 GPU:  clocks, profile, plan
+#   1 GPU:  clocks, profile, plan, commit_ab1
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -120,6 +120,18 @@ for group in ${@:-single dp tests}; do
           one 0 $B1 --micro-batch-size 8 --compile --steps 20
         fi
         kill $local_smi
+      done ;;
+    commit_ab1)  # commit_ab on one GPU: AB_BASE as for commit_ab; each setting of AB_SETTINGS (';'-separated,
+      # default "$B1 --micro-batch-size 8 --compile --steps 20") runs ROUNDS rounds (default 2) of this and base
+      # one after the other on GPU 0, the order alternating by round; rows tagged "this" / "base"
+      IFS=';' read -ra settings <<<"${AB_SETTINGS:-$B1 --micro-batch-size 8 --compile --steps 20}"
+      for setting in "${settings[@]}"; do
+        for round in $(seq "${ROUNDS:-2}"); do
+          for side in $( ((round % 2)) && echo "this base" || echo "base this"); do
+            if [ $side = this ]; then ROW_TAG=this one 0 $setting
+            else (cd "$AB_BASE" && ROW_TAG=base one 0 $setting); fi
+          done
+        done
       done ;;
     plan)  # the planner's prediction against measured peak memory
       plan_check ;;

@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from llamatron.bench import state_memory  # noqa: E402
 from llamatron.config import add_config_arguments, load_config, validate  # noqa: E402
-from llamatron.data.batches import micro_batches_for_step  # noqa: E402
+from llamatron.data.batches import (
+    micro_batches_for_step,  # noqa: E402
+    to_device,  # noqa: E402
+)
 from llamatron.data.mock import MockDataset  # noqa: E402
-from llamatron.data.batches import to_device  # noqa: E402
 from llamatron.engine import build_engine, train_step  # noqa: E402
 from llamatron.metrics import sync_device  # noqa: E402
 from llamatron.parallel.mesh import build_mesh, init_distributed  # noqa: E402
@@ -67,8 +69,9 @@ def main() -> None:
     engine = build_engine(cfg, derived, mesh)
     t = cfg.train
     data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
-    batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank),
-                      engine.device)
+    batch = to_device(
+        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), engine.device
+    )
     for step in range(args.warmup):
         train_step(engine, batch, step)
     step = args.warmup
@@ -82,11 +85,23 @@ def main() -> None:
             step += args.steps + 1
     state = state_memory(engine)  # weights + gradients + optimizer state vs the bytes-per-parameter formula
     on, off = statistics.median(times["overlapped"]), statistics.median(times["not_overlapped"])
-    row = {"model": t.model, "gpus": mesh.world_size, "dp": mesh.dp, "dist_opt": cfg.parallel.distributed_optimizer,
-           "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype, "dp_comm_max_ctas": cfg.parallel.dp_comm_max_ctas,
-           "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
-           "overlapped_ms": on, "not_overlapped_ms": off, "speedup": off / on, "rounds": times, **state,
-           "torch": torch.__version__}
+    row = {
+        "model": t.model,
+        "gpus": mesh.world_size,
+        "dp": mesh.dp,
+        "dist_opt": cfg.parallel.distributed_optimizer,
+        "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
+        "dp_comm_max_ctas": cfg.parallel.dp_comm_max_ctas,
+        "mbs": t.micro_batch_size,
+        "gbs": t.global_batch_size,
+        "seq": cfg.data.seq_length,
+        "overlapped_ms": on,
+        "not_overlapped_ms": off,
+        "speedup": off / on,
+        "rounds": times,
+        **state,
+        "torch": torch.__version__,
+    }
     if mesh.rank == 0:
         print(json.dumps(row), flush=True)
     if dist.is_initialized():

@@ -27,8 +27,38 @@ import time
 
 import numpy as np
 
-SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "on", "el", "an", "th", "er", "in", "qu", "st", "ar", "ou",
-             "ch", "be", "de", "ma", "pre", "con", "ing", "ed", "ly", "tion", "al", "re", "ex"]
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "su",
+    "ta",
+    "ri",
+    "on",
+    "el",
+    "an",
+    "th",
+    "er",
+    "in",
+    "qu",
+    "st",
+    "ar",
+    "ou",
+    "ch",
+    "be",
+    "de",
+    "ma",
+    "pre",
+    "con",
+    "ing",
+    "ed",
+    "ly",
+    "tion",
+    "al",
+    "re",
+    "ex",
+]
 PUNCTUATION = np.array([". ", ". ", ". ", "? ", "! ", "; ", ", "])
 
 
@@ -119,8 +149,9 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=100.0, help="corpus size in MB (10^6 bytes)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=32000, help="byte-level BPE vocabulary size")
-    parser.add_argument("--tokenizer-train-mb", type=float, default=8.0,
-                        help="MB of the corpus the tokenizer learns from")
+    parser.add_argument(
+        "--tokenizer-train-mb", type=float, default=8.0, help="MB of the corpus the tokenizer learns from"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None, help="keep the corpus and outputs here (default: a temporary dir)")
     args = parser.parse_args()
@@ -150,8 +181,20 @@ def main() -> None:
         print(f"trained a {args.vocab_size}-token byte-level BPE in {time.perf_counter() - t:.1f}s", flush=True)
 
     prefix = os.path.join(work_dir, "out")
-    cmd = [sys.executable, "-m", "llamatron", "preprocess", "--input", corpus, "--output-prefix", prefix,
-           "--tokenizer", tokenizer_dir, "--workers", str(args.workers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "preprocess",
+        "--input",
+        corpus,
+        "--output-prefix",
+        prefix,
+        "--tokenizer",
+        tokenizer_dir,
+        "--workers",
+        str(args.workers),
+    ]
     print("running:", " ".join(cmd), flush=True)
     wall, peak_rss, peak_pss, code = run_measured(cmd, dict(os.environ))
     if code != 0:
@@ -159,10 +202,12 @@ def main() -> None:
     size_mb = os.path.getsize(corpus) / 1e6
     tokens = os.path.getsize(prefix + "_text_document.bin") // 2
     ok = wall <= 120 and peak_rss < 2**30
-    print(f"RESULT preprocess: {size_mb:.1f} MB jsonl, {args.workers} workers, vocab {args.vocab_size}: "
-          f"{wall:.1f} s wall ({size_mb / wall:.2f} MB/s, {tokens / wall / 1e6:.2f} M tokens/s), {tokens} tokens; "
-          f"peak memory of the process tree: {peak_pss / 2**20:.0f} MiB PSS, {peak_rss / 2**20:.0f} MiB RSS summed "
-          f"(counts shared pages once per process); targets: <= 120 s, < 1024 MiB -> {'PASS' if ok else 'FAIL'}")
+    print(
+        f"RESULT preprocess: {size_mb:.1f} MB jsonl, {args.workers} workers, vocab {args.vocab_size}: "
+        f"{wall:.1f} s wall ({size_mb / wall:.2f} MB/s, {tokens / wall / 1e6:.2f} M tokens/s), {tokens} tokens; "
+        f"peak memory of the process tree: {peak_pss / 2**20:.0f} MiB PSS, {peak_rss / 2**20:.0f} MiB RSS summed "
+        f"(counts shared pages once per process); targets: <= 120 s, < 1024 MiB -> {'PASS' if ok else 'FAIL'}"
+    )
     if args.work_dir is None:
         shutil.rmtree(work_dir)
 

@@ -25,9 +25,11 @@ from torch.profiler import DeviceType, ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from llamatron.config import add_config_arguments, load_config, validate  # noqa: E402
-from llamatron.data.batches import micro_batches_for_step  # noqa: E402
+from llamatron.data.batches import (
+    micro_batches_for_step,  # noqa: E402
+    to_device,  # noqa: E402
+)
 from llamatron.data.mock import MockDataset  # noqa: E402
-from llamatron.data.batches import to_device  # noqa: E402
 from llamatron.engine import build_engine, train_step  # noqa: E402
 from llamatron.metrics import Timer, sync_device  # noqa: E402
 from llamatron.parallel.mesh import build_mesh, init_distributed  # noqa: E402
@@ -83,8 +85,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="kernels listed (default: 15)")
     parser.add_argument("--gaps", type=int, default=10, help="idle-time neighbour pairs listed (default: 10)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    parser.add_argument("--sync-debug", action="store_true",
-                        help="after profiling, one step that reports each host-device synchronisation's stack")
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="after profiling, one step that reports each host-device synchronisation's stack",
+    )
     args = parser.parse_args()
     cfg = load_config(args)
     cfg.data.mock_data = True
@@ -94,8 +99,10 @@ def main() -> None:
     engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas))
     t = cfg.train
     data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
-    batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp,
-                                             engine.mesh.dp_rank), engine.device)
+    batch = to_device(
+        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp, engine.mesh.dp_rank),
+        engine.device,
+    )
     for step in range(args.warmup):
         train_step(engine, batch, step)
     cuda = engine.device.type == "cuda"
@@ -127,30 +134,43 @@ def main() -> None:
         "kernel_ms_per_step": sum(per_cat.values()) / 1000 / args.steps,
         "ms_per_step": {k: v / 1000 / args.steps for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "share": {k: v / total for k, v in per_cat.items()},
-        "top_kernels": [(k[:160], v / 1000 / args.steps, calls[k] // args.steps) for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]],
+        "top_kernels": [
+            (k[:160], v / 1000 / args.steps, calls[k] // args.steps)
+            for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
+        ],
     }
     device = DeviceType.CUDA if cuda else DeviceType.CPU
-    gaps = device_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                        if e.device_type == device and not (not cuda and e.name.startswith("ProfilerStep"))])
+    gaps = device_gaps(
+        [
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == device and not (not cuda and e.name.startswith("ProfilerStep"))
+        ]
+    )
     result["idle_ms_per_step"] = sum(us for us, _, _ in gaps) / 1000 / args.steps
-    result["idle_gaps"] = [(b[:80], a[:80], us / 1000 / args.steps, n / args.steps)
-                           for b, a, us, n in gaps_by_neighbours(gaps, args.gaps)]
+    result["idle_gaps"] = [
+        (b[:80], a[:80], us / 1000 / args.steps, n / args.steps) for b, a, us, n in gaps_by_neighbours(gaps, args.gaps)
+    ]
     if engine.mesh.rank != 0:
         return
     if args.json:
         print(json.dumps(result))
         return
     idle = result["wall_ms_per_step"] - result["kernel_ms_per_step"]
-    print(f"wall {result['wall_ms_per_step']:.1f} ms/step, kernels {result['kernel_ms_per_step']:.1f} ms/step "
-          f"(device idle or overlapped: {idle:.1f} ms)")
+    print(
+        f"wall {result['wall_ms_per_step']:.1f} ms/step, kernels {result['kernel_ms_per_step']:.1f} ms/step "
+        f"(device idle or overlapped: {idle:.1f} ms)"
+    )
     print(f"{'category':<20} {'ms/step':>9} {'share':>7}")
     for k, ms in result["ms_per_step"].items():
         print(f"{k:<20} {ms:>9.1f} {result['share'][k]:>7.1%}")
     print("\ntop kernels (ms/step, calls/step):")
     for name, ms, n in result["top_kernels"]:
         print(f"  {ms:8.2f} {n:5d}  {name}")
-    print(f"\ndevice idle between kernels inside the profiled steps: {result['idle_ms_per_step']:.2f} ms/step; "
-          "largest by neighbours (ms/step, gaps/step, kernel before -> kernel after):")
+    print(
+        f"\ndevice idle between kernels inside the profiled steps: {result['idle_ms_per_step']:.2f} ms/step; "
+        "largest by neighbours (ms/step, gaps/step, kernel before -> kernel after):"
+    )
     for before, after, ms, n in result["idle_gaps"]:
         print(f"  {ms:8.2f} {n:6.1f}  {before} -> {after}")
     if args.sync_debug and cuda:

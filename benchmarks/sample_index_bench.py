@@ -61,20 +61,31 @@ def main() -> None:
     write_synthetic_index(prefix, sizes)
     indexed = IndexedDataset(prefix)
     num_samples = int(indexed.num_tokens * args.epochs) // args.seq_length
-    print(f"corpus: {indexed.num_documents} documents, {indexed.num_tokens / 1e9:.2f} B tokens, "
-          f".idx {os.path.getsize(prefix + '.idx') / 2**20:.0f} MiB; {num_samples} samples of {args.seq_length}")
+    print(
+        f"corpus: {indexed.num_documents} documents, {indexed.num_tokens / 1e9:.2f} B tokens, "
+        f".idx {os.path.getsize(prefix + '.idx') / 2**20:.0f} MiB; {num_samples} samples of {args.seq_length}"
+    )
     cache = os.path.join(work_dir, "cache")
     docs = np.arange(len(indexed))
-    dataset = measured("sample index build", lambda: GPTSampleDataset(
-        indexed, docs, args.seq_length, num_samples, seed=1234, cache_dir=cache))
+    dataset = measured(
+        "sample index build",
+        lambda: GPTSampleDataset(indexed, docs, args.seq_length, num_samples, seed=1234, cache_dir=cache),
+    )
     print(f"  index arrays {dataset.index_bytes / 2**20:.0f} MiB on disk / memory-mapped once cached")
-    measured("sample index load from cache", lambda: GPTSampleDataset(
-        indexed, docs, args.seq_length, num_samples, seed=1234, cache_dir=cache))
+    measured(
+        "sample index load from cache",
+        lambda: GPTSampleDataset(indexed, docs, args.seq_length, num_samples, seed=1234, cache_dir=cache),
+    )
     half = len(indexed) // 2
-    parts = [GPTSampleDataset(indexed, part, args.seq_length, num_samples, 1234, cache)
-             for part in (docs[:half], docs[half:])]
-    blend = measured("blend index build (0.7/0.3, all samples)", lambda: BlendedDataset(
-        parts, [0.7, 0.3], num_samples, seed=1234, cache_dir=cache, names=["a", "b"]), trace=False)
+    parts = [
+        GPTSampleDataset(indexed, part, args.seq_length, num_samples, 1234, cache)
+        for part in (docs[:half], docs[half:])
+    ]
+    blend = measured(
+        "blend index build (0.7/0.3, all samples)",
+        lambda: BlendedDataset(parts, [0.7, 0.3], num_samples, seed=1234, cache_dir=cache, names=["a", "b"]),
+        trace=False,
+    )
     print(f"  blend arrays {(blend.dataset_index.nbytes + blend.sample_index.nbytes) / 2**20:.0f} MiB")
     measured("token-id scan of the .bin", lambda: token_id_range(indexed, cache))
     print(f"RESULT peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

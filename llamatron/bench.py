@@ -25,8 +25,8 @@ from .data.mock import MockDataset
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
-from .plan import bytes_per_param
 from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
+from .plan import bytes_per_param
 
 
 def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
@@ -40,7 +40,9 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     engine = build_engine(cfg, derived, mesh, model_cfg)
     t, device = cfg.train, engine.device
     data = MockDataset(model_cfg.vocab_size, cfg.data.seq_length, t.seed)
-    batch = to_device(micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), device)
+    batch = to_device(
+        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), device
+    )
     for step in range(warmup):
         train_step(engine, batch, step)
     sync_device(device)
@@ -52,23 +54,45 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     sync_device(device)
     elapsed = time.perf_counter() - start
     # The last step's global loss (each rank holds its data-parallel share; only the last stage computes it).
-    loss = sum_from_last_stage(out["loss"].detach().float().reshape(1), mesh).item()
+    last_loss = out["loss"]
+    assert isinstance(last_loss, torch.Tensor)
+    loss = sum_from_last_stage(last_loss.detach().float().reshape(1), mesh).item()
     peak_mem = peak_memory_gib(device)
     state = state_memory(engine)
     breakdown = _breakdown(engine, batch, warmup + steps)
     tokens = t.global_batch_size * cfg.data.seq_length * steps
-    speed = throughput(tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device))
+    speed = throughput(
+        tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device)
+    )
     p = cfg.parallel
     m = derived.grad_accum_steps
-    return {"model": t.model, "model_overrides": dict(cfg.model_overrides), "gpus": mesh.world_size, "tp": p.tp,
-            "pp": p.pp, "vpp": p.vpp, "dp": mesh.dp, "sp": p.sequence_parallel, "dist_opt": p.distributed_optimizer,
-            "recompute": t.recompute, "compile": derived.compile, "precision": derived.dtype_name,
-            "mbs": t.micro_batch_size, "gbs": t.global_batch_size, "seq": cfg.data.seq_length,
-            "step_ms": 1000 * elapsed / steps, **speed, "peak_mem_gib": peak_mem, **state, **breakdown,
-            "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0, "loss": loss,
-            "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__}
+    return {
+        "model": t.model,
+        "model_overrides": dict(cfg.model_overrides),
+        "gpus": mesh.world_size,
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": p.vpp,
+        "dp": mesh.dp,
+        "sp": p.sequence_parallel,
+        "dist_opt": p.distributed_optimizer,
+        "recompute": t.recompute,
+        "compile": derived.compile,
+        "precision": derived.dtype_name,
+        "mbs": t.micro_batch_size,
+        "gbs": t.global_batch_size,
+        "seq": cfg.data.seq_length,
+        "step_ms": 1000 * elapsed / steps,
+        **speed,
+        "peak_mem_gib": peak_mem,
+        **state,
+        **breakdown,
+        "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0,
+        "loss": loss,
+        "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
 
 
 def state_memory(engine: Engine) -> dict[str, float]:
@@ -85,8 +109,10 @@ def state_memory(engine: Engine) -> dict[str, float]:
     sync_device(engine.device)
     params = sum(p.numel() for b in engine.buffers for p in b.param_range)
     per_param = sum(bytes_per_param(engine.derived.dtype_name, engine.optimizer.distributed, engine.mesh.dp))
-    return {"state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
-            "state_formula_gib": params * per_param / 2**30}
+    return {
+        "state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
+        "state_formula_gib": params * per_param / 2**30,
+    }
 
 
 def _breakdown(engine: Engine, batch: list[dict], step: int) -> dict[str, float]:
@@ -141,19 +167,30 @@ class _ForwardClock:
 
 def format_row(row: dict) -> str:
     mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-    layout = f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']}" + (" sp" if row["sp"] else "") + \
-        (" distopt" if row["dist_opt"] else "") + (f" rc={row['recompute']}" if row["recompute"] != "none" else "")
-    phases = " ".join(f"{k[:-3]}={row[k]:.0f}ms" for k in
-                      ("forward_ms", "backward_ms", "forward_backward_ms", "grad_sync_ms", "optimizer_ms") if k in row)
+    layout = (
+        f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']}"
+        + (" sp" if row["sp"] else "")
+        + (" distopt" if row["dist_opt"] else "")
+        + (f" rc={row['recompute']}" if row["recompute"] != "none" else "")
+    )
+    phases = " ".join(
+        f"{k[:-3]}={row[k]:.0f}ms"
+        for k in ("forward_ms", "backward_ms", "forward_backward_ms", "grad_sync_ms", "optimizer_ms")
+        if k in row
+    )
     cpu = row["device"] == "cpu"  # per process, and the process's peak resident memory rather than GPU memory
-    header = (f"{'model':<12} {'layout':<34} {'tok/s/rank' if cpu else 'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} "
-              f"{'RSS GiB' if cpu else 'mem GiB':>8}  breakdown")
+    header = (
+        f"{'model':<12} {'layout':<34} {'tok/s/rank' if cpu else 'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'RSS GiB' if cpu else 'mem GiB':>8}  breakdown"
+    )
     overrides = row.get("model_overrides") or {}
     model = row["model"] + ("*" if overrides else "")  # * the preset was changed: the changes follow the row
     tflops = row["tflops_per_gpu"]
     tflops_text = f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"  # CPU runs reach a fraction of one
-    line = (f"{model:<12} {layout:<34} {row['tokens_per_sec']:>10.0f} {tflops_text:>8} {mfu:>6} "
-            f"{row['peak_mem_gib']:>8.1f}  {phases} step={row['step_ms']:.0f}ms bubble={row['bubble_frac']:.0%}")
+    line = (
+        f"{model:<12} {layout:<34} {row['tokens_per_sec']:>10.0f} {tflops_text:>8} {mfu:>6} "
+        f"{row['peak_mem_gib']:>8.1f}  {phases} step={row['step_ms']:.0f}ms bubble={row['bubble_frac']:.0%}"
+    )
     if overrides:
         line += "\n* model_overrides: " + ", ".join(f"{k}={v}" for k, v in overrides.items())
     return header + "\n" + line

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .data.batches import Samples, micro_batches_for_step, model_kwargs, to_device
 from .errors import ConfigError
-from .data.batches import micro_batches_for_step, model_kwargs, to_device
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage
 from .parallel.pipeline import pipeline_forward_each
@@ -79,6 +79,7 @@ _METRICS: dict[str, EvalMetric] = {}
 
 def register_eval_metric(name: str, derived_from: str | None = None) -> Callable:
     """Decorator: register a metric under `name` (replacing one of that name)."""
+
     def register(fn: Callable) -> Callable:
         _METRICS[name] = EvalMetric(name, fn, derived_from)
         return fn
@@ -120,8 +121,10 @@ def resolve_eval_metrics(names: Sequence[str] | str) -> list[str]:
             except ImportError as e:
                 raise ConfigError(f"--eval-metrics: cannot import {module!r} (for metric {name!r}): {e}") from None
         if name not in _METRICS:
-            raise ConfigError(f"--eval-metrics: unknown metric {name!r}; registered: {', '.join(_METRICS)} "
-                              f"(add one with @llamatron.evaluation.register_eval_metric, give it as MODULE:NAME)")
+            raise ConfigError(
+                f"--eval-metrics: unknown metric {name!r}; registered: {', '.join(_METRICS)} "
+                f"(add one with @llamatron.evaluation.register_eval_metric, give it as MODULE:NAME)"
+            )
         for needed in (_METRICS[name].derived_from, name):
             if needed is not None and needed not in out:
                 out.append(needed)
@@ -150,7 +153,9 @@ class _Totals:
                 self.sums[i, 0] += out[0].double()
                 self.sums[i, 1] += out[1].double()
             else:
-                self.sums[i, 0] += torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device)).sum().double()
+                self.sums[i, 0] += (
+                    torch.where(valid, out, torch.zeros((), dtype=out.dtype, device=out.device)).sum().double()
+                )
                 self.sums[i, 1] += tokens
 
     def values(self) -> dict[str, float]:
@@ -159,8 +164,9 @@ class _Totals:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, dataset: Sequence, iters: int, start_sample: int = 0,
-             metrics: Sequence[str] | None = None) -> dict[str, float]:
+def evaluate(
+    engine: Engine, dataset: Samples, iters: int, start_sample: int = 0, metrics: Sequence[str] | None = None
+) -> dict[str, float]:
     """The selected metrics (default: --eval-metrics) over `iters` global batches of the validation set.
 
     The result is the same on every rank.
@@ -171,15 +177,23 @@ def evaluate(engine: Engine, dataset: Sequence, iters: int, start_sample: int = 
     t = cfg.train
 
     def batches_of(it: int) -> list[dict]:
-        return micro_batches_for_step(dataset, start_sample + it * t.global_batch_size, t.global_batch_size,
-                                      t.micro_batch_size, mesh.dp, mesh.dp_rank)
+        return micro_batches_for_step(
+            dataset,
+            start_sample + it * t.global_batch_size,
+            t.global_batch_size,
+            t.micro_batch_size,
+            mesh.dp,
+            mesh.dp_rank,
+        )
 
     def add(model, logits: torch.Tensor, mb: dict) -> None:
         labels = mb["labels"]
         totals.add(EvalBatch(model, logits, labels, model.loss_fn(logits, labels)))
 
     if cfg.parallel.pp > 1:  # the last stage sees the logits; it sums, then tells the other stages
-        pipeline_forward_each(engine, to_device([mb for it in range(iters) for mb in batches_of(it)], engine.device), add)
+        pipeline_forward_each(
+            engine, to_device([mb for it in range(iters) for mb in batches_of(it)], engine.device), add
+        )
     else:
         model = engine.chunks[0]
         was_training = model.training
@@ -196,7 +210,7 @@ class Evaluation:
     """A run's evaluations: every --eval-interval steps, after the last step and, in a fresh run with
     --eval-interval, before the first; --eval-iters global batches of the validation set each."""
 
-    def __init__(self, engine: Engine, valid: Sequence | None):
+    def __init__(self, engine: Engine, valid: Samples | None):
         self.engine, self.valid = engine, valid
         self.interval, self.iters = engine.cfg.train.eval_interval, engine.cfg.train.eval_iters
 

@@ -125,8 +125,10 @@ class FaultGuard:
         if signum:
             return f"received {signal.Signals(signum).name} (pre-emption or job time limit)"
         if time_up:
-            return (f"--exit-duration-mins {self.exit_duration_mins:g} reached "
-                    f"({self.elapsed_mins():.2f} minutes since start)")
+            return (
+                f"--exit-duration-mins {self.exit_duration_mins:g} reached "
+                f"({self.elapsed_mins():.2f} minutes since start)"
+            )
         return None
 
     @staticmethod
@@ -142,8 +144,10 @@ class FaultGuard:
                 record["skipped_steps"] = self.skipped_total
                 return
             self.streak.append(record)
-            self.echo(f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}: not finite, "
-                      f"step skipped ({len(self.streak)} in a row, {self.skipped_total} in total)")
+            self.echo(
+                f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}: not finite, "
+                f"step skipped ({len(self.streak)} in a row, {self.skipped_total} in total)"
+            )
             if self.max_skipped and len(self.streak) >= self.max_skipped and self.too_many_skipped is None:
                 self.too_many_skipped = self._streak_message()
         else:
@@ -165,16 +169,19 @@ class FaultGuard:
 
     def _streak_message(self) -> str:
         first, last = self.streak[0], self.streak[-1]
-        return (f"{len(self.streak)} steps in a row (steps {first['step']}-{last['step']}) had a non-finite loss or "
-                f"gradient norm and were skipped (--max-skipped-steps {self.max_skipped}); the parameters are those "
-                f"{'as loaded' if self.last_update_step is None else f'after step {self.last_update_step}'}. "
-                f"Resume from the last checkpoint with a lower --lr, more "
-                f"--warmup-steps or a smaller --clip-grad, or inspect the data those steps read (consumed samples "
-                f"up to {last['consumed_samples']}).")
+        return (
+            f"{len(self.streak)} steps in a row (steps {first['step']}-{last['step']}) had a non-finite loss or "
+            f"gradient norm and were skipped (--max-skipped-steps {self.max_skipped}); the parameters are those "
+            f"{'as loaded' if self.last_update_step is None else f'after step {self.last_update_step}'}. "
+            f"Resume from the last checkpoint with a lower --lr, more "
+            f"--warmup-steps or a smaller --clip-grad, or inspect the data those steps read (consumed samples "
+            f"up to {last['consumed_samples']})."
+        )
 
 
 def _install_nan_injection(chunks: Sequence[torch.nn.Module], guard: FaultGuard) -> None:
     """Injected fault: multiply the final norm's output by NaN on chosen steps, so loss and gradients become NaN."""
+
     def hook(module, inputs, output):
         return output * float("nan") if guard.inject_nan and module.training else output
 
@@ -184,7 +191,9 @@ def _install_nan_injection(chunks: Sequence[torch.nn.Module], guard: FaultGuard)
             norm.register_forward_hook(hook)
 
 
-def explain_collective_failure(error: BaseException, timeout_s: float, grace_s: float = 10.0) -> CollectiveTimeout | None:
+def explain_collective_failure(
+    error: BaseException, timeout_s: float, grace_s: float = 10.0
+) -> CollectiveTimeout | None:
     """A collective timed out or lost a peer: name the ranks that did not report the failure themselves.
 
     Every rank that catches the error writes a key into the rendezvous store and waits up to `grace_s`
@@ -211,8 +220,10 @@ def explain_collective_failure(error: BaseException, timeout_s: float, grace_s: 
     message = f"rank {rank}: a collective operation {what} ({timeout_s:g} s) — {first_line}"
     if silent:
         names = ", ".join(str(r) for r in silent)
-        message += (f"\nrank(s) {names} did not report this failure: they are hung, crashed or killed. Look at "
-                    f"their log and stack (`py-spy dump --pid PID`); --dist-timeout sets how long to wait.")
+        message += (
+            f"\nrank(s) {names} did not report this failure: they are hung, crashed or killed. Look at "
+            f"their log and stack (`py-spy dump --pid PID`); --dist-timeout sets how long to wait."
+        )
     elif silent is not None:
         message += "\nevery rank reports the failure: a peer's connection broke (see the first error in the logs)."
     return CollectiveTimeout(message)
@@ -222,5 +233,7 @@ def _is_collective_error(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error)
-    return any(s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
-                                   "gloo/transport"))
+    return any(
+        s in text
+        for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "gloo/transport")
+    )

@@ -151,22 +151,44 @@ class MetricsLog:
         self.train_seconds += self.timer.elapsed()
         losses = sum_from_last_stage(torch.stack([o["loss"] for _, o in self.pending]).float(), self.engine.mesh)
         last = self.pending[-1][0]
-        return [{"step": s, "loss": loss, "lr": o["lr"], "grad_norm": float(o["grad_norm"]),
-                 "skipped": bool(o["found_inf"] > 0), **_loss_scale(o),
-                 "consumed_samples": consumed - (last - s) * self.global_batch}
-                for (s, o), loss in zip(self.pending, losses.tolist())]
+        return [
+            {
+                "step": s,
+                "loss": loss,
+                "lr": o["lr"],
+                "grad_norm": float(o["grad_norm"]),
+                "skipped": bool(o["found_inf"] > 0),
+                **_loss_scale(o),
+                "consumed_samples": consumed - (last - s) * self.global_batch,
+            }
+            for (s, o), loss in zip(self.pending, losses.tolist())
+        ]
 
     def write_steps(self, steps: list[dict], skipped_total: int, consumed: int) -> None:
         """The record of the logged step, steps[-1]: the loss averaged over `steps` (their number in
         `steps_in_record`, skipped ones left out), the rest as of the logged step; then a new interval."""
-        speed = throughput(self.tokens_per_step * len(steps), self.train_seconds, self.flops_per_token,
-                           self.engine.mesh.world_size, self.peak)
+        speed = throughput(
+            self.tokens_per_step * len(steps),
+            self.train_seconds,
+            self.flops_per_token,
+            self.engine.mesh.world_size,
+            self.peak,
+        )
         last = steps[-1]
         applied = [r["loss"] for r in steps if not r["skipped"]]
-        record = {"step": last["step"], "loss": sum(applied) / len(applied) if applied else last["loss"],
-                  "lr": last["lr"], "grad_norm": last["grad_norm"], "skipped": last["skipped"],
-                  "skipped_steps": skipped_total, "steps_in_record": len(steps), **_loss_scale(last), **speed,
-                  "peak_mem_gib": peak_memory_gib(self.engine.device), "consumed_samples": consumed}
+        record = {
+            "step": last["step"],
+            "loss": sum(applied) / len(applied) if applied else last["loss"],
+            "lr": last["lr"],
+            "grad_norm": last["grad_norm"],
+            "skipped": last["skipped"],
+            "skipped_steps": skipped_total,
+            "steps_in_record": len(steps),
+            **_loss_scale(last),
+            **speed,
+            "peak_mem_gib": peak_memory_gib(self.engine.device),
+            "consumed_samples": consumed,
+        }
         self.sink.write(record)
         self._show(record, speed)
         self.pending, self.train_seconds = [], 0.0
@@ -174,14 +196,19 @@ class MetricsLog:
 
     def _show(self, record: dict, speed: dict) -> None:
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
-                                      tok_s=f"{speed['tokens_per_sec']:.0f}",
-                                      mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}")
+            self.progress.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{speed['tokens_per_sec']:.0f}",
+                mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}",
+            )
             self.progress.update(record["steps_in_record"])
         elif self.logging_rank:  # --no-progress (batch logs): one plain line per logged step
             mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
-            self.echo(f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                      f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu}")
+            self.echo(
+                f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu}"
+            )
 
     def write_evaluation(self, step: int, metrics: dict[str, float], consumed: int) -> dict:
         """The evaluation record of (1-based) `step`, written and shown (also with --no-progress: batch logs

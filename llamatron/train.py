@@ -6,34 +6,42 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import demo
-from .checkpoint import (Checkpointing, check_checkpoint_fits, load_checkpoint, meta_to_inherit, read_model_config,
-                         step_dirs, step_number)
+from .checkpoint import (
+    Checkpointing,
+    check_checkpoint_fits,
+    load_checkpoint,
+    meta_to_inherit,
+    read_model_config,
+    step_dirs,
+    step_number,
+)
 from .config import Derived, RunConfig, validate
 from .data import samples
-from .data.batches import micro_batches_for_step, to_device
+from .data.batches import Samples, micro_batches_for_step, to_device
 from .data.boundaries import DocumentBoundaries
 from .data.mock import MockDataset
 from .data.sft_dataset import build_sft_datasets
 from .data.tokenizer import load_tokenizer
 from .engine import Engine, build_engine, train_step
-from .evaluation import Evaluation
 from .errors import ConfigError
+from .evaluation import Evaluation
 from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
 from .models import ModelConfig
 from .parallel.mesh import Mesh, build_mesh, init_distributed
 
+
 @dataclass
 class Datasets:
-    train: Sequence
-    valid: Sequence | None
+    train: Samples
+    valid: Samples | None
     tokenizer_path: str | None = None
 
 
@@ -61,11 +69,17 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     train_samples = max(1, t.train_steps * t.global_batch_size)
     valid_samples = max(1, n_evals * t.eval_iters * t.global_batch_size)
     if d.mock_data:
-        return Datasets(MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
-                        MockDataset(model_cfg.vocab_size, d.seq_length, t.seed + 1))
+        return Datasets(
+            MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
+            MockDataset(model_cfg.vocab_size, d.seq_length, t.seed + 1),
+        )
     if d.sft_data is not None:
-        train, valid = _rank0_first(mesh, lambda: build_sft_datasets(
-            d.sft_data, d.split, d.seq_length, train_samples, valid_samples, t.seed, d.pack, model_cfg.vocab_size))
+        train, valid = _rank0_first(
+            mesh,
+            lambda: build_sft_datasets(
+                d.sft_data, d.split, d.seq_length, train_samples, valid_samples, t.seed, d.pack, model_cfg.vocab_size
+            ),
+        )
         if mesh.is_logging_rank:
             print(train.describe(), flush=True)
             for warning in (ds.warning() for ds in (train, valid) if ds is not None):
@@ -84,20 +98,33 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     if tokenizer is not None:
         vocab = load_tokenizer(tokenizer).vocab_size
         if vocab > model_cfg.vocab_size:
-            fix = (f"use the tokenizer {t.load} was trained with" if t.load and "model" not in cfg.explicit
-                   else "pick a model with a large enough vocabulary (or YAML model_overrides: vocab_size)")
-            raise ConfigError(f"tokenizer {tokenizer} has {vocab} tokens but {model_label(cfg)} only "
-                              f"{model_cfg.vocab_size}; {fix}")
-    train, valid = _rank0_first(mesh, lambda: samples.build_datasets(
-        prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed, vocab_size=model_cfg.vocab_size))
+            fix = (
+                f"use the tokenizer {t.load} was trained with"
+                if t.load and "model" not in cfg.explicit
+                else "pick a model with a large enough vocabulary (or YAML model_overrides: vocab_size)"
+            )
+            raise ConfigError(
+                f"tokenizer {tokenizer} has {vocab} tokens but {model_label(cfg)} only {model_cfg.vocab_size}; {fix}"
+            )
+    train, valid = _rank0_first(
+        mesh,
+        lambda: samples.build_datasets(
+            prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed, vocab_size=model_cfg.vocab_size
+        ),
+    )
     if mesh.is_logging_rank:
         print(train.describe(), flush=True)
     if d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss:
+        assert tokenizer is not None  # config.validate: the document-boundary flags need --tokenizer
         eod = load_tokenizer(tokenizer).eod_id
         if eod is None:
             raise ConfigError(f"tokenizer {tokenizer} has no end-of-document token; document-boundary flags need one")
-        train, valid = (None if ds is None else DocumentBoundaries(ds, eod, d.reset_position_ids,
-                        d.reset_attention_mask, d.eod_mask_loss) for ds in (train, valid))
+        train, valid = (
+            None
+            if ds is None
+            else DocumentBoundaries(ds, eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+            for ds in (train, valid)
+        )
     return Datasets(train, valid, tokenizer)
 
 
@@ -156,8 +183,9 @@ def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInject
             dist.destroy_process_group()
 
 
-def _train_on_this_rank(cfg: RunConfig, derived: Derived, model_cfg: ModelConfig,
-                        faults: FaultInjection) -> TrainResult:
+def _train_on_this_rank(
+    cfg: RunConfig, derived: Derived, model_cfg: ModelConfig, faults: FaultInjection
+) -> TrainResult:
     t = cfg.train
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
@@ -175,9 +203,12 @@ def _train_on_this_rank(cfg: RunConfig, derived: Derived, model_cfg: ModelConfig
         if not t.finetune:
             start = RunStart(state["step"], state["consumed_samples"], state.get("skipped_steps", 0))
         if mesh.rank == 0:
-            print(f"loaded weights of step {state['step']} from {t.load} (--finetune: fresh optimizer, step 0)"
-                  if t.finetune else f"resumed from {t.load} at step {start.step} ({start.consumed_samples} samples "
-                  "consumed)", flush=True)
+            print(
+                f"loaded weights of step {state['step']} from {t.load} (--finetune: fresh optimizer, step 0)"
+                if t.finetune
+                else f"resumed from {t.load} at step {start.step} ({start.consumed_samples} samples consumed)",
+                flush=True,
+            )
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start.step)
     try:
@@ -195,8 +226,15 @@ class Trainer:
     cadence: metrics and console logging (`MetricsLog`), the fault guard (`FaultGuard`: skipped steps, stop
     requests, injected faults), evaluation (`Evaluation`) and checkpointing (`Checkpointing`)."""
 
-    def __init__(self, engine: Engine, datasets: Datasets, start: RunStart, saves: Checkpointing,
-                 faults: FaultInjection = NO_FAULTS, extra_sinks: list | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        datasets: Datasets,
+        start: RunStart,
+        saves: Checkpointing,
+        faults: FaultInjection = NO_FAULTS,
+        extra_sinks: list | None = None,
+    ):
         """extra_sinks: TensorBoard, W&B (logging rank only), given every record."""
         self.engine, self.train_data, self.saves = engine, datasets.train, saves
         self.start_step, self.consumed = start.step, start.consumed_samples
@@ -231,8 +269,9 @@ class Trainer:
 
     def _train(self, step: int) -> None:
         t, mesh = self.engine.cfg.train, self.engine.mesh
-        mbs = micro_batches_for_step(self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size,
-                                     mesh.dp, mesh.dp_rank)
+        mbs = micro_batches_for_step(
+            self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank
+        )
         self.guard.start_step(step)
         out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
         self.consumed += t.global_batch_size
@@ -255,8 +294,10 @@ class Trainer:
             # Steps skipped so far, also those not yet logged: a resumed run continues the count.
             skipped = self.guard.skipped_total + self.log.pending_skipped()
             self.result.checkpoint = self.saves.save(self.engine, step, self.consumed, skipped)
-            self.log.echo(f"step {step}: saved {self.result.checkpoint}"
-                          + (" (writing in the background)" if self.saves.background else ""))
+            self.log.echo(
+                f"step {step}: saved {self.result.checkpoint}"
+                + (" (writing in the background)" if self.saves.background else "")
+            )
 
     def _finish(self) -> None:
         for buf in self.engine.buffers:  # no collective may be left in flight
@@ -280,8 +321,9 @@ def check_save_dir(cfg: RunConfig) -> None:
     try:
         os.makedirs(save, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--save {save}: cannot create the directory ({e.strerror}); give a writable "
-                          "directory") from None
+        raise ConfigError(
+            f"--save {save}: cannot create the directory ({e.strerror}); give a writable directory"
+        ) from None
     if not os.access(save, os.W_OK | os.X_OK):
         raise ConfigError(f"--save {save} is not writable by this user: give a writable directory")
     steps = step_dirs(save)
@@ -293,12 +335,16 @@ def check_save_dir(cfg: RunConfig) -> None:
         return  # resuming the run that wrote them
     held = f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''}, the latest {latest}"
     if load and cfg.train.finetune and _checkpoint_root(load) == os.path.realpath(save):
-        raise ConfigError(f"--save {save} is the directory --load reads ({held}); fine-tuning starts again at "
-                          "step 0, so its saves would overwrite those checkpoints (and --keep-last would delete "
-                          "them). Save the fine-tuned model to a new directory.")
-    raise ConfigError(f"--save {save} already holds another run's checkpoints ({held}); this run's saves would "
-                      "overwrite them (and --keep-last would delete them). Resume that run with --load "
-                      f"{save}, save to a new directory, or delete {save} first.")
+        raise ConfigError(
+            f"--save {save} is the directory --load reads ({held}); fine-tuning starts again at "
+            "step 0, so its saves would overwrite those checkpoints (and --keep-last would delete "
+            "them). Save the fine-tuned model to a new directory."
+        )
+    raise ConfigError(
+        f"--save {save} already holds another run's checkpoints ({held}); this run's saves would "
+        "overwrite them (and --keep-last would delete them). Resume that run with --load "
+        f"{save}, save to a new directory, or delete {save} first."
+    )
 
 
 def _checkpoint_root(load: str) -> str:
@@ -309,27 +355,44 @@ def _checkpoint_root(load: str) -> str:
 
 # Settings whose change on resume alters the run: the learning-rate schedule, or which samples come next
 # (consumed_samples counts samples of the settings the checkpoint was trained with).
-_SCHEDULE_SETTINGS = ("train_steps", "lr", "min_lr", "lr_schedule", "warmup_steps", "weight_decay", "clip_grad",
-                      "adam_beta1", "adam_beta2")
+_SCHEDULE_SETTINGS = (
+    "train_steps",
+    "lr",
+    "min_lr",
+    "lr_schedule",
+    "warmup_steps",
+    "weight_decay",
+    "clip_grad",
+    "adam_beta1",
+    "adam_beta2",
+)
 _DATA_SETTINGS = ("seq_length", "global_batch_size", "seed", "data", "sft_data", "split")
 
 
 def _say_what_changed_on_resume(cfg: RunConfig, meta: dict, start_step: int) -> None:
     """Resuming is exact only with the checkpoint's settings: name each one that differs, and a run with
     nothing left to train."""
-    saved = {k: v for section in (meta.get("config") or {}).values() if isinstance(section, dict)
-             for k, v in section.items()}
+    saved = {
+        k: v for section in (meta.get("config") or {}).values() if isinstance(section, dict) for k, v in section.items()
+    }
     now = cfg.flat()
     changed = [k for k in (*_SCHEDULE_SETTINGS, *_DATA_SETTINGS) if k in saved and saved[k] != now.get(k)]
     if changed:
         parts = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in changed)
         data = [k for k in changed if k in _DATA_SETTINGS]
-        why = (" The data position is counted in samples of the old settings, so the samples that follow are not "
-               "the ones the original run would have seen." if data else "")
+        why = (
+            " The data position is counted in samples of the old settings, so the samples that follow are not "
+            "the ones the original run would have seen."
+            if data
+            else ""
+        )
         print(f"note: resuming with settings that differ from the checkpoint's run: {parts}.{why}", flush=True)
     if start_step >= cfg.train.train_steps:
-        print(f"note: nothing to train: the checkpoint is at step {start_step} and --train-steps is "
-              f"{cfg.train.train_steps}; give a larger --train-steps to continue", flush=True)
+        print(
+            f"note: nothing to train: the checkpoint is at step {start_step} and --train-steps is "
+            f"{cfg.train.train_steps}; give a larger --train-steps to continue",
+            flush=True,
+        )
 
 
 def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:
@@ -337,14 +400,22 @@ def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:
     path, load = cfg.train.metrics_file, cfg.train.load
     if not path or load or not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    print(f"warning: --metrics-file {path} already holds records of an earlier run; this run's records are "
-          f"appended after them. Use another --metrics-file to keep the runs apart.", file=sys.stderr, flush=True)
+    print(
+        f"warning: --metrics-file {path} already holds records of an earlier run; this run's records are "
+        f"appended after them. Use another --metrics-file to keep the runs apart.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _warn_if_beyond_trained_context(cfg: RunConfig, model_cfg) -> None:
     """Longer sequences than the model's context train, but pretrained weights need rope scaling for them."""
     seq, limit = cfg.data.seq_length, model_cfg.max_seq_length
     if seq > limit and model_cfg.rope_scaling is None:
-        print(f"warning: --seq-length {seq} is beyond {model_label(cfg)}'s context of {limit} tokens and no rope "
-              f"scaling is set; for pretrained weights set one in YAML (model_overrides: rope_scaling: "
-              f"{{kind: linear, factor: {seq / limit:g}}}) or use --seq-length <= {limit}.", file=sys.stderr, flush=True)
+        print(
+            f"warning: --seq-length {seq} is beyond {model_label(cfg)}'s context of {limit} tokens and no rope "
+            f"scaling is set; for pretrained weights set one in YAML (model_overrides: rope_scaling: "
+            f"{{kind: linear, factor: {seq / limit:g}}}) or use --seq-length <= {limit}.",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -5,32 +5,74 @@ from __future__ import annotations
 import torch
 
 VOCAB = 96
-_LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=128, rms_norm_eps=1e-5)
-_FALCON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, layer_norm_epsilon=1e-5,
-               max_position_embeddings=128, parallel_attn=True, alibi=False)
+_LLAMA = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+_FALCON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    layer_norm_epsilon=1e-5,
+    max_position_embeddings=128,
+    parallel_attn=True,
+    alibi=False,
+)
 
 # name -> (transformers class name, config kwargs, sequence length of the equivalence check)
 FAMILIES: dict[str, tuple[str, dict, int]] = {
     "llama": ("Llama", dict(_LLAMA, num_key_value_heads=4), 24),
     "llama2-gqa": ("Llama", dict(_LLAMA, num_key_value_heads=2), 24),
-    "llama3-rope-scaling": ("Llama", dict(_LLAMA, num_key_value_heads=1, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}), 40),
+    "llama3-rope-scaling": (
+        "Llama",
+        dict(
+            _LLAMA,
+            num_key_value_heads=1,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        40,
+    ),
     "codellama-theta": ("Llama", dict(_LLAMA, num_key_value_heads=2, rope_theta=1e6), 24),
     "llama-linear-scaling": ("Llama", dict(_LLAMA, rope_scaling={"rope_type": "linear", "factor": 4.0}), 24),
     # Dynamic NTK only changes anything past max_position_embeddings: run longer than that.
-    "llama-dynamic-scaling": ("Llama", dict(_LLAMA, max_position_embeddings=16,
-                                            rope_scaling={"rope_type": "dynamic", "factor": 2.0}), 40),
-    "llama-tied-bias": ("Llama", dict(_LLAMA, num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True,
-                                      mlp_bias=True), 24),
+    "llama-dynamic-scaling": (
+        "Llama",
+        dict(_LLAMA, max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        40,
+    ),
+    "llama-tied-bias": (
+        "Llama",
+        dict(_LLAMA, num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+        24,
+    ),
     "mistral-window": ("Mistral", dict(_LLAMA, num_key_value_heads=2, sliding_window=8), 40),
-    "falcon-7b-layout": ("Falcon", dict(_FALCON, num_attention_heads=4, multi_query=True,
-                                        new_decoder_architecture=False), 24),
-    "falcon-40b-layout": ("Falcon", dict(_FALCON, num_attention_heads=8, num_kv_heads=2,
-                                         new_decoder_architecture=True), 24),
-    "falcon-mha-bias": ("Falcon", dict(_FALCON, num_attention_heads=4, multi_query=False,
-                                       new_decoder_architecture=False, bias=True), 24),
+    "falcon-7b-layout": (
+        "Falcon",
+        dict(_FALCON, num_attention_heads=4, multi_query=True, new_decoder_architecture=False),
+        24,
+    ),
+    "falcon-40b-layout": (
+        "Falcon",
+        dict(_FALCON, num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True),
+        24,
+    ),
+    "falcon-mha-bias": (
+        "Falcon",
+        dict(_FALCON, num_attention_heads=4, multi_query=False, new_decoder_architecture=False, bias=True),
+        24,
+    ),
 }
 
 
@@ -44,7 +86,7 @@ def make_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32
     torch.manual_seed(seed)
     model = getattr(transformers, f"{kind}ForCausalLM")(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:  # norm weights/biases, linear biases
                 p.add_(0.2 * torch.randn_like(p))
             else:
@@ -68,9 +110,31 @@ def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
         train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300, str(tok_dir))
     config = workdir / "run.yaml"
     config.write_text("model: llama-test\nmodel_overrides: {vocab_size: 320}\n")  # room for the tokenizer's 300
-    args = ["train", "--config", config, "--tokenizer", tok_dir, "--mock-data", "--device", "cpu", "--precision",
-            "fp32", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-steps", "1",
-            "--no-progress", "--eval-iters", "1", "--save", workdir / ckpt_name]
+    args = [
+        "train",
+        "--config",
+        config,
+        "--tokenizer",
+        tok_dir,
+        "--mock-data",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-steps",
+        "1",
+        "--no-progress",
+        "--eval-iters",
+        "1",
+        "--save",
+        workdir / ckpt_name,
+    ]
     try:
         main([str(a) for a in args])
     except SystemExit as e:

@@ -35,7 +35,7 @@ def parse(argv: list[str]) -> tuple[FaultInjection, list[str]]:
         hang = (int(rank), int(step), float(seconds))
     fail_save = _ints(args.fail_save, ":") if args.fail_save else None
     nan_steps = frozenset(_ints(args.nan_steps, ",")) if args.nan_steps else frozenset()
-    return FaultInjection(nan_steps=nan_steps, hang=hang, fail_save=fail_save), argv[split + 1:]
+    return FaultInjection(nan_steps=nan_steps, hang=hang, fail_save=fail_save), argv[split + 1 :]
 
 
 if __name__ == "__main__":

@@ -11,12 +11,35 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
-BASE_ARGS = ["--mock-data", "--device", "cpu", "--precision", "fp32", "--seq-length", "32", "--micro-batch-size", "2",
-             "--global-batch-size", "8", "--train-steps", "5", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "1",
-             "--no-progress", "--eval-iters", "1", "--log-interval", "1"]
+BASE_ARGS = [
+    "--mock-data",
+    "--device",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-steps",
+    "5",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--warmup-steps",
+    "1",
+    "--no-progress",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+]
 
 
 def free_port() -> int:
@@ -25,8 +48,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-test", timeout: int = 300,
-              include_eval: bool = False, faults: Sequence[str] = ()) -> list[dict]:
+def run_train(
+    args: list[str],
+    nproc: int,
+    workdir: Path,
+    model: str = "llama-test",
+    timeout: int = 300,
+    include_eval: bool = False,
+    faults: Sequence[str] = (),
+) -> list[dict]:
     """Train through the public command; returns the per-step metric records (evaluation lines only if asked).
 
     faults: flags of tests/inject_faults.py (e.g. ["--fail-save", "4:1"]), which then runs the command."""
@@ -35,17 +65,28 @@ def run_train(args: list[str], nproc: int, workdir: Path, model: str = "llama-te
         metrics.unlink()
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}"]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+        ]
     inject = str(Path(__file__).resolve().parent / "inject_faults.py")
     entry = [inject, *faults, "--"] if faults else ["-m", "llamatron"]
     cmd += [*entry, "train", "--model", model, *BASE_ARGS, *args, "--metrics-file", str(metrics)]
     repo = str(Path(__file__).resolve().parents[1])  # importable even where the package is not installed
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
     if proc.returncode != 0:
-        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return records if include_eval else [r for r in records if r.get("split") is None]
 

@@ -31,14 +31,17 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 def test_the_checker_finds_cycles_local_imports_and_long_functions(tmp_path, capsys):
     body = "\n".join(f"    x{i} = {i}" for i in range(81))
-    pkg = _package(tmp_path, {
-        "__init__.py": "from . import a\n",
-        "a.py": "from .b import g\n",
-        "b.py": "from . import a\n\ndef g():\n    from .sub import c\n    return c\n",
-        "sub/__init__.py": "",
-        "sub/c.py": f"def long():\n{body}\n",
-        "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n",
-    })
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "from . import a\n",
+            "a.py": "from .b import g\n",
+            "b.py": "from . import a\n\ndef g():\n    from .sub import c\n    return c\n",
+            "sub/__init__.py": "",
+            "sub/c.py": f"def long():\n{body}\n",
+            "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n",
+        },
+    )
     assert code_shape.main([str(pkg), "--max-local", "0"]) == 1
     out = capsys.readouterr().out
     assert "cycle: pkg.a pkg.b" in out

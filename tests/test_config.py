@@ -32,17 +32,20 @@ def test_unknown_yaml_key_is_named(tmp_path):
         parse(["--config", str(f)])
 
 
-@pytest.mark.parametrize("line, message", [
-    ("swiglu_backend: fast", r"swiglu_backend \(--swiglu-backend\): 'fast' is not one of auto, triton, torch"),
-    ("adamw_kernel: foo", r"'foo' is not one of auto, torch, triton"),
-    ("device: tpu", r"device \(--device\): 'tpu' is not one of auto, cpu, cuda"),
-    ("precision: fp8", r"'fp8' is not one of"),
-    ("train_steps: many", r"train_steps \(--train-steps\): 'many' is not an integer"),
-    ("train_steps: 2.5", r"2.5 is not an integer"),
-    ("lr: fast", r"'fast' is not a number"),
-    ("distributed_optimizer: 1", r"1 is not true or false"),
-    ("micro_batch_size:", r"micro_batch_size \(--micro-batch-size\) is empty"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("swiglu_backend: fast", r"swiglu_backend \(--swiglu-backend\): 'fast' is not one of auto, triton, torch"),
+        ("adamw_kernel: foo", r"'foo' is not one of auto, torch, triton"),
+        ("device: tpu", r"device \(--device\): 'tpu' is not one of auto, cpu, cuda"),
+        ("precision: fp8", r"'fp8' is not one of"),
+        ("train_steps: many", r"train_steps \(--train-steps\): 'many' is not an integer"),
+        ("train_steps: 2.5", r"2.5 is not an integer"),
+        ("lr: fast", r"'fast' is not a number"),
+        ("distributed_optimizer: 1", r"1 is not true or false"),
+        ("micro_batch_size:", r"micro_batch_size \(--micro-batch-size\) is empty"),
+    ],
+)
 def test_yaml_values_get_the_checks_flags_get(tmp_path, line, message):
     """A YAML value of the wrong type or outside the choices is named, as the flag's argparse check would."""
     f = tmp_path / "c.yaml"
@@ -66,52 +69,98 @@ def test_model_overrides():
         config_from_values({"model_overrides": {"nonsense": 1}}).model_config()
 
 
-@pytest.mark.parametrize("values, world, message", [
-    ({"model": "llama-test", "tp": 3}, 3, r"not divisible by tp=3; use tp in \[1, 2, 4\]"),
-    ({"model": "llama-test", "global_batch_size": 6, "micro_batch_size": 2}, 2, "not a multiple of micro-batch-size x data-parallel size"),
-    ({"model": "llama-test", "tp": 2}, 3, "world size 3 is not divisible by tp\\*pp"),
-    ({"model": "llama-test", "vpp": 2}, 1, "--vpp needs --pp > 1"),
-    ({"model": "llama-test", "pp": 2, "pp_layers": "1,2"}, 2, "--pp-layers must give 2 positive counts summing to 2"),
-    ({"model": "llama-7b", "pp": 3}, 3, "32 layers are not divisible by pp\\*vpp = 3"),
-    ({"model": "llama-test", "sequence_parallel": True}, 1, "--sequence-parallel needs --tp > 1"),
-    ({"model": "llama-test", "device": "cuda"}, 1, "no CUDA GPU"),
-    ({"model": "no-such-model"}, 1, "unknown model preset 'no-such-model'; choose one of"),
-    ({"model": "llama-test", "min_lr": 1.0, "lr": 0.1}, 1, "--min-lr 1.0 is above --lr"),
-    ({"model": "llama-test", "finetune": True}, 1, "--finetune needs --load"),
-    ({"model": "llama-test", "dp_comm_max_ctas": 0}, 1, "--dp-comm-max-ctas 0 must be >= 1"),
-    ({"model": "llama-test", "attention_backend": "flash"}, 1, "--attention-backend flash picks a CUDA kernel"),
-    ({"model": "llama-test", "swiglu_backend": "triton"}, 1, "--swiglu-backend triton runs on CUDA only"),
-    ({"model": "llama-test", "rmsnorm_backend": "triton"}, 1, "--rmsnorm-backend triton runs on CUDA only"),
-    ({"model": "falcon-test", "rmsnorm_backend": "triton"}, 1, "Falcon models use LayerNorm, not RMSNorm"),
-    ({"model": "falcon-test", "swiglu_backend": "triton"}, 1, "Falcon models use a GELU MLP, not SwiGLU"),
-    ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
-    ({"model": "llama-test", "rope_backend": "triton"}, 1, "--rope-backend triton runs on CUDA only"),
-    ({"model": "llama-test", "cross_entropy_backend": "triton"}, 1, "--cross-entropy-backend triton runs on CUDA only"),
-    ({"model": "llama-test", "cross_entropy_backend": "triton", "tp": 2}, 2, "the loss is the vocabulary-parallel one"),
-    ({"model": "llama-test", "rope_backend": "triton", "model_overrides": {"hidden_size": 96}}, 1,
-     "--rope-backend triton needs a power-of-two head dim; this model's is 24"),
-    ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),
-    # model shapes that trained silently wrong (no attention) or crashed deep inside the model
-    ({"model": "llama-test", "model_overrides": {"num_kv_heads": 0}}, 1, "num_kv_heads 0 must be >= 1"),
-    ({"model": "llama-test", "model_overrides": {"sliding_window": 0}}, 1, "sliding_window 0 must be >= 1"),
-    ({"model": "llama-test", "model_overrides": {"sliding_window": -4}}, 1, "sliding_window -4 must be >= 1"),
-    ({"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "linear", "factor": 0}}}, 1,
-     "rope_scaling factor 0 must be a positive number"),
-    ({"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "yarn", "factor": 4.0}}}, 1,
-     "rope_scaling kind 'yarn' must be linear, dynamic or llama3"),
-    ({"model": "llama-test", "model_overrides": {"num_heads": 3, "num_kv_heads": 3}}, 1,
-     "hidden_size 64 is not divisible by num_heads 3"),
-    ({"model": "llama-test", "model_overrides": {"hidden_size": 60}}, 1, r"head dim 15 \(hidden_size / num_heads\) must be even"),
-    ({"model": "llama-test", "model_overrides": {"num_kv_heads": 3}}, 2, "num_heads 4 is not divisible by num_kv_heads 3"),
-    # settings that were ignored or meaningless
-    ({"model": "llama-test4", "pp": 2, "vpp": 4}, 2, r"pp\*vpp = 8 model chunks but only 4 layers.*lower --vpp or --pp"),
-    ({"model": "llama-test", "recompute_layers": 1}, 1, "--recompute-layers 1 needs --recompute full or selective"),
-    ({"model": "llama-test", "recompute": "full", "recompute_layers": 5}, 1,
-     r"--recompute-layers 5: a model chunk holds at most 2 layers \(pp\*vpp = 1\); give 0..2"),
-    ({"model": "llama-test", "recompute": "full", "recompute_layers": -1}, 1, "--recompute-layers -1"),
-    ({"model": "llama-test", "bucket_size": 0}, 1, "--bucket-size 0 must be >= 1"),
-    ({"model": "llama-test", "clip_grad": -1.0}, 1, "--clip-grad -1.0 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "values, world, message",
+    [
+        ({"model": "llama-test", "tp": 3}, 3, r"not divisible by tp=3; use tp in \[1, 2, 4\]"),
+        (
+            {"model": "llama-test", "global_batch_size": 6, "micro_batch_size": 2},
+            2,
+            "not a multiple of micro-batch-size x data-parallel size",
+        ),
+        ({"model": "llama-test", "tp": 2}, 3, "world size 3 is not divisible by tp\\*pp"),
+        ({"model": "llama-test", "vpp": 2}, 1, "--vpp needs --pp > 1"),
+        (
+            {"model": "llama-test", "pp": 2, "pp_layers": "1,2"},
+            2,
+            "--pp-layers must give 2 positive counts summing to 2",
+        ),
+        ({"model": "llama-7b", "pp": 3}, 3, "32 layers are not divisible by pp\\*vpp = 3"),
+        ({"model": "llama-test", "sequence_parallel": True}, 1, "--sequence-parallel needs --tp > 1"),
+        ({"model": "llama-test", "device": "cuda"}, 1, "no CUDA GPU"),
+        ({"model": "no-such-model"}, 1, "unknown model preset 'no-such-model'; choose one of"),
+        ({"model": "llama-test", "min_lr": 1.0, "lr": 0.1}, 1, "--min-lr 1.0 is above --lr"),
+        ({"model": "llama-test", "finetune": True}, 1, "--finetune needs --load"),
+        ({"model": "llama-test", "dp_comm_max_ctas": 0}, 1, "--dp-comm-max-ctas 0 must be >= 1"),
+        ({"model": "llama-test", "attention_backend": "flash"}, 1, "--attention-backend flash picks a CUDA kernel"),
+        ({"model": "llama-test", "swiglu_backend": "triton"}, 1, "--swiglu-backend triton runs on CUDA only"),
+        ({"model": "llama-test", "rmsnorm_backend": "triton"}, 1, "--rmsnorm-backend triton runs on CUDA only"),
+        ({"model": "falcon-test", "rmsnorm_backend": "triton"}, 1, "Falcon models use LayerNorm, not RMSNorm"),
+        ({"model": "falcon-test", "swiglu_backend": "triton"}, 1, "Falcon models use a GELU MLP, not SwiGLU"),
+        ({"model": "llama-test", "adamw_kernel": "triton"}, 1, "--adamw-kernel triton runs on CUDA only"),
+        ({"model": "llama-test", "rope_backend": "triton"}, 1, "--rope-backend triton runs on CUDA only"),
+        (
+            {"model": "llama-test", "cross_entropy_backend": "triton"},
+            1,
+            "--cross-entropy-backend triton runs on CUDA only",
+        ),
+        (
+            {"model": "llama-test", "cross_entropy_backend": "triton", "tp": 2},
+            2,
+            "the loss is the vocabulary-parallel one",
+        ),
+        (
+            {"model": "llama-test", "rope_backend": "triton", "model_overrides": {"hidden_size": 96}},
+            1,
+            "--rope-backend triton needs a power-of-two head dim; this model's is 24",
+        ),
+        ({"model": "llama-test", "dp_comm_max_ctas": 4}, 1, "--dp-comm-max-ctas 4 tunes NCCL; on cpu"),
+        # model shapes that trained silently wrong (no attention) or crashed deep inside the model
+        ({"model": "llama-test", "model_overrides": {"num_kv_heads": 0}}, 1, "num_kv_heads 0 must be >= 1"),
+        ({"model": "llama-test", "model_overrides": {"sliding_window": 0}}, 1, "sliding_window 0 must be >= 1"),
+        ({"model": "llama-test", "model_overrides": {"sliding_window": -4}}, 1, "sliding_window -4 must be >= 1"),
+        (
+            {"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "linear", "factor": 0}}},
+            1,
+            "rope_scaling factor 0 must be a positive number",
+        ),
+        (
+            {"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "yarn", "factor": 4.0}}},
+            1,
+            "rope_scaling kind 'yarn' must be linear, dynamic or llama3",
+        ),
+        (
+            {"model": "llama-test", "model_overrides": {"num_heads": 3, "num_kv_heads": 3}},
+            1,
+            "hidden_size 64 is not divisible by num_heads 3",
+        ),
+        (
+            {"model": "llama-test", "model_overrides": {"hidden_size": 60}},
+            1,
+            r"head dim 15 \(hidden_size / num_heads\) must be even",
+        ),
+        (
+            {"model": "llama-test", "model_overrides": {"num_kv_heads": 3}},
+            2,
+            "num_heads 4 is not divisible by num_kv_heads 3",
+        ),
+        # settings that were ignored or meaningless
+        (
+            {"model": "llama-test4", "pp": 2, "vpp": 4},
+            2,
+            r"pp\*vpp = 8 model chunks but only 4 layers.*lower --vpp or --pp",
+        ),
+        ({"model": "llama-test", "recompute_layers": 1}, 1, "--recompute-layers 1 needs --recompute full or selective"),
+        (
+            {"model": "llama-test", "recompute": "full", "recompute_layers": 5},
+            1,
+            r"--recompute-layers 5: a model chunk holds at most 2 layers \(pp\*vpp = 1\); give 0..2",
+        ),
+        ({"model": "llama-test", "recompute": "full", "recompute_layers": -1}, 1, "--recompute-layers -1"),
+        ({"model": "llama-test", "bucket_size": 0}, 1, "--bucket-size 0 must be >= 1"),
+        ({"model": "llama-test", "clip_grad": -1.0}, 1, "--clip-grad -1.0 must be >= 0"),
+    ],
+)
 def test_bad_configs_name_the_fix(values, world, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         validate(config_from_values(values), world_size=world, cuda_available=False)
@@ -147,8 +196,10 @@ def test_a_bad_value_is_reported_in_two_lines_not_after_the_whole_usage(capsys):
         main(["bench", "--tp", "two"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == ["llamatron bench: error: argument --tp: invalid int value: 'two'",
-                   "(see `llamatron bench --help` for the options)"]
+    assert err == [
+        "llamatron bench: error: argument --tp: invalid int value: 'two'",
+        "(see `llamatron bench --help` for the options)",
+    ]
 
 
 def test_math_attention_backend_is_accepted_on_cpu():
@@ -177,8 +228,11 @@ def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4"})
-    with pytest.raises(ConfigError, match=r"FlashAttention 4 \(importing flash_attn failed: ImportError: "
-                                          r"libcute_dsl.so: cannot open"):
+    with pytest.raises(
+        ConfigError,
+        match=r"FlashAttention 4 \(importing flash_attn failed: ImportError: "
+        r"libcute_dsl.so: cannot open",
+    ):
         validate(cfg, world_size=1, cuda_available=True)
 
 
@@ -190,14 +244,25 @@ def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
         monkeypatch.setattr(kernel_settings, "HAS_TRITON", has_triton)
         return kernel_choices(config_from_values(values), device)
 
-    assert run({"model": "llama-test"}) == {"attention": "auto", "swiglu": "triton", "rmsnorm": "triton",
-                                            "rope": "triton", "cross_entropy": "triton", "adamw": "triton"}
+    assert run({"model": "llama-test"}) == {
+        "attention": "auto",
+        "swiglu": "triton",
+        "rmsnorm": "triton",
+        "rope": "triton",
+        "cross_entropy": "triton",
+        "adamw": "triton",
+    }
     assert run({"model": "llama-test", "cross_entropy_backend": "torch"})["cross_entropy"] == "torch"
     assert run({"model": "llama-test", "tp": 2})["cross_entropy"] == "-"  # the vocabulary-parallel loss
     assert run({"model": "llama-test", "rope_backend": "torch", "rmsnorm_backend": "torch"})["rope"] == "torch"
     assert run({"model": "llama-test", "model_overrides": {"hidden_size": 96}})["rope"] == "torch"  # head dim 24
     assert run({"model": "llama-test"}, has_triton=False)["swiglu"] == "torch"
-    assert run({"model": "falcon-test"}) | {"adamw": "-"} == {"attention": "auto", "swiglu": "-", "rmsnorm": "-",
-                                                              "rope": "triton", "cross_entropy": "triton",
-                                                              "adamw": "-"}
+    assert run({"model": "falcon-test"}) | {"adamw": "-"} == {
+        "attention": "auto",
+        "swiglu": "-",
+        "rmsnorm": "-",
+        "rope": "triton",
+        "cross_entropy": "triton",
+        "adamw": "-",
+    }
     assert set(run({"model": "llama-test"}, device="cpu").values()) == {"auto", "torch"}

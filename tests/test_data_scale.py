@@ -31,8 +31,10 @@ def test_sample_index_for_a_billion_token_corpus(tmp_path):
     seconds = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    print(f"\n1B-token sample index: {seconds:.2f} s, peak allocations {peak / 2**20:.0f} MiB, "
-          f"index {dataset.index_bytes / 2**20:.0f} MiB")
+    print(
+        f"\n1B-token sample index: {seconds:.2f} s, peak allocations {peak / 2**20:.0f} MiB, "
+        f"index {dataset.index_bytes / 2**20:.0f} MiB"
+    )
     assert seconds < 10  # ~0.3 s here; the 10B benchmark takes ~3 s
     # the temporaries stay a small multiple of the index itself (~60 bytes per document)
     assert peak < 100 * len(indexed) and dataset.index_bytes < 50 * len(indexed)

@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 
-from llamatron.demo import prepare_demo_data, stdlib_source_files
 from llamatron.data.indexed import IndexedDataset
 from llamatron.data.samples import build_datasets
 from llamatron.data.tokenizer import load_tokenizer
+from llamatron.demo import prepare_demo_data, stdlib_source_files
 
 
 def test_demo_data_builds_reads_and_is_reused(tmp_path):

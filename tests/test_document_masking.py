@@ -115,22 +115,54 @@ def test_training_with_document_boundaries(tmp_path):
     from llamatron.data.preprocess import preprocess
     from llamatron.data.tokenizer import train_bpe_tokenizer
 
-    texts = [f"document {i}: " + " ".join(["llama", "alpaca", "camel"][j % 3] for j in range(i % 17 + 3))
-             for i in range(300)]
+    texts = [
+        f"document {i}: " + " ".join(["llama", "alpaca", "camel"][j % 3] for j in range(i % 17 + 3)) for i in range(300)
+    ]
     train_bpe_tokenizer(texts, vocab_size=300, out_dir=str(tmp_path / "tok"))
     with open(tmp_path / "docs.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    prefix = preprocess(str(tmp_path / "docs.jsonl"), str(tmp_path / "docs"), str(tmp_path / "tok"),
-                        progress=False)["outputs"]["text"]
+    prefix = preprocess(str(tmp_path / "docs.jsonl"), str(tmp_path / "docs"), str(tmp_path / "tok"), progress=False)[
+        "outputs"
+    ]["text"]
     (tmp_path / "tiny.yaml").write_text("model: llama-test\nmodel_overrides:\n  vocab_size: 320\n")
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "llamatron", "train", "--config", str(tmp_path / "tiny.yaml"), "--data", prefix,
-           "--tokenizer", str(tmp_path / "tok"), "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-           "--device", "cpu", "--precision", "fp32", "--seq-length", "64", "--micro-batch-size", "4",
-           "--global-batch-size", "8", "--train-steps", "12", "--lr", "3e-3", "--no-progress", "--eval-iters", "1",
-           "--metrics-file", str(metrics)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "train",
+        "--config",
+        str(tmp_path / "tiny.yaml"),
+        "--data",
+        prefix,
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--reset-position-ids",
+        "--reset-attention-mask",
+        "--eod-mask-loss",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--seq-length",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-steps",
+        "12",
+        "--lr",
+        "3e-3",
+        "--no-progress",
+        "--eval-iters",
+        "1",
+        "--metrics-file",
+        str(metrics),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if "split" not in line]
     assert len(losses) == 12 and losses[-1] < losses[0]

@@ -20,8 +20,17 @@ from llamatron.parallel.mesh import build_mesh
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = config_from_values({"model": "llama-test", "mock_data": True, "device": "cpu", "precision": "fp32",
-                              "seq_length": 32, "micro_batch_size": 2, "global_batch_size": 4})
+    cfg = config_from_values(
+        {
+            "model": "llama-test",
+            "mock_data": True,
+            "device": "cpu",
+            "precision": "fp32",
+            "seq_length": 32,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+        }
+    )
     torch.manual_seed(0)
     return build_engine(cfg, validate(cfg), build_mesh())
 
@@ -54,8 +63,9 @@ def _reference(engine, dataset, iters: int) -> dict[str, float]:
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, tokens
     with torch.no_grad():
         for it in range(iters):
-            for mb in micro_batches_for_step(dataset, it * t.global_batch_size, t.global_batch_size,
-                                             t.micro_batch_size, 1, 0):
+            for mb in micro_batches_for_step(
+                dataset, it * t.global_batch_size, t.global_batch_size, t.micro_batch_size, 1, 0
+            ):
                 logits = model(mb["input_ids"])
                 labels = mb["labels"]
                 valid = labels != IGNORE_INDEX
@@ -63,7 +73,11 @@ def _reference(engine, dataset, iters: int) -> dict[str, float]:
                 totals[1] += ((logits.argmax(-1) == labels) & valid).sum()
                 totals[2] += valid.sum()
     loss = (totals[0] / totals[2].clamp_min(1)).item()
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": (totals[1] / totals[2].clamp_min(1)).item()}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "accuracy": (totals[1] / totals[2].clamp_min(1)).item(),
+    }
 
 
 def test_builtin_metrics_equal_the_previous_formula_exactly(engine, dataset):
@@ -85,7 +99,9 @@ def test_registered_metrics_are_selected_by_name_in_order(engine, dataset):
         return loss / math.log(2)
 
     try:
-        got = evaluate(engine, dataset, iters=1, metrics=["test_bits_per_token", "accuracy", "test_first_half_accuracy"])
+        got = evaluate(
+            engine, dataset, iters=1, metrics=["test_bits_per_token", "accuracy", "test_first_half_accuracy"]
+        )
         assert list(got) == ["loss", "test_bits_per_token", "accuracy", "test_first_half_accuracy"]
         assert got["test_bits_per_token"] == got["loss"] / math.log(2)
         assert 0.0 <= got["test_first_half_accuracy"] <= 1.0
@@ -106,7 +122,8 @@ def test_metric_names_are_checked_before_training(tmp_path, monkeypatch):
     (tmp_path / "my_metrics.py").write_text(
         "from llamatron.evaluation import register_eval_metric\n"
         "@register_eval_metric('test_label_is_even')\n"
-        "def even(batch):\n    return batch.labels % 2 == 0\n")
+        "def even(batch):\n    return batch.labels % 2 == 0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         assert resolve_eval_metrics(["my_metrics:test_label_is_even"]) == ["loss", "test_label_is_even"]

@@ -6,11 +6,10 @@ import json
 import shutil
 
 import pytest
-
-from llamatron.commands import generate
-from llamatron.cli import main
-
 from hf_fixtures import train_with_bpe_tokenizer
+
+from llamatron.cli import main
+from llamatron.commands import generate
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +32,16 @@ def run(*args) -> int:
     return 0
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "--prompt is empty and tokenizer"),
-    (["--prompt", ""], "has no beginning-of-sequence token to start from; give --prompt TEXT"),
-    (["--prompt", "x", "--top-k", "0"], "--top-k 0: must be >= 1"),
-    (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0 (0: greedy)"),
-    (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens -5: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "--prompt is empty and tokenizer"),
+        (["--prompt", ""], "has no beginning-of-sequence token to start from; give --prompt TEXT"),
+        (["--prompt", "x", "--top-k", "0"], "--top-k 0: must be >= 1"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0 (0: greedy)"),
+        (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens -5: must be >= 1"),
+    ],
+)
 def test_bad_arguments_fail_before_the_model_loads(trained, monkeypatch, capsys, args, message):
     monkeypatch.setattr(generate, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
     assert run("--load", trained[0], *args) == 2

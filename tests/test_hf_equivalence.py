@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_fixtures import FAMILIES, make_hf_model, random_tokens
 
 from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron, llamatron_to_hf
 from llamatron.models import build_model
-
-from hf_fixtures import FAMILIES, make_hf_model, random_tokens
 
 
 def llamatron_from_hf(hf_model):
@@ -74,10 +73,10 @@ def test_falcon_grouped_layout_puts_each_query_head_with_its_kv_head():
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
     for g in range(cfg.num_kv_heads):
         base = g * (group + 2) * d
-        k_hf = fused[base + group * d: base + (group + 1) * d]
-        v_hf = fused[base + (group + 1) * d: base + (group + 2) * d]
-        assert torch.equal(ours[q_rows + g * d: q_rows + (g + 1) * d], k_hf)
-        assert torch.equal(ours[q_rows + kv_rows + g * d: q_rows + kv_rows + (g + 1) * d], v_hf)
+        k_hf = fused[base + group * d : base + (group + 1) * d]
+        v_hf = fused[base + (group + 1) * d : base + (group + 2) * d]
+        assert torch.equal(ours[q_rows + g * d : q_rows + (g + 1) * d], k_hf)
+        assert torch.equal(ours[q_rows + kv_rows + g * d : q_rows + kv_rows + (g + 1) * d], v_hf)
         for j in range(group):
             head = g * group + j
-            assert torch.equal(ours[head * d:(head + 1) * d], fused[base + j * d: base + (j + 1) * d])
+            assert torch.equal(ours[head * d : (head + 1) * d], fused[base + j * d : base + (j + 1) * d])

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens, train_with_bpe_tokenizer
+from layout import free_port
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from llamatron.checkpoint import load_checkpoint
-from llamatron.errors import CheckpointError
 from llamatron.checkpoint.hf import HFConversionError, config_from_hf
 from llamatron.cli import main as llamatron_main
+from llamatron.errors import CheckpointError
 from llamatron.generate import load_for_generation
-
-from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens, train_with_bpe_tokenizer
-from layout import free_port
 
 BF16_FAMILIES = {"llama3-rope-scaling", "falcon-7b-layout", "mistral-window"}  # stored and exported as bf16
 
@@ -36,7 +35,9 @@ def run_cli(*args: str) -> int:
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(directory / f)))
@@ -50,8 +51,9 @@ def write_tokenizer(directory: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                                 "unk_token": "t0"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"})
+    )
 
 
 def save_hf(family: str, directory: Path, dtype: torch.dtype = torch.float32, **kwargs):
@@ -146,27 +148,41 @@ def write_meta_consolidated(model, directory: Path, shards: int = 2) -> None:
     """Meta's Llama 2 layout: model-parallel slices (column-parallel by rows, row-parallel by columns)."""
     sd, c = model.state_dict(), model.config
     heads, kv = c.num_attention_heads, c.num_key_value_heads
-    tensors = {"tok_embeddings.weight": (sd["model.embed_tokens.weight"], 1), "norm.weight": (sd["model.norm.weight"], None),
-               "output.weight": (sd["lm_head.weight"], 0)}
+    tensors = {
+        "tok_embeddings.weight": (sd["model.embed_tokens.weight"], 1),
+        "norm.weight": (sd["model.norm.weight"], None),
+        "output.weight": (sd["lm_head.weight"], 0),
+    }
     for i in range(c.num_hidden_layers):
         h = f"model.layers.{i}"
-        tensors.update({
-            f"layers.{i}.attention.wq.weight": (halves_to_pairs(sd[f"{h}.self_attn.q_proj.weight"], heads), 0),
-            f"layers.{i}.attention.wk.weight": (halves_to_pairs(sd[f"{h}.self_attn.k_proj.weight"], kv), 0),
-            f"layers.{i}.attention.wv.weight": (sd[f"{h}.self_attn.v_proj.weight"], 0),
-            f"layers.{i}.attention.wo.weight": (sd[f"{h}.self_attn.o_proj.weight"], 1),
-            f"layers.{i}.feed_forward.w1.weight": (sd[f"{h}.mlp.gate_proj.weight"], 0),
-            f"layers.{i}.feed_forward.w3.weight": (sd[f"{h}.mlp.up_proj.weight"], 0),
-            f"layers.{i}.feed_forward.w2.weight": (sd[f"{h}.mlp.down_proj.weight"], 1),
-            f"layers.{i}.attention_norm.weight": (sd[f"{h}.input_layernorm.weight"], None),
-            f"layers.{i}.ffn_norm.weight": (sd[f"{h}.post_attention_layernorm.weight"], None),
-        })
+        tensors.update(
+            {
+                f"layers.{i}.attention.wq.weight": (halves_to_pairs(sd[f"{h}.self_attn.q_proj.weight"], heads), 0),
+                f"layers.{i}.attention.wk.weight": (halves_to_pairs(sd[f"{h}.self_attn.k_proj.weight"], kv), 0),
+                f"layers.{i}.attention.wv.weight": (sd[f"{h}.self_attn.v_proj.weight"], 0),
+                f"layers.{i}.attention.wo.weight": (sd[f"{h}.self_attn.o_proj.weight"], 1),
+                f"layers.{i}.feed_forward.w1.weight": (sd[f"{h}.mlp.gate_proj.weight"], 0),
+                f"layers.{i}.feed_forward.w3.weight": (sd[f"{h}.mlp.up_proj.weight"], 0),
+                f"layers.{i}.feed_forward.w2.weight": (sd[f"{h}.mlp.down_proj.weight"], 1),
+                f"layers.{i}.attention_norm.weight": (sd[f"{h}.input_layernorm.weight"], None),
+                f"layers.{i}.ffn_norm.weight": (sd[f"{h}.post_attention_layernorm.weight"], None),
+            }
+        )
     directory.mkdir()
     for s in range(shards):
-        torch.save({n: (t if dim is None else t.chunk(shards, dim)[s]).clone() for n, (t, dim) in tensors.items()},
-                   directory / f"consolidated.{s:02d}.pth")
-    params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": heads, "n_kv_heads": kv,
-              "multiple_of": 32, "norm_eps": c.rms_norm_eps, "vocab_size": -1}
+        torch.save(
+            {n: (t if dim is None else t.chunk(shards, dim)[s]).clone() for n, (t, dim) in tensors.items()},
+            directory / f"consolidated.{s:02d}.pth",
+        )
+    params = {
+        "dim": c.hidden_size,
+        "n_layers": c.num_hidden_layers,
+        "n_heads": heads,
+        "n_kv_heads": kv,
+        "multiple_of": 32,
+        "norm_eps": c.rms_norm_eps,
+        "vocab_size": -1,
+    }
     (directory / "params.json").write_text(json.dumps(params))
 
 
@@ -229,8 +245,9 @@ def test_unsupported_configs_fail_clearly():
     with pytest.raises(HFConversionError, match="alibi"):
         config_from_hf({"model_type": "falcon", "alibi": True, "hidden_size": 64, "num_attention_heads": 4})
     with pytest.raises(HFConversionError, match="yarn"):
-        config_from_hf(dict(FAMILIES["llama"][1], model_type="llama",
-                            rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+        config_from_hf(
+            dict(FAMILIES["llama"][1], model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 2.0})
+        )
     with pytest.raises(HFConversionError, match="model_type 'gpt2'"):
         config_from_hf({"model_type": "gpt2"})
 
@@ -258,8 +275,14 @@ def test_push_to_hub_arguments(tmp_path, monkeypatch, capsys):
 
 def _llamatron(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "llamatron", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "llamatron", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_fine_tuning_path_from_a_fresh_shell(tmp_path, capsys):
@@ -269,9 +292,31 @@ def test_fine_tuning_path_from_a_fresh_shell(tmp_path, capsys):
     hf_model = save_hf("llama2-gqa", tmp_path / "hf")
     proc = _llamatron("import-hf", "hf", "imported", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    train = ["train", "--load", "imported", "--mock-data", "--device", "cpu", "--precision", "fp32", "--seq-length",
-             "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-steps", "5", "--lr", "1e-3",
-             "--no-progress", "--eval-iters", "1", "--save", "tuned"]
+    train = [
+        "train",
+        "--load",
+        "imported",
+        "--mock-data",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-steps",
+        "5",
+        "--lr",
+        "1e-3",
+        "--no-progress",
+        "--eval-iters",
+        "1",
+        "--save",
+        "tuned",
+    ]
     absolute = [str(tmp_path / a) if a in ("imported", "tuned") else a for a in train]
     assert run_cli(*absolute) == 2  # resuming needs optimizer state, which an import does not have
     assert "weights-only checkpoint: add --finetune" in capsys.readouterr().err
@@ -279,13 +324,34 @@ def test_fine_tuning_path_from_a_fresh_shell(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The same fine-tuning under tensor parallelism, saved from 2 ranks and exported below.
     tp2 = [a if a != "tuned" else "tuned-tp2" for a in train]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "llamatron", *tp2,
-                           "--finetune", "--tp", "2", "--metrics-file", "tp2.jsonl"], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            "llamatron",
+            *tp2,
+            "--finetune",
+            "--tp",
+            "2",
+            "--metrics-file",
+            "tp2.jsonl",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / f).read_text().splitlines() if "split" not in line]
-              for f in ("single.jsonl", "tp2.jsonl")]
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / f).read_text().splitlines() if "split" not in line]
+        for f in ("single.jsonl", "tp2.jsonl")
+    ]
     assert len(losses[0]) == 5
     assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses)), losses
     for ckpt, out in (("tuned", "exported"), ("tuned-tp2", "exported-tp2")):
@@ -312,9 +378,32 @@ def test_fine_tuning_path_from_a_fresh_shell(tmp_path, capsys):
 @pytest.mark.parametrize("preset", ["llama3-test", "mistral-test", "falcon-test", "falcon40b-test"])
 def test_export_of_a_checkpoint_trained_from_scratch(preset, tmp_path, capsys):
     """No Hugging Face config to start from: export builds one (Falcon picks its 7B or 40B layout)."""
-    assert run_cli("train", "--model", preset, "--mock-data", "--device", "cpu", "--precision", "fp32",
-                   "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-steps", "1",
-                   "--no-progress", "--eval-iters", "1", "--save", tmp_path / "ckpt") == 0
+    assert (
+        run_cli(
+            "train",
+            "--model",
+            preset,
+            "--mock-data",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "2",
+            "--train-steps",
+            "1",
+            "--no-progress",
+            "--eval-iters",
+            "1",
+            "--save",
+            tmp_path / "ckpt",
+        )
+        == 0
+    )
     assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
     config = json.loads((tmp_path / "out/config.json").read_text())
     if preset.startswith("falcon"):
@@ -370,8 +459,10 @@ def test_export_without_a_recorded_tokenizer_says_what_to_do(tmp_path, capsys):
     make_hf_model("llama").save_pretrained(tmp_path / "hf")  # no tokenizer files: the import records none
     assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt") == 0
     assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
-    assert (f"tokenizer: none: the checkpoint records no tokenizer, so {tmp_path / 'out'} has no tokenizer files; "
-            f"pass --tokenizer PATH to ship one") in capsys.readouterr().out
+    assert (
+        f"tokenizer: none: the checkpoint records no tokenizer, so {tmp_path / 'out'} has no tokenizer files; "
+        f"pass --tokenizer PATH to ship one"
+    ) in capsys.readouterr().out
 
 
 def test_export_refuses_a_non_empty_directory(tmp_path, capsys):
@@ -387,6 +478,8 @@ def test_export_refuses_a_non_empty_directory(tmp_path, capsys):
         before = {p.name: p.read_bytes() for p in (tmp_path / existing).iterdir()}
         capsys.readouterr()
         assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / existing) == 2
-        assert (f"{tmp_path / existing} already exists and is not empty; export into a new directory (or delete "
-                f"{tmp_path / existing} first)") in capsys.readouterr().err
+        assert (
+            f"{tmp_path / existing} already exists and is not empty; export into a new directory (or delete "
+            f"{tmp_path / existing} first)"
+        ) in capsys.readouterr().err
         assert {p.name: p.read_bytes() for p in (tmp_path / existing).iterdir()} == before

@@ -254,9 +254,10 @@ def test_token_id_range_reads_in_chunks(tmp_path):
 
 
 def test_missing_prefix_suggests_the_preprocess_output_name(tmp_path):
-    from llamatron.data.indexed import IndexedDataset, IndexedDatasetWriter
     import numpy as np
     import pytest
+
+    from llamatron.data.indexed import IndexedDataset, IndexedDatasetWriter
 
     with IndexedDatasetWriter(str(tmp_path / "corpus_text_document")) as w:
         w.add_document(np.arange(5))

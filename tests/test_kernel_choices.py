@@ -8,8 +8,8 @@ import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from llamatron import triton_check
@@ -18,14 +18,24 @@ from llamatron.models import KernelChoices, apply_kernels, build_model, get_pres
 from llamatron.models.layers import RMSNorm
 
 # The aten op each forced SDPA kernel shows as (math: eager only; compiled, it becomes the layer's own matmuls).
-SDPA_OPS = {"cpu": {"math": "aten::_scaled_dot_product_attention_math",
-                    "flash": "aten::_scaled_dot_product_flash_attention_for_cpu"},
-            "cuda": {"math": "aten::_scaled_dot_product_attention_math",
-                     "flash": "aten::_scaled_dot_product_flash_attention",
-                     "efficient": "aten::_scaled_dot_product_efficient_attention",
-                     "cudnn": "aten::_scaled_dot_product_cudnn_attention"}}
-TRITON_OPS = {"swiglu": {"llamatron::swiglu"}, "rmsnorm": {"llamatron::rms_norm", "llamatron::add_rms_norm"},
-              "rope": {"llamatron::qkv_rope"}, "cross_entropy": {"llamatron::cross_entropy"}}
+SDPA_OPS = {
+    "cpu": {
+        "math": "aten::_scaled_dot_product_attention_math",
+        "flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
+    },
+    "cuda": {
+        "math": "aten::_scaled_dot_product_attention_math",
+        "flash": "aten::_scaled_dot_product_flash_attention",
+        "efficient": "aten::_scaled_dot_product_efficient_attention",
+        "cudnn": "aten::_scaled_dot_product_cudnn_attention",
+    },
+}
+TRITON_OPS = {
+    "swiglu": {"llamatron::swiglu"},
+    "rmsnorm": {"llamatron::rms_norm", "llamatron::add_rms_norm"},
+    "rope": {"llamatron::qkv_rope"},
+    "cross_entropy": {"llamatron::cross_entropy"},
+}
 
 
 def _model(choices: KernelChoices | None, device: str = "cpu", **changes):
@@ -83,12 +93,12 @@ def test_a_forced_sdpa_kernel_compiles_into_one_graph():
     """torch.compile traces sdpa_kernel (dynamo's SDPAKernelVariable) without a graph break, for each kernel."""
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
-        def attention(q, k, v):
+
+        def attention(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-        torch.testing.assert_close(torch.compile(attention, fullgraph=True, dynamic=False)(q, k, v),
-                                   attention(q, k, v))
+        torch.testing.assert_close(torch.compile(attention, fullgraph=True, dynamic=False)(q, k, v), attention(q, k, v))
 
 
 def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
@@ -96,8 +106,12 @@ def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
     kernels_on standing in for CUDA (Triton installed), a model's layers run the custom ops (their CPU kernels)
     exactly where its own choice is not torch, whatever the other model chose."""
     torch_everywhere = KernelChoices(swiglu="torch", rmsnorm="torch", rope="torch", cross_entropy="torch")
-    models = {"torch": _model(torch_everywhere), "auto": _model(KernelChoices()),
-              "torch norms": _model(KernelChoices(rmsnorm="torch")), "plain": _model(None)}
+    models = {
+        "torch": _model(torch_everywhere),
+        "auto": _model(KernelChoices()),
+        "torch norms": _model(KernelChoices(rmsnorm="torch")),
+        "plain": _model(None),
+    }
     norms = [m for m in models["torch norms"].modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 5 and {m.backend for m in norms} == {"torch"}  # both layers' two, and the final norm
     assert {layer.mlp.backend for layer in models["torch"].layers} == {"torch"}
@@ -112,10 +126,15 @@ def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
 
 def test_choices_come_from_the_resolved_config():
     """engine.build_engine's KernelChoices: config.kernel_choices' dict without adamw; "-" keeps auto."""
-    resolved = {"attention": "fa4", "swiglu": "-", "rmsnorm": "-", "rope": "triton", "cross_entropy": "torch",
-                "adamw": "triton"}
-    assert KernelChoices.from_resolved(resolved) == KernelChoices(attention="fa4", rope="triton",
-                                                                  cross_entropy="torch")
+    resolved = {
+        "attention": "fa4",
+        "swiglu": "-",
+        "rmsnorm": "-",
+        "rope": "triton",
+        "cross_entropy": "torch",
+        "adamw": "triton",
+    }
+    assert KernelChoices.from_resolved(resolved) == KernelChoices(attention="fa4", rope="triton", cross_entropy="torch")
 
 
 @pytest.mark.gpu
@@ -133,8 +152,9 @@ def test_two_models_on_gpu_each_run_their_own_sdpa_kernel(compiled, compile_cach
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs a Hopper or newer GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper or newer GPU"
+)
 def test_auto_attention_runs_cudnn_on_hopper(compile_caches_on):
     """auto adds nothing around SDPA: on Hopper its pick for bf16 causal GQA attention is cuDNN's kernel, as
     before kernels were per model (benchmarks/RESULTS.md)."""

@@ -54,8 +54,9 @@ def test_demo_config_holds_the_demos_settings():
     from llamatron.demo import DEMO_DEFAULTS
 
     values = yaml.safe_load((ROOT / "configs" / "demo-cpu.yaml").read_text())
-    assert {k: float(values[k]) if isinstance(v, float) else values[k] for k, v in DEMO_DEFAULTS.items()
-            if k != "save"} == {k: v for k, v in DEMO_DEFAULTS.items() if k != "save"}
+    assert {
+        k: float(values[k]) if isinstance(v, float) else values[k] for k, v in DEMO_DEFAULTS.items() if k != "save"
+    } == {k: v for k, v in DEMO_DEFAULTS.items() if k != "save"}
     assert values["save"] != DEMO_DEFAULTS["save"]  # the demo replaces its own directory; this run is another
 
 
@@ -79,9 +80,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-TINY_RUN = ["--model", "llama-test", "--mock-data", "--device", "cpu", "--precision", "fp32", "--train-steps", "2",
-            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-progress",
-            "--eval-iters", "1", "--log-interval", "1"]
+TINY_RUN = [
+    "--model",
+    "llama-test",
+    "--mock-data",
+    "--device",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--train-steps",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--no-progress",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+]
 
 
 def _records(metrics: Path) -> list[dict]:
@@ -95,10 +115,25 @@ def _env(**extra) -> dict:
 
 def test_multinode_torchrun_script_trains_on_two_local_nodes(tmp_path):
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
-    cmd = ["bash", str(SCRIPTS[1]), str(ROOT / "configs" / "demo-cpu.yaml"), *TINY_RUN,
-           "--metrics-file", str(tmp_path / "m.jsonl")]
-    nodes = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(rank)}, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (1, 0)]
+    cmd = [
+        "bash",
+        str(SCRIPTS[1]),
+        str(ROOT / "configs" / "demo-cpu.yaml"),
+        *TINY_RUN,
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+    ]
+    nodes = [
+        subprocess.Popen(
+            cmd,
+            env={**env, "NODE_RANK": str(rank)},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (1, 0)
+    ]
     logs = [node.communicate(timeout=240)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), "\n".join(log[-3000:] for log in logs)
     records = _records(tmp_path / "m.jsonl")
@@ -110,43 +145,110 @@ def test_slurm_script_trains_with_srun_and_scontrol_stand_ins(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\necho node2\n")
-    (bin_dir / "srun").write_text("#!/bin/bash\n"
-                                  "while [[ $1 == -* ]]; do shift; done\n"
-                                  "pids=()\n"
-                                  "for _ in $(seq \"$SLURM_NNODES\"); do \"$@\" & pids+=($!); done\n"
-                                  "status=0; for p in \"${pids[@]}\"; do wait \"$p\" || status=1; done; exit $status\n")
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        "while [[ $1 == -* ]]; do shift; done\n"
+        "pids=()\n"
+        'for _ in $(seq "$SLURM_NNODES"); do "$@" & pids+=($!); done\n'
+        'status=0; for p in "${pids[@]}"; do wait "$p" || status=1; done; exit $status\n'
+    )
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
-    env = _env(SLURM_JOB_NODELIST="localhost,node2", SLURM_NNODES="2", SLURM_JOB_ID="4242",
-               MASTER_PORT=str(_free_port()))
+    env = _env(
+        SLURM_JOB_NODELIST="localhost,node2", SLURM_NNODES="2", SLURM_JOB_ID="4242", MASTER_PORT=str(_free_port())
+    )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    proc = subprocess.run(["bash", str(SCRIPTS[0]), str(ROOT / "configs" / "demo-cpu.yaml"), *TINY_RUN,
-                           "--metrics-file", str(tmp_path / "m.jsonl")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(SCRIPTS[0]),
+            str(ROOT / "configs" / "demo-cpu.yaml"),
+            *TINY_RUN,
+            "--metrics-file",
+            str(tmp_path / "m.jsonl"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rendezvous at localhost:" in proc.stdout
     assert [r["step"] for r in _records(tmp_path / "m.jsonl")] == [1, 2]
 
 
 def test_check_plan_memory_dry_run_prints_the_prediction():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_plan_memory.py"), "--model", "llama-1b",
-                           "--seq-length", "4096", "--micro-batch-size", "4", "--global-batch-size", "8",
-                           "--device", "cuda", "--steps", "2", "--dry-run"], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "check_plan_memory.py"),
+            "--model",
+            "llama-1b",
+            "--seq-length",
+            "4096",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "8",
+            "--device",
+            "cuda",
+            "--steps",
+            "2",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     row = json.loads(proc.stdout)
-    assert row["predicted_total_gib"] > row["predicted_allocated_gib"] > sum(row["breakdown_gib"][k] for k in
-                                                                             ("weights", "gradients", "optimizer"))
+    assert (
+        row["predicted_total_gib"]
+        > row["predicted_allocated_gib"]
+        > sum(row["breakdown_gib"][k] for k in ("weights", "gradients", "optimizer"))
+    )
     assert "--steps" not in row["flags"] and "--dry-run" not in row["flags"] and "--model" in row["flags"]
 
 
 def test_overlap_ab_benchmark_runs_and_reports_both_modes():
     """benchmarks/overlap_ab.py (issue 5's A/B) on CPU/gloo with a tiny model: both modes timed every round."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                           str(ROOT / "benchmarks" / "overlap_ab.py"), "--model", "llama-test", "--seq-length", "16",
-                           "--micro-batch-size", "1", "--global-batch-size", "4", "--distributed-optimizer",
-                           "--device", "cpu", "--rounds", "2", "--steps", "1", "--warmup", "1"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(ROOT / "benchmarks" / "overlap_ab.py"),
+            "--model",
+            "llama-test",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "4",
+            "--distributed-optimizer",
+            "--device",
+            "cpu",
+            "--rounds",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["dp"] == 2 and row["dist_opt"] is True
@@ -155,10 +257,31 @@ def test_overlap_ab_benchmark_runs_and_reports_both_modes():
 
 
 def test_profile_step_reports_wall_and_kernel_time():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--model", "llama-test",
-                           "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--device",
-                           "cpu", "--steps", "1", "--warmup", "1", "--json"],
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "profile_step.py"),
+            "--model",
+            "llama-test",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["wall_ms_per_step"] > 0 and result["kernel_ms_per_step"] > 0
@@ -173,9 +296,15 @@ def test_profile_step_finds_device_idle_gaps():
     spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
     profile_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile_step)
-    spans = [("gemm", 0, 100), ("nccl", 50, 130),  # overlapping streams: no gap until 130
-             ("adamw", 140, 141), ("adamw", 150, 151), ("adamw", 160, 161),  # host-bound launches: 9 µs gaps
-             ("gemm", 162, 200), ("norm", 201, 210)]  # 1 µs apart: launch spacing, not counted
+    spans = [
+        ("gemm", 0, 100),
+        ("nccl", 50, 130),  # overlapping streams: no gap until 130
+        ("adamw", 140, 141),
+        ("adamw", 150, 151),
+        ("adamw", 160, 161),  # host-bound launches: 9 µs gaps
+        ("gemm", 162, 200),
+        ("norm", 201, 210),
+    ]  # 1 µs apart: launch spacing, not counted
     gaps = profile_step.device_gaps(spans, min_us=2.0)
     assert gaps == [(10, "nccl", "adamw"), (9, "adamw", "adamw"), (9, "adamw", "adamw")]
     assert profile_step.gaps_by_neighbours(gaps, top=5) == [("adamw", "adamw", 18, 2), ("nccl", "adamw", 10, 1)]
@@ -198,8 +327,9 @@ def test_profile_step_sync_debug_counts_each_synchronising_stack(monkeypatch):
         warnings.warn("called a synchronizing CUDA operation")
 
     def step():
-        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
-                      "synchronizing operations")  # the mode's notice when switched on: not a sync
+        warnings.warn(
+            "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+        )  # the mode's notice when switched on: not a sync
         for _ in range(3):
             item_call()
         warnings.warn("called a synchronizing CUDA operation")
@@ -211,9 +341,28 @@ def test_profile_step_sync_debug_counts_each_synchronising_stack(monkeypatch):
 
 
 def test_attention_layout_benchmark_times_each_layout():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_layout.py"), "--batch", "1",
-                           "--heads", "4", "--kv-heads", "2", "--seq", "32", "--head-dim", "16", "--iters", "1"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "attention_layout.py"),
+            "--batch",
+            "1",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--seq",
+            "32",
+            "--head-dim",
+            "16",
+            "--iters",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [r["layout"] for r in rows] == ["bhsd", "bshd", "packed"] and all(r["ms_fwd_bwd"] > 0 for r in rows)
@@ -221,17 +370,45 @@ def test_attention_layout_benchmark_times_each_layout():
 
 def test_bench_prints_one_json_row_and_refuses_zero_steps():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "llamatron", "bench", "--model", "llama-test", "--device", "cpu", "--seq-length", "16",
-            "--micro-batch-size", "1", "--global-batch-size", "2", "--warmup", "1"]
-    proc = subprocess.run([*args, "--steps", "2", "--json", "--save", "ckpt-not-written"], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=ROOT)
+    args = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "bench",
+        "--model",
+        "llama-test",
+        "--device",
+        "cpu",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    proc = subprocess.run(
+        [*args, "--steps", "2", "--json", "--save", "ckpt-not-written"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ignoring --save" in proc.stderr and not (ROOT / "ckpt-not-written").exists()
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["tokens_per_sec"] > 0 and row["mbs"] == 1 and row["gbs"] == 2 and row["forward_ms"] > 0
     assert row["precision"] == "fp32" and row["model_overrides"] == {}  # the CPU default; the preset as it is
-    assert row["kernels"] == {"attention": "auto", "swiglu": "torch", "rmsnorm": "torch", "rope": "torch",
-                              "cross_entropy": "torch", "adamw": "torch"}  # on CPU every auto resolves to torch
+    assert row["kernels"] == {
+        "attention": "auto",
+        "swiglu": "torch",
+        "rmsnorm": "torch",
+        "rope": "torch",
+        "cross_entropy": "torch",
+        "adamw": "torch",
+    }  # on CPU every auto resolves to torch
     proc = subprocess.run([*args, "--steps", "0"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "at least 1 timed step" in proc.stderr
 
@@ -249,9 +426,19 @@ def test_bench_breakdown_is_the_training_step(monkeypatch):
     from llamatron.parallel.mesh import build_mesh
 
     def engine():
-        cfg = config_from_values({"model": "llama-test", "mock_data": True, "device": "cpu", "seq_length": 16,
-                                  "micro_batch_size": 1, "global_batch_size": 2, "precision": "fp16",
-                                  "warmup_steps": 4, "train_steps": 8})
+        cfg = config_from_values(
+            {
+                "model": "llama-test",
+                "mock_data": True,
+                "device": "cpu",
+                "seq_length": 16,
+                "micro_batch_size": 1,
+                "global_batch_size": 2,
+                "precision": "fp16",
+                "warmup_steps": 4,
+                "train_steps": 8,
+            }
+        )
         return build_engine(cfg, validate(cfg), build_mesh())
 
     benched, trained = engine(), engine()
@@ -275,9 +462,29 @@ def test_bench_breakdown_is_the_training_step(monkeypatch):
 
 def test_bench_nproc_per_node_starts_torchrun_and_prints_one_row():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "llamatron", "bench", "--model", "llama-test", "--device", "cpu", "--seq-length", "16",
-            "--micro-batch-size", "1", "--global-batch-size", "2", "--warmup", "1", "--steps", "1", "--json",
-            "--precision", "fp32"]
+    args = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "bench",
+        "--model",
+        "llama-test",
+        "--device",
+        "cpu",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        "--precision",
+        "fp32",
+    ]
 
     def row(*extra):
         proc = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
@@ -292,7 +499,9 @@ def test_bench_nproc_per_node_starts_torchrun_and_prints_one_row():
     # the loss is the global one: rank 0 holds half of it under dp 2, none of it as the first pipeline stage
     single, _ = row()
     pp2, _ = row("--nproc-per-node", "2", "--pp", "2")
-    assert dp2["loss"] == pytest.approx(single["loss"], rel=1e-4) and pp2["loss"] == pytest.approx(single["loss"], rel=1e-4)
+    assert dp2["loss"] == pytest.approx(single["loss"], rel=1e-4) and pp2["loss"] == pytest.approx(
+        single["loss"], rel=1e-4
+    )
 
 
 def test_version_names_llamatron_and_torch():
@@ -303,9 +512,23 @@ def test_version_names_llamatron_and_torch():
 def test_bench_table_names_what_it_measured_on_cpu_and_gpu():
     from llamatron.bench import format_row
 
-    row = {"model": "m", "tp": 1, "pp": 1, "vpp": 1, "dp": 1, "sp": False, "dist_opt": False, "recompute": "none",
-           "tokens_per_sec": 10.0, "tflops_per_gpu": 0.0, "mfu": None, "peak_mem_gib": 1.0, "step_ms": 5.0,
-           "bubble_frac": 0.0, "forward_ms": 1.0}
+    row = {
+        "model": "m",
+        "tp": 1,
+        "pp": 1,
+        "vpp": 1,
+        "dp": 1,
+        "sp": False,
+        "dist_opt": False,
+        "recompute": "none",
+        "tokens_per_sec": 10.0,
+        "tflops_per_gpu": 0.0,
+        "mfu": None,
+        "peak_mem_gib": 1.0,
+        "step_ms": 5.0,
+        "bubble_frac": 0.0,
+        "forward_ms": 1.0,
+    }
     cpu = format_row({**row, "device": "cpu"}).splitlines()[0]
     gpu = format_row({**row, "device": "NVIDIA H200"}).splitlines()[0]
     assert "tok/s/rank" in cpu and "RSS GiB" in cpu  # a process's resident memory, not GPU memory
@@ -315,9 +538,23 @@ def test_bench_table_names_what_it_measured_on_cpu_and_gpu():
 def test_bench_table_shows_small_tflops_and_model_overrides():
     from llamatron.bench import format_row
 
-    row = {"model": "llama-test", "tp": 1, "pp": 1, "vpp": 1, "dp": 1, "sp": False, "dist_opt": False,
-           "recompute": "none", "tokens_per_sec": 10.0, "tflops_per_gpu": 0.0123, "mfu": None, "peak_mem_gib": 1.0,
-           "step_ms": 5.0, "bubble_frac": 0.0, "device": "cpu"}
+    row = {
+        "model": "llama-test",
+        "tp": 1,
+        "pp": 1,
+        "vpp": 1,
+        "dp": 1,
+        "sp": False,
+        "dist_opt": False,
+        "recompute": "none",
+        "tokens_per_sec": 10.0,
+        "tflops_per_gpu": 0.0123,
+        "mfu": None,
+        "peak_mem_gib": 1.0,
+        "step_ms": 5.0,
+        "bubble_frac": 0.0,
+        "device": "cpu",
+    }
     plain = format_row(row).splitlines()
     assert len(plain) == 2 and " 0.0123 " in plain[1] and "llama-test " in plain[1]  # not rounded to 0.0
     changed = format_row({**row, "tflops_per_gpu": 412.345, "model_overrides": {"num_layers": 3}}).splitlines()

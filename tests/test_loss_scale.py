@@ -1,8 +1,8 @@
 """fp16 with dynamic loss scaling (issue 5, mixed precision)."""
 
 import torch
-
 from layout import run_train
+
 from llamatron.parallel.loss_scale import DynamicLossScaler
 
 
@@ -28,8 +28,12 @@ def test_fp16_training_tracks_fp32_and_skips_overflowing_steps(tmp_path):
 
 def test_overflow_skips_the_step_and_halves_the_scale(tmp_path):
     # 2**60 times any gradient overflows fp16 (max 65504): every step overflows and is skipped.
-    records = run_train(["--precision", "fp16", "--initial-loss-scale", str(2.0**60), "--train-steps", "3",
-                         "--eval-interval", "3"], 1, tmp_path, include_eval=True)
+    records = run_train(
+        ["--precision", "fp16", "--initial-loss-scale", str(2.0**60), "--train-steps", "3", "--eval-interval", "3"],
+        1,
+        tmp_path,
+        include_eval=True,
+    )
     runs = [r for r in records if r.get("split") is None]
     assert [r["skipped"] for r in runs] == [True, True, True]
     assert [r["loss_scale"] for r in runs] == [2.0**59, 2.0**58, 2.0**57]  # recorded after the step's update

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from llamatron.models import PRESET_NAMES, build_model, get_preset, materialize
-from llamatron.models.layers import Attention, rope_inv_freq
 from llamatron.models.config import RopeScaling
+from llamatron.models.layers import Attention, rope_inv_freq
 
 
 def make(name, seed=0, **overrides):
@@ -58,6 +58,7 @@ def test_gqa_equals_multi_head_with_repeated_kv():
     x = torch.randn(2, 10, cfg.hidden_size)
     pos = torch.arange(10).expand(2, 10)
     from llamatron.models.layers import rope_cos_sin
+
     cos, sin = rope_cos_sin(cfg, pos, x.dtype)
     torch.testing.assert_close(gqa(x, cos, sin), mha(x, cos, sin), atol=1e-5, rtol=1e-5)
 
@@ -75,7 +76,7 @@ def test_causality_and_sliding_window():
     early = x.clone()
     early[0, 2] = (early[0, 2] + 1) % cfg.vocab_size
     out = model(early)
-    torch.testing.assert_close(out[:, 2 + 2 * 15 + 1:], base[:, 2 + 2 * 15 + 1:])
+    torch.testing.assert_close(out[:, 2 + 2 * 15 + 1 :], base[:, 2 + 2 * 15 + 1 :])
     assert not torch.allclose(out[:, 3:10], base[:, 3:10])
 
 
@@ -148,7 +149,6 @@ def test_swiglu_op_matches_the_plain_expression_forward_and_backward():
     assert torch.autograd.gradcheck(swiglu_op, (x[:1, :2].detach().clone().requires_grad_(),))
     # Registration (fake tensor shapes, autograd, compile tracing) is consistent with the kernel.
     torch.library.opcheck(swiglu_op, (torch.randn(4, 16, requires_grad=True),))
-
 
 
 @pytest.mark.parametrize("bias", [False, True])

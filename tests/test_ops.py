@@ -11,8 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,15 +28,25 @@ def _command(args: list[str], nproc: int, via_cli: bool = False, faults: Sequenc
     if via_cli:  # llamatron's own --nproc-per-node starts torchrun
         args = [*args, "--nproc-per-node", str(nproc)]
     elif nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}"]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+        ]
     entry = [INJECT_FAULTS, *faults, "--"] if faults else ["-m", "llamatron"]
     return cmd + [*entry, "train", "--model", "llama-test", *BASE_ARGS, *args, "--metrics-file", "m.jsonl"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+        **extra,
+    }
 
 
 def train(workdir: Path, args: list[str], nproc: int = 1, check: bool = True, faults: Sequence[str] = (), **env: str):
@@ -44,8 +54,15 @@ def train(workdir: Path, args: list[str], nproc: int = 1, check: bool = True, fa
     records)."""
     metrics = workdir / "m.jsonl"
     metrics.unlink(missing_ok=True)
-    proc = subprocess.run(_command(args, nproc, faults=faults), capture_output=True, text=True, timeout=300,
-                          env=_env(**env), cwd=workdir, check=False)
+    proc = subprocess.run(
+        _command(args, nproc, faults=faults),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(**env),
+        cwd=workdir,
+        check=False,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return (proc, *_records(metrics))
@@ -59,15 +76,23 @@ def _records(metrics: Path) -> tuple[list[dict], list[dict]]:
 def _tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     from llamatron.checkpoint.reader import load_full_tensors  # checkpoints are pieces: read them whole
 
-    return {**load_full_tensors(step_dir), **{f"optim.{name}.{kind}": v for kind in ("exp_avg", "exp_avg_sq", "step")
-                                              for name, v in load_full_tensors(step_dir, kind).items()}}
+    return {
+        **load_full_tensors(step_dir),
+        **{
+            f"optim.{name}.{kind}": v
+            for kind in ("exp_avg", "exp_avg_sq", "step")
+            for name, v in load_full_tensors(step_dir, kind).items()
+        },
+    }
 
 
 # --- non-finite steps -------------------------------------------------------------------------------------------
 
+
 def test_nan_step_is_skipped_leaving_parameters_and_optimizer_state_unchanged(tmp_path):
-    _, steps, _ = train(tmp_path, ["--train-steps", "4", "--save", "ck", "--save-interval", "1"],
-                        faults=["--nan-steps", "3"])
+    _, steps, _ = train(
+        tmp_path, ["--train-steps", "4", "--save", "ck", "--save-interval", "1"], faults=["--nan-steps", "3"]
+    )
     assert [r["skipped"] for r in steps] == [False, False, True, False]
     assert [r["skipped_steps"] for r in steps] == [0, 0, 1, 1]
     assert math.isnan(steps[2]["loss"]) and math.isnan(steps[2]["grad_norm"])
@@ -80,8 +105,9 @@ def test_nan_step_is_skipped_leaving_parameters_and_optimizer_state_unchanged(tm
 
 
 def test_consecutive_nan_steps_stop_the_run_with_a_clear_message(tmp_path):
-    proc, steps, _ = train(tmp_path, ["--train-steps", "8", "--max-skipped-steps", "2"], check=False,
-                           faults=["--nan-steps", "2,4,5"])
+    proc, steps, _ = train(
+        tmp_path, ["--train-steps", "8", "--max-skipped-steps", "2"], check=False, faults=["--nan-steps", "2,4,5"]
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "stopped: 2 steps in a row (steps 4-5) had a non-finite loss or gradient norm" in proc.stderr
     assert "--max-skipped-steps 2" in proc.stderr and "those after step 3." in proc.stderr
@@ -93,8 +119,12 @@ def test_consecutive_nan_steps_stop_the_run_with_a_clear_message(tmp_path):
 
 def test_fp16_overflow_while_the_loss_scale_backs_off_is_not_a_fault(tmp_path):
     # Scale 4 -> 2 (step 2: the scaler calibrating) -> 1 (step 3, the floor) -> 1 (step 4): only 3 and 4 count.
-    proc, steps, _ = train(tmp_path, ["--train-steps", "6", "--precision", "fp16", "--initial-loss-scale", "4",
-                                      "--max-skipped-steps", "2"], check=False, faults=["--nan-steps", "2,3,4"])
+    proc, steps, _ = train(
+        tmp_path,
+        ["--train-steps", "6", "--precision", "fp16", "--initial-loss-scale", "4", "--max-skipped-steps", "2"],
+        check=False,
+        faults=["--nan-steps", "2,3,4"],
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "stopped: 2 steps in a row (steps 3-4)" in proc.stderr and "those after step 1." in proc.stderr
     assert [r["loss_scale"] for r in steps] == [4.0, 2.0, 1.0, 1.0]
@@ -110,15 +140,22 @@ def test_fp16_overflow_while_the_loss_scale_backs_off_is_not_a_fault(tmp_path):
 CONSTANT_LR = ["--lr-schedule", "constant"]
 
 
-def _interrupt(workdir: Path, nproc: int, signum: int, target_rank: int | None,
-               via_cli: bool = False) -> tuple[subprocess.CompletedProcess, int]:
+def _interrupt(
+    workdir: Path, nproc: int, signum: int, target_rank: int | None, via_cli: bool = False
+) -> tuple[subprocess.CompletedProcess, int]:
     """Start a long run, send `signum` once two steps are logged (to one worker rank, or to the launched
     process itself), and return the finished process and the step its checkpoint holds."""
     metrics = workdir / "m.jsonl"
     metrics.unlink(missing_ok=True)
     args = ["--train-steps", "10000", "--save", "ck", *CONSTANT_LR]
-    proc = subprocess.Popen(_command(args, nproc, via_cli), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=workdir)
+    proc = subprocess.Popen(
+        _command(args, nproc, via_cli),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=workdir,
+    )
     try:
         deadline = time.monotonic() + 240
         while (metrics.read_text().count("\n") if metrics.exists() else 0) < 2:  # complete lines only
@@ -207,10 +244,12 @@ def test_exit_duration_saves_and_exits_cleanly(tmp_path):
 
 # --- a hung rank ------------------------------------------------------------------------------------------------
 
+
 def test_hung_rank_fails_within_dist_timeout_naming_it(tmp_path):
     start = time.monotonic()
-    proc, steps, _ = train(tmp_path, ["--train-steps", "5", "--dist-timeout", "4"], nproc=2, check=False,
-                           faults=["--hang", "1:2:300"])  # rank 1 sleeps 300 s before step 2
+    proc, steps, _ = train(
+        tmp_path, ["--train-steps", "5", "--dist-timeout", "4"], nproc=2, check=False, faults=["--hang", "1:2:300"]
+    )  # rank 1 sleeps 300 s before step 2
     assert proc.returncode != 0
     assert time.monotonic() - start < 150, "the run waited for the hung rank instead of timing out"
     assert "rank 0: a collective operation did not complete within --dist-timeout (4 s)" in proc.stderr
@@ -220,6 +259,7 @@ def test_hung_rank_fails_within_dist_timeout_naming_it(tmp_path):
 
 
 # --- TensorBoard and W&B ----------------------------------------------------------------------------------------
+
 
 def _installed(module: str) -> bool:
     try:
@@ -258,8 +298,9 @@ def test_wandb_offline_run_is_written_without_network(tmp_path):
         assert "pip install wandb" in proc.stderr
         return
     # No network: an unroutable proxy makes any attempt to reach the service fail.
-    _, steps, valid = train(tmp_path, args, WANDB_DIR=str(tmp_path), HTTPS_PROXY="http://127.0.0.1:9",
-                            WANDB_SILENT="true")
+    _, steps, valid = train(
+        tmp_path, args, WANDB_DIR=str(tmp_path), HTTPS_PROXY="http://127.0.0.1:9", WANDB_SILENT="true"
+    )
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1
     data = Path(runs[0]).read_bytes()
@@ -272,12 +313,22 @@ def test_wandb_offline_run_is_written_without_network(tmp_path):
 def test_wandb_mode_comes_from_the_environment_and_a_failed_login_stops_before_training(tmp_path):
     """Without --wandb-mode, W&B's own WANDB_MODE applies; an online run that cannot log in is a configuration
     error before the model is built (it was a traceback after it)."""
-    no_network = {"WANDB_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9", "WANDB_SILENT": "true",
-                  "HOME": str(tmp_path), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc")}
+    no_network = {
+        "WANDB_DIR": str(tmp_path),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "WANDB_SILENT": "true",
+        "HOME": str(tmp_path),
+        "WANDB_API_KEY": "",
+        "NETRC": str(tmp_path / "no-netrc"),
+    }
     train(tmp_path, ["--train-steps", "1", "--wandb-project", "env-mode"], WANDB_MODE="offline", **no_network)
     assert len(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) == 1
-    proc, steps, _ = train(tmp_path, ["--train-steps", "1", "--wandb-project", "no-login", "--wandb-mode", "online"],
-                           check=False, **no_network)
+    proc, steps, _ = train(
+        tmp_path,
+        ["--train-steps", "1", "--wandb-project", "no-login", "--wandb-mode", "online"],
+        check=False,
+        **no_network,
+    )
     assert proc.returncode == 2 and not steps, proc.stderr[-3000:]
     assert "--wandb-project no-login: W&B could not start a run" in proc.stderr and "wandb login" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -286,8 +337,10 @@ def test_wandb_mode_comes_from_the_environment_and_a_failed_login_stops_before_t
 def test_missing_logging_packages_fail_before_training_naming_the_package(monkeypatch):
     from llamatron.config import ConfigError, config_from_values, validate
 
-    for module, flag, value, package in (("wandb", "wandb_project", "p", "wandb"),
-                                         ("torch.utils.tensorboard", "tensorboard_dir", "tb", "tensorboard")):
+    for module, flag, value, package in (
+        ("wandb", "wandb_project", "p", "wandb"),
+        ("torch.utils.tensorboard", "tensorboard_dir", "tb", "tensorboard"),
+    ):
         monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
         cfg = config_from_values({"model": "llama-test", "mock_data": True, flag: value})
         with pytest.raises(ConfigError, match=rf"needs the '{package}' package.*pip install {package}"):

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from llamatron.data.indexed import IndexedDataset
 from llamatron.commands.preprocess import add_preprocess_arguments, run_preprocess
+from llamatron.data.indexed import IndexedDataset
 from llamatron.data.preprocess import BadInputError, preprocess
 from llamatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
@@ -81,8 +81,13 @@ def test_sentencepiece_model(tmp_path):
     sentencepiece = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(TEXTS * 10), model_writer=model, vocab_size=320, hard_vocab_limit=False, minloglevel=2,
-        model_type="bpe", byte_fallback=True,
+        sentence_iterator=iter(TEXTS * 10),
+        model_writer=model,
+        vocab_size=320,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        model_type="bpe",
+        byte_fallback=True,
     )
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     tokenizer = load_tokenizer(str(tmp_path))
@@ -175,8 +180,20 @@ def test_cli_arguments(tokenizer_dir, tmp_path, capsys):
     path = write_jsonl(tmp_path / "cli.jsonl", [{"text": "hello"}, "bad"])
     parser = add_preprocess_arguments(argparse.ArgumentParser())
     args = parser.parse_args(
-        ["--input", path, "--output-prefix", str(tmp_path / "cli"), "--tokenizer", tokenizer_dir,
-         "--json-keys", "text", "--workers", "1", "--skip-bad-lines", "--no-progress"]
+        [
+            "--input",
+            path,
+            "--output-prefix",
+            str(tmp_path / "cli"),
+            "--tokenizer",
+            tokenizer_dir,
+            "--json-keys",
+            "text",
+            "--workers",
+            "1",
+            "--skip-bad-lines",
+            "--no-progress",
+        ]
     )
     assert args.append_eod is True
     summary = run_preprocess(args)
@@ -216,8 +233,10 @@ def test_zst_and_parquet_inputs_match_jsonl(tokenizer_dir, tmp_path):
     plain = write_jsonl(tmp_path / "a.jsonl", records)
     preprocess(plain, str(tmp_path / "plain"), tokenizer_dir, progress=False)
     expected = read_documents(str(tmp_path / "plain_text_document"))
-    for name, path in (("zst", write_zst(tmp_path / "b.jsonl.zst", records)),
-                       ("parquet", write_parquet(tmp_path / "c.parquet", records))):
+    for name, path in (
+        ("zst", write_zst(tmp_path / "b.jsonl.zst", records)),
+        ("parquet", write_parquet(tmp_path / "c.parquet", records)),
+    ):
         summary = preprocess(path, str(tmp_path / name), tokenizer_dir, progress=False, workers=2)
         assert summary["documents"] == len(DOCUMENTS) and summary["bytes"] > 0
         assert read_documents(str(tmp_path / f"{name}_text_document")) == expected, name
@@ -272,8 +291,9 @@ def test_empty_document_is_an_error_or_counted(tokenizer_dir, tmp_path):
 def test_summary_counts_bad_lines_by_kind_and_keys(tokenizer_dir, tmp_path):
     records = [{"q": "a", "r": "b"}, "{broken", {"q": "c"}, {"q": "", "r": "d"}, {"q": "e", "r": "f"}]
     path = write_jsonl(tmp_path / "two.jsonl", records)
-    summary = preprocess(path, str(tmp_path / "two"), tokenizer_dir, json_keys=("q", "r"), skip_bad_lines=True,
-                         progress=False)
+    summary = preprocess(
+        path, str(tmp_path / "two"), tokenizer_dir, json_keys=("q", "r"), skip_bad_lines=True, progress=False
+    )
     assert summary["bad_line_kinds"] == {"malformed JSON": 1, "missing key": 1, "empty document": 1}
     # a line is used whole or not at all, so document i of every output comes from the same record
     outputs = [IndexedDataset(str(tmp_path / f"two_{key}_document")) for key in ("q", "r")]
@@ -292,11 +312,13 @@ def test_command_line_exit_codes(tokenizer_dir, tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": "hello"}])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "hello"}, "{nope"])
     base = [sys.executable, "-m", "llamatron", "preprocess", "--tokenizer", tokenizer_dir, "--no-progress"]
-    done = subprocess.run(base + ["--input", good, "--output-prefix", str(tmp_path / "g")], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        base + ["--input", good, "--output-prefix", str(tmp_path / "g")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "preprocessed 1 documents" in done.stderr
-    done = subprocess.run(base + ["--input", bad, "--output-prefix", str(tmp_path / "b")], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        base + ["--input", bad, "--output-prefix", str(tmp_path / "b")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     assert "data error:" in done.stderr and "bad.jsonl:2: malformed JSON" in done.stderr
     assert "Traceback" not in done.stderr
@@ -330,8 +352,22 @@ def test_truncated_compressed_input_is_an_error_even_when_skipping_bad_lines(nam
     write_zst(path, MANY) if name.endswith(".zst") else write_jsonl(path, MANY, compress=True)
     truncated(path)
     for workers in ("1", "2"):
-        code, err = cli(["preprocess", "--input", path, "--output-prefix", str(tmp_path / "out"), "--tokenizer",
-                         tokenizer_dir, "--skip-bad-lines", "--workers", workers, "--no-progress"], capsys)
+        code, err = cli(
+            [
+                "preprocess",
+                "--input",
+                path,
+                "--output-prefix",
+                str(tmp_path / "out"),
+                "--tokenizer",
+                tokenizer_dir,
+                "--skip-bad-lines",
+                "--workers",
+                workers,
+                "--no-progress",
+            ],
+            capsys,
+        )
         assert code == 2 and f"data error: {path}: compressed stream ends early (truncated file)" in err, err
     assert not os.path.exists(tmp_path / "out_text_document.idx")  # nothing half-written
 
@@ -354,18 +390,37 @@ def test_corrupt_inputs_tokenizers_and_settings_name_the_problem(tokenizer_dir, 
     base = ["preprocess", "--output-prefix", str(tmp_path / "out"), "--no-progress"]
     for flags, message in [
         (["--input", parquet, "--tokenizer", tokenizer_dir], f"data error: {parquet}: not a readable parquet file"),
-        (["--input", str(tmp_path / "garbage.jsonl.gz"), "--tokenizer", tokenizer_dir],
-         "garbage.jsonl.gz: not a readable .gz file (Not a gzipped file"),
-        (["--input", good, "--tokenizer", tokenizer_dir, "--workers", "0"],
-         "configuration error: --workers 0: need at least 1 tokenizer process"),
-        (["--input", good, "--tokenizer", str(tmp_path / "badtok.json")],
-         f"data error: {tmp_path / 'badtok.json'}: not a valid Hugging Face tokenizer.json (expected value"),
+        (
+            ["--input", str(tmp_path / "garbage.jsonl.gz"), "--tokenizer", tokenizer_dir],
+            "garbage.jsonl.gz: not a readable .gz file (Not a gzipped file",
+        ),
+        (
+            ["--input", good, "--tokenizer", tokenizer_dir, "--workers", "0"],
+            "configuration error: --workers 0: need at least 1 tokenizer process",
+        ),
+        (
+            ["--input", good, "--tokenizer", str(tmp_path / "badtok.json")],
+            f"data error: {tmp_path / 'badtok.json'}: not a valid Hugging Face tokenizer.json (expected value",
+        ),
     ]:
         code, err = cli(base + flags, capsys)
         assert code == 2 and message in err, (flags, err)
     # train loads the tokenizer the same way (before it opens --data)
-    code, err = cli(["train", "--model", "llama-test", "--device", "cpu", "--data", str(tmp_path / "none"),
-                     "--tokenizer", str(tmp_path / "badtok.json"), "--no-progress"], capsys)
+    code, err = cli(
+        [
+            "train",
+            "--model",
+            "llama-test",
+            "--device",
+            "cpu",
+            "--data",
+            str(tmp_path / "none"),
+            "--tokenizer",
+            str(tmp_path / "badtok.json"),
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 2 and "badtok.json: not a valid Hugging Face tokenizer.json" in err, err
     # a directory whose tokenizer_config.json is broken
     load_tokenizer(tokenizer_dir).save(str(tmp_path / "tok"))
@@ -378,8 +433,23 @@ def test_corrupt_inputs_tokenizers_and_settings_name_the_problem(tokenizer_dir, 
 
 def test_no_documents_at_all_is_an_error(tokenizer_dir, tmp_path, capsys):
     path = write_jsonl(tmp_path / "keys.jsonl", [{"text": "a"}, {"content": "b"}, {"text": "c"}])
-    code, err = cli(["preprocess", "--input", path, "--output-prefix", str(tmp_path / "out"), "--tokenizer",
-                     tokenizer_dir, "--json-keys", "text", "content", "--skip-bad-lines", "--no-progress"], capsys)
+    code, err = cli(
+        [
+            "preprocess",
+            "--input",
+            path,
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            tokenizer_dir,
+            "--json-keys",
+            "text",
+            "content",
+            "--skip-bad-lines",
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 2 and f"data error: {path}: no usable records, all 3 were skipped (3 missing key; first: " in err
     assert "Check the keys (--json-keys" in err and "preprocessed 0 documents" not in err, err
     assert not os.path.exists(tmp_path / "out_text_document.idx")
@@ -403,13 +473,20 @@ def test_directory_warns_about_subdirectories_and_repeated_files_are_read_once(t
     assert len(expand_inputs(str(tmp_path / "corpus" / "**" / "*.jsonl"))) == 3  # the glob the warning suggests
     (tmp_path / "outer" / "inner").mkdir(parents=True)
     write_jsonl(tmp_path / "outer" / "inner" / "c.jsonl", [{"text": "nested doc"}])
-    with pytest.raises(FileNotFoundError, match=r"outer: directory holds no input files .*; 1 input file\(s\) in its "
-                                                r"subdirectories are not read"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"outer: directory holds no input files .*; 1 input file\(s\) in its "
+        r"subdirectories are not read",
+    ):
         expand_inputs(str(tmp_path / "outer"))
     # the same file twice (also through a directory or another spelling) is read once, with a warning
     capsys.readouterr()
-    summary = preprocess([top, str(tmp_path / "corpus"), str(tmp_path / "corpus" / "." / "top.jsonl")],
-                         str(tmp_path / "out"), tokenizer_dir, progress=False)
+    summary = preprocess(
+        [top, str(tmp_path / "corpus"), str(tmp_path / "corpus" / "." / "top.jsonl")],
+        str(tmp_path / "out"),
+        tokenizer_dir,
+        progress=False,
+    )
     assert summary["files"] == 1 and summary["documents"] == 1
     err = capsys.readouterr().err
     assert "warning: 2 input file(s) named more than once are read once: " in err and top in err

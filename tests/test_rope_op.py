@@ -11,8 +11,16 @@ from llamatron.models.rope_op import qkv_rope_op
 def test_qkv_rope_op_matches_split_and_rope_forward_and_gradient():
     torch.manual_seed(0)
     batch, seq, heads, kv, dim = 2, 7, 4, 2, 8
-    cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=heads * dim, num_layers=1, num_heads=heads,
-                      num_kv_heads=kv, ffn_hidden_size=8, max_seq_length=16)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=8,
+        hidden_size=heads * dim,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=8,
+        max_seq_length=16,
+    )
     cos, sin = rope_cos_sin(cfg, torch.arange(seq).expand(batch, seq), torch.float32)
     qkv = torch.randn(batch, seq, (heads + 2 * kv) * dim, requires_grad=True)
     grads = [torch.randn(batch, seq, n, dim) for n in (heads, kv, kv)]

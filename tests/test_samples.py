@@ -207,8 +207,11 @@ def test_vocabulary_check_names_the_file_and_is_cached(tmp_path):
     top = indexed.num_tokens - 1
     assert token_id_range(indexed, str(tmp_path)) == (0, top)
     check_token_ids(indexed, top + 1, str(tmp_path))
-    with pytest.raises(DataError, match=rf"big\.bin: holds token id {top}, outside the model's vocabulary of {top}"
-                                        r".*preprocess the data with the model's tokenizer"):
+    with pytest.raises(
+        DataError,
+        match=rf"big\.bin: holds token id {top}, outside the model's vocabulary of {top}"
+        r".*preprocess the data with the model's tokenizer",
+    ):
         build_datasets(str(tmp_path / "big"), "90,10,0", SEQ_LENGTH, 8, 8, seed=1, vocab_size=top)
     cached = [n for n in os.listdir(tmp_path) if "token_range" in n]
     assert len(cached) == 1
@@ -222,9 +225,27 @@ def test_train_refuses_out_of_vocabulary_data_before_training(tmp_path):
     import sys
 
     make_dataset(str(tmp_path / "corpus"))  # ids up to ~2400, llama-test has 256
-    cmd = [sys.executable, "-m", "llamatron", "train", "--model", "llama-test", "--data", str(tmp_path / "corpus"),
-           "--device", "cpu", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
-           "--train-steps", "1", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "train",
+        "--model",
+        "llama-test",
+        "--data",
+        str(tmp_path / "corpus"),
+        "--device",
+        "cpu",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-steps",
+        "1",
+        "--no-progress",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "data error:" in done.stderr and "corpus.bin: holds token id" in done.stderr

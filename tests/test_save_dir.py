@@ -3,12 +3,23 @@
 import hashlib
 
 import pytest
-
 from layout import run_train
 from test_train import llamatron
 
-ARGS = ["--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "16", "--micro-batch-size", "1",
-        "--global-batch-size", "2", "--no-progress"]
+ARGS = [
+    "--model",
+    "llama-test",
+    "--mock-data",
+    "--device",
+    "cpu",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "2",
+    "--no-progress",
+]
 
 
 def _fingerprint(root) -> dict:
@@ -24,8 +35,22 @@ def saved(tmp_path):
 
 def test_a_fresh_run_refuses_to_save_over_another_runs_checkpoints(tmp_path, saved):
     ck, before = saved
-    proc = llamatron("train", *ARGS, "--train-steps", "2", "--save", "ck", "--save-interval", "1", "--keep-last", "1",
-                     "--seed", "9", cwd=tmp_path, check=False)
+    proc = llamatron(
+        "train",
+        *ARGS,
+        "--train-steps",
+        "2",
+        "--save",
+        "ck",
+        "--save-interval",
+        "1",
+        "--keep-last",
+        "1",
+        "--seed",
+        "9",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--save ck already holds another run's checkpoints (2 checkpoints, the latest step-2)" in proc.stderr
     assert "Resume that run with --load ck" in proc.stderr and "Traceback" not in proc.stderr
@@ -35,8 +60,21 @@ def test_a_fresh_run_refuses_to_save_over_another_runs_checkpoints(tmp_path, sav
 
 def test_fine_tuning_into_the_directory_it_loads_is_refused(tmp_path, saved):
     ck, before = saved
-    proc = llamatron("train", *ARGS, "--train-steps", "2", "--load", "ck", "--finetune", "--save", "ck",
-                     "--keep-last", "1", cwd=tmp_path, check=False)
+    proc = llamatron(
+        "train",
+        *ARGS,
+        "--train-steps",
+        "2",
+        "--load",
+        "ck",
+        "--finetune",
+        "--save",
+        "ck",
+        "--keep-last",
+        "1",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2 and "fine-tuning starts again at step 0" in proc.stderr, proc.stderr[-2000:]
     assert _fingerprint(ck) == before
 
@@ -101,17 +139,33 @@ def test_a_tokenizer_too_large_for_a_loaded_checkpoint_names_the_checkpoint(tmp_
     train_bpe_tokenizer(texts, vocab_size=600, out_dir=str(tmp_path / "tok"))  # llama-test has 256 ids
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["train", "--load", "ck", "--finetune", "--data", "unused", "--tokenizer", "tok", "--device", "cpu",
-                  "--save", "ft", "--train-steps", "1"])
+        cli.main(
+            [
+                "train",
+                "--load",
+                "ck",
+                "--finetune",
+                "--data",
+                "unused",
+                "--tokenizer",
+                "tok",
+                "--device",
+                "cpu",
+                "--save",
+                "ft",
+                "--train-steps",
+                "1",
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "but the model of checkpoint ck only 256" in err, err
     assert "use the tokenizer ck was trained with" in err and "llama-tiny" not in err
 
 
 def test_the_demo_replaces_its_own_previous_checkpoints_only(tmp_path, monkeypatch):
+    from llamatron.config import config_from_values
     from llamatron.demo import apply_demo_defaults as _apply_demo_defaults
     from llamatron.demo import clear_previous_demo_checkpoint as _clear_previous_demo_checkpoint
-    from llamatron.config import config_from_values
 
     monkeypatch.chdir(tmp_path)
     cfg = config_from_values({})
@@ -126,23 +180,60 @@ def test_the_demo_replaces_its_own_previous_checkpoints_only(tmp_path, monkeypat
 def test_resuming_names_the_settings_that_changed_and_an_empty_run(tmp_path, saved):
     """The schedule and the data position depend on the settings: a resume that changes them says so."""
     # BASE_ARGS of the saved run: --lr 1e-3, --seq-length 32, --train-steps 2
-    proc = llamatron("train", *ARGS, "--precision", "fp32", "--load", "ck", "--save", "ck", "--train-steps", "3",
-                     "--lr", "5e-2", "--min-lr", "1e-4", "--warmup-steps", "1", cwd=tmp_path)
+    proc = llamatron(
+        "train",
+        *ARGS,
+        "--precision",
+        "fp32",
+        "--load",
+        "ck",
+        "--save",
+        "ck",
+        "--train-steps",
+        "3",
+        "--lr",
+        "5e-2",
+        "--min-lr",
+        "1e-4",
+        "--warmup-steps",
+        "1",
+        cwd=tmp_path,
+    )
     note = next(line for line in proc.stdout.splitlines() if line.startswith("note: resuming"))
     assert "--train-steps 2 -> 3" in note and "--lr 0.001 -> 0.05" in note and "--seq-length 32 -> 16" in note
     assert "--global-batch-size 8 -> 2" in note and "data position" in note and "--min-lr" not in note
-    proc = llamatron("train", *ARGS, "--precision", "fp32", "--load", "ck", "--save", "ck", "--train-steps", "2",
-                     "--lr", "5e-2", "--min-lr", "1e-4", "--warmup-steps", "1", cwd=tmp_path)
+    proc = llamatron(
+        "train",
+        *ARGS,
+        "--precision",
+        "fp32",
+        "--load",
+        "ck",
+        "--save",
+        "ck",
+        "--train-steps",
+        "2",
+        "--lr",
+        "5e-2",
+        "--min-lr",
+        "1e-4",
+        "--warmup-steps",
+        "1",
+        cwd=tmp_path,
+    )
     assert "note: nothing to train: the checkpoint is at step 3 and --train-steps is 2" in proc.stdout
 
 
 def test_a_checkpoint_directory_without_latest_names_its_steps(tmp_path, saved):
-    from llamatron.errors import CheckpointError
     from llamatron.checkpoint.reader import resolve_checkpoint
+    from llamatron.errors import CheckpointError
 
     ck, _ = saved
     (ck / "latest").unlink()
-    with pytest.raises(CheckpointError, match=r"has no `latest` file; load one of its checkpoints by name "
-                                              r"\(step-1, step-2\), e\.g\. --load .*ck/step-2"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"has no `latest` file; load one of its checkpoints by name "
+        r"\(step-1, step-2\), e\.g\. --load .*ck/step-2",
+    ):
         resolve_checkpoint(ck)
     assert resolve_checkpoint(ck / "step-1") == ck / "step-1"

@@ -39,8 +39,10 @@ def animal_conversations(count, seed=0):
     out = []
     for i in range(count):
         a, times = ANIMALS[int(rng.integers(len(ANIMALS)))], int(rng.integers(1, 5))
-        turns = [{"role": "user", "content": f"Say {a} {times} times."},
-                 {"role": "assistant", "content": " ".join([a] * times) + "."}]
+        turns = [
+            {"role": "user", "content": f"Say {a} {times} times."},
+            {"role": "assistant", "content": " ".join([a] * times) + "."},
+        ]
         if i % 3 == 0:
             turns = [{"role": "system", "content": "Answer about animals."}] + turns
         if i % 4 == 0:
@@ -128,7 +130,8 @@ def test_template_that_rewrites_earlier_turns_is_refused(template_tokenizer_dir,
     renderer = ChatRenderer(template_tokenizer_dir)
     # a template that numbers turns from the end changes earlier text as turns are added
     renderer._hf.chat_template = (
-        "{% for m in messages %}{{ (messages|length - loop.index)|string + m['content'] }}{% endfor %}")
+        "{% for m in messages %}{{ (messages|length - loop.index)|string + m['content'] }}{% endfor %}"
+    )
     with pytest.raises(DataError, match="changes the text of earlier messages"):
         renderer.segments(CONVERSATION)
 
@@ -141,14 +144,17 @@ def test_prompt_response_records_match_messages(tokenizer_dir):
     assert tokens.tolist() == expected_tokens.tolist() and mask.tolist() == expected_mask.tolist()
 
 
-@pytest.mark.parametrize("record, kind", [
-    ({"text": "no messages"}, "missing key 'messages'"),
-    ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "empty document"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "needs a role"),
-    ({"messages": [{"role": "user", "content": 3}]}, "no string content"),
-])
+@pytest.mark.parametrize(
+    "record, kind",
+    [
+        ({"text": "no messages"}, "missing key 'messages'"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "empty document"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "needs a role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "no string content"),
+    ],
+)
 def test_bad_conversations_are_named(record, kind):
     from llamatron.data.preprocess import RecordError
 
@@ -161,8 +167,9 @@ def test_preprocess_sft_writes_tokens_and_mask(tokenizer_dir, tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", records)
     with pytest.raises(BadInputError, match=r"chat\.jsonl:41: malformed JSON"):
         preprocess_conversations(path, str(tmp_path / "strict"), tokenizer_dir, progress=False)
-    summary = preprocess_conversations(path, str(tmp_path / "out"), tokenizer_dir, skip_bad_lines=True,
-                                       progress=False, workers=2)
+    summary = preprocess_conversations(
+        path, str(tmp_path / "out"), tokenizer_dir, skip_bad_lines=True, progress=False, workers=2
+    )
     assert summary["documents"] == 40 and summary["bad_lines"] == 2
     assert summary["bad_line_kinds"] == {"malformed JSON": 1, "no assistant message": 1}
     tokens, mask = IndexedDataset(str(tmp_path / "out_sft")), IndexedDataset(mask_prefix(str(tmp_path / "out_sft")))
@@ -178,9 +185,24 @@ def test_preprocess_sft_writes_tokens_and_mask(tokenizer_dir, tmp_path):
 
 def test_cli_sft_flags(tokenizer_dir, tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"q": "Name a colour.", "a": "Blue."}])
-    cmd = [sys.executable, "-m", "llamatron", "preprocess", "--sft", "--input", path, "--output-prefix",
-           str(tmp_path / "pairs"), "--tokenizer", tokenizer_dir, "--prompt-key", "q", "--response-key", "a",
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "preprocess",
+        "--sft",
+        "--input",
+        path,
+        "--output-prefix",
+        str(tmp_path / "pairs"),
+        "--tokenizer",
+        tokenizer_dir,
+        "--prompt-key",
+        "q",
+        "--response-key",
+        "a",
+        "--no-progress",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--sft-data " + str(tmp_path / "pairs_sft") in done.stderr and "assistant (trained) tokens" in done.stderr
@@ -189,7 +211,7 @@ def test_cli_sft_flags(tokenizer_dir, tmp_path):
 
 def test_pack_conversations_best_fit():
     offsets, items = pack_conversations(np.array([6, 4, 5, 5, 3, 7]), capacity=10)
-    bins = [sorted(items[offsets[b]:offsets[b + 1]].tolist()) for b in range(offsets.size - 1)]
+    bins = [sorted(items[offsets[b] : offsets[b + 1]].tolist()) for b in range(offsets.size - 1)]
     assert sorted(bins) == [[0, 1], [2, 3], [4, 5]]  # 6+4, 5+5, 7+3: three full bins
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 65, size=500)
@@ -222,11 +244,13 @@ def test_packed_samples(sft_prefix):
     seen = []
     for i in range(num_sequences):  # one epoch: every conversation once
         sample = dataset[i]
-        assert {k: v.shape for k, v in sample.items()} == {k: (seq + 1,) for k in
-                                                          ("tokens", "loss_mask", "document_ids", "position_ids")}
+        assert {k: v.shape for k, v in sample.items()} == {
+            k: (seq + 1,) for k in ("tokens", "loss_mask", "document_ids", "position_ids")
+        }
         docs = sample["document_ids"]
-        members = dataset.bin_items[dataset.bin_offsets[int(dataset.sample_order[i])]:
-                                    dataset.bin_offsets[int(dataset.sample_order[i]) + 1]]
+        members = dataset.bin_items[
+            dataset.bin_offsets[int(dataset.sample_order[i])] : dataset.bin_offsets[int(dataset.sample_order[i]) + 1]
+        ]
         for k, conversation in enumerate(members.tolist()):
             where = np.flatnonzero(docs == k)
             n = min(int(tokens.sizes[conversation]), seq + 1)
@@ -289,12 +313,42 @@ def run_sft_training(workdir, prefix, steps, micro_batch_size, name):
     config = workdir / "tiny.yaml"
     config.write_text("model: llama-test\nmodel_overrides:\n  vocab_size: 512\n")  # the tokenizer has 400 ids
     metrics = workdir / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "llamatron", "train", "--config", str(config), "--sft-data", prefix, "--device", "cpu",
-           "--precision", "fp32", "--seq-length", "96", "--micro-batch-size", str(micro_batch_size),
-           "--global-batch-size", "8", "--train-steps", str(steps), "--lr", "3e-3", "--lr-schedule", "constant",
-           "--no-progress", "--eval-iters", "1", "--log-interval", "1", "--metrics-file", str(metrics)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "llamatron",
+        "train",
+        "--config",
+        str(config),
+        "--sft-data",
+        prefix,
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--seq-length",
+        "96",
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--global-batch-size",
+        "8",
+        "--train-steps",
+        str(steps),
+        "--lr",
+        "3e-3",
+        "--lr-schedule",
+        "constant",
+        "--no-progress",
+        "--eval-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--metrics-file",
+        str(metrics),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r["loss"] for r in records if r.get("split") is None], done.stdout
@@ -309,21 +363,26 @@ def test_sft_training_loss_falls_and_is_a_global_token_mean(sft_prefix, tmp_path
     whole, _ = run_sft_training(tmp_path, sft_prefix, steps=4, micro_batch_size=8, name="mbs8")
     np.testing.assert_allclose(whole, losses[:4], rtol=1e-5)
     train, _ = build_sft_datasets(sft_prefix, "98,2,0", 96, 30 * 8, 8, seed=1234)
-    per_micro_batch = [int((collate([train[i] for i in range(j, j + 2)])["labels"] != IGNORE_INDEX).sum())
-                       for j in range(0, 8, 2)]
+    per_micro_batch = [
+        int((collate([train[i] for i in range(j, j + 2)])["labels"] != IGNORE_INDEX).sum()) for j in range(0, 8, 2)
+    ]
     assert len(set(per_micro_batch)) > 1, per_micro_batch  # else a mean of means would agree too
 
 
 def long_prompt_records(count):
     """Prompts far longer than 65 tokens, so truncation cuts every reply off."""
-    return [{"prompt": "Please summarise this text: " + "lorem ipsum dolor sit amet " * 40, "response": "summary i"}
-            for _ in range(count)]
+    return [
+        {"prompt": "Please summarise this text: " + "lorem ipsum dolor sit amet " * 40, "response": "summary i"}
+        for _ in range(count)
+    ]
 
 
 def test_conversations_that_lose_every_trained_token_are_counted_and_warned(sft_prefix, tokenizer_dir, tmp_path):
     records = [{"messages": m["messages"]} for m in animal_conversations(30)]
-    records += [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
-                for r in long_prompt_records(10)]
+    records += [
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
+        for r in long_prompt_records(10)
+    ]
     path = write_jsonl(tmp_path / "mixed.jsonl", records)
     prefix = preprocess_conversations(path, str(tmp_path / "mixed"), tokenizer_dir, progress=False)["outputs"]["tokens"]
     tokens, mask = IndexedDataset(prefix), IndexedDataset(mask_prefix(prefix))
@@ -333,24 +392,48 @@ def test_conversations_that_lose_every_trained_token_are_counted_and_warned(sft_
     assert "10 of the 40 conversations of the train split lose all their trained (assistant) tokens" in warning
     assert f"the longest conversation has {int(tokens.sizes.max())} tokens" in warning and "--seq-length" in warning
     assert SFTDataset(tokens, mask, np.arange(30), 64, 8, seed=0).warning() is None  # only the short ones
-    with pytest.raises(DataError, match=r"10 of the 10 conversations of the train split lose all their trained .*"
-                                        r"no sample has a token to train on; raise --seq-length"):
+    with pytest.raises(
+        DataError,
+        match=r"10 of the 10 conversations of the train split lose all their trained .*"
+        r"no sample has a token to train on; raise --seq-length",
+    ):
         SFTDataset(tokens, mask, np.arange(30, 40), 64, 8, seed=0)
     assert SFTDataset(tokens, mask, np.arange(30, 40), 1100, 8, seed=0).untrained == 0  # long enough: all trained
 
 
 def test_train_refuses_sft_data_truncated_to_nothing(tokenizer_dir, tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", long_prompt_records(40))
-    prefix = preprocess_conversations(path, str(tmp_path / "long"), tokenizer_dir, prompt_key="prompt",
-                                      response_key="response", progress=False)["outputs"]["tokens"]
+    prefix = preprocess_conversations(
+        path, str(tmp_path / "long"), tokenizer_dir, prompt_key="prompt", response_key="response", progress=False
+    )["outputs"]["tokens"]
     config = tmp_path / "tiny.yaml"
     config.write_text("model: llama-test\nmodel_overrides:\n  vocab_size: 512\n")
     for pack in ("--pack", "--no-pack"):
-        cmd = [sys.executable, "-m", "llamatron", "train", "--config", str(config), "--sft-data", prefix, pack,
-               "--device", "cpu", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-               "--train-steps", "3", "--no-progress"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "llamatron",
+            "train",
+            "--config",
+            str(config),
+            "--sft-data",
+            prefix,
+            pack,
+            "--device",
+            "cpu",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-steps",
+            "3",
+            "--no-progress",
+        ]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
         assert "llamatron train: data error: --sft-data" in done.stderr and "Traceback" not in done.stderr
         assert "39 of the 39 conversations of the train split lose all their trained" in done.stderr
@@ -364,13 +447,19 @@ def test_sft_data_prefix_mistakes_get_a_hint(sft_prefix, tokenizer_dir, tmp_path
     output_prefix = sft_prefix[: -len("_sft")]  # what was given to preprocess --output-prefix
     with pytest.raises(DataError, match=rf"animals\.idx: file not found .*did you mean '{sft_prefix}'\?"):
         build_sft_datasets(output_prefix, "98,2,0", 48, 8, 8, seed=0)
-    with pytest.raises(DataError, match=rf"--sft-data {sft_prefix}_mask is the loss mask of {sft_prefix}; give the "
-                                        rf"token dataset, --sft-data {sft_prefix} "):
+    with pytest.raises(
+        DataError,
+        match=rf"--sft-data {sft_prefix}_mask is the loss mask of {sft_prefix}; give the "
+        rf"token dataset, --sft-data {sft_prefix} ",
+    ):
         build_sft_datasets(mask_prefix(sft_prefix), "98,2,0", 48, 8, 8, seed=0)
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "plain text"}] * 4)
     pretraining = preprocess(text, str(tmp_path / "pt"), tokenizer_dir, progress=False)["outputs"]["text"]
-    with pytest.raises(DataError, match=r"pt_text_document_mask\.idx: file not found.*--sft-data needs the loss "
-                                        r"mask .* is .*pt_text_document a --data \(pre-training\) dataset\?"):
+    with pytest.raises(
+        DataError,
+        match=r"pt_text_document_mask\.idx: file not found.*--sft-data needs the loss "
+        r"mask .* is .*pt_text_document a --data \(pre-training\) dataset\?",
+    ):
         build_sft_datasets(pretraining, "98,2,0", 48, 8, 8, seed=0)
     with pytest.raises(SystemExit) as exc:
         main(["train", "--model", "llama-test", "--sft-data", output_prefix, "--device", "cpu", "--no-progress"])

@@ -5,15 +5,19 @@ import subprocess
 import sys
 
 import pytest
-
 from layout import BASE_ARGS, run_train
 
 PY = sys.executable
 
 
 def llamatron(*args, cwd, check=True):
-    proc = subprocess.run([PY, "-m", "llamatron", *args], capture_output=True, text=True, cwd=cwd,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})
+    proc = subprocess.run(
+        [PY, "-m", "llamatron", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()},
+    )
     if check and proc.returncode != 0:
         raise AssertionError(proc.stdout[-2000:] + proc.stderr[-4000:])
     return proc
@@ -21,13 +25,31 @@ def llamatron(*args, cwd, check=True):
 
 def _pythonpath():
     import os
+
     return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "HOME", "VIRTUAL_ENV")}
 
 
 def test_no_progress_prints_one_plain_line_per_logged_step(tmp_path):
-    proc = llamatron("train", "--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "16",
-                     "--global-batch-size", "2", "--micro-batch-size", "1", "--train-steps", "4", "--log-interval",
-                     "2", "--no-progress", cwd=tmp_path)
+    proc = llamatron(
+        "train",
+        "--model",
+        "llama-test",
+        "--mock-data",
+        "--device",
+        "cpu",
+        "--seq-length",
+        "16",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--train-steps",
+        "4",
+        "--log-interval",
+        "2",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     logged = [line.split(":")[0] for line in proc.stdout.splitlines() if ": loss " in line]
     assert logged == ["step 2", "step 4"], proc.stdout
     assert "tokens/s" in proc.stdout and "\r" not in proc.stdout  # no progress bar redraws
@@ -35,15 +57,40 @@ def test_no_progress_prints_one_plain_line_per_logged_step(tmp_path):
 
 def test_issue_command_writes_30_records_and_loss_falls(tmp_path):
     # The issue's command, with a short sequence to keep the suite fast.
-    llamatron("train", "--model", "llama-tiny", "--mock-data", "--train-steps", "30", "--device", "cpu",
-              "--metrics-file", "m.jsonl", "--seq-length", "64", "--lr", "3e-3", "--no-progress", cwd=tmp_path)
+    llamatron(
+        "train",
+        "--model",
+        "llama-tiny",
+        "--mock-data",
+        "--train-steps",
+        "30",
+        "--device",
+        "cpu",
+        "--metrics-file",
+        "m.jsonl",
+        "--seq-length",
+        "64",
+        "--lr",
+        "3e-3",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     steps = [r for r in records if r.get("split") is None]
     assert [r["step"] for r in steps] == list(range(1, 31))
     for r in steps:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "peak_mem_gib",
-                "consumed_samples"} <= set(r)
+        assert {
+            "step",
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_sec",
+            "tflops_per_gpu",
+            "mfu",
+            "peak_mem_gib",
+            "consumed_samples",
+        } <= set(r)
         assert r["mfu"] is None  # CPU: unknown peak, never a guess
     assert steps[-1]["consumed_samples"] == 30 * 16
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
@@ -52,8 +99,18 @@ def test_issue_command_writes_30_records_and_loss_falls(tmp_path):
 
 
 def test_bad_config_fails_before_training(tmp_path):
-    proc = llamatron("train", "--model", "llama-test", "--mock-data", "--tp", "3", "--metrics-file", "m.jsonl",
-                     cwd=tmp_path, check=False)
+    proc = llamatron(
+        "train",
+        "--model",
+        "llama-test",
+        "--mock-data",
+        "--tp",
+        "3",
+        "--metrics-file",
+        "m.jsonl",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "world size 1 is not divisible by tp*pp = 3*1" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "m.jsonl").exists()
@@ -85,6 +142,7 @@ def test_keep_last_and_generate(tmp_path):
     run_train(["--train-steps", "4", "--save", "ck", "--save-interval", "1", "--keep-last", "2"], 1, tmp_path)
     assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-3", "step-4"]
     from llamatron.generate import load_for_generation, sample
+
     model, meta = load_for_generation(str(tmp_path / "ck"))
     assert meta["step"] == 4
     out = sample(model, [1, 2, 3], max_new_tokens=5, seed=0)
@@ -99,8 +157,18 @@ def test_load_of_other_architecture_lists_mismatches(tmp_path):
 
 def test_nproc_per_node_starts_torchrun_itself(tmp_path):
     ref = run_train([], 1, tmp_path)
-    llamatron("train", "--nproc-per-node", "2", "--model", "llama-test", *BASE_ARGS, "--distributed-optimizer",
-              "--metrics-file", "m2.jsonl", cwd=tmp_path)
+    llamatron(
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "llama-test",
+        *BASE_ARGS,
+        "--distributed-optimizer",
+        "--metrics-file",
+        "m2.jsonl",
+        cwd=tmp_path,
+    )
     got = [json.loads(line) for line in (tmp_path / "m2.jsonl").read_text().splitlines()]
     got = [r for r in got if r.get("split") is None]
     assert [r["step"] for r in got] == [r["step"] for r in ref]
@@ -118,8 +186,18 @@ def test_nproc_per_node_checks_cuda_settings_against_the_gpus_it_sees(monkeypatc
 
     launched = []
     monkeypatch.setattr(launch, "relaunch_with_torchrun", lambda n: launched.append(n) or 0)
-    argv = ["train", "--nproc-per-node", "2", "--model", "llama-test", "--mock-data", "--attention-backend", "cudnn",
-            "--swiglu-backend", "triton"]
+    argv = [
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "llama-test",
+        "--mock-data",
+        "--attention-backend",
+        "cudnn",
+        "--swiglu-backend",
+        "triton",
+    ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
@@ -132,7 +210,9 @@ def test_nproc_per_node_checks_cuda_settings_against_the_gpus_it_sees(monkeypatc
 
 def test_user_mistakes_exit_2_with_a_message(tmp_path):
     proc = llamatron("train", "--model", "llama-tinyy", cwd=tmp_path, check=False)
-    assert proc.returncode == 2 and "unknown model preset 'llama-tinyy'" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2 and "unknown model preset 'llama-tinyy'" in proc.stderr and "Traceback" not in proc.stderr
+    )
     (tmp_path / "bad.yaml").write_text("lr: [\n")
     proc = llamatron("train", "--config", "bad.yaml", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "is not valid YAML" in proc.stderr
@@ -145,23 +225,46 @@ def test_sequence_beyond_the_models_context_warns(tmp_path, capsys):
     from llamatron.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "256",
-              "--micro-batch-size", "1", "--global-batch-size", "1", "--train-steps", "1", "--no-progress"])
+        main(
+            [
+                "train",
+                "--model",
+                "llama-test",
+                "--mock-data",
+                "--device",
+                "cpu",
+                "--seq-length",
+                "256",
+                "--micro-batch-size",
+                "1",
+                "--global-batch-size",
+                "1",
+                "--train-steps",
+                "1",
+                "--no-progress",
+            ]
+        )
     assert exc.value.code in (0, None)
     err = capsys.readouterr().err
     assert "--seq-length 256 is beyond llama-test's context of 128 tokens" in err and "factor: 2" in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--data", "-1 data/a 2 data/b"], "weight -1 for data/a must be > 0 (a positive finite number)"),
-    (["--data", "nan data/a 1 data/b"], "weight nan for data/a must be > 0"),
-    (["--data", "0 data/a 1 data/b"], "weight 0 for data/a must be > 0"),
-    (["--data", "data/a data/b"], "2 prefixes without weights; to blend them give each a weight, e.g. '1 data/a 1 data/b'"),
-    (["--data", "0.5 data/a 0.5"], "expected 'WEIGHT PREFIX' pairs (a weight or a prefix is missing)"),
-    (["--data", "data/a", "--split", "abc"], "split='abc': expected comma-separated numbers like '98,2,0'"),
-    (["--data", "data/a", "--split", "nan,1"], "split='nan,1': need 1 to 3 finite non-negative weights"),
-    (["--sft-data", "data/a", "--split", "1,2,3,4"], "split='1,2,3,4': need 1 to 3"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--data", "-1 data/a 2 data/b"], "weight -1 for data/a must be > 0 (a positive finite number)"),
+        (["--data", "nan data/a 1 data/b"], "weight nan for data/a must be > 0"),
+        (["--data", "0 data/a 1 data/b"], "weight 0 for data/a must be > 0"),
+        (
+            ["--data", "data/a data/b"],
+            "2 prefixes without weights; to blend them give each a weight, e.g. '1 data/a 1 data/b'",
+        ),
+        (["--data", "0.5 data/a 0.5"], "expected 'WEIGHT PREFIX' pairs (a weight or a prefix is missing)"),
+        (["--data", "data/a", "--split", "abc"], "split='abc': expected comma-separated numbers like '98,2,0'"),
+        (["--data", "data/a", "--split", "nan,1"], "split='nan,1': need 1 to 3 finite non-negative weights"),
+        (["--sft-data", "data/a", "--split", "1,2,3,4"], "split='1,2,3,4': need 1 to 3"),
+    ],
+)
 def test_bad_data_and_split_flags_are_configuration_errors(flags, message, capsys):
     from llamatron.cli import main
 
@@ -174,8 +277,21 @@ def test_bad_data_and_split_flags_are_configuration_errors(flags, message, capsy
 def test_nproc_per_node_failure_is_reported_once_with_the_ranks_exit_code(tmp_path):
     """A bad setting under --nproc-per-node: the rank's clean message, one summary line, exit 2; no gloo
     traceback from a rank left waiting and no torchrun traceback."""
-    proc = llamatron("train", "--nproc-per-node", "2", "--model", "llama-test", "--data", "data/nope", "--device", "cpu",
-                     "--seq-length", "32", cwd=tmp_path, check=False)
+    proc = llamatron(
+        "train",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "llama-test",
+        "--data",
+        "data/nope",
+        "--device",
+        "cpu",
+        "--seq-length",
+        "32",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("data error: data/nope.idx: file not found") == 1
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
@@ -206,6 +322,7 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
         def wrapped(*args, **kwargs):
             clock[0] += seconds
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(metrics, "Timer", FakeTimer)
@@ -223,11 +340,17 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
 
     every = [r for r in records(["--log-interval", "1"], "every.jsonl") if r.get("split") is None]
     got = records(["--log-interval", "4", "--save", "ck", "--save-interval", "3"], "four.jsonl")
-    assert [(r["step"], r.get("split")) for r in got] == [(0, "valid"), (3, "valid"), (4, None), (6, "valid"),
-                                                          (8, None), (8, "valid")]
+    assert [(r["step"], r.get("split")) for r in got] == [
+        (0, "valid"),
+        (3, "valid"),
+        (4, None),
+        (6, "valid"),
+        (8, None),
+        (8, "valid"),
+    ]
     tokens_per_step = 8 * 32  # --global-batch-size 8, --seq-length 32 (BASE_ARGS)
     for record in (r for r in got if r.get("split") is None):
-        window = every[record["step"] - 4:record["step"]]
+        window = every[record["step"] - 4 : record["step"]]
         assert record["steps_in_record"] == 4
         assert record["loss"] == pytest.approx(sum(r["loss"] for r in window) / 4, rel=1e-6)
         assert record["grad_norm"] == pytest.approx(window[-1]["grad_norm"], rel=1e-6)

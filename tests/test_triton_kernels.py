@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_interpreted(code: str) -> None:
     """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

@@ -7,7 +7,7 @@ never on the layout. Data-parallel rank r takes the r-th contiguous 1/dp of it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -15,8 +15,17 @@ import torch
 from ..models import IGNORE_INDEX
 
 
-def micro_batches_for_step(dataset: Sequence, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                           dp: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
+class Samples(Protocol):
+    """What training and evaluation read: samples by index (a dict of token arrays each), and how many."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+def micro_batches_for_step(
+    dataset: Samples, consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp: int, dp_rank: int
+) -> list[dict[str, torch.Tensor]]:
     per_rank = global_batch_size // dp
     first = consumed_samples + dp_rank * per_rank
     out = []
