@@ -22,7 +22,7 @@ from .models.rmsnorm_op import set_rmsnorm_backend
 from .models.rope_op import set_rope_backend
 from .models.swiglu_op import set_swiglu_backend
 from .models.transformer import IGNORE_INDEX, cross_entropy_per_token
-from .parallel.data import GradBuffer
+from .parallel.grad_buffer import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at

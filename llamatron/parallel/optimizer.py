@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from .adamw_kernel import adamw_segment
-from .data import GradBuffer
+from .grad_buffer import GradBuffer
 from .mesh import Mesh, all_reduce
 
 

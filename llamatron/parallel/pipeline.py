@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models import Transformer
-from .data import zero_if_unwritten
+from .grad_buffer import zero_if_unwritten
 from .mesh import Mesh, new_group
 from .schedules import Action, Message, ScheduleError, Step, build_program, input_message, output_message
 
