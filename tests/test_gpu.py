@@ -20,8 +20,7 @@ def _model(name="llama-test", seed=0, **changes):
 
 def _assert_same_loss_and_grads(cfg, reference, other, other_attention: str = "auto") -> None:
     """One forward/backward of both models on the same tokens: loss within 1e-2, each gradient within 5%
-    (relative norm). Parameter names are compared without recompute's `layer.` wrapper level. `other` runs
-    with --attention-backend `other_attention`."""
+    (relative norm). `other` runs with --attention-backend `other_attention`."""
     from llamatron.models.layers import set_attention_backend
     x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     outs = []
@@ -30,7 +29,7 @@ def _assert_same_loss_and_grads(cfg, reference, other, other_attention: str = "a
             set_attention_backend(attention)
             loss = model(x, labels=x).float().mean()
             loss.backward()
-            outs.append((loss.detach(), {n.replace("layer.", ""): p.grad.float() for n, p in model.named_parameters()}))
+            outs.append((loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
     finally:
         set_attention_backend("auto")
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)

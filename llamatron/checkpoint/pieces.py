@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ..parallel.param_spec import ParamSpec
 
 
 # safetensors' dtype names (its file header), both ways.
@@ -118,18 +121,14 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(s, e - s, int(index[s])) for s, e in zip(starts[:-1], starts[1:]) if index[s] >= 0]
 
 
-def full_shape_of(param: nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(param, "full_shape", param.shape))
-
-
-def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) -> list[LocalPiece]:
-    """Pieces of the flat range [start, end) of `param`'s local tensor.
+def local_pieces(spec: ParamSpec, start: int, end: int, owned_only: bool) -> list[LocalPiece]:
+    """Pieces of the flat range [start, end) of the local tensor of the parameter `spec` describes.
 
     owned_only: leave out rows another tensor-parallel rank is responsible for
     (replicated KV heads are written by their lowest holder); a reader wants them too.
     """
-    shape = tuple(param.shape) or (1,)
-    layout = getattr(param, "tp_layout", None)
+    shape = spec.local_shape or (1,)
+    layout = spec.tp_layout
     index = None
     if layout is not None:
         index = layout.local_index.clone()
@@ -137,7 +136,7 @@ def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) ->
             index[layout.not_owned_positions] = -1
     pieces = []
     for flat, offsets, sizes in contiguous_blocks(shape, start, end):
-        if index is None:
+        if index is None or layout is None:
             pieces.append(LocalPiece(Box(offsets, sizes), flat - start, sizes, 0, 0, sizes[0]))
             continue
         d = layout.dim
@@ -149,4 +148,4 @@ def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) ->
 
 
 __all__ = ["Box", "CheckpointError", "LocalPiece", "SAFETENSORS_DTYPES", "TORCH_DTYPES", "contiguous_blocks",
-           "full_shape_of", "local_pieces"]
+           "local_pieces"]
