@@ -1,8 +1,9 @@
 """Builds a trainable model for a config and a mesh, and runs one optimizer step.
 
-Order: plain model on meta -> tensor parallelism -> pipeline stage chunks ->
-materialise (layout-independent init) -> recompute -> gradient buffers ->
-optimizer. Nothing touches device memory before the config is validated.
+Order: plain model (or this rank's pipeline stage chunks) on meta, with their
+parameter specs -> tensor parallelism -> materialise (layout-independent init)
+-> recompute -> compile -> gradient buffers -> optimizer. Nothing touches
+device memory before the config is validated.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import Derived, RunConfig
@@ -20,10 +20,11 @@ from .dtypes import DTYPES
 from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from .models.transformer import IGNORE_INDEX, CrossEntropy
-from .parallel.data import GradBuffer
+from .parallel.grad_buffer import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
+from .parallel.param_spec import param_specs
 from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 
@@ -57,24 +58,27 @@ class Engine:
     loss_scaler: DynamicLossScaler | None = None  # fp16 only
 
 
-class _Recomputed(nn.Module):
-    """Runs the wrapped layer without keeping its activations; recomputes them in backward."""
+class _Checkpointed:
+    """A layer's forward run without keeping its activations; recomputes them in backward.
 
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
+    Installed as the layer's `forward`, so the layer keeps its place and its parameter names, and its forward
+    pre-hooks (the gradient buffer's parameter-gather waits) run once, outside the checkpoint.
+    """
 
-    def forward(self, *args):
-        return checkpoint(self.layer, *args, use_reentrant=False)
+    def __init__(self, forward: Callable):
+        self.forward = forward  # the layer's own forward (apply_compile compiles it, inside the checkpoint)
+
+    def __call__(self, *args):
+        return checkpoint(self.forward, *args, use_reentrant=False)
 
 
 def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> None:
     """full: keep only each layer's input; selective: recompute the attention core (its softmax inputs)."""
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         if num_layers is not None and i >= num_layers:
             break
         if mode == "full":
-            model.layers[i] = _Recomputed(layer)
+            layer.forward = _Checkpointed(layer.forward)
         elif mode == "selective":
             core = layer.attn.core
             layer.attn.core = lambda *a, _core=core: checkpoint(_core, *a, use_reentrant=False)
@@ -82,8 +86,8 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
 
 def apply_compile(model: Transformer) -> None:
     """Compile each decoder layer's forward (fuses norms, rotary, SwiGLU); hooks on the layer stay eager."""
-    for layer in model.layers:
-        inner = layer.layer if isinstance(layer, _Recomputed) else layer
+    for layer in model.layers.values():
+        inner = layer.forward if isinstance(layer.forward, _Checkpointed) else layer  # compile inside the checkpoint
         inner.forward = torch.compile(inner.forward, dynamic=False)
     if isinstance(model.loss_fn, CrossEntropy):  # fuses torch's loss (its fp32 upcast); TP installs its own
         model.loss_fn = torch.compile(model.loss_fn, dynamic=False)
@@ -97,18 +101,18 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     kernels = KernelChoices()  # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
     if device.type == "cuda":
         kernels = KernelChoices.from_resolved(kernel_choices(cfg, device.type, model_cfg))
-    model = build_model(model_cfg)
-    if p.tp > 1:
-        apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel,
-                              comm_overlap=p.tp_comm_overlap)
     if p.pp > 1:
-        chunks, global_names = build_stage_chunks(model, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
+        chunks, specs = build_stage_chunks(model_cfg, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
         forward_backward = pipeline_forward_backward
     else:
-        chunks, global_names = [model], [lambda n: n]
+        model = build_model(model_cfg)
+        chunks, specs = [model], [param_specs(model)]
         forward_backward = forward_backward_no_pipeline
-    for chunk, names in zip(chunks, global_names):
-        materialize(chunk, model_cfg, cfg.train.seed, device, dtype, global_name=names)
+    for i, chunk in enumerate(chunks):
+        if p.tp > 1:
+            specs[i] = apply_tensor_parallel(chunk, mesh, sequence_parallel=p.sequence_parallel,
+                                             comm_overlap=p.tp_comm_overlap, specs=specs[i])
+        materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         apply_kernels(chunk, kernels)
         if cfg.train.recompute != "none":
             apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_layers)
@@ -118,7 +122,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
     buffers = [GradBuffer(chunk, mesh.dp_group, mesh.dp, grad_dtype=grad_dtype, bucket_size=p.bucket_size,
                           distributed=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
-                          reduce_dtype=reduce_dtype) for chunk in chunks]
+                          reduce_dtype=reduce_dtype, specs=chunk_specs) for chunk, chunk_specs in zip(chunks, specs)]
     o = cfg.optim
     # auto: the Triton pass on CUDA, measured 2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)
     adamw_kernel = kernel_choices(cfg, device.type, model_cfg)["adamw"]
@@ -167,7 +171,7 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int,
     for buf in engine.buffers:
         buf.finish_grad_sync()
     if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
-        sync_tensor_parallel_grads(engine.chunks, engine.mesh.tp_group)
+        sync_tensor_parallel_grads([g for buf in engine.buffers for g in buf.tp_partial_grads], engine.mesh.tp_group)
     if on_phase is not None:
         on_phase("grad_sync")
     lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)

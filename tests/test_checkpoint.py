@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llamatron.checkpoint.pieces import contiguous_blocks, full_shape_of, local_pieces
+from llamatron.checkpoint.pieces import contiguous_blocks, local_pieces
 from llamatron.checkpoint.reader import CheckpointReader, load_full_tensors
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
+from llamatron.parallel.param_spec import ParamSpec, param_specs
 from llamatron.parallel.tensor import apply_tensor_parallel
 
 from layout import assert_matches, run_train
@@ -64,13 +65,11 @@ def test_contiguous_blocks_are_the_flat_range_in_order(start, end):
     assert pos == end and len(blocks) <= 2 * (len(shape) - 1) + 1
 
 
-def _sharded_params(preset: str, tp: int) -> list[dict[str, torch.nn.Parameter]]:
+def _sharded_specs(preset: str, tp: int) -> list[dict[str, ParamSpec]]:
     out = []
     for rank in range(tp):
         model = build_model(get_preset(preset), device="meta")
-        if tp > 1:
-            apply_tensor_parallel(model, Mesh(tp=tp, tp_rank=rank))
-        out.append(dict(model.named_parameters()))
+        out.append(apply_tensor_parallel(model, Mesh(tp=tp, tp_rank=rank)) if tp > 1 else param_specs(model))
     return out
 
 
@@ -79,23 +78,23 @@ def _sharded_params(preset: str, tp: int) -> list[dict[str, torch.nn.Parameter]]
                                         ("falcon40b-test", 8)])
 def test_pieces_of_every_rank_and_segment_cover_the_full_tensor_once(preset, tp):
     """Written pieces (any flat segments of any tp shard) tile the unpadded tensor exactly; reading refills shards."""
-    ranks = _sharded_params(preset, tp)
+    ranks = _sharded_specs(preset, tp)
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
-    for name, p0 in ranks[0].items():
-        full = torch.randn(full_shape_of(p0), generator=gen)
+    for name, spec0 in ranks[0].items():
+        full = torch.randn(spec0.full_shape, generator=gen)
         written, count = torch.zeros_like(full), torch.zeros_like(full)
-        for rank, params in enumerate(ranks):
-            p = params[name]
-            local = (p.shard_fn(full) if hasattr(p, "shard_fn") else full).reshape(-1)
+        for rank, specs in enumerate(ranks):
+            spec = specs[name]
+            local = spec.shard(full).reshape(-1)
             cuts = sorted(rng.sample(range(1, local.numel()), 3))  # segments of a distributed optimizer, say
             for a, b in zip([0, *cuts], [*cuts, local.numel()]):
-                if getattr(p, "tensor_parallel", False) or rank == 0:  # replicated tensors: tp rank 0 writes
-                    for piece in local_pieces(p, a, b, owned_only=True):
+                if spec.tensor_parallel or rank == 0:  # replicated tensors: tp rank 0 writes
+                    for piece in local_pieces(spec, a, b, owned_only=True):
                         assert all(o + s <= n for o, s, n in zip(piece.box.offsets, piece.box.sizes, full.shape))
                         written[_slices(piece.box)] += piece.view(local[a:b])
                         count[_slices(piece.box)] += 1
                 back = torch.zeros(b - a)
-                for piece in local_pieces(p, a, b, owned_only=False):
+                for piece in local_pieces(spec, a, b, owned_only=False):
                     piece.view(back).copy_(full[_slices(piece.box)])
                 assert torch.equal(back, local[a:b]), (name, rank, a, b)  # padding rows come back as zeros
         assert bool((count == 1).all()), f"{name}: elements written {int(count.min())}..{int(count.max())} times"
@@ -139,7 +138,7 @@ def test_async_save_writes_a_snapshot_and_publishes_at_finish(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step-2"
     saved = load_full_tensors(path)
     assert all(torch.equal(saved[n], before[n]) for n in before)  # the values at the save, not after
-    assert not torch.equal(saved["layers.0.attn.qkv.weight"], engine.chunks[0].layers[0].attn.qkv.weight)
+    assert not torch.equal(saved["layers.0.attn.qkv.weight"], engine.chunks[0].layers["0"].attn.qkv.weight)
 
 
 def test_engine_takes_no_attributes_after_build_and_async_saves_resume(tmp_path):

@@ -65,20 +65,21 @@ def test_stage_chunks_hold_every_parameter_once_under_its_global_name(model_name
     split = split_layers(len(full.layers), pp, vpp, pp_layers)
     seen: Counter = Counter()
     for rank in range(pp):
-        chunks, names = build_stage_chunks(build_model(get_preset(model_name)), Mesh(pp=pp, pp_rank=rank),
-                                           vpp=vpp, pp_layers=pp_layers)
+        chunks, specs = build_stage_chunks(get_preset(model_name), Mesh(pp=pp, pp_rank=rank), vpp=vpp,
+                                           pp_layers=pp_layers)
         assert len(chunks) == vpp
-        for v, (chunk, global_name) in enumerate(zip(chunks, names)):
+        for v, (chunk, chunk_specs) in enumerate(zip(chunks, specs)):
             c = v * pp + rank
             assert len(chunk.layers) == split[c]
             assert chunk.is_first_stage == (c == 0) and chunk.is_last_stage == (c == pp * vpp - 1)
             for local, p in chunk.named_parameters():
-                name = global_name(local)
-                assert chunk.global_name(local) == name and expected[name] == tuple(p.shape), (local, name)
-                if not getattr(p, "shared_weight_replica", False):
+                name = chunk_specs[local].global_name
+                assert expected[name] == tuple(p.shape), (local, name)
+                if not chunk_specs[local].shared_replica:
+                    assert local == name  # layers keep their global index: a stage's names are the global names
                     seen[name] += 1
             if c == pp * vpp - 1 and chunk.lm_head is not None and full.lm_head is None:
-                assert global_name("lm_head.weight") == "embed.weight"  # the tied head is the embedding
+                assert chunk_specs["lm_head.weight"].global_name == "embed.weight"  # the tied head is the embedding
                 assert chunk.head_weight() is chunk.lm_head.weight
     assert seen == Counter(expected.keys())
 

@@ -32,7 +32,7 @@ EAGER = P.Precision(compiled=False, fused_norms=False, fused_rope=False, fused_s
 def test_parameter_counts_match_the_model(name):
     cfg = get_preset(name)
     model = build_model(cfg)  # on meta: free
-    assert P.layer_params(cfg) == sum(p.numel() for p in model.layers[0].parameters())
+    assert P.layer_params(cfg) == sum(p.numel() for p in model.layers["0"].parameters())
     assert P.stage_params(cfg, 1, 1, 0, cfg.num_layers)[0] == sum(p.numel() for p in model.parameters())
 
 

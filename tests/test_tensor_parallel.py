@@ -24,7 +24,7 @@ from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.tensor import (apply_tensor_parallel, gate_up_layout, padded_vocab_size,
-                                       qkv_layout, sync_tensor_parallel_grads, vocab_layout)
+                                       qkv_layout, sync_tensor_parallel_grads, tensor_parallel_specs, vocab_layout)
 from llamatron.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
                                               VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout)
 
@@ -47,6 +47,10 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
 def _spawn(fn, *args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     mp.spawn(_entry, args=(4, free_port(), fn, args), nprocs=4, join=True)
+
+
+def _grads_and_specs(module: nn.Module, specs: dict) -> list:
+    return [(p.grad, specs[name]) for name, p in module.named_parameters()]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -81,9 +85,10 @@ def _check_column(layouts: list[ShardLayout], in_features: int, group, sp: bool,
     # Rows held by several ranks (replicated KV heads) feed each holder's consumers: split their gradient.
     (y_ref * upstream).sum().backward()
     col = ColumnParallelLinear(in_features, layout, True, group, sp)
+    specs = tensor_parallel_specs(col, sp)
     with torch.no_grad():
-        col.weight.copy_(col.weight.shard_fn(ref.weight))
-        col.bias.copy_(col.bias.shard_fn(ref.bias))
+        col.weight.copy_(specs["weight"].shard(ref.weight))
+        col.bias.copy_(specs["bias"].shard(ref.bias))
     x_local = (_seq_shard(x, group) if sp else x).detach().clone().requires_grad_()
     y = col(x_local)
     real, full_idx = layout.real_positions, layout.real_full_index
@@ -92,10 +97,10 @@ def _check_column(layouts: list[ShardLayout], in_features: int, group, sp: bool,
     local_upstream[..., real] = (upstream / _holders(layouts)).index_select(-1, full_idx)
     (y * local_upstream).sum().backward()
     _close(x_local.grad, _seq_shard(x.grad, group) if sp else x.grad, f"{what} input grad")
-    sync_tensor_parallel_grads([col], group)
-    for p, ref_p in ((col.weight, ref.weight), (col.bias, ref.bias)):
+    sync_tensor_parallel_grads(_grads_and_specs(col, specs), group)
+    for name, p, ref_p in (("weight", col.weight, ref.weight), ("bias", col.bias, ref.bias)):
         _close(p.grad.index_select(0, real), ref_p.grad.index_select(0, full_idx), f"{what} local weight grad")
-        _close(p.gather_fn(p.grad), ref_p.grad, f"{what} gathered weight grad")
+        _close(specs[name].gather(p.grad), ref_p.grad, f"{what} gathered weight grad")
 
 
 def _check_row(in_features: int, out_features: int, group, sp: bool) -> None:
@@ -108,17 +113,19 @@ def _check_row(in_features: int, out_features: int, group, sp: bool) -> None:
     y_ref = ref(x)
     (y_ref * upstream).sum().backward()
     row = RowParallelLinear(out_features, layout, True, group, sp)
+    specs = tensor_parallel_specs(row, sp)
     with torch.no_grad():
-        row.weight.copy_(row.weight.shard_fn(ref.weight))
+        row.weight.copy_(specs["weight"].shard(ref.weight))
         row.bias.copy_(ref.bias)
     cols = layout.real_full_index
     x_local = x.detach().index_select(-1, cols).requires_grad_()
     y = row(x_local)
     _close(y, _seq_shard(y_ref.detach(), group) if sp else y_ref.detach(), f"row sp={sp} forward")
     (y * (_seq_shard(upstream, group) if sp else upstream)).sum().backward()
-    sync_tensor_parallel_grads([row], group)  # sequence parallel: the bias saw only this rank's shard
+    # Sequence parallel: the bias saw only this rank's shard.
+    sync_tensor_parallel_grads(_grads_and_specs(row, specs), group)
     _close(x_local.grad, x.grad.index_select(-1, cols), f"row sp={sp} input grad")
-    _close(row.weight.gather_fn(row.weight.grad), ref.weight.grad, f"row sp={sp} weight grad")
+    _close(specs["weight"].gather(row.weight.grad), ref.weight.grad, f"row sp={sp} weight grad")
     _close(row.bias.grad, ref.bias.grad, f"row sp={sp} bias grad")
 
 
@@ -133,12 +140,13 @@ def _check_embedding(vocab: int, hidden: int, group, sp: bool) -> None:
     y_ref = ref(ids)
     (y_ref * upstream).sum().backward()
     emb = VocabParallelEmbedding(layout, hidden, group, sp)
+    spec = tensor_parallel_specs(emb, sp)["weight"]
     with torch.no_grad():
-        emb.weight.copy_(emb.weight.shard_fn(ref.weight))
+        emb.weight.copy_(spec.shard(ref.weight))
     y = emb(ids)
     _close(y, _seq_shard(y_ref.detach(), group) if sp else y_ref.detach(), f"embedding sp={sp} forward")
     (y * (_seq_shard(upstream, group) if sp else upstream)).sum().backward()
-    _close(emb.weight.gather_fn(emb.weight.grad), ref.weight.grad, f"embedding sp={sp} weight grad")
+    _close(spec.gather(emb.weight.grad), ref.weight.grad, f"embedding sp={sp} weight grad")
     padding = (layout.local_index < 0).nonzero().flatten()
     assert emb.weight.grad.index_select(0, padding).abs().sum() == 0, "padding rows got a gradient"
 
@@ -205,16 +213,17 @@ def _init_worker(rank: int, groups: dict, presets: tuple[str, ...]) -> None:
         reference = dict(plain.named_parameters())
         for n, group in groups.items():
             mesh = Mesh(world_size=4, rank=rank, tp=n, tp_rank=dist.get_rank(group), tp_group=group)
-            model = apply_tensor_parallel(build_model(cfg), mesh, sequence_parallel=True)
+            model = build_model(cfg)
+            specs = apply_tensor_parallel(model, mesh, sequence_parallel=True)
             assert all(p.is_meta for p in model.parameters())
-            materialize(model, cfg, seed=7, device="cpu", dtype=torch.float32)
+            materialize(model, cfg, seed=7, device="cpu", dtype=torch.float32, specs=specs)
             names = dict(model.named_parameters())
             assert names.keys() == reference.keys()
             for name, p in names.items():
-                full = p.gather_fn(p.detach()) if getattr(p, "tensor_parallel", False) else p.detach()
+                full = specs[name].gather(p.detach())
                 assert torch.equal(full, reference[name]), f"{preset} tp={n}: {name} differs from the tp=1 init"
-                if getattr(p, "tensor_parallel", False):  # checkpoint load: the full tensor back to this shard
-                    assert torch.equal(p.shard_fn(full), p.detach()), f"{preset} tp={n}: shard_fn of {name}"
+                if specs[name].tensor_parallel:  # checkpoint load: the full tensor back to this shard
+                    assert torch.equal(specs[name].shard(full), p.detach()), f"{preset} tp={n}: shard of {name}"
             assert names["embed.weight"].shape[0] == padded_vocab_size(cfg.vocab_size, n) // n
 
 
@@ -226,7 +235,8 @@ def test_llama2_70b_under_tp8_stays_on_meta_and_one_shard_materializes():
     cfg = get_preset("llama2-70b")
     full_params = dict(build_model(cfg).named_parameters())
     mesh = Mesh(tp=8, tp_rank=5)
-    model = apply_tensor_parallel(build_model(cfg), mesh, sequence_parallel=True)
+    model = build_model(cfg)
+    specs = apply_tensor_parallel(model, mesh, sequence_parallel=True)
     params = dict(model.named_parameters())
     assert all(p.is_meta for p in params.values())
     d = cfg.head_dim
@@ -235,16 +245,16 @@ def test_llama2_70b_under_tp8_stays_on_meta_and_one_shard_materializes():
     assert params["layers.0.mlp.gate_up.weight"].shape == (2 * 28672 // 8, 8192)
     assert params["layers.0.mlp.down.weight"].shape == (8192, 28672 // 8)
     assert params["embed.weight"].shape == (32768 // 8, 8192)  # vocab 32000 padded to 32768
-    for name, p in params.items():
-        assert tuple(p.full_shape if getattr(p, "tensor_parallel", False) else p.shape) == full_params[name].shape
+    for name in params:
+        assert specs[name].full_shape == full_params[name].shape
     local = sum(p.numel() for p in params.values())
     assert local < 1.01 * cfg.num_params() / 8 + sum(p.numel() for n, p in params.items() if "norm" in n)
     # One shard materializes from the full tensor's slice; the rest of the model stays on meta.
-    o = model.layers[0].attn.o
-    materialize(o, cfg, seed=3, device="cpu", dtype=torch.float32, global_name=lambda n: "layers.0.attn.o." + n)
+    o = model.layers["0"].attn.o
+    materialize(o, cfg, seed=3, device="cpu", dtype=torch.float32, specs={"weight": specs["layers.0.attn.o.weight"]})
     full = init_full_tensor("layers.0.attn.o.weight", torch.Size((8192, 8192)), cfg, 3, torch.device("cpu"))
     assert torch.equal(o.weight, full[:, 5 * 8 * d:6 * 8 * d])
-    assert model.layers[0].attn.qkv.weight.is_meta
+    assert model.layers["0"].attn.qkv.weight.is_meta
 
 
 # ---- configurations that cannot work -----------------------------------------------------------------

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from ..parallel.param_spec import ParamSpec
 
 
 @dataclass(frozen=True)
@@ -109,18 +112,14 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(s, e - s, int(index[s])) for s, e in zip(starts[:-1], starts[1:]) if index[s] >= 0]
 
 
-def full_shape_of(param: nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(param, "full_shape", param.shape))
-
-
-def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) -> list[LocalPiece]:
-    """Pieces of the flat range [start, end) of `param`'s local tensor.
+def local_pieces(spec: ParamSpec, start: int, end: int, owned_only: bool) -> list[LocalPiece]:
+    """Pieces of the flat range [start, end) of the local tensor of the parameter `spec` describes.
 
     owned_only: leave out rows another tensor-parallel rank is responsible for
     (replicated KV heads are written by their lowest holder); a reader wants them too.
     """
-    shape = tuple(param.shape) or (1,)
-    layout = getattr(param, "tp_layout", None)
+    shape = spec.local_shape or (1,)
+    layout = spec.tp_layout
     index = None
     if layout is not None:
         index = layout.local_index.clone()
@@ -128,7 +127,7 @@ def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) ->
             index[layout.not_owned_positions] = -1
     pieces = []
     for flat, offsets, sizes in contiguous_blocks(shape, start, end):
-        if index is None:
+        if index is None or layout is None:
             pieces.append(LocalPiece(Box(offsets, sizes), flat - start, sizes, 0, 0, sizes[0]))
             continue
         d = layout.dim
@@ -139,5 +138,4 @@ def local_pieces(param: nn.Parameter, start: int, end: int, owned_only: bool) ->
     return pieces
 
 
-__all__ = ["Box", "LocalPiece", "contiguous_blocks",
-           "full_shape_of", "local_pieces"]
+__all__ = ["Box", "LocalPiece", "contiguous_blocks", "local_pieces"]

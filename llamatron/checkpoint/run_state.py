@@ -21,17 +21,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..config import TrainConfig
 from ..engine import Engine
 from ..faults import NO_FAULTS, FaultInjection
 from ..models import ModelConfig, build_model
 from ..parallel.optimizer import lr_at
+from ..parallel.param_spec import ParamSpec
 from ..errors import CheckpointError
 from .pieces import local_pieces
 from .reader import CheckpointReader, read_meta, rng_file
-from .writer import PendingSave, finish, global_named_params, set_rng_state, start_save
+from .writer import PendingSave, engine_params, finish, set_rng_state, start_save
 
 FORMAT_VERSION = 2
 
@@ -151,18 +151,17 @@ def _check_architecture(reader: CheckpointReader, model_cfg: ModelConfig, model_
                               "--model: --load then takes the checkpoint's own architecture")
 
 
-def _read_into(reader: CheckpointReader, kind: str, name: str, param: nn.Parameter, dst: torch.Tensor,
-               start: int) -> None:
-    """Fill `dst`, the flat range [start, start + len(dst)) of `param`'s local tensor, from the checkpoint."""
-    for piece in local_pieces(param, start, start + dst.numel(), owned_only=False):
-        piece.view(dst).copy_(reader.read(kind, name, piece.box))
+def _read_into(reader: CheckpointReader, kind: str, spec: ParamSpec, dst: torch.Tensor, start: int) -> None:
+    """Fill `dst`, the flat range [start, start + len(dst)) of the local tensor of `spec`, from the checkpoint."""
+    for piece in local_pieces(spec, start, start + dst.numel(), owned_only=False):
+        piece.view(dst).copy_(reader.read(kind, spec.global_name, piece.box))
 
 
 @torch.no_grad()
-def _fill_master(reader: CheckpointReader, opt, i: int, name: str) -> None:
+def _fill_master(reader: CheckpointReader, opt, i: int) -> None:
     """Separate fp32 master weights: the stored ones, else the weights (a checkpoint saved in fp32, or imported)."""
     seg = opt.segments[i]
-    _read_into(reader, "master" if reader.has("master") else "model", name, seg.param, opt.master[i], seg.param_offset)
+    _read_into(reader, "master" if reader.has("master") else "model", seg.spec, opt.master[i], seg.param_offset)
 
 
 def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> dict[str, Any]:
@@ -176,26 +175,24 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
     weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
-    named = global_named_params(engine)
-    name_of = {id(p): n for n, p in named}
     with torch.no_grad():
-        for name, p in named:
-            _read_into(reader, weights_kind, name, p, p.detach().view(-1), 0)
+        for p, spec in engine_params(engine):
+            _read_into(reader, weights_kind, spec, p.detach().view(-1), 0)
     if weights_only:
         if not opt.master_is_param:  # a fresh optimizer, whose master weights start from the loaded ones
-            for i, seg in enumerate(opt.segments):
-                _fill_master(reader, opt, i, name_of[id(seg.param)])
+            for i in range(len(opt.segments)):
+                _fill_master(reader, opt, i)
         return meta
     if not all(reader.has(kind) for kind in ("exp_avg", "exp_avg_sq", "step")):
         raise CheckpointError(f"{reader.step_dir} has no optimizer state; resume it with --finetune")
     with torch.no_grad():
         for i, seg in enumerate(opt.segments):
-            name, start = name_of[id(seg.param)], seg.param_offset
-            _read_into(reader, "exp_avg", name, seg.param, opt.exp_avg[i], start)
-            _read_into(reader, "exp_avg_sq", name, seg.param, opt.exp_avg_sq[i], start)
+            spec, start = seg.spec, seg.param_offset
+            _read_into(reader, "exp_avg", spec, opt.exp_avg[i], start)
+            _read_into(reader, "exp_avg_sq", spec, opt.exp_avg_sq[i], start)
             if not opt.master_is_param:
-                _fill_master(reader, opt, i, name)
-            opt.steps[i].fill_(reader.read("step", name).item())
+                _fill_master(reader, opt, i)
+            opt.steps[i].fill_(reader.read("step", spec.global_name).item())
     scaler = engine.loss_scaler
     if scaler is not None and meta.get("loss_scaler"):  # else (from bf16/fp32) the initial scale, as at the start
         scaler.load_state_dict(meta["loss_scaler"])

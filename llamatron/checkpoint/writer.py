@@ -8,7 +8,7 @@ Who writes what (each element of every tensor exactly once):
     replicated KV row by its lowest holder, padding rows by nobody); a
     replicated parameter (norms, row-parallel biases) by tp rank 0;
   * pipeline: each stage its own layers; the last stage's copy of a tied
-    embedding (`shared_weight_replica`) is not written.
+    embedding (its spec's `shared_replica`) is not written.
 
 Why pieces in safetensors files with a JSON index rather than
 torch.distributed.checkpoint: a rank's shard is not one box of the full
@@ -48,7 +48,8 @@ from ..engine import Engine
 from ..models import build_model
 from ..errors import CheckpointError
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
-from .pieces import Box, full_shape_of, local_pieces
+from ..parallel.param_spec import ParamSpec
+from .pieces import Box, local_pieces
 from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
                      rng_file, step_dirs)
 from .tensor_io import StreamingSafetensorsWriter
@@ -82,30 +83,20 @@ class PendingSave:
         return self.root / f"step-{self.step}"
 
 
-def plain_name(name: str) -> str:
-    """Parameter names without wrapper prefixes (recompute wraps layers as `.layer.`)."""
-    return name.replace(".layer.", ".")
+def engine_params(engine) -> list[tuple[nn.Parameter, ParamSpec]]:
+    """Every parameter of this rank, chunk by chunk, with its spec (the gradient buffers hold them)."""
+    return [(p, spec) for buf in engine.buffers for p, spec in buf.spec_of.items()]
 
 
-def global_named_params(engine) -> list[tuple[str, nn.Parameter]]:
-    out = []
-    for chunk in engine.chunks:
-        names = getattr(chunk, "global_name", lambda n: n)
-        for name, p in chunk.named_parameters():
-            out.append((names(plain_name(name)), p))
-    return out
-
-
-def _responsible_for(param: nn.Parameter, tp_rank: int) -> bool:
-    if getattr(param, "shared_weight_replica", False):
+def _responsible_for(spec: ParamSpec, tp_rank: int) -> bool:
+    if spec.shared_replica:
         return False
-    return getattr(param, "tensor_parallel", False) or tp_rank == 0
+    return spec.tensor_parallel or tp_rank == 0
 
 
 def rank_pieces(engine) -> list[PieceToWrite]:
     """The pieces this rank writes: weights, optimizer state and step counts, as views of the live tensors."""
     mesh, opt = engine.mesh, engine.optimizer
-    name_of = {id(p): n for n, p in global_named_params(engine)}
     segment_of = {id(seg.param): i for i, seg in enumerate(opt.segments)}
     out: list[PieceToWrite] = []
     for buf in engine.buffers:
@@ -113,21 +104,22 @@ def rank_pieces(engine) -> list[PieceToWrite]:
             share = bucket.numel // mesh.dp
             lo = bucket.start + mesh.dp_rank * share
             for p in bucket.params:
+                spec = buf.spec_of[p]
                 start, end = buf.param_range[p]
                 a, b = max(start, lo) - start, min(end, lo + share) - start
-                if a >= b or not _responsible_for(p, mesh.tp_rank):
+                if a >= b or not _responsible_for(spec, mesh.tp_rank):
                     continue
                 i = segment_of[id(p)]
                 seg = opt.segments[i]
                 first = a - seg.param_offset
                 if first < 0 or first + (b - a) > seg.end - seg.start:
-                    raise CheckpointError(f"{name_of[id(p)]}: range [{a}, {b}) is not in this rank's optimizer shard")
+                    raise CheckpointError(f"{spec.global_name}: range [{a}, {b}) is not in this rank's optimizer shard")
                 sources = {"model": p.detach().reshape(-1)[a:b], "exp_avg": opt.exp_avg[i][first:first + b - a],
                            "exp_avg_sq": opt.exp_avg_sq[i][first:first + b - a]}
                 if not opt.master_is_param:
                     sources["master"] = opt.master[i][first:first + b - a]
-                name, full = name_of[id(p)], full_shape_of(p)
-                for lp in local_pieces(p, a, b, owned_only=True):
+                name, full = spec.global_name, spec.full_shape
+                for lp in local_pieces(spec, a, b, owned_only=True):
                     out += [PieceToWrite(kind, name, full, lp.box, lp.view(flat)) for kind, flat in sources.items()]
                     if not any(lp.box.offsets):  # the writer of the tensor's first element also writes its step
                         out.append(PieceToWrite("step", name, (1,), Box((0,), (1,)), opt.steps[i].reshape(1)))
@@ -328,5 +320,5 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["PendingSave", "apply_retention", "finish", "global_named_params", "rank_pieces", "rng_state",
+__all__ = ["PendingSave", "apply_retention", "engine_params", "finish", "rank_pieces", "rng_state",
            "set_rng_state", "start_save", "write_latest"]

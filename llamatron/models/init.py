@@ -4,18 +4,24 @@ Every parameter is drawn from its own generator, seeded by the run seed and
 the parameter's global name, over its *full* shape; a sharded parameter then
 keeps only its slice. So a tp=2 or pp=4 model starts from exactly the weights
 of the single-device model, and no rank ever holds more than one full tensor.
+Global names, full shapes and slices come from the parameter specs that
+parallelism builds (parallel/param_spec.py).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:  # only the annotation: the model code does not depend on parallel/
+    from ..parallel.param_spec import ParamSpec
 
 # Output projections of each residual branch get std / sqrt(2 * layers) (GPT-2 / Megatron scaled init).
 _RESIDUAL_OUTPUTS = ("attn.o.weight", "mlp.down.weight")
@@ -37,25 +43,21 @@ def init_full_tensor(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, 
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device | str, dtype: torch.dtype,
-                global_name: Callable[[str], str] = lambda n: n) -> nn.Module:
+                specs: Mapping[str, ParamSpec] | None = None) -> nn.Module:
     """Give every meta parameter of `model` its initial value on `device`.
 
-    A parameter carrying `full_shape` and `shard_fn` (set by tensor parallelism)
-    is initialised over the full shape and then sliced. `global_name` maps a
-    local parameter name to its name in the unsplit model (pipeline stages
-    renumber layers).
+    `specs` (parallel/param_spec.py), by local parameter name: each parameter is initialised over its spec's
+    full shape under its global name, then sharded. Without specs every name is global and every shape full.
     """
     device = torch.device(device)
-    # to_empty replaces meta parameters by new objects: carry their attributes (tensor-parallel metadata) over.
-    attributes = {name: dict(p.__dict__) for name, p in model.named_parameters()}
     model.to(dtype=dtype)  # still on meta: free
     model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        param.__dict__.update(attributes[name])
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full_shape = getattr(param, "full_shape", param.shape)
-            full = init_full_tensor(global_name(name), full_shape, cfg, seed, device)
-            shard_fn = getattr(param, "shard_fn", None)
-            param.copy_((shard_fn(full) if shard_fn is not None else full).to(dtype))
+            if specs is None:
+                param.copy_(init_full_tensor(name, param.shape, cfg, seed, device).to(dtype))
+                continue
+            spec = specs[name]
+            full = init_full_tensor(spec.global_name, torch.Size(spec.full_shape), cfg, seed, device)
+            param.copy_(spec.shard(full).to(dtype))
     return model

@@ -2,10 +2,14 @@
 
 A pipeline stage is the same class with some parts absent: no `embed` on later
 stages (the input is then a hidden state), no `norm`/head on earlier ones (the
-output is then a hidden state), and a subset of `layers`.
+output is then a hidden state), and a subset of `layers`. Layers are keyed by
+their index in the whole model, so a stage's parameter names are the whole
+model's (`layers.5.attn.qkv.weight` on whichever stage holds layer 5).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,17 +25,27 @@ __all__ = ["IGNORE_INDEX", "CrossEntropy", "Transformer", "build_model", "cross_
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layers: Sequence[int] | None = None, embed: bool = True, head: bool = True):
+        """The whole model, or a pipeline stage: decoder layers `layers` (default: all), the embedding if
+        `embed`, the final norm and output head if `head`."""
         super().__init__()
         self.cfg = cfg
         block = FalconBlock if cfg.family == "falcon" else LlamaBlock
         # Weights come from models/init.py; passing _weight skips nn.Embedding's own init (slow to import).
-        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                                    _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(block(cfg) for _ in range(cfg.num_layers))
+        self.embed: nn.Module | None = None
+        if embed:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        ids = range(cfg.num_layers) if layers is None else layers
+        self.layers = nn.ModuleDict({str(i): block(cfg) for i in ids})
         norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.family == "falcon" else RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.norm: nn.Module | None = norm
-        self.lm_head: nn.Module | None = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm: nn.Module | None = norm if head else None
+        # Tied embeddings: the embedding is the head; a last pipeline stage without the embedding holds a copy of
+        # it as its head (parallel/pipeline.py: its spec names it embed.weight, their gradients are summed).
+        separate_head = head and not (cfg.tie_embeddings and embed)
+        self.lm_head: nn.Module | None = None
+        if separate_head:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Swappable so tensor parallelism can install a vocabulary-parallel loss.
         self.loss_fn = CrossEntropy()
         # Sequence parallelism splits hidden states along the sequence into this many shards.
@@ -65,7 +79,7 @@ class Transformer(nn.Module):
             position_ids = torch.arange(seq, device=h.device).expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
         doc_mask = None if document_ids is None else document_mask(document_ids, self.cfg.sliding_window)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, cos, sin, doc_mask)
         if self.norm is None:
             return h
@@ -78,7 +92,9 @@ class Transformer(nn.Module):
         return h.shape[1] * self.seq_shards
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> Transformer:
-    """The full model with uninitialised parameters (on `meta` by default: see models/init.py)."""
+def build_model(cfg: ModelConfig, device: torch.device | str = "meta", layers: Sequence[int] | None = None,
+                embed: bool = True, head: bool = True) -> Transformer:
+    """The model (or a pipeline stage of it: see Transformer) with uninitialised parameters (on `meta` by default:
+    see models/init.py)."""
     with torch.device(device):
-        return Transformer(cfg)
+        return Transformer(cfg, layers, embed, head)

@@ -17,8 +17,9 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from .adamw_kernel import adamw_segment
-from .data import GradBuffer
+from .grad_buffer import GradBuffer
 from .mesh import Mesh, all_reduce
+from .param_spec import ParamSpec
 
 
 @dataclass
@@ -26,12 +27,13 @@ class Segment:
     """The part of one parameter that this rank updates."""
 
     param: nn.Parameter
+    spec: ParamSpec
     buffer: GradBuffer
     start: int  # in the buffer
     end: int
     param_offset: int  # where the segment starts inside the flattened parameter
     decay: bool
-    count_in_norm: bool  # False for tensor-parallel replicas on tp_rank > 0 (counted once)
+    count_in_norm: bool  # False for tensor-parallel replicas on tp_rank > 0 and the tied head (counted once)
 
 
 class DistributedAdamW:
@@ -48,9 +50,9 @@ class DistributedAdamW:
                     start, end = buf.param_range[p]
                     s, e = max(start, lo), min(end, hi)
                     if s < e:
-                        replicated_copy = mesh.tp_rank > 0 and not getattr(p, "tensor_parallel", False)
-                        replicated_copy |= getattr(p, "shared_weight_replica", False)  # last stage's tied embedding
-                        self.segments.append(Segment(p, buf, s, e, s - start, decay=p.ndim > 1,
+                        spec = buf.spec_of[p]
+                        replicated_copy = (mesh.tp_rank > 0 and not spec.tensor_parallel) or spec.shared_replica
+                        self.segments.append(Segment(p, spec, buf, s, e, s - start, decay=p.ndim > 1,
                                                      count_in_norm=not replicated_copy))
         device = buffers[0].grad_data.device
         self.master_is_param = buffers[0].param_data.dtype == torch.float32
@@ -155,11 +157,11 @@ class DistributedAdamW:
 def _norm_parts(grad: torch.Tensor, seg: Segment) -> list[torch.Tensor]:
     """The views of a segment's gradient this rank counts in the norm.
 
-    `param.grad_norm_exclude` lists flat element ranges of the parameter that
+    `ParamSpec.norm_exclude` lists flat element ranges of the parameter that
     another tensor-parallel rank counts (replicated KV heads).
     """
     parts, pos, end = [], seg.param_offset, seg.param_offset + grad.numel()
-    for lo, hi in getattr(seg.param, "grad_norm_exclude", ()):
+    for lo, hi in seg.spec.norm_exclude:
         lo, hi = max(lo, pos), min(hi, end)
         if lo < hi:
             parts.append(grad[pos - seg.param_offset:lo - seg.param_offset])

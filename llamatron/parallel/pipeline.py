@@ -1,19 +1,21 @@
 """Pipeline parallelism: cutting the model into stage chunks, moving activations between them, running a step.
 
-`build_stage_chunks` cuts the (meta) model's decoder layers into pp*vpp chunks;
-chunk c lives on pipeline rank c % pp (see schedules.py for the order they run
-in). Each chunk is the same `Transformer` class with the parts it does not
-hold set to None, and maps its local parameter names to the unsplit model's
-(`layers.0.attn.qkv.weight` on the second of two stages is
-`layers.2.attn.qkv.weight`), so initialisation and checkpoints are the same
-under every layout.
+`build_stage_chunks` builds this rank's chunks of the pp*vpp that the model's
+decoder layers are cut into, on meta; chunk c lives on pipeline rank c % pp
+(see schedules.py for the order they run in). Each chunk is the same
+`Transformer` class holding only its layers, keyed by their index in the
+whole model, and only the ends it holds, so its parameter names are the
+unsplit model's (`layers.2.attn.qkv.weight` on the second of two stages) and
+initialisation and checkpoints are the same under every layout. Tensor
+parallelism is applied to each chunk afterwards.
 
 Tied embeddings (Falcon): the last chunk gets its own copy of the embedding
-matrix as its head, under the same global name `embed.weight` (so it is
-initialised identically and checkpoints hold it once). Each step the two
-copies' gradients are summed between the first and the last stage before the
-data-parallel reduction, so both copies take the same update; the head copy is
-left out of the gradient norm.
+matrix as its head, `lm_head.weight`, whose spec gives the global name
+`embed.weight` (so it is initialised identically and loaded from the same
+tensor) and `shared_replica` (checkpoints hold it once, the gradient norm
+leaves it out). Each step the two copies' gradients are summed between the
+first and the last stage before the data-parallel reduction
+(`defer_grad_reduce` in both specs), so both copies take the same update.
 
 Activations travel as (micro_batch, seq / seq_shards, hidden) tensors of the
 compute dtype: every rank knows that shape from its own micro-batches, so only
@@ -22,9 +24,7 @@ data crosses the wire.
 
 from __future__ import annotations
 
-import copy
-import re
-import types
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -33,12 +33,11 @@ from torch import nn
 
 from ..data.batches import model_kwargs
 from ..errors import ConfigError
-from ..models import Transformer
-from .data import zero_if_unwritten
+from ..models import ModelConfig, Transformer, build_model
+from .grad_buffer import GradBuffer
 from .mesh import Mesh, new_group
+from .param_spec import ParamSpecs, param_specs
 from .schedules import Action, Message, Step, build_program, input_message, output_message
-
-_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 
 
 # ---- stages ----------------------------------------------------------------------------------------
@@ -83,72 +82,36 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: str | Sequen
     return [num_layers // (pp * vpp)] * (pp * vpp)
 
 
-class TiedHead(nn.Module):
-    """The last stage's copy of a tied embedding matrix, used as the output projection."""
-
-    def __init__(self, embedding_weight: nn.Parameter):
-        super().__init__()
-        weight = nn.Parameter(torch.empty_like(embedding_weight, device="meta"))
-        # Keep what tensor parallelism attached (full_shape, shard_fn, gather_fn, ...): it is the same matrix.
-        for key, value in vars(embedding_weight).items():
-            setattr(weight, key, value)
-        weight.shared_weight_replica = True  # counted once in the grad norm, saved once
-        weight.defer_grad_reduce = True  # summed with the first stage's copy before the data-parallel reduction
-        self.weight = weight
-
-
-def _stage_chunk(model: Transformer, first: int, last: int, has_embed: bool, has_head: bool) -> Transformer:
-    """A shallow copy of `model` with layers [first, last) and only the ends it holds."""
-    chunk = copy.copy(model)
-    # copy.copy shares the module's registries; give the chunk its own before changing them.
-    for key, value in list(vars(chunk).items()):
-        if isinstance(value, dict):
-            chunk.__dict__[key] = type(value)(value)
-        elif isinstance(value, types.MethodType) and value.__self__ is model:
-            chunk.__dict__[key] = types.MethodType(value.__func__, chunk)  # rebind overrides to the chunk
-    chunk.layers = nn.ModuleList(list(model.layers)[first:last])
-    if not has_embed:
-        chunk.embed = None
-    if not has_head:
-        chunk.norm = None
-        chunk.lm_head = None
-    elif model.lm_head is None:  # tied embeddings, and the embedding lives on another stage
-        chunk.lm_head = TiedHead(model.embed.weight)
-    return chunk
-
-
-def _global_name_fn(first_layer: int, tied_head: bool) -> Callable[[str], str]:
-    def global_name(local: str) -> str:
-        m = _LAYER.match(local)
-        if m:
-            return f"layers.{int(m.group(1)) + first_layer}.{m.group(2)}"
-        if tied_head and local == "lm_head.weight":
-            return "embed.weight"
-        return local
-
-    return global_name
-
-
-def build_stage_chunks(model: Transformer, mesh: Mesh, vpp: int = 1, pp_layers: str | Sequence[int] | None = None
-                       ) -> tuple[list[Transformer], list[Callable[[str], str]]]:
-    """This rank's model chunks (local chunk v is global chunk v*pp + pp_rank) and their local->global name maps."""
+def build_stage_chunks(cfg: ModelConfig, mesh: Mesh, vpp: int = 1, pp_layers: str | Sequence[int] | None = None
+                       ) -> tuple[list[Transformer], list[ParamSpecs]]:
+    """This rank's model chunks on meta (local chunk v is global chunk v*pp + pp_rank) and their parameter specs."""
     pp = mesh.pp
-    split = split_layers(len(model.layers), pp, vpp, pp_layers)
+    split = split_layers(cfg.num_layers, pp, vpp, pp_layers)
     starts = [sum(split[:c]) for c in range(len(split))]
-    tied = model.lm_head is None
+    tied = cfg.tie_embeddings
     group = _tied_embedding_group(mesh) if tied and pp > 1 else None
-    chunks, names = [], []
+    chunks, tables = [], []
     for v in range(vpp):
         c = v * pp + mesh.pp_rank
         is_first, is_last = c == 0, c == pp * vpp - 1
-        chunk = _stage_chunk(model, starts[c], starts[c] + split[c], is_first, is_last)
-        chunk.global_name = _global_name_fn(starts[c], tied and is_last and not is_first)
+        chunk = build_model(cfg, layers=range(starts[c], starts[c] + split[c]), embed=is_first, head=is_last)
         chunk.tied_embedding_group = group if (is_first or is_last) else None
-        if tied and is_first and not is_last:
-            chunk.embed.weight.defer_grad_reduce = True
         chunks.append(chunk)
-        names.append(chunk.global_name)
-    return chunks, names
+        tables.append(_tied_embedding_specs(chunk, param_specs(chunk)))
+    return chunks, tables
+
+
+def _tied_embedding_specs(chunk: Transformer, specs: ParamSpecs) -> ParamSpecs:
+    """Mark the copies of a tied embedding on a chunk holding one end of the model (not both)."""
+    if not chunk.cfg.tie_embeddings or chunk.is_first_stage == chunk.is_last_stage:
+        return specs
+    specs = dict(specs)
+    if chunk.is_first_stage:
+        specs["embed.weight"] = replace(specs["embed.weight"], defer_grad_reduce=True)
+    else:  # the head is a copy of the embedding: the same tensor in checkpoints and init, counted once in the norm
+        specs["lm_head.weight"] = replace(specs["lm_head.weight"], global_name="embed.weight", shared_replica=True,
+                                          defer_grad_reduce=True)
+    return specs
 
 
 def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
@@ -166,22 +129,18 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
 
 
 def _tied_params(chunk: Transformer) -> list[nn.Parameter]:
+    """The copy of a tied embedding this chunk holds: the embedding on the first stage, the head on the last."""
     if getattr(chunk, "tied_embedding_group", None) is None:
         return []
-    out = []
-    if chunk.embed is not None:
-        out.append(chunk.embed.weight)
-    if isinstance(chunk.lm_head, TiedHead):
-        out.append(chunk.lm_head.weight)
-    return out
+    return [m.weight for m in (chunk.embed, chunk.lm_head) if m is not None]  # type: ignore[misc]
 
 
-def sum_tied_embedding_grads(chunks: list[Transformer]) -> None:
+def sum_tied_embedding_grads(chunks: list[Transformer], buffers: list[GradBuffer]) -> None:
     """Add the first and last stage's gradients of a tied embedding (before the data-parallel reduction)."""
-    for chunk in chunks:
+    for chunk, buffer in zip(chunks, buffers):
         for p in _tied_params(chunk):
-            zero_if_unwritten(p)
-            dist.all_reduce(p.main_grad, group=chunk.tied_embedding_group)
+            buffer.zero_if_unwritten(p)
+            dist.all_reduce(buffer.grad(p), group=chunk.tied_embedding_group)
 
 
 # ---- point-to-point ----------------------------------------------------------------------------------
@@ -348,7 +307,7 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
     runner.run(forward, backward)
     if runner.saved:
         raise RuntimeError(f"pipeline step ended with activations never backpropagated: {sorted(runner.saved)}")
-    sum_tied_embedding_grads(engine.chunks)
+    sum_tied_embedding_grads(engine.chunks, engine.buffers)
     return loss_sum
 
 

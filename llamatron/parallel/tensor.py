@@ -11,15 +11,16 @@ and swaps layers for their parallel versions (tensor_layers.py):
     lm_head             column-parallel over the vocabulary; tied (Falcon): the embedding shard is the head
     loss_fn, argmax_fn  vocabulary-parallel cross-entropy and argmax: full logits never exist on a rank
 
-Each sharded parameter carries `tensor_parallel = True`, `full_shape` (the
-unpadded shape of the single-device model), `shard_fn(full) -> local` (init
-and checkpoint load) and `gather_fn(local) -> full` (checkpoint save; a
-collective over the tp group, so every tp rank must call it in the same order).
+It returns the chunk's parameter specs (param_spec.py): each sharded
+parameter's spec holds its `tp_layout` and `full_shape` (the unpadded shape of
+the single-device model); `spec.shard(full) -> local` serves init and
+checkpoint load, `spec.gather(local) -> full` is a collective over the tp
+group (every tp rank must call it in the same order).
 
 Vocabulary padding. The embedding and head hold a vocabulary padded to a
 multiple of 128 x tp (rank r: ids [r*V/tp, (r+1)*V/tp) of the padded range).
 `ModelConfig.vocab_size` stays the real vocabulary: padding exists only in the
-local shards. `shard_fn` appends zero rows, `gather_fn` strips them, so init,
+local shards. `shard` appends zero rows, `gather` strips them, so init,
 checkpoints and exports see the unpadded tensors. Padding rows are never looked
 up (ids < vocab_size), their logits are -inf in the loss and argmax, so their
 gradient is zero and they stay zero.
@@ -28,25 +29,26 @@ KV heads when tp > num_kv_heads. Rank r holds KV head r // (tp / num_kv_heads):
 a replica of the head its query heads use. Each replica's gradient covers only
 its rank's query heads, so `sync_tensor_parallel_grads` sums it over the ranks
 that hold it; the grad norm counts it on the lowest of them only
-(`param.grad_norm_exclude`, read by the optimizer).
+(`ParamSpec.norm_exclude`, read by the optimizer).
 
 Sequence parallelism. Hidden states between layers are split along the
 sequence (dim 1); norms run on shards; the embedding output is reduce-scattered;
 column-parallel layers all-gather their input, row-parallel ones
 reduce-scatter their output; the final norm's output is all-gathered before
 the head. Replicated parameters used on shards (norm weights and biases,
-row-parallel biases) get `sequence_parallel_grad = True`: their per-rank
+row-parallel biases) get specs with `sequence_parallel_grad`: their per-rank
 gradients are partial sums, added over the tp group by
 `sync_tensor_parallel_grads`. The engine calls it after
-`GradBuffer.finish_grad_sync()`, on `param.main_grad` (data-parallel and tensor
-sums commute; one coalesced all-reduce per step instead of one per parameter
-per micro-batch in a hook). With the distributed optimizer the parts of
-`main_grad` this data-parallel rank does not own hold unreduced values; summing
-them too is harmless, as nothing reads them.
+`GradBuffer.finish_grad_sync()`, on the buffers' gradients (data-parallel and
+tensor sums commute; one coalesced all-reduce per step instead of one per
+parameter per micro-batch in a hook). With the distributed optimizer the parts
+of a gradient this data-parallel rank does not own hold unreduced values;
+summing them too is harmless, as nothing reads them.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -60,6 +62,7 @@ from ..models.llama import SwiGLU
 from ..models.transformer import Transformer
 from ..errors import ConfigError
 from .mesh import Mesh, divisors
+from .param_spec import ParamSpec, ParamSpecs, param_specs
 from .tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
                             VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout, to_parallel_input,
                             tp_size)
@@ -138,11 +141,14 @@ def gate_up_layout(ffn: int, tp: int, tp_rank: int, group: dist.ProcessGroup | N
 
 
 def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
-                          comm_overlap: bool = True) -> Transformer:
+                          comm_overlap: bool = True, specs: ParamSpecs | None = None) -> ParamSpecs:
     """Shard `model` (on meta, before materialize) over the tensor-parallel group of `mesh`, in place.
 
-    comm_overlap: column-parallel backward hides its input-gradient collective behind the weight gradient.
+    Returns the parameter specs: `specs` (default: the plain ones) with the shards' layouts and the
+    sequence-parallel replicas marked. comm_overlap: column-parallel backward hides its input-gradient
+    collective behind the weight gradient.
     """
+    specs = param_specs(model) if specs is None else specs
     cfg, tp, rank, group = model.cfg, mesh.tp, mesh.tp_rank, mesh.tp_group
     check_tensor_parallel(cfg, tp)
     sp, ffn = sequence_parallel, cfg.ffn_hidden_size
@@ -174,14 +180,31 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     model.argmax_fn = VocabParallelArgmax(vocab_start, num_real, group)
     if sp:
         model.seq_shards = tp
-        for p in model.parameters():
-            if not getattr(p, "tensor_parallel", False):
-                p.sequence_parallel_grad = True
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
             module.overlap_backward = comm_overlap
     _check_all_sharded(model)
-    return model
+    return tensor_parallel_specs(model, sp, specs)
+
+
+def tensor_parallel_specs(module: nn.Module, sequence_parallel: bool, specs: ParamSpecs | None = None) -> ParamSpecs:
+    """The specs of the parameters of `module` (holding parallel layers), from `specs` (default: the plain ones).
+
+    A parameter a parallel layer splits gets its layout and full shape; under sequence parallelism every
+    replicated one (norms, row-parallel biases) is used on sequence shards, so its gradient is a partial sum.
+    """
+    out = dict(param_specs(module) if specs is None else specs)
+    names = {name for name, _ in module.named_parameters()}
+    if set(out) != names:  # the swaps keep every parameter's name
+        raise ValueError(f"parameter specs {sorted(set(out) ^ names)[:5]} do not match the module's parameters")
+    for prefix, m in module.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            for leaf, full_shape in m.full_shapes().items():
+                name = f"{prefix}.{leaf}" if prefix else leaf
+                out[name] = out[name].sharded(m.layout, full_shape)
+    if sequence_parallel:
+        out = {n: s if s.tensor_parallel else replace(s, sequence_parallel_grad=True) for n, s in out.items()}
+    return out
 
 
 def _column(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> ColumnParallelLinear:
@@ -208,31 +231,22 @@ def _check_all_sharded(model: nn.Module) -> None:
 # ---- gradients that each rank holds only part of -----------------------------------------------
 
 
-def _grad_of(p: nn.Parameter) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
-
-
-def sync_tensor_parallel_grads(modules: Iterable[nn.Module], group: dist.ProcessGroup | None) -> None:
+def sync_tensor_parallel_grads(grads: Iterable[tuple[torch.Tensor, ParamSpec]], group: dist.ProcessGroup | None
+                               ) -> None:
     """Sum over the tp group the gradients of sequence-parallel replicated parameters and of replicated KV rows.
 
-    Call on every tp rank after backward (after `finish_grad_sync` with gradient buffers): one all-reduce.
+    `grads`: (gradient, spec) of the parameters whose spec has `tp_partial_grad` (others are skipped;
+    GradBuffer.tp_partial_grads lists them). Call on every tp rank after backward (after `finish_grad_sync`
+    with gradient buffers): one all-reduce.
     """
     whole: list[torch.Tensor] = []
     replicas: list[tuple[torch.Tensor, ShardLayout]] = []
-    seen: set[int] = set()
-    for module in modules:
-        for p in module.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            grad = _grad_of(p)
-            if grad is None:
-                continue
-            if getattr(p, "sequence_parallel_grad", False):
-                whole.append(grad)
-            layout = getattr(p, "tp_layout", None)
-            if layout is not None and layout.num_replicated:
-                replicas.append((grad, layout))
+    for grad, spec in grads:
+        if spec.sequence_parallel_grad:
+            whole.append(grad)
+        layout = spec.tp_layout
+        if layout is not None and layout.num_replicated:
+            replicas.append((grad, layout))
     if tp_size(group) == 1 or not (whole or replicas):
         return
     pieces = [g.reshape(-1) for g in whole]

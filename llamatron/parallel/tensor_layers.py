@@ -261,17 +261,6 @@ def contiguous_layout(dim: int, full_size: int, tp: int, tp_rank: int, group: di
     return ShardLayout(dim, full_size, [torch.arange(r * n, (r + 1) * n) for r in range(tp)], tp_rank, group)
 
 
-def mark_sharded(param: nn.Parameter, layout: ShardLayout, full_shape: tuple[int, ...]) -> nn.Parameter:
-    """Attach what init, the optimizer and checkpoints need to know about a sharded parameter."""
-    param.tensor_parallel = True
-    param.full_shape = torch.Size(full_shape)
-    param.tp_layout = layout
-    param.shard_fn = layout.shard
-    param.gather_fn = layout.gather
-    param.grad_norm_exclude = layout.norm_exclude_ranges(tuple(full_shape))
-    return param
-
-
 # ---- layers ------------------------------------------------------------------------------------
 
 
@@ -286,11 +275,16 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.overlap_backward = True  # False: plain gather/copy + F.linear (for A/B measurement)
         self.weight = nn.Parameter(torch.empty(layout.local_size, in_features, device=device, dtype=dtype))
-        mark_sharded(self.weight, layout, (layout.full_size, in_features))
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(layout.local_size, device=device, dtype=dtype))
-            mark_sharded(self.bias, layout, (layout.full_size,))
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full shapes of the parameters `layout` splits (tensor.tensor_parallel_specs)."""
+        shapes: dict[str, tuple[int, ...]] = {"weight": (self.layout.full_size, self.in_features)}
+        if self.bias is not None:
+            shapes["bias"] = (self.layout.full_size,)
+        return shapes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:
@@ -316,10 +310,12 @@ class RowParallelLinear(nn.Module):
         self.out_features, self.layout = out_features, layout
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, layout.local_size, device=device, dtype=dtype))
-        mark_sharded(self.weight, layout, (out_features, layout.full_size))
+        # Replicated; under sequence parallelism added on sequence shards (tensor_parallel_specs marks it).
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel_grad = True  # added on sequence shards: each rank has part of its gradient
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full shapes of the parameters `layout` splits (the bias is replicated)."""
+        return {"weight": (self.out_features, self.layout.full_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = from_parallel_output(F.linear(x, self.weight), self.group, self.sequence_parallel)
@@ -339,8 +335,12 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.layout, self.group, self.sequence_parallel = layout, group, sequence_parallel
         self.vocab_start = layout.tp_rank * layout.local_size
+        self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(layout.local_size, hidden_size, device=device, dtype=dtype))
-        mark_sharded(self.weight, layout, (layout.full_size, hidden_size))
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full shape of the vocabulary rows `layout` splits."""
+        return {"weight": (self.layout.full_size, self.hidden_size)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

@@ -1,8 +1,11 @@
 """Contiguous gradient buffers cut into buckets, reduced over data-parallel ranks during backward.
 
 Each model chunk's parameters live in one flat parameter buffer and accumulate
-their gradients into one flat fp32 `main_grad` buffer (no per-parameter
-`.grad` survives a backward). Parameters are laid out in reverse order of use,
+their gradients into one flat fp32 gradient buffer (no per-parameter `.grad`
+survives a backward); the buffer owns each parameter's gradient view
+(`grad(p)`) and knows which were not written since `zero_grad`, and holds the
+chunk's parameter specs (param_spec.py) by parameter (`spec_of`), for the
+optimizer and checkpoints. Parameters are laid out in reverse order of use,
 so buckets fill up in the order backward produces them. A bucket is reduced
 (all-reduce, or reduce-scatter for the distributed optimizer) as soon as its
 last gradient of the step's *last* micro-batch has arrived: one collective per
@@ -24,6 +27,7 @@ from torch import nn
 from .grad_accumulate import accumulate_grad
 from .mesh import all_gather_flat as _all_gather
 from .mesh import reduce_scatter_flat as _reduce_scatter
+from .param_spec import ParamSpec, ParamSpecs, param_specs
 
 # Buckets are padded so every shard starts on a 128-byte boundary for any dtype used here.
 _ALIGN = 64
@@ -39,6 +43,7 @@ class Bucket:
     reduce_handle: dist.Work | None = None
     gather_handle: dist.Work | None = None
     reduce_staging: torch.Tensor | None = None
+    deferred: bool = False  # holds a tied embedding, summed over pipeline stages before it is reduced
 
     @property
     def numel(self) -> int:
@@ -55,26 +60,27 @@ class CommStats:
     per_step: list[int] = field(default_factory=list)
 
 
-def zero_if_unwritten(param: nn.Parameter) -> None:
-    """Zero `param.main_grad` if no gradient reached it since GradBuffer.zero_grad (which writes none)."""
-    if getattr(param, "main_grad_unwritten", False):
-        param.main_grad.zero_()
-        param.main_grad_unwritten = False
-
-
 class GradBuffer:
     """Flat parameter and gradient storage of one model chunk, bucketed for data-parallel reduction."""
 
     def __init__(self, module: nn.Module, dp_group: dist.ProcessGroup | None, dp: int, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: int = 40_000_000, distributed: bool = False, overlap_grad_reduce: bool = True,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, specs: ParamSpecs | None = None):
+        """specs: the chunk's parameter specs by local name (default: the plain ones), resolved here to the
+        materialised parameters."""
         self.module = module
         self.dp_group, self.dp = dp_group, dp
         self.distributed = distributed
         self.overlap_grad_reduce = overlap_grad_reduce and dp > 1
         self.reduce_dtype = reduce_dtype
         self.stats = CommStats()
-        params = [p for p in module.parameters() if p.requires_grad]
+        specs = param_specs(module) if specs is None else specs
+        self.spec_of: dict[nn.Parameter, ParamSpec] = {p: specs[n] for n, p in module.named_parameters()
+                                                        if p.requires_grad}
+        wrong = [s.global_name for p, s in self.spec_of.items() if s.local_shape != tuple(p.shape)]
+        if wrong:
+            raise ValueError(f"parameter specs do not fit the parameters' shapes: {wrong[:5]}")
+        params = list(self.spec_of)
         if not params:
             raise ValueError("a model chunk without trainable parameters")
         params = list(reversed(params))  # backward produces gradients roughly in reverse order
@@ -91,21 +97,26 @@ class GradBuffer:
             if offset - bucket_start >= bucket_size or i == len(params) - 1:
                 multiple = dp * _ALIGN
                 padded_end = bucket_start + -(-(offset - bucket_start) // multiple) * multiple
-                self.buckets.append(Bucket(len(self.buckets), bucket_start, padded_end, current))
+                deferred = any(self.spec_of[q].defer_grad_reduce for q in current)
+                self.buckets.append(Bucket(len(self.buckets), bucket_start, padded_end, current, deferred=deferred))
                 offset = bucket_start = padded_end
                 current = []
         self.numel = offset
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}
         for bucket in self.buckets:
             for p in bucket.params:
                 start, end = self.param_range[p]
                 self.param_data[start:end].copy_(p.data.flatten())
                 p.data = self.param_data[start:end].view_as(p)
-                p.main_grad = self.grad_data[start:end].view_as(p)
+                self._grads[p] = self.grad_data[start:end].view_as(p)
                 self.bucket_of[p] = bucket
-        for p in params:
-            p.main_grad_unwritten = False  # grad_data starts zeroed
+        # Parameters whose gradient no backward wrote since zero_grad (grad_data starts zeroed: none).
+        self._unwritten: set[nn.Parameter] = set()
+        # Listed once here so the step does no per-parameter Python work to find them.
+        self.tp_partial_grads = [(self._grads[p], self.spec_of[p]) for p in self.spec_of
+                                 if self.spec_of[p].tp_partial_grad]
         self.is_last_microbatch = True
         # NCCL gathers in place (input = this rank's slice of the output); gloo needs a separate input.
         self._in_place_gather = dp_group is not None and dist.get_backend(dp_group) == "nccl"
@@ -115,6 +126,16 @@ class GradBuffer:
 
     # ---- gradient side -------------------------------------------------------------------------
 
+    def grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The parameter's gradient: its view of the flat fp32 buffer."""
+        return self._grads[param]
+
+    def zero_if_unwritten(self, param: nn.Parameter) -> None:
+        """Zero the gradient of `param` if no backward wrote it since zero_grad (which writes none)."""
+        if param in self._unwritten:
+            self._grads[param].zero_()
+            self._unwritten.discard(param)
+
     def reset_pending(self) -> None:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
@@ -122,16 +143,17 @@ class GradBuffer:
     def _grad_ready(self, param: nn.Parameter) -> None:
         # The first gradient after zero_grad is written, not added: zero_grad writes nothing, which saves a
         # zeroing pass over the fp32 buffer and a read of it.
-        accumulate_grad(param.main_grad, param.grad, overwrite=param.main_grad_unwritten)
-        param.main_grad_unwritten = False
+        overwrite = param in self._unwritten
+        if overwrite:
+            self._unwritten.discard(param)
+        accumulate_grad(self._grads[param], param.grad, overwrite=overwrite)
         param.grad = None
         if not self.is_last_microbatch:
             return
         bucket = self.bucket_of[param]
         bucket.pending -= 1
         # A weight shared across pipeline stages (tied embedding) is summed over them first: finish_grad_sync reduces it.
-        deferred = any(getattr(q, "defer_grad_reduce", False) for q in bucket.params)
-        if bucket.pending == 0 and self.overlap_grad_reduce and not deferred:
+        if bucket.pending == 0 and self.overlap_grad_reduce and not bucket.deferred:
             self._start_reduce(bucket)
 
     def shard_range(self, bucket: Bucket, dp_rank: int) -> tuple[int, int]:
@@ -175,14 +197,14 @@ class GradBuffer:
 
     def zero_grad(self) -> None:
         """Mark every gradient stale; the next backward overwrites it (padding between buckets stays 0)."""
-        for p in self.param_range:
-            p.main_grad_unwritten = True
+        self._unwritten = set(self._grads)
         self.reset_pending()
 
     def _zero_unwritten(self) -> None:
         """Zero the gradients of parameters that backward did not reach since zero_grad (unused this step)."""
-        for p in self.param_range:
-            zero_if_unwritten(p)
+        for p in self._unwritten:
+            self._grads[p].zero_()
+        self._unwritten.clear()
 
     # ---- parameter side (distributed optimizer) -------------------------------------------------
 
@@ -239,10 +261,12 @@ class GradBuffer:
 
 
 def _forward_units(module: nn.Module) -> list[nn.Module]:
-    """Top-level children in forward order, with layer lists flattened into their layers."""
+    """Top-level children in forward order, with layer lists and dicts flattened into their layers."""
     units: list[nn.Module] = []
     for child in module.children():
-        if isinstance(child, nn.ModuleList):
+        if isinstance(child, nn.ModuleDict):
+            units.extend(child.values())
+        elif isinstance(child, nn.ModuleList):
             units.extend(child)
         else:
             units.append(child)

@@ -1,0 +1,77 @@
+"""What every parameter of a model chunk is in the single-device model: one frozen record per parameter.
+
+Parallelism changes what a rank holds of a parameter, never what the parameter
+is. A `ParamSpec` says it: the parameter's global name (a pipeline stage's
+parameter names are the global names already; the one exception is the last
+stage's copy of a tied embedding, whose global name is `embed.weight`), its
+full unpadded shape, the tensor-parallel layout of its shard, and how its
+gradient is treated. Nothing is stored on the `nn.Parameter` itself.
+
+The specs of a chunk are a table, local parameter name -> ParamSpec, built
+where parallelism is applied: `param_specs` gives the plain defaults, the
+pipeline (`build_stage_chunks`) marks the tied embedding's two copies, tensor
+parallelism (`apply_tensor_parallel`) the shards and the sequence-parallel
+replicas. Initialisation (`models.init.materialize`), the gradient buffers,
+the optimizer and checkpoints read the table; the gradient buffer resolves it
+to parameter objects once the chunk is materialised (`to_empty` replaces
+them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .tensor_layers import ShardLayout
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    global_name: str  # the name in the single-device model: init seeds, checkpoint keys
+    full_shape: tuple[int, ...]  # unpadded, of the single-device model
+    tp_layout: ShardLayout | None = None  # which part this tensor-parallel rank holds; None: all of it
+    # Replicated, but used on sequence shards: each tp rank's gradient is a partial sum (sync_tensor_parallel_grads).
+    sequence_parallel_grad: bool = False
+    shared_replica: bool = False  # a copy of another rank's parameter (tied head): not saved, not in the grad norm
+    defer_grad_reduce: bool = False  # summed over pipeline stages first (tied embedding): no overlapped reduction
+    # Flat element ranges of the local tensor that another tp rank counts in the grad norm (replicated KV rows).
+    norm_exclude: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp_layout is not None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.full_shape if self.tp_layout is None else self.tp_layout.local_shape(self.full_shape)
+
+    @property
+    def tp_partial_grad(self) -> bool:
+        """Each tp rank holds only part of the gradient: a sequence-parallel replica, or replicated KV rows."""
+        return self.sequence_parallel_grad or (self.tp_layout is not None and self.tp_layout.num_replicated > 0)
+
+    def sharded(self, layout: ShardLayout, full_shape: tuple[int, ...]) -> ParamSpec:
+        """This spec for a parameter split by `layout` (tensor parallelism)."""
+        full_shape = tuple(full_shape)
+        return replace(self, full_shape=full_shape, tp_layout=layout,
+                       norm_exclude=tuple(layout.norm_exclude_ranges(full_shape)))
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor (init, checkpoint load)."""
+        return full if self.tp_layout is None else self.tp_layout.shard(full)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every tp rank's part: a collective over the tp group for a sharded parameter."""
+        return local if self.tp_layout is None else self.tp_layout.gather(local)
+
+
+ParamSpecs = dict[str, ParamSpec]
+
+
+def param_specs(module: nn.Module) -> ParamSpecs:
+    """The plain specs of `module`'s parameters: each its own global name and full shape."""
+    return {name: ParamSpec(name, tuple(p.shape)) for name, p in module.named_parameters()}
