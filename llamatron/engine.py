@@ -8,8 +8,9 @@ device memory before the config is validated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -19,6 +20,7 @@ from .data.batches import model_kwargs
 from .dtypes import DTYPES
 from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
+from .models.layers import Attention
 from .models.transformer import IGNORE_INDEX, CrossEntropy
 from .parallel.grad_buffer import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
@@ -27,7 +29,6 @@ from .parallel.optimizer import DistributedAdamW, lr_at
 from .parallel.param_spec import param_specs
 from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
-
 
 # (engine, this rank's micro-batches, the global batch's label tokens) -> the summed loss on this rank (device)
 ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]
@@ -80,8 +81,9 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
         if mode == "full":
             layer.forward = _Checkpointed(layer.forward)
         elif mode == "selective":
-            core = layer.attn.core
-            layer.attn.core = lambda *a, _core=core: checkpoint(_core, *a, use_reentrant=False)
+            attn = cast(Attention, layer.get_submodule("attn"))
+            core = attn.core
+            attn.core = lambda *a, _core=core: checkpoint(_core, *a, use_reentrant=False)
 
 
 def apply_compile(model: Transformer) -> None:
@@ -95,7 +97,9 @@ def apply_compile(model: Transformer) -> None:
 
 def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
     model_cfg = model_cfg or cfg.model_config()
-    device = torch.device(derived.device, torch.cuda.current_device()) if derived.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(derived.device, torch.cuda.current_device()) if derived.device == "cuda" else torch.device("cpu")
+    )
     dtype = DTYPES[derived.dtype_name]
     p = cfg.parallel
     kernels = KernelChoices()  # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
@@ -110,8 +114,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         forward_backward = forward_backward_no_pipeline
     for i, chunk in enumerate(chunks):
         if p.tp > 1:
-            specs[i] = apply_tensor_parallel(chunk, mesh, sequence_parallel=p.sequence_parallel,
-                                             comm_overlap=p.tp_comm_overlap, specs=specs[i])
+            specs[i] = apply_tensor_parallel(
+                chunk, mesh, sequence_parallel=p.sequence_parallel, comm_overlap=p.tp_comm_overlap, specs=specs[i]
+            )
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         apply_kernels(chunk, kernels)
         if cfg.train.recompute != "none":
@@ -120,15 +125,34 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             apply_compile(chunk)
     grad_dtype = torch.float32
     reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
-    buffers = [GradBuffer(chunk, mesh.dp_group, mesh.dp, grad_dtype=grad_dtype, bucket_size=p.bucket_size,
-                          distributed=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
-                          reduce_dtype=reduce_dtype, specs=chunk_specs) for chunk, chunk_specs in zip(chunks, specs)]
+    buffers = [
+        GradBuffer(
+            chunk,
+            mesh.dp_group,
+            mesh.dp,
+            grad_dtype=grad_dtype,
+            bucket_size=p.bucket_size,
+            distributed=p.distributed_optimizer,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            reduce_dtype=reduce_dtype,
+            specs=chunk_specs,
+        )
+        for chunk, chunk_specs in zip(chunks, specs)
+    ]
     o = cfg.optim
     # auto: the Triton pass on CUDA, measured 2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)
     adamw_kernel = kernel_choices(cfg, device.type, model_cfg)["adamw"]
-    optimizer = DistributedAdamW(buffers, mesh, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                                 eps=o.adam_eps, clip_grad=o.clip_grad, distributed=p.distributed_optimizer,
-                                 kernel=adamw_kernel)
+    optimizer = DistributedAdamW(
+        buffers,
+        mesh,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        distributed=p.distributed_optimizer,
+        kernel=adamw_kernel,
+    )
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler)
 
@@ -152,8 +176,9 @@ def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
     return all_reduce(local, engine.mesh.dp_group).clamp_min(1.0)
 
 
-def train_step(engine: Engine, micro_batches: list[dict], step: int,
-               on_phase: OnPhase | None = None) -> dict[str, torch.Tensor | float | None]:
+def train_step(
+    engine: Engine, micro_batches: list[dict], step: int, on_phase: OnPhase | None = None
+) -> dict[str, torch.Tensor | float | None]:
     """One optimizer step over this rank's micro-batches. Returns device tensors (no host sync).
 
     on_phase: called after each phase, for bench's breakdown; the training loop passes none."""
@@ -174,12 +199,19 @@ def train_step(engine: Engine, micro_batches: list[dict], step: int,
         sync_tensor_parallel_grads([g for buf in engine.buffers for g in buf.tp_partial_grads], engine.mesh.tp_group)
     if on_phase is not None:
         on_phase("grad_sync")
-    lr = lr_at(step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule)
+    lr = lr_at(
+        step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.train_steps, cfg.optim.lr_schedule
+    )
     grad_norm, found_inf = engine.optimizer.step(lr, None if scaler is None else scaler.scale)
     if scaler is not None:
         scaler.update(found_inf)
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
     if on_phase is not None:
         on_phase("optimizer")
-    return {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "lr": lr,
-            "loss_scale": None if scaler is None else scaler.scale}
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "found_inf": found_inf,
+        "lr": lr,
+        "loss_scale": None if scaler is None else scaler.scale,
+    }

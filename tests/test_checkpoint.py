@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layout import assert_matches, run_train
 
 from llamatron.checkpoint.pieces import contiguous_blocks, local_pieces
 from llamatron.checkpoint.reader import CheckpointReader, load_full_tensors
@@ -17,8 +18,6 @@ from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.param_spec import ParamSpec, param_specs
 from llamatron.parallel.tensor import apply_tensor_parallel
-
-from layout import assert_matches, run_train
 
 SAVE_2_AND_4 = ["--train-steps", "4", "--save-interval", "2"]
 
@@ -59,8 +58,9 @@ def test_contiguous_blocks_are_the_flat_range_in_order(start, end):
     for flat_start, offsets, sizes in blocks:
         assert flat_start == pos
         n = math.prod(sizes)
-        assert torch.equal(flat.view(shape)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1),
-                           flat[pos:pos + n])
+        assert torch.equal(
+            flat.view(shape)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1), flat[pos : pos + n]
+        )
         pos += n
     assert pos == end and len(blocks) <= 2 * (len(shape) - 1) + 1
 
@@ -74,8 +74,9 @@ def _sharded_specs(preset: str, tp: int) -> list[dict[str, ParamSpec]]:
 
 
 # tp=4 with 2 KV heads (llama-test) and tp=2/4 with 1 (falcon-test) replicate KV rows; tp=4 pads 256 ids to 512.
-@pytest.mark.parametrize("preset, tp", [("llama-test", 1), ("llama-test", 2), ("llama-test", 4), ("falcon-test", 4),
-                                        ("falcon40b-test", 8)])
+@pytest.mark.parametrize(
+    "preset, tp", [("llama-test", 1), ("llama-test", 2), ("llama-test", 4), ("falcon-test", 4), ("falcon40b-test", 8)]
+)
 def test_pieces_of_every_rank_and_segment_cover_the_full_tensor_once(preset, tp):
     """Written pieces (any flat segments of any tp shard) tile the unpadded tensor exactly; reading refills shards."""
     ranks = _sharded_specs(preset, tp)
@@ -109,8 +110,17 @@ def _engine(**values):
     from llamatron.engine import build_engine
     from llamatron.parallel.mesh import build_mesh
 
-    cfg = config_from_values({"model": "llama-test", "mock_data": True, "device": "cpu", "seq_length": 16,
-                              "micro_batch_size": 2, "global_batch_size": 2, **values})
+    cfg = config_from_values(
+        {
+            "model": "llama-test",
+            "mock_data": True,
+            "device": "cpu",
+            "seq_length": 16,
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            **values,
+        }
+    )
     return build_engine(cfg, validate(cfg), build_mesh())
 
 
@@ -163,7 +173,7 @@ def test_bf16_master_weights_round_trip_and_seed_an_fp32_run(tmp_path):
     for precision in ("bf16", "fp32"):
         engine = _engine(precision=precision)
         assert load_checkpoint(engine, str(tmp_path))["step"] == 2
-        for i, seg in enumerate(engine.optimizer.segments):
+        for i in range(len(engine.optimizer.segments)):
             assert torch.equal(engine.optimizer.master[i], bf16.optimizer.master[i])  # fp32 run: weights = master
             assert torch.equal(engine.optimizer.exp_avg_sq[i], bf16.optimizer.exp_avg_sq[i])
             assert torch.equal(engine.optimizer.steps[i], bf16.optimizer.steps[i])
@@ -200,8 +210,12 @@ def tp2_failed_save(workdir) -> dict:
     with pytest.raises(AssertionError) as failure:
         run_train(["--tp", "2", "--save", "../ck-tp2", *SAVE_2_AND_4], 2, run_dir, faults=["--fail-save", "4:1"])
     root = workdir / "ck-tp2"
-    return {"error": str(failure.value), "records": _records(run_dir), "latest": (root / "latest").read_text(),
-            "entries": sorted(p.name for p in root.iterdir())}
+    return {
+        "error": str(failure.value),
+        "records": _records(run_dir),
+        "latest": (root / "latest").read_text(),
+        "entries": sorted(p.name for p in root.iterdir()),
+    }
 
 
 def test_failed_save_leaves_the_previous_checkpoint_and_latest(tp2_failed_save):
@@ -232,7 +246,9 @@ def test_tp2_checkpoint_stores_unpadded_tensors_in_pieces_of_both_ranks(workdir,
     embed = reader.stored("model", "embed.weight")
     assert embed.shape == (cfg.vocab_size, cfg.hidden_size)  # padded to 256 per tp rank: padding not stored
     assert {p.file for p in reader.stored("exp_avg", "layers.0.attn.qkv.weight").pieces} == {
-        "rank-00000.safetensors", "rank-00001.safetensors"}
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    }
     assert len(reader.stored("model", "norm.weight").pieces) == 1  # replicated over tp: written once
 
 
@@ -254,8 +270,10 @@ def test_export_hf_of_a_tp2_checkpoint_loads_in_transformers(workdir, tp2_resume
 def dp2_distopt(workdir) -> dict[str, list[dict]]:
     """dp=2 with the distributed optimizer, saved synchronously and with --async-save."""
     args = ["--distributed-optimizer", "--bucket-size", "6000", *SAVE_2_AND_4]
-    return {"sync": run_train([*args, "--save", "ck-sync"], 2, workdir),
-            "async": run_train([*args, "--save", "ck-async", "--async-save"], 2, workdir)}
+    return {
+        "sync": run_train([*args, "--save", "ck-sync"], 2, workdir),
+        "async": run_train([*args, "--save", "ck-async", "--async-save"], 2, workdir),
+    }
 
 
 def test_async_save_writes_the_same_checkpoint_as_sync(workdir, dp2_distopt):
@@ -279,8 +297,11 @@ def test_async_save_writes_the_same_checkpoint_as_sync(workdir, dp2_distopt):
 
 
 def test_resume_with_distributed_optimizer_is_exact(workdir, dp2_distopt):
-    resumed = run_train(["--distributed-optimizer", "--bucket-size", "6000", "--train-steps", "4", "--load",
-                         "ck-async/step-2"], 2, workdir)
+    resumed = run_train(
+        ["--distributed-optimizer", "--bucket-size", "6000", "--train-steps", "4", "--load", "ck-async/step-2"],
+        2,
+        workdir,
+    )
     assert _losses(resumed, (3, 4)) == _losses(dp2_distopt["sync"], (3, 4))
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in dp2_distopt["sync"][2:]]
 
@@ -295,9 +316,9 @@ def test_pipeline_resume_with_tied_embeddings_is_exact(workdir):
     """falcon-test ties its embedding: the last stage's copy is not saved, and is restored from the first's."""
     full = run_train(["--pp", "2", "--save", "ck-pp2", *SAVE_2_AND_4], 2, workdir, model="falcon-test")
     assert CheckpointReader(workdir / "ck-pp2").names("model") == {
-        n for n, _ in build_model(get_preset("falcon-test"), device="meta").named_parameters()}
-    resumed = run_train(["--pp", "2", "--train-steps", "4", "--load", "ck-pp2/step-2"], 2, workdir,
-                        model="falcon-test")
+        n for n, _ in build_model(get_preset("falcon-test"), device="meta").named_parameters()
+    }
+    resumed = run_train(["--pp", "2", "--train-steps", "4", "--load", "ck-pp2/step-2"], 2, workdir, model="falcon-test")
     assert _losses(resumed, (3, 4)) == _losses(full, (3, 4))
 
 
@@ -307,13 +328,33 @@ def test_resume_across_layouts_tp2_pp2_vpp2_to_dp4_and_back(workdir):
     Two steps after each resume: the second one shows whether the optimizer state came across.
     """
     model, steps = "llama-test4", ["--train-steps", "5"]
-    first = run_train(["--tp", "2", "--pp", "2", "--vpp", "2", "--save", "ck-x", "--save-interval", "1", *steps], 4,
-                      workdir, model=model)
-    dp4 = run_train(["--distributed-optimizer", "--micro-batch-size", "1", "--load", "ck-x/step-2", "--save",
-                     "ck-dp4", "--save-interval", "3", *steps], 4, workdir, model=model)
+    first = run_train(
+        ["--tp", "2", "--pp", "2", "--vpp", "2", "--save", "ck-x", "--save-interval", "1", *steps],
+        4,
+        workdir,
+        model=model,
+    )
+    dp4 = run_train(
+        [
+            "--distributed-optimizer",
+            "--micro-batch-size",
+            "1",
+            "--load",
+            "ck-x/step-2",
+            "--save",
+            "ck-dp4",
+            "--save-interval",
+            "3",
+            *steps,
+        ],
+        4,
+        workdir,
+        model=model,
+    )
     assert_matches(first[2:], dp4)
-    back = run_train(["--tp", "2", "--pp", "2", "--load", "ck-dp4/step-3", "--save", "ck-back", *steps], 4, workdir,
-                     model=model)
+    back = run_train(
+        ["--tp", "2", "--pp", "2", "--load", "ck-dp4/step-3", "--save", "ck-back", *steps], 4, workdir, model=model
+    )
     assert_matches(first[3:], back)
     for a, b in (("ck-x/step-3", "ck-dp4/step-3"), ("ck-x/step-5", "ck-dp4/step-5"), ("ck-x/step-5", "ck-back/step-5")):
         assert_same_state(workdir / a, workdir / b)
@@ -324,8 +365,21 @@ def test_damaged_checkpoint_file_is_named_with_exit_2(tmp_path, capsys, keep):
     """A truncated rank file (data cut, or the header itself cut) gives a checkpoint error naming the file."""
     from llamatron.cli import main
 
-    base = ["train", "--model", "llama-test", "--mock-data", "--device", "cpu", "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "2", "--no-progress"]
+    base = [
+        "train",
+        "--model",
+        "llama-test",
+        "--mock-data",
+        "--device",
+        "cpu",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--no-progress",
+    ]
     with pytest.raises(SystemExit) as saved:
         main(base + ["--train-steps", "1", "--save", str(tmp_path / "ck")])
     assert saved.value.code in (0, None)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from llamatron.checkpoint.reader import load_full_tensors
-
 from dist_utils import spawn
 from layout import assert_matches, run_train
+
+from llamatron.checkpoint.reader import load_full_tensors
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +22,16 @@ def _final_params(workdir, name):
     return load_full_tensors(workdir / name / "step-5")
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, []),
-    (2, ["--distributed-optimizer"]),
-    (4, ["--distributed-optimizer", "--micro-batch-size", "1"]),  # 2 micro-batches per rank
-    (4, ["--no-overlap-grad-reduce", "--micro-batch-size", "1"]),
-    (2, ["--distributed-optimizer", "--bucket-size", "3000", "--no-overlap-param-gather"]),
-])
+@pytest.mark.parametrize(
+    "nproc, extra",
+    [
+        (2, []),
+        (2, ["--distributed-optimizer"]),
+        (4, ["--distributed-optimizer", "--micro-batch-size", "1"]),  # 2 micro-batches per rank
+        (4, ["--no-overlap-grad-reduce", "--micro-batch-size", "1"]),
+        (2, ["--distributed-optimizer", "--bucket-size", "3000", "--no-overlap-param-gather"]),
+    ],
+)
 def test_data_parallel_matches_single_process(workdir, reference, nproc, extra):
     name = f"ck-{nproc}-{'-'.join(x.strip('-') for x in extra)}"
     got = run_train(extra + ["--save", name], nproc, workdir)
@@ -45,9 +48,18 @@ def _count_reductions(rank, world, micro_batches, distributed):
     from llamatron.engine import build_engine, train_step
     from llamatron.parallel.mesh import build_mesh
 
-    cfg = config_from_values({"model": "llama-test", "mock_data": True, "seq_length": 16, "micro_batch_size": 1,
-                              "global_batch_size": world * micro_batches, "bucket_size": 20000,
-                              "distributed_optimizer": distributed, "device": "cpu"})
+    cfg = config_from_values(
+        {
+            "model": "llama-test",
+            "mock_data": True,
+            "seq_length": 16,
+            "micro_batch_size": 1,
+            "global_batch_size": world * micro_batches,
+            "bucket_size": 20000,
+            "distributed_optimizer": distributed,
+            "device": "cpu",
+        }
+    )
     derived = validate(cfg, world)
     engine = build_engine(cfg, derived, build_mesh())
     buffer = engine.buffers[0]
@@ -72,8 +84,17 @@ def _bytes_per_param(rank, world, precision, distributed, expected):
     from llamatron.engine import build_engine
     from llamatron.parallel.mesh import build_mesh
 
-    cfg = config_from_values({"model": "llama-test", "mock_data": True, "precision": precision, "device": "cpu",
-                              "distributed_optimizer": distributed, "global_batch_size": 8, "micro_batch_size": 1})
+    cfg = config_from_values(
+        {
+            "model": "llama-test",
+            "mock_data": True,
+            "precision": precision,
+            "device": "cpu",
+            "distributed_optimizer": distributed,
+            "global_batch_size": 8,
+            "micro_batch_size": 1,
+        }
+    )
     engine = build_engine(cfg, validate(cfg, world), build_mesh())
     measured = engine.optimizer.bytes_per_param()
     n_model = sum(p.numel() for p in engine.chunks[0].parameters())
@@ -82,10 +103,16 @@ def _bytes_per_param(rank, world, precision, distributed, expected):
     assert abs(measured - expected) <= 18 * padding + 1e-9, (measured, expected, padding)
 
 
-@pytest.mark.parametrize("world, precision, distributed, expected", [
-    (1, "bf16", False, 18.0), (2, "bf16", True, 6 + 12 / 2), (4, "bf16", True, 6 + 12 / 4),
-    (1, "fp32", False, 16.0), (2, "fp32", True, 8 + 8 / 2),
-])
+@pytest.mark.parametrize(
+    "world, precision, distributed, expected",
+    [
+        (1, "bf16", False, 18.0),
+        (2, "bf16", True, 6 + 12 / 2),
+        (4, "bf16", True, 6 + 12 / 4),
+        (1, "fp32", False, 16.0),
+        (2, "fp32", True, 8 + 8 / 2),
+    ],
+)
 def test_memory_per_parameter_matches_theory(world, precision, distributed, expected):
     spawn(_bytes_per_param, world, precision, distributed, expected)
 
@@ -104,16 +131,32 @@ def test_optimizer_matches_torch_adamw_with_clipping(clip):
     from llamatron.parallel.mesh import build_mesh
     from llamatron.parallel.optimizer import lr_at
 
-    cfg = config_from_values({"model": "llama-test", "mock_data": True, "seq_length": 16, "micro_batch_size": 2,
-                              "global_batch_size": 4, "device": "cpu", "clip_grad": clip, "lr": 1e-2,
-                              "train_steps": 3, "warmup_steps": 1, "adam_eps": 1e-4})
+    cfg = config_from_values(
+        {
+            "model": "llama-test",
+            "mock_data": True,
+            "seq_length": 16,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "device": "cpu",
+            "clip_grad": clip,
+            "lr": 1e-2,
+            "train_steps": 3,
+            "warmup_steps": 1,
+            "adam_eps": 1e-4,
+        }
+    )
     engine = build_engine(cfg, validate(cfg, 1), build_mesh())
     ref = materialize(build_model(engine.model_cfg), engine.model_cfg, cfg.train.seed, "cpu", torch.float32)
     o = cfg.optim
     decay = [p for p in ref.parameters() if p.ndim > 1]
     no_decay = [p for p in ref.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+    )
     data = MockDataset(256, 16, 0)
     for step in range(3):
         mbs = micro_batches_for_step(data, step * 4, 4, 2, 1, 0)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from layout import run_train
 
 pytestmark = pytest.mark.gpu
@@ -15,6 +14,7 @@ def _model(name="llama-test", seed=0, kernels=None, **changes):
     import dataclasses
 
     from llamatron.models import KernelChoices, apply_kernels, build_model, get_preset, materialize
+
     cfg = dataclasses.replace(get_preset(name), **changes)
     model = materialize(build_model(cfg), cfg, seed, "cuda", torch.bfloat16)
     apply_kernels(model, kernels or KernelChoices())
@@ -39,6 +39,7 @@ def _assert_same_loss_and_grads(cfg, reference, other) -> None:
 @pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
 def test_compiled_layers_match_eager(name):
     from llamatron.engine import apply_compile
+
     cfg, eager = _model(name)
     _, compiled = _model(name)
     apply_compile(compiled)
@@ -50,6 +51,7 @@ def test_recomputed_compiled_layers_match_plain_layers(recompute):
     """Recompute (checkpointed compiled layers around the Triton SwiGLU op) gives the plain run's loss and
     gradients: the custom op's saved input is recomputed, not stale."""
     from llamatron.engine import apply_compile, apply_recompute
+
     cfg, plain = _model()
     _, recomputed = _model()
     apply_recompute(recomputed, recompute, None)
@@ -59,6 +61,7 @@ def test_recomputed_compiled_layers_match_plain_layers(recompute):
 
 def _fa4_usable() -> bool:
     from llamatron.models.flash4_op import available
+
     return available() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
@@ -71,6 +74,7 @@ def test_compiled_layers_with_fa4_match_eager_sdpa():
     model's loss and gradients. Head dim 64 (256 / 4 heads): FA4 has no kernels for llama-test's 16."""
     from llamatron.engine import apply_compile
     from llamatron.models import KernelChoices
+
     cfg, eager = _model(hidden_size=256)
     _, compiled = _model(hidden_size=256, kernels=KernelChoices(attention="fa4"))
     apply_compile(compiled)
@@ -79,6 +83,7 @@ def test_compiled_layers_with_fa4_match_eager_sdpa():
 
 def test_sdpa_attention_matches_math_reference():
     from llamatron.models.layers import attention_core
+
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
@@ -95,6 +100,7 @@ def test_each_attention_backend_matches_math(backend):
     """--attention-backend: each kernel (GQA, causal; SDPA's and FlashAttention 4) agrees with SDPA's math
     kernel, forward and gradients."""
     from llamatron.models.layers import attention_core
+
     torch.manual_seed(0)
     q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -108,17 +114,20 @@ def test_each_attention_backend_matches_math(backend):
         assert ((got - ref).norm() / ref.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("shape, dtype", [((2, 256, 2 * 5632), torch.bfloat16), ((3, 7, 2 * 100), torch.float32),
-                                          ((4096, 2 * 1024), torch.float16)])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((2, 256, 2 * 5632), torch.bfloat16), ((3, 7, 2 * 100), torch.float32), ((4096, 2 * 1024), torch.float16)],
+)
 def test_triton_swiglu_matches_torch(shape, dtype):
     """--swiglu-backend: the Triton kernels agree with the plain expression, forward and gradient, eager and
     inside a compiled function (no graph break), for a non-contiguous input too."""
     import torch.nn.functional as F
 
     from llamatron.models.swiglu_op import swiglu_op
+
     torch.manual_seed(0)
     wide = torch.randn(*shape[:-1], shape[-1] + 8, device="cuda", dtype=dtype)
-    for x in (wide[..., :shape[-1]].contiguous(), wide[..., :shape[-1]]):
+    for x in (wide[..., : shape[-1]].contiguous(), wide[..., : shape[-1]]):
         x = x.detach().requires_grad_()
         gate, up = x.float().chunk(2, dim=-1)
         ref = F.silu(gate) * up
@@ -138,6 +147,7 @@ def test_triton_rmsnorm_matches_torch(dtype):
     """--rmsnorm-backend: the Triton kernels (norm alone, and residual add + norm) agree with the plain
     expression, forward and gradients, eager and compiled with fullgraph=True (no graph break)."""
     from llamatron.models.rmsnorm_op import add_rms_norm_op, reference_rms_norm, rms_norm_op
+
     torch.manual_seed(0)
     rows, cols, tol = (4, 1000), 2048, 2e-2 if dtype == torch.bfloat16 else 1e-4
     x, delta = (torch.randn(*rows, cols, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
@@ -149,8 +159,10 @@ def test_triton_rmsnorm_matches_torch(dtype):
     y1_ref = reference_rms_norm(x, w, 1e-5)
     want1 = [t.float() for t in (y1_ref, *torch.autograd.grad(y1_ref, (x, w), dy))]
     torch.compiler.reset()
-    for add_op, op in ((add_rms_norm_op, rms_norm_op),
-                       (torch.compile(add_rms_norm_op, fullgraph=True), torch.compile(rms_norm_op, fullgraph=True))):
+    for add_op, op in (
+        (add_rms_norm_op, rms_norm_op),
+        (torch.compile(add_rms_norm_op, fullgraph=True), torch.compile(rms_norm_op, fullgraph=True)),
+    ):
         h, y, _ = add_op(x, delta, w, 1e-5)
         got = [h, y, *torch.autograd.grad((h, y), (x, delta, w), (dh, dy))]
         y1, _ = op(x, w, 1e-5)
@@ -167,10 +179,19 @@ def test_triton_qkv_rope_matches_torch(dtype):
     from llamatron.models.config import ModelConfig
     from llamatron.models.layers import apply_rope, rope_cos_sin
     from llamatron.models.rope_op import qkv_rope_op
+
     torch.manual_seed(0)
     batch, seq, heads, kv, dim = 2, 256, 32, 8, 64
-    cfg = ModelConfig(family="llama", vocab_size=8, hidden_size=heads * dim, num_layers=1, num_heads=heads,
-                      num_kv_heads=kv, ffn_hidden_size=8, max_seq_length=4096)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=8,
+        hidden_size=heads * dim,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=8,
+        max_seq_length=4096,
+    )
     positions = torch.stack([torch.arange(seq), torch.arange(seq).remainder(100)]).cuda()  # a document restart
     cos, sin = rope_cos_sin(cfg, positions, dtype)
     qkv = torch.randn(batch, seq, (heads + 2 * kv) * dim, device="cuda", dtype=dtype, requires_grad=True)
@@ -188,9 +209,15 @@ def test_triton_qkv_rope_matches_torch(dtype):
             torch.testing.assert_close(g.float() / scale, w.float() / scale, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kernel, model", [("rmsnorm", "llama-test"), ("rope", "llama-test"),
-                                           ("rope", "mistral-test"),  # mistral: packed documents, a window
-                                           ("cross_entropy", "llama-test")])
+@pytest.mark.parametrize(
+    "kernel, model",
+    [
+        ("rmsnorm", "llama-test"),
+        ("rope", "llama-test"),
+        ("rope", "mistral-test"),  # mistral: packed documents, a window
+        ("cross_entropy", "llama-test"),
+    ],
+)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled):
     """A model whose norms (with the residual add before them) or QKV split + rotary run as Triton kernels,
@@ -198,6 +225,7 @@ def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled
     documents per row (positions restart, flex-attention document mask with its sliding window)."""
     from llamatron.engine import apply_compile
     from llamatron.models import KernelChoices
+
     cfg, reference = _model(model, kernels=KernelChoices(**{kernel: "torch"}))
     _, fused = _model(model)  # auto: the Triton kernels on CUDA
     if compiled:
@@ -215,8 +243,9 @@ def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled
         assert rel < 5e-2, (n, float(rel))  # as _assert_same_loss_and_grads: bf16 rounding, not bugs (~20%)
 
 
-@pytest.mark.parametrize("shape, dtype", [((2, 300, 32000), torch.bfloat16), ((5, 4099), torch.float32),
-                                          ((3, 50), torch.float16)])
+@pytest.mark.parametrize(
+    "shape, dtype", [((2, 300, 32000), torch.bfloat16), ((5, 4099), torch.float32), ((3, 50), torch.float16)]
+)
 def test_triton_cross_entropy_matches_torch(shape, dtype):
     """The loss per token and the logits' gradient against torch's fp32 cross-entropy of the same logits, with
     ignored labels (loss 0, zero gradient rows), vocabularies that end mid-block, and a non-uniform incoming
@@ -224,6 +253,7 @@ def test_triton_cross_entropy_matches_torch(shape, dtype):
     import torch.nn.functional as F
 
     from llamatron.models.cross_entropy_op import IGNORE_INDEX, cross_entropy_op
+
     torch.manual_seed(0)
     vocab = shape[-1]
     logits = (3 * torch.randn(shape, device="cuda")).to(dtype).requires_grad_()
@@ -233,8 +263,9 @@ def test_triton_cross_entropy_matches_torch(shape, dtype):
     loss = cross_entropy_op(logits, labels)[0]
     (grad,) = torch.autograd.grad((loss * weights).sum(), logits)
     ref_logits = logits.detach().float().requires_grad_()
-    ref = F.cross_entropy(ref_logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(labels.shape)
+    ref = F.cross_entropy(
+        ref_logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)
     (ref_grad,) = torch.autograd.grad((ref * weights).sum(), ref_logits)
     assert loss.dtype == torch.float32 and grad.dtype == dtype
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
@@ -252,6 +283,7 @@ def test_triton_adamw_matches_torch_fused_adamw():
     from torch.optim.adamw import adamw as functional_adamw
 
     from llamatron.parallel.adamw_kernel import adamw_segment
+
     torch.manual_seed(0)
     n = 3 * 2048 + 7
     ours = [torch.randn(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")]
@@ -262,12 +294,40 @@ def test_triton_adamw_matches_torch_fused_adamw():
     for k in range(4):
         found_inf = torch.tensor(float(k == 3), device="cuda")
         grad = torch.randn(n, device="cuda")
-        functional_adamw([ref[0]], [grad.clone()], [ref[1]], [ref[2]], [], [ref_step], fused=True, amsgrad=False,
-                         beta1=0.9, beta2=0.95, lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False,
-                         grad_scale=scale, found_inf=found_inf)
+        functional_adamw(
+            [ref[0]],
+            [grad.clone()],
+            [ref[1]],
+            [ref[2]],
+            [],
+            [ref_step],
+            fused=True,
+            amsgrad=False,
+            beta1=0.9,
+            beta2=0.95,
+            lr=1e-2,
+            weight_decay=0.1,
+            eps=1e-8,
+            maximize=False,
+            grad_scale=scale,
+            found_inf=found_inf,
+        )
         step += 1 - found_inf
-        adamw_segment(ours[0], grad, ours[1], ours[2], step, out, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
-                      weight_decay=0.1, grad_scale=scale, found_inf=found_inf)
+        adamw_segment(
+            ours[0],
+            grad,
+            ours[1],
+            ours[2],
+            step,
+            out,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            grad_scale=scale,
+            found_inf=found_inf,
+        )
     assert float(step) == float(ref_step) == 3
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # fp32 rounding of the bias corrections
@@ -278,6 +338,7 @@ def test_triton_adamw_matches_torch_fused_adamw():
 def test_gradient_accumulation_kernel_matches_torch(overwrite):
     """The bf16 -> fp32 main_grad kernel (write, then add) equals torch's copy_/add_ exactly."""
     from llamatron.parallel.grad_accumulate import accumulate_grad
+
     torch.manual_seed(0)
     for n in (1, 4097, 3 * 4096 + 5):
         grad = torch.randn(n, device="cuda", dtype=torch.bfloat16)

@@ -17,17 +17,38 @@ from llamatron.parallel.mesh import Mesh
 
 
 def _engine(model: str, tp: int, pp: int, tp_rank: int, pp_rank: int, **values):
-    cfg = config_from_values({"model": model, "mock_data": True, "device": "cpu", "seq_length": 16, "tp": tp,
-                              "pp": pp, "micro_batch_size": 1, "global_batch_size": 2 * pp, **values})
-    mesh = Mesh(world_size=tp * pp, rank=pp_rank * tp + tp_rank, tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank,
-                pp_ranks=[r * tp + tp_rank for r in range(pp)])
+    cfg = config_from_values(
+        {
+            "model": model,
+            "mock_data": True,
+            "device": "cpu",
+            "seq_length": 16,
+            "tp": tp,
+            "pp": pp,
+            "micro_batch_size": 1,
+            "global_batch_size": 2 * pp,
+            **values,
+        }
+    )
+    mesh = Mesh(
+        world_size=tp * pp,
+        rank=pp_rank * tp + tp_rank,
+        tp=tp,
+        pp=pp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        pp_ranks=[r * tp + tp_rank for r in range(pp)],
+    )
     return build_engine(cfg, validate(cfg, world_size=tp * pp), mesh)
 
 
-@pytest.mark.parametrize("model, extra", [
-    ("falcon-test4", {"sequence_parallel": True, "recompute": "full"}),  # tied embeddings across stages
-    ("llama-test4", {"vpp": 2, "recompute": "selective"}),
-])
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("falcon-test4", {"sequence_parallel": True, "recompute": "full"}),  # tied embeddings across stages
+        ("llama-test4", {"vpp": 2, "recompute": "selective"}),
+    ],
+)
 def test_stage_and_shard_parameter_names_are_the_global_names_and_no_parameter_has_attributes(model, extra):
     tp, pp = 2, 2
     expected = {n: tuple(p.shape) for n, p in build_model(get_preset(model)).named_parameters()}

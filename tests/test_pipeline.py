@@ -12,15 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from layout import assert_matches, free_port, run_train
 
 from llamatron.config import ConfigError, config_from_values, validate
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks, split_layers
-from llamatron.parallel.schedules import (build_program, check_micro_batches, max_alive, output_message,
-                                          rank_order)
-
-from layout import assert_matches, free_port, run_train
+from llamatron.parallel.schedules import build_program, check_micro_batches, max_alive, output_message, rank_order
 
 # ---- stage split -----------------------------------------------------------------------------------
 
@@ -65,8 +63,9 @@ def test_stage_chunks_hold_every_parameter_once_under_its_global_name(model_name
     split = split_layers(len(full.layers), pp, vpp, pp_layers)
     seen: Counter = Counter()
     for rank in range(pp):
-        chunks, specs = build_stage_chunks(get_preset(model_name), Mesh(pp=pp, pp_rank=rank), vpp=vpp,
-                                           pp_layers=pp_layers)
+        chunks, specs = build_stage_chunks(
+            get_preset(model_name), Mesh(pp=pp, pp_rank=rank), vpp=vpp, pp_layers=pp_layers
+        )
         assert len(chunks) == vpp
         for v, (chunk, chunk_specs) in enumerate(zip(chunks, specs)):
             c = v * pp + rank
@@ -87,8 +86,9 @@ def test_stage_chunks_hold_every_parameter_once_under_its_global_name(model_name
 # ---- schedules --------------------------------------------------------------------------------------
 
 
-SCHEDULE_CASES = [(pp, vpp, m) for pp in (2, 3, 4) for vpp in (1, 2, 3) for m in (1, 2, 3, 4, 6, 8, 12)
-                  if vpp == 1 or m % pp == 0]
+SCHEDULE_CASES = [
+    (pp, vpp, m) for pp in (2, 3, 4) for vpp in (1, 2, 3) for m in (1, 2, 3, 4, 6, 8, 12) if vpp == 1 or m % pp == 0
+]
 
 
 @pytest.mark.parametrize("pp,vpp,num_mb", SCHEDULE_CASES)
@@ -181,12 +181,20 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         data = MockDataset(engine.model_cfg.vocab_size, 16, 0)
         mbs = micro_batches_for_step(data, 0, 8, 1, mesh.dp, mesh.dp_rank)
         out = train_step(engine, mbs, 0)
-        results.append({"pp_rank": mesh.pp_rank, "num_mb": len(mbs), "peak": peak[0], "alive_after": alive[0],
-                        "kept_outputs": kept_outputs[0],
-                        "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-                        "reductions": [b.stats.grad_reductions for b in engine.buffers],
-                        "buckets": [len(b.buckets) for b in engine.buffers],
-                        "eval": evaluate(engine, data, 1, metrics=["accuracy"])})
+        results.append(
+            {
+                "pp_rank": mesh.pp_rank,
+                "num_mb": len(mbs),
+                "peak": peak[0],
+                "alive_after": alive[0],
+                "kept_outputs": kept_outputs[0],
+                "loss": float(out["loss"]),
+                "grad_norm": float(out["grad_norm"]),
+                "reductions": [b.stats.grad_reductions for b in engine.buffers],
+                "buckets": [len(b.buckets) for b in engine.buffers],
+                "eval": evaluate(engine, data, 1, metrics=["accuracy"]),
+            }
+        )
     Path(out_dir, f"{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -243,8 +251,11 @@ LAYOUTS = {
     "pp2-uneven": (["--pp", "2", "--pp-layers", "1,3"], 2, "llama-test4"),
     "pp2-dp2-distopt": (["--pp", "2", "--distributed-optimizer", "--bucket-size", "20000"], 4, "llama-test4"),
     "falcon-pp2": (["--pp", "2"], 2, "falcon-test4"),
-    "falcon-pp2-vpp2-dp2-distopt": (["--pp", "2", "--vpp", "2", "--micro-batch-size", "1", "--distributed-optimizer"],
-                                    4, "falcon-test4"),
+    "falcon-pp2-vpp2-dp2-distopt": (
+        ["--pp", "2", "--vpp", "2", "--micro-batch-size", "1", "--distributed-optimizer"],
+        4,
+        "falcon-test4",
+    ),
 }
 
 
@@ -259,12 +270,14 @@ def test_pipeline_layout_matches_single_process(name, reference, tmp_path):
 def test_custom_eval_metrics_under_pipeline_parallelism_match_single_process(tmp_path):
     """A metric registered by the user's module (MODULE:NAME) is computed on the last stage and reaches every
     rank: pp 2 x dp 2 gives the single process's values, the built-in ones too."""
-    module = ("from llamatron.evaluation import register_eval_metric\n"
-              "@register_eval_metric('label_is_even')\n"
-              "def label_is_even(batch):\n    return batch.labels % 2 == 0\n"
-              "@register_eval_metric('first_token_loss')\n"
-              "def first_token_loss(batch):  # a (numerator, denominator) metric\n"
-              "    return batch.loss[:, 0].sum(), batch.valid[:, 0].sum()\n")
+    module = (
+        "from llamatron.evaluation import register_eval_metric\n"
+        "@register_eval_metric('label_is_even')\n"
+        "def label_is_even(batch):\n    return batch.labels % 2 == 0\n"
+        "@register_eval_metric('first_token_loss')\n"
+        "def first_token_loss(batch):  # a (numerator, denominator) metric\n"
+        "    return batch.loss[:, 0].sum(), batch.valid[:, 0].sum()\n"
+    )
     args = ["--eval-metrics", "perplexity", "accuracy", "my_metrics:label_is_even", "my_metrics:first_token_loss"]
     records = []
     for layout, nproc in (([], 1), (["--pp", "2", "--distributed-optimizer"], 4)):

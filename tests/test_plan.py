@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from llamatron import plan as P
-from llamatron import plan_search as S
 from llamatron import plan_activations as A
+from llamatron import plan_search as S
 from llamatron import triton_check
-from llamatron.commands.plan import parse_memory
 from llamatron.cli import main
+from llamatron.commands.plan import parse_memory
 from llamatron.config import ConfigError, config_from_values
 from llamatron.engine import apply_recompute
 from llamatron.models import PRESET_NAMES, KernelChoices, apply_kernels, build_model, get_preset, materialize
@@ -22,11 +22,13 @@ from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
 
 GB = 1e9
-EAGER = P.Precision(compiled=False, fused_norms=False, fused_rope=False, fused_swiglu=False,
-                    fused_loss=False)  # what runs on CPU
+EAGER = P.Precision(
+    compiled=False, fused_norms=False, fused_rope=False, fused_swiglu=False, fused_loss=False
+)  # what runs on CPU
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_parameter_counts_match_the_model(name):
@@ -57,6 +59,7 @@ def test_tensor_parallel_parameters_by_hand():
 
 
 # ---- activations against what autograd really saves ---------------------------------------------------------
+
 
 def _saved_bytes(fn, exclude: set[int]) -> int:
     """Bytes of distinct storages autograd saves while running fn (parameters excluded)."""
@@ -95,6 +98,7 @@ def fused_rope_swiglu(request, monkeypatch):
 
 def _choices(norms: bool, rope_swiglu: bool) -> KernelChoices:
     """The model kernels the two fixtures stand for."""
+
     def pick(fused: bool) -> str:
         return "triton" if fused else "torch"
 
@@ -103,7 +107,9 @@ def _choices(norms: bool, rope_swiglu: bool) -> KernelChoices:
 
 def _eager_kernels(cfg, norms: bool, rope_swiglu: bool) -> A.LayerKernels:
     """The planner's view of the eager layer the fixtures set up (Falcon: no RMSNorm or SwiGLU to fuse)."""
-    return dataclasses.replace(EAGER, fused_norms=norms, fused_rope=rope_swiglu, fused_swiglu=rope_swiglu).layer_kernels(cfg)
+    return dataclasses.replace(
+        EAGER, fused_norms=norms, fused_rope=rope_swiglu, fused_swiglu=rope_swiglu
+    ).layer_kernels(cfg)
 
 
 @pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test"])
@@ -138,8 +144,18 @@ def test_model_activations_match_autograd(name, recompute, fused_norms, fused_ro
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = _saved_bytes(lambda: model(ids, labels=ids), params)
-    chunk = A.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False,
-                                     kernels=_eager_kernels(cfg, fused_norms, fused_rope_swiglu))
+    chunk = A.chunk_activation_bytes(
+        cfg,
+        cfg.num_layers,
+        True,
+        True,
+        2,
+        1,
+        False,
+        recompute,
+        pipelined=False,
+        kernels=_eager_kernels(cfg, fused_norms, fused_rope_swiglu),
+    )
     saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
     assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
 
@@ -186,12 +202,22 @@ def test_pipeline_in_flight_counts():
 
 # ---- whole-layout memory by hand ----------------------------------------------------------------------------
 
+
 def test_layout_memory_by_hand():
     """llama-test (h 64, 2 layers, 4 heads / 2 KV heads of 16, ffn 160, vocab 256), dp 4 + distributed optimizer."""
     cfg = get_preset("llama-test")
     h, layers, kv, f, vocab, heads, d = 64, 2, 32, 160, 256, 4, 16
-    lay = P.Layout(tp=1, pp=1, vpp=1, dp=4, sequence_parallel=False, distributed_optimizer=True, recompute="none",
-                   micro_batch_size=2, global_batch_size=16)
+    lay = P.Layout(
+        tp=1,
+        pp=1,
+        vpp=1,
+        dp=4,
+        sequence_parallel=False,
+        distributed_optimizer=True,
+        recompute="none",
+        micro_batch_size=2,
+        global_batch_size=16,
+    )
     seq, tokens = 32, 2 * 32
     mem = P.layout_memory(cfg, lay, seq, EAGER)
 
@@ -201,12 +227,18 @@ def test_layout_memory_by_hand():
     assert mem.optimizer == pytest.approx(12 * params / 4)
 
     a = 2
-    layer = (2 * (4 * h + a * h + 4)  # per RMSNorm: fp32 input, normalised, rsqrt
-             + 2 * a * h  # the QKV and gate_up projections' inputs
-             + a * (h + 2 * kv) + a * (h + kv) + 4 * heads  # QKV output, roped q/k, logsumexp
-             + a * h + 4 * a * f)  # attention output, SwiGLU
+    layer = (
+        2 * (4 * h + a * h + 4)  # per RMSNorm: fp32 input, normalised, rsqrt
+        + 2 * a * h  # the QKV and gate_up projections' inputs
+        + a * (h + 2 * kv)
+        + a * (h + kv)
+        + 4 * heads  # QKV output, roped q/k, logsumexp
+        + a * h
+        + 4 * a * f
+    )  # attention output, SwiGLU
     per_token = layers * layer + 2 * a * d + 8 + (4 * h + a * h + 4) + a * h  # cos/sin, token ids, final norm
     assert mem.activations == pytest.approx(per_token * tokens)
+
     def fused(**kernel):  # eager with one Triton op
         return P.layout_memory(cfg, lay, seq, dataclasses.replace(EAGER, **kernel)).activations
 
@@ -230,13 +262,19 @@ def test_pipeline_stage_memory_by_hand():
     """llama-test4 on tp 2 (sp) x pp 2, compiled: rank 0 holds 2 layers + the embedding and 2 micro-batches."""
     cfg = get_preset("llama-test4")
     h, kv_local, q_local, d, f_local, a = 64, 16, 32, 16, 80, 2
-    layer = ((2 * 4 + a * h) / 2  # rsqrt x2 and one residual, sequence-sharded
-             + 2 * a * h  # the projections' all-gathered inputs
-             + a * (q_local + 2 * kv_local) + a * (q_local + kv_local) + 4 * 2  # QKV, roped q/k, logsumexp
-             + 2 * a * q_local + 3 * a * f_local)  # attention kernel output + projection input, SwiGLU
+    layer = (
+        (2 * 4 + a * h) / 2  # rsqrt x2 and one residual, sequence-sharded
+        + 2 * a * h  # the projections' all-gathered inputs
+        + a * (q_local + 2 * kv_local)
+        + a * (q_local + kv_local)
+        + 4 * 2  # QKV, roped q/k, logsumexp
+        + 2 * a * q_local
+        + 3 * a * f_local
+    )  # attention kernel output + projection input, SwiGLU
     first_chunk = 2 * layer + 2 * a * d + 8  # cos/sin, token ids (the sent output is not kept)
-    got = A.chunk_activation_bytes(cfg, 2, True, False, a, 2, True, "none", pipelined=True,
-                                   kernels=A.LayerKernels(compiled=True))
+    got = A.chunk_activation_bytes(
+        cfg, 2, True, False, a, 2, True, "none", pipelined=True, kernels=A.LayerKernels(compiled=True)
+    )
     assert got == pytest.approx(first_chunk)
     lay = P.Layout(2, 2, 1, 1, True, False, "none", 1, 4)
     mem = P.layout_memory(cfg, lay, 32, P.Precision(fused_rope=False))  # the torch rotary, as first_chunk
@@ -247,8 +285,14 @@ def test_pipeline_stage_memory_by_hand():
 
 
 def test_predict_peak_memory_reads_the_run_config():
-    values = {"model": "llama-1b", "micro_batch_size": 2, "global_batch_size": 16, "seq_length": 4096,
-              "device": "cuda", "precision": "bf16"}
+    values = {
+        "model": "llama-1b",
+        "micro_batch_size": 2,
+        "global_batch_size": 16,
+        "seq_length": 4096,
+        "device": "cuda",
+        "precision": "bf16",
+    }
     cfg = config_from_values(values)
     out = P.predict_peak_memory(cfg, world_size=1)
     model = get_preset("llama-1b")
@@ -258,8 +302,9 @@ def test_predict_peak_memory_reads_the_run_config():
     assert out["allocated_gib"] == pytest.approx(out["allocated"] / 2**30)
     eager = P.predict_peak_memory(config_from_values({**values, "compile": False}), 1)
     assert eager["allocated"] == pytest.approx(out["allocated"])  # the Triton loss keeps no fp32 logits either
-    eager_loss = P.predict_peak_memory(config_from_values({**values, "compile": False,
-                                                           "cross_entropy_backend": "torch"}), 1)
+    eager_loss = P.predict_peak_memory(
+        config_from_values({**values, "compile": False, "cross_entropy_backend": "torch"}), 1
+    )
     assert eager_loss["allocated"] > out["allocated"]  # torch's eager loss keeps fp32 logits
     # With the Triton ops (the CUDA default) an eager layer saves what a compiled one does; without them more
     eager_torch = P.predict_peak_memory(config_from_values({**values, "compile": False, "rmsnorm_backend": "torch"}), 1)
@@ -317,6 +362,7 @@ def test_planner_speed_matches_h200_throughput(row):
 
 # ---- known minimums and explanations ------------------------------------------------------------------------
 
+
 def _fits(model, gpus, memory_gb, seq, **kw):
     return S.plan(model, gpus, memory_gb * GB, seq, **kw)
 
@@ -371,12 +417,20 @@ def test_falcon_40b_minimum_is_16_gpus():
 
 def _linear_minimum(model, memory_gb, seq, gpus_per_node=8, limit=512):
     counts = [2**i for i in range(32) if 2**i < gpus_per_node] + list(range(gpus_per_node, limit + 1, gpus_per_node))
-    return next((g for g in counts if _fits(model, g, memory_gb, seq, gpus_per_node=gpus_per_node,
-                                            explain=False).fits), None)
+    return next(
+        (g for g in counts if _fits(model, g, memory_gb, seq, gpus_per_node=gpus_per_node, explain=False).fits), None
+    )
 
 
-@pytest.mark.parametrize("model,memory_gb,seq,gpus_per_node", [
-    ("llama2-70b", 24, 4096, 8), ("llama2-70b", 40, 16384, 8), ("llama2-70b", 24, 4096, 6), ("llama2-7b", 16, 4096, 8)])
+@pytest.mark.parametrize(
+    "model,memory_gb,seq,gpus_per_node",
+    [
+        ("llama2-70b", 24, 4096, 8),
+        ("llama2-70b", 40, 16384, 8),
+        ("llama2-70b", 24, 4096, 6),
+        ("llama2-7b", 16, 4096, 8),
+    ],
+)
 def test_minimum_gpus_search_finds_what_trying_every_count_finds(model, memory_gb, seq, gpus_per_node):
     expected = _linear_minimum(model, memory_gb, seq, gpus_per_node)
     assert expected is not None and expected > 8  # the searches below pass doubling counts that fail
@@ -400,6 +454,7 @@ def test_a_gpu_smaller_than_the_cuda_runtime_is_answered_at_once(monkeypatch):
 
 # ---- ranking ------------------------------------------------------------------------------------------------
 
+
 def test_tensor_parallelism_stays_inside_a_node():
     result = _fits("llama2-70b", 32, 80, 4096, gpus_per_node=4)
     assert result.fits and max(p.layout.tp for p in result.fits) == 4
@@ -417,12 +472,24 @@ def test_speed_model_penalties():
     cfg = get_preset("llama2-7b")
 
     def speed(gpus=8, per_node=8, **kw):
-        base = dict(tp=1, pp=2, vpp=1, dp=4, sequence_parallel=False, distributed_optimizer=True, recompute="none",
-                    micro_batch_size=1, global_batch_size=16)
+        base = dict(
+            tp=1,
+            pp=2,
+            vpp=1,
+            dp=4,
+            sequence_parallel=False,
+            distributed_optimizer=True,
+            recompute="none",
+            micro_batch_size=1,
+            global_batch_size=16,
+        )
         return P.estimate_speed(cfg, P.Layout(**{**base, **kw}), 4096, gpus, per_node)
 
-    assert speed().tokens_per_sec_per_gpu > speed(recompute="selective").tokens_per_sec_per_gpu \
+    assert (
+        speed().tokens_per_sec_per_gpu
+        > speed(recompute="selective").tokens_per_sec_per_gpu
         > speed(recompute="full").tokens_per_sec_per_gpu
+    )
     assert speed(vpp=2).bubble == pytest.approx(speed().bubble / 2)  # (pp-1)/(m*vpp)
     assert speed(micro_batch_size=2, global_batch_size=32).tokens_per_sec_per_gpu > speed().tokens_per_sec_per_gpu
     # data parallelism across nodes exposes more of the gradient reduction than inside one
@@ -433,13 +500,17 @@ def test_speed_model_penalties():
 
 # ---- errors and the command ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(model_name="llama-9000b"), "unknown model preset"),
-    (dict(gpus=0), "must be >= 1"),
-    (dict(gpus=12), "not a multiple of --gpus-per-node 8"),
-    (dict(seq_length=10**7), "out of range"),
-    (dict(gpu_memory=0), "must be positive"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(model_name="llama-9000b"), "unknown model preset"),
+        (dict(gpus=0), "must be >= 1"),
+        (dict(gpus=12), "not a multiple of --gpus-per-node 8"),
+        (dict(seq_length=10**7), "out of range"),
+        (dict(gpu_memory=0), "must be positive"),
+    ],
+)
 def test_impossible_inputs_raise(kwargs, message):
     args = dict(model_name="llama2-7b", gpus=8, gpu_memory=80 * GB, seq_length=4096)
     with pytest.raises(ConfigError, match=message):
@@ -464,15 +535,30 @@ def test_parse_memory_rejects_nonsense():
 
 def test_command_json_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--model", "llama2-7b", "--gpus", "2", "--gpu-memory", "80GB", "--seq-length", "4096",
-              "--top", "3", "--json"])
+        main(
+            [
+                "plan",
+                "--model",
+                "llama2-7b",
+                "--gpus",
+                "2",
+                "--gpu-memory",
+                "80GB",
+                "--seq-length",
+                "4096",
+                "--top",
+                "3",
+                "--json",
+            ]
+        )
     assert exit_info.value.code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] >= len(out["layouts"]) == 3
     first = out["layouts"][0]
     parts = first["memory_gb"]
-    assert parts["total"] == pytest.approx(sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations",
-                                                                  "buffers")))
+    assert parts["total"] == pytest.approx(
+        sum(parts[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers"))
+    )
     assert first["tp"] * first["pp"] * first["dp"] == 2
 
     with pytest.raises(SystemExit) as exit_info:
@@ -489,11 +575,29 @@ def test_command_json_and_exit_codes(capsys):
 def test_recompute_that_saves_no_memory_is_not_listed():
     """A selective layout whose no-recompute twin fits in (almost) the same memory is only slower: dropped."""
     result = _fits("llama2-70b", 32, 80, 4096)
-    plain = {(p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.distributed_optimizer,
-              p.layout.micro_batch_size): p.memory.total for p in result.fits if p.layout.recompute == "none"}
+    plain = {
+        (
+            p.layout.tp,
+            p.layout.pp,
+            p.layout.vpp,
+            p.layout.dp,
+            p.layout.distributed_optimizer,
+            p.layout.micro_batch_size,
+        ): p.memory.total
+        for p in result.fits
+        if p.layout.recompute == "none"
+    }
     recomputing = [p for p in result.fits if p.layout.recompute != "none"]
     assert recomputing  # full recompute still opens layouts that do not fit otherwise
     for p in recomputing:
-        twin = plain.get((p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.distributed_optimizer,
-                          p.layout.micro_batch_size))
+        twin = plain.get(
+            (
+                p.layout.tp,
+                p.layout.pp,
+                p.layout.vpp,
+                p.layout.dp,
+                p.layout.distributed_optimizer,
+                p.layout.micro_batch_size,
+            )
+        )
         assert twin is None or twin > 1.01 * p.memory.total

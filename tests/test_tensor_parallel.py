@@ -16,17 +16,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from layout import assert_matches, free_port, run_train
 from torch import nn
 
-from layout import assert_matches, free_port, run_train
 from llamatron.config import ConfigError, config_from_values, validate
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
 from llamatron.parallel.mesh import Mesh
-from llamatron.parallel.tensor import (apply_tensor_parallel, gate_up_layout, padded_vocab_size,
-                                       qkv_layout, sync_tensor_parallel_grads, tensor_parallel_specs, vocab_layout)
-from llamatron.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
-                                              VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout)
+from llamatron.parallel.tensor import (
+    apply_tensor_parallel,
+    gate_up_layout,
+    padded_vocab_size,
+    qkv_layout,
+    sync_tensor_parallel_grads,
+    tensor_parallel_specs,
+    vocab_layout,
+)
+from llamatron.parallel.tensor_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardLayout,
+    VocabParallelArgmax,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    contiguous_layout,
+)
 
 ATOL = 1e-5
 
@@ -173,8 +187,11 @@ def _check_cross_entropy_and_argmax(vocab: int, group) -> None:
     loss = VocabParallelCrossEntropy(start, num_real, group)(local, labels)
     _close(loss.flatten(), ref.detach(), "vocab-parallel cross-entropy")
     (loss * weights).sum().backward()
-    _close(local.grad[..., layout.real_positions], logits.grad.index_select(-1, layout.real_full_index),
-           "vocab-parallel cross-entropy logits grad")
+    _close(
+        local.grad[..., layout.real_positions],
+        logits.grad.index_select(-1, layout.real_full_index),
+        "vocab-parallel cross-entropy logits grad",
+    )
     assert local.grad[..., num_real:].abs().sum() == 0, "padding logits got a gradient"
     scores = torch.randn(2, 8, vocab)
     scores[0, :, 0] = scores[0, :, vocab - 1] = 10.0  # a tie across ranks: the lowest id wins, like argmax
@@ -253,23 +270,33 @@ def test_llama2_70b_under_tp8_stays_on_meta_and_one_shard_materializes():
     o = model.layers["0"].attn.o
     materialize(o, cfg, seed=3, device="cpu", dtype=torch.float32, specs={"weight": specs["layers.0.attn.o.weight"]})
     full = init_full_tensor("layers.0.attn.o.weight", torch.Size((8192, 8192)), cfg, 3, torch.device("cpu"))
-    assert torch.equal(o.weight, full[:, 5 * 8 * d:6 * 8 * d])
+    assert torch.equal(o.weight, full[:, 5 * 8 * d : 6 * 8 * d])
     assert model.layers["0"].attn.qkv.weight.is_meta
 
 
 # ---- configurations that cannot work -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values, world, message", [
-    ({"model": "llama-test", "tp": 3}, 3, "num_attention_heads=4 is not divisible by tp=3"),
-    ({"model": "llama-test", "tp": 4, "model_overrides": {"ffn_hidden_size": 162}}, 4, "ffn_hidden_size=162"),
-    ({"model": "llama-test", "tp": 4, "model_overrides": {"num_heads": 12, "num_kv_heads": 3, "hidden_size": 96}}, 4,
-     "num_kv_heads=3 and tp=4"),
-    ({"model": "falcon-7b", "tp": 2}, 2, "num_attention_heads=71"),
-    ({"model": "llama-test", "sequence_parallel": True}, 1, "--sequence-parallel needs --tp > 1"),
-    ({"model": "llama-test", "tp": 4, "sequence_parallel": True, "seq_length": 30}, 4, "--seq-length 30"),
-    ({"model": "llama-test", "tp": 4}, 6, "not divisible by tp*pp"),
-])
+@pytest.mark.parametrize(
+    "values, world, message",
+    [
+        ({"model": "llama-test", "tp": 3}, 3, "num_attention_heads=4 is not divisible by tp=3"),
+        ({"model": "llama-test", "tp": 4, "model_overrides": {"ffn_hidden_size": 162}}, 4, "ffn_hidden_size=162"),
+        (
+            {
+                "model": "llama-test",
+                "tp": 4,
+                "model_overrides": {"num_heads": 12, "num_kv_heads": 3, "hidden_size": 96},
+            },
+            4,
+            "num_kv_heads=3 and tp=4",
+        ),
+        ({"model": "falcon-7b", "tp": 2}, 2, "num_attention_heads=71"),
+        ({"model": "llama-test", "sequence_parallel": True}, 1, "--sequence-parallel needs --tp > 1"),
+        ({"model": "llama-test", "tp": 4, "sequence_parallel": True, "seq_length": 30}, 4, "--seq-length 30"),
+        ({"model": "llama-test", "tp": 4}, 6, "not divisible by tp*pp"),
+    ],
+)
 def test_config_validation_rejects_tp_that_cannot_work(values, world, message):
     with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("+", r"\+")):
         validate(config_from_values(values), world_size=world)
@@ -301,8 +328,12 @@ def _reference(model: str, workdir: Path, args: tuple[str, ...] = ()) -> list[di
     return _REFERENCES[key]
 
 
-LAYOUTS = [(["--tp", "2"], 2), (["--tp", "2", "--sequence-parallel"], 2), (["--tp", "4"], 4),
-           (["--tp", "4", "--sequence-parallel"], 4)]
+LAYOUTS = [
+    (["--tp", "2"], 2),
+    (["--tp", "2", "--sequence-parallel"], 2),
+    (["--tp", "4"], 4),
+    (["--tp", "4", "--sequence-parallel"], 4),
+]
 
 
 @pytest.mark.parametrize("model", ["llama-test", "mistral-test", "llama3-test", "falcon-test", "falcon40b-test"])
@@ -321,8 +352,11 @@ def test_tp_without_backward_comm_overlap_matches_single_process(sp, tmp_path_fa
     assert_matches(reference, got)
 
 
-@pytest.mark.parametrize("extra", [[], ["--sequence-parallel", "--distributed-optimizer", "--recompute", "full"]],
-                         ids=["plain", "sp-distopt-recompute"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--sequence-parallel", "--distributed-optimizer", "--recompute", "full"]],
+    ids=["plain", "sp-distopt-recompute"],
+)
 def test_tp2_with_dp2_matches_single_process(extra, tmp_path_factory):
     # llama3-test has one KV head: replicated KV gradients meet data-parallel reduction (and sharded optimizer).
     reference = _reference("llama3-test", tmp_path_factory.mktemp("ref"))

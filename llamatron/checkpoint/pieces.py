@@ -38,20 +38,20 @@ class Box:
     sizes: tuple[int, ...]
 
     @staticmethod
-    def whole(shape: tuple[int, ...]) -> "Box":
+    def whole(shape: tuple[int, ...]) -> Box:
         return Box(tuple(0 for _ in shape), tuple(shape))
 
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
         hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
         if any(h <= low for low, h in zip(lo, hi)):
             return None
         return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
 
-    def slices_within(self, outer: "Box") -> tuple[slice, ...]:
+    def slices_within(self, outer: Box) -> tuple[slice, ...]:
         """Index of this box inside the tensor holding `outer`."""
         return tuple(slice(o - p, o - p + s) for o, s, p in zip(self.offsets, self.sizes, outer.offsets))
 
@@ -69,7 +69,7 @@ class LocalPiece:
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         n = math.prod(self.block_shape)
-        block = flat[self.flat_start:self.flat_start + n].view(self.block_shape)
+        block = flat[self.flat_start : self.flat_start + n].view(self.block_shape)
         return block.narrow(self.dim, self.start, self.length)
 
 
@@ -131,9 +131,11 @@ def local_pieces(spec: ParamSpec, start: int, end: int, owned_only: bool) -> lis
             pieces.append(LocalPiece(Box(offsets, sizes), flat - start, sizes, 0, 0, sizes[0]))
             continue
         d = layout.dim
-        for local, length, full in _runs(index[offsets[d]:offsets[d] + sizes[d]]):
-            box = Box(tuple(full if i == d else o for i, o in enumerate(offsets)),
-                      tuple(length if i == d else s for i, s in enumerate(sizes)))
+        for local, length, full in _runs(index[offsets[d] : offsets[d] + sizes[d]]):
+            box = Box(
+                tuple(full if i == d else o for i, o in enumerate(offsets)),
+                tuple(length if i == d else s for i, s in enumerate(sizes)),
+            )
             pieces.append(LocalPiece(box, flat - start, sizes, d, local, length))
     return pieces
 

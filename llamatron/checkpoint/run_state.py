@@ -24,11 +24,11 @@ import torch
 
 from ..config import TrainConfig
 from ..engine import Engine
+from ..errors import CheckpointError
 from ..faults import NO_FAULTS, FaultInjection
 from ..models import ModelConfig, build_model
 from ..parallel.optimizer import lr_at
 from ..parallel.param_spec import ParamSpec
-from ..errors import CheckpointError
 from .pieces import local_pieces
 from .reader import CheckpointReader, read_meta, rng_file
 from .writer import PendingSave, engine_params, finish, set_rng_state, start_save
@@ -38,22 +38,39 @@ FORMAT_VERSION = 2
 
 def _layout(engine: Engine) -> dict[str, Any]:
     m, p = engine.mesh, engine.cfg.parallel
-    return {"world_size": m.world_size, "tp": m.tp, "pp": m.pp, "vpp": len(engine.chunks), "dp": m.dp,
-            "distributed_optimizer": engine.optimizer.distributed, "sequence_parallel": p.sequence_parallel,
-            "dtype": str(engine.dtype).removeprefix("torch.")}
+    return {
+        "world_size": m.world_size,
+        "tp": m.tp,
+        "pp": m.pp,
+        "vpp": len(engine.chunks),
+        "dp": m.dp,
+        "distributed_optimizer": engine.optimizer.distributed,
+        "sequence_parallel": p.sequence_parallel,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
 
 
-def _meta(engine: Engine, step: int, consumed_samples: int, skipped_steps: int,
-          inherited_meta: dict[str, Any]) -> dict[str, Any]:
+def _meta(
+    engine: Engine, step: int, consumed_samples: int, skipped_steps: int, inherited_meta: dict[str, Any]
+) -> dict[str, Any]:
     cfg, o = engine.cfg, engine.cfg.optim
     scaler = engine.loss_scaler  # fp16: the same on every rank
-    return {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
-            "config": cfg.to_dict(), "model_config": engine.model_cfg.to_dict(), "layout": _layout(engine),
-            "has_master_weights": not engine.optimizer.master_is_param,
-            "lr_schedule": {"completed_steps": step, "next_lr": lr_at(step, o.lr, o.min_lr, o.warmup_steps,
-                                                                       cfg.train.train_steps, o.lr_schedule)},
-            "loss_scaler": None if scaler is None else scaler.state_dict(),
-            "skipped_steps": skipped_steps, **inherited_meta}
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "consumed_samples": consumed_samples,
+        "config": cfg.to_dict(),
+        "model_config": engine.model_cfg.to_dict(),
+        "layout": _layout(engine),
+        "has_master_weights": not engine.optimizer.master_is_param,
+        "lr_schedule": {
+            "completed_steps": step,
+            "next_lr": lr_at(step, o.lr, o.min_lr, o.warmup_steps, cfg.train.train_steps, o.lr_schedule),
+        },
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
+        "skipped_steps": skipped_steps,
+        **inherited_meta,
+    }
 
 
 def meta_to_inherit(meta: dict[str, Any]) -> dict[str, Any]:
@@ -62,9 +79,18 @@ def meta_to_inherit(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in ("hf", "tokenizer") if k in meta}
 
 
-def begin_save(engine: Engine, root: str, step: int, consumed_samples: int, skipped_steps: int = 0, *,
-               background: bool = False, keep_last: int = 0, inherited_meta: dict[str, Any] | None = None,
-               fail: bool = False) -> PendingSave:
+def begin_save(
+    engine: Engine,
+    root: str,
+    step: int,
+    consumed_samples: int,
+    skipped_steps: int = 0,
+    *,
+    background: bool = False,
+    keep_last: int = 0,
+    inherited_meta: dict[str, Any] | None = None,
+    fail: bool = False,
+) -> PendingSave:
     """Write this rank's files of checkpoint `step` into `root` (in a thread with `background`);
     `finish_pending_save` publishes it.
 
@@ -89,8 +115,9 @@ class Checkpointing:
     """A run's saves: --save, --save-interval, --keep-last and --async-save; the save still being written in
     the background; and what the loaded checkpoint passes on to them (`meta_to_inherit`)."""
 
-    def __init__(self, t: TrainConfig, inherited_meta: dict[str, Any] | None = None,
-                 faults: FaultInjection = NO_FAULTS):
+    def __init__(
+        self, t: TrainConfig, inherited_meta: dict[str, Any] | None = None, faults: FaultInjection = NO_FAULTS
+    ):
         self.root = t.save or ""  # "": no --save, nothing is saved
         self.interval, self.keep_last, self.background = t.save_interval, t.keep_last, t.async_save
         self.inherited_meta = inherited_meta or {}
@@ -104,9 +131,17 @@ class Checkpointing:
     def save(self, engine: Engine, step: int, consumed_samples: int, skipped_steps: int) -> str:
         """Save checkpoint `step`; returns its directory (published already unless --async-save)."""
         self.finish(engine)  # one save at a time: the previous one is published before this one starts
-        pending = begin_save(engine, self.root, step, consumed_samples, skipped_steps, background=self.background,
-                             keep_last=self.keep_last, inherited_meta=self.inherited_meta,
-                             fail=self.faults.fail_save == (step, engine.mesh.rank))
+        pending = begin_save(
+            engine,
+            self.root,
+            step,
+            consumed_samples,
+            skipped_steps,
+            background=self.background,
+            keep_last=self.keep_last,
+            inherited_meta=self.inherited_meta,
+            fail=self.faults.fail_save == (step, engine.mesh.rank),
+        )
         if pending.thread is None:  # written (or failed) already: publish it, or say why not, now
             return finish_pending_save(engine, pending)
         self.pending = pending
@@ -127,12 +162,21 @@ def check_checkpoint_fits(path: str, model_cfg: ModelConfig, model_name: str) ->
     index lists is there (the index and shapes are read, no tensor)."""
     reader = CheckpointReader(path)
     _check_architecture(reader, model_cfg, model_name)
-    missing = sorted({piece.file for kind in reader.tensors.values() for t in kind.values() for piece in t.pieces
-                      if not (reader.step_dir / piece.file).is_file()})
+    missing = sorted(
+        {
+            piece.file
+            for kind in reader.tensors.values()
+            for t in kind.values()
+            for piece in t.pieces
+            if not (reader.step_dir / piece.file).is_file()
+        }
+    )
     if missing:
-        raise CheckpointError(f"{reader.step_dir} is incomplete: {', '.join(missing[:8])} "
-                              f"{'is' if len(missing) == 1 else 'are'} listed in its index but missing; copy the "
-                              "whole checkpoint directory again, or load an earlier step-N")
+        raise CheckpointError(
+            f"{reader.step_dir} is incomplete: {', '.join(missing[:8])} "
+            f"{'is' if len(missing) == 1 else 'are'} listed in its index but missing; copy the "
+            "whole checkpoint directory again, or load an earlier step-N"
+        )
 
 
 def _check_architecture(reader: CheckpointReader, model_cfg: ModelConfig, model_name: str) -> None:
@@ -146,9 +190,12 @@ def _check_architecture(reader: CheckpointReader, model_cfg: ModelConfig, model_
             problems.append(f"{name}: checkpoint {reader.stored('model', name).shape} vs model {shape}")
     problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected))[:10]]
     if problems:
-        raise CheckpointError(f"checkpoint {reader.step_dir} does not fit this model ({model_name}):\n  "
-                              + "\n  ".join(problems[:40]) + "\nload a checkpoint of this model, or leave out "
-                              "--model: --load then takes the checkpoint's own architecture")
+        raise CheckpointError(
+            f"checkpoint {reader.step_dir} does not fit this model ({model_name}):\n  "
+            + "\n  ".join(problems[:40])
+            + "\nload a checkpoint of this model, or leave out "
+            "--model: --load then takes the checkpoint's own architecture"
+        )
 
 
 def _read_into(reader: CheckpointReader, kind: str, spec: ParamSpec, dst: torch.Tensor, start: int) -> None:
@@ -169,8 +216,10 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     reader = CheckpointReader(path)
     meta = reader.run_meta
     if meta.get("weights_only") and not weights_only:  # e.g. from `llamatron import-hf`: no optimizer state
-        raise CheckpointError(f"weights-only checkpoint: add --finetune to train from {reader.step_dir} "
-                              f"(it has no optimizer state or step to resume)")
+        raise CheckpointError(
+            f"weights-only checkpoint: add --finetune to train from {reader.step_dir} "
+            f"(it has no optimizer state or step to resume)"
+        )
     _check_architecture(reader, engine.model_cfg, engine.cfg.train.model)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
@@ -211,5 +260,13 @@ def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
         set_rng_state(torch.load(path, weights_only=False))
 
 
-__all__ = ["Checkpointing", "begin_save", "check_checkpoint_fits", "finish_pending_save", "load_checkpoint",
-           "meta_to_inherit", "read_model_config", "save_checkpoint"]
+__all__ = [
+    "Checkpointing",
+    "begin_save",
+    "check_checkpoint_fits",
+    "finish_pending_save",
+    "load_checkpoint",
+    "meta_to_inherit",
+    "read_model_config",
+    "save_checkpoint",
+]

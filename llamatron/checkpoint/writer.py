@@ -44,15 +44,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import Engine
-from ..models import build_model
-from ..errors import CheckpointError
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
+from ..engine import Engine
+from ..errors import CheckpointError
+from ..models import build_model
 from ..parallel.param_spec import ParamSpec
 from .pieces import Box, local_pieces
-from .reader import (INDEX_FILE, META_FILE, StoredPiece, StoredTensor, index_to_json, piece_key, rank_file,
-                     rng_file, step_dirs)
+from .reader import (
+    INDEX_FILE,
+    META_FILE,
+    StoredPiece,
+    StoredTensor,
+    index_to_json,
+    piece_key,
+    rank_file,
+    rng_file,
+    step_dirs,
+)
 from .tensor_io import StreamingSafetensorsWriter
+
 
 @dataclass
 class PieceToWrite:
@@ -114,10 +124,13 @@ def rank_pieces(engine) -> list[PieceToWrite]:
                 first = a - seg.param_offset
                 if first < 0 or first + (b - a) > seg.end - seg.start:
                     raise CheckpointError(f"{spec.global_name}: range [{a}, {b}) is not in this rank's optimizer shard")
-                sources = {"model": p.detach().reshape(-1)[a:b], "exp_avg": opt.exp_avg[i][first:first + b - a],
-                           "exp_avg_sq": opt.exp_avg_sq[i][first:first + b - a]}
+                sources = {
+                    "model": p.detach().reshape(-1)[a:b],
+                    "exp_avg": opt.exp_avg[i][first : first + b - a],
+                    "exp_avg_sq": opt.exp_avg_sq[i][first : first + b - a],
+                }
                 if not opt.master_is_param:
-                    sources["master"] = opt.master[i][first:first + b - a]
+                    sources["master"] = opt.master[i][first : first + b - a]
                 name, full = spec.global_name, spec.full_shape
                 for lp in local_pieces(spec, a, b, owned_only=True):
                     out += [PieceToWrite(kind, name, full, lp.box, lp.view(flat)) for kind, flat in sources.items()]
@@ -178,8 +191,15 @@ def _snapshot(pieces: list[PieceToWrite]) -> list[PieceToWrite]:
     return out
 
 
-def start_save(engine: Engine, root: str | Path, step: int, meta: dict[str, Any], background: bool, keep_last: int = 0,
-               fail: bool = False) -> PendingSave:
+def start_save(
+    engine: Engine,
+    root: str | Path,
+    step: int,
+    meta: dict[str, Any],
+    background: bool,
+    keep_last: int = 0,
+    fail: bool = False,
+) -> PendingSave:
     """Write this rank's files of checkpoint `step` (in a thread with `background`); publish with `finish`.
 
     keep_last: --keep-last, applied once it is published; fail: a test's injected write failure.
@@ -201,8 +221,9 @@ def start_save(engine: Engine, root: str | Path, step: int, meta: dict[str, Any]
     for buf in engine.buffers:  # the distributed optimizer's parameter all-gather may still be in flight
         buf.finish_param_gather()
     pieces = rank_pieces(engine)
-    pending.listing = [(p.kind, p.name, p.full_shape, SAFETENSORS_DTYPES[p.data.dtype], p.box.offsets, p.box.sizes)
-                       for p in pieces]
+    pending.listing = [
+        (p.kind, p.name, p.full_shape, SAFETENSORS_DTYPES[p.data.dtype], p.box.offsets, p.box.sizes) for p in pieces
+    ]
     pending.file = rank_file(mesh.rank) if pieces else None
     rng = rng_state()
 
@@ -236,12 +257,13 @@ def finish(engine: Engine, pending: PendingSave) -> str:
     if pending.thread is not None:
         pending.thread.join()
     report = (pending.error, pending.file, pending.listing)
-    reports = [report]
+    reports: list[Any] | None = [report]
     outcome: list[str | None] = [None]
     if dist.is_initialized():
         reports = [None] * dist.get_world_size() if engine.mesh.rank == 0 else None
         dist.gather_object(report, reports, dst=0)
     if engine.mesh.rank == 0:
+        assert reports is not None  # rank 0 gathered them
         errors = [r[0] for r in reports if r[0]]
         try:
             if errors:
@@ -249,8 +271,10 @@ def finish(engine: Engine, pending: PendingSave) -> str:
             _publish(pending, reports)
         except Exception as e:
             shutil.rmtree(pending.tmp, ignore_errors=True)
-            outcome[0] = (f"saving {pending.final} failed ({e}); nothing was published: {pending.root}/latest "
-                          f"still names the previous checkpoint")
+            outcome[0] = (
+                f"saving {pending.final} failed ({e}); nothing was published: {pending.root}/latest "
+                f"still names the previous checkpoint"
+            )
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
@@ -265,8 +289,7 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
     for _, fname, listing in reports:
         for kind, name, shape, dtype, offsets, sizes in listing:
             box = Box(tuple(offsets), tuple(sizes))
-            entry = tensors.setdefault(kind, {}).setdefault(
-                name, StoredTensor(tuple(shape), TORCH_DTYPES[dtype], []))
+            entry = tensors.setdefault(kind, {}).setdefault(name, StoredTensor(tuple(shape), TORCH_DTYPES[dtype], []))
             entry.pieces.append(StoredPiece(fname, piece_key(kind, name, box), box))
     for kind, by_name in tensors.items():  # every element written exactly once (pieces are disjoint by construction)
         for name, t in by_name.items():
@@ -281,8 +304,10 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
         if set(tensors.get(kind, {})) != set(written):
             raise CheckpointError(f"the ranks wrote {kind} for a different set of tensors than the weights")
     tmp, root, final = pending.tmp, pending.root, pending.final
-    for name, text in ((INDEX_FILE, json.dumps(index_to_json(files, tensors), separators=(",", ":"))),
-                       (META_FILE, json.dumps(pending.meta, indent=1))):
+    for name, text in (
+        (INDEX_FILE, json.dumps(index_to_json(files, tensors), separators=(",", ":"))),
+        (META_FILE, json.dumps(pending.meta, indent=1)),
+    ):
         (tmp / name).write_text(text)
         _fsync(tmp / name)
     aside = root / f".old-{final.name}"
@@ -311,7 +336,7 @@ def apply_retention(root: Path, keep_last: int, keep: str) -> None:
     if keep_last <= 0:
         return
     steps = [(n, d) for n, d in step_dirs(root) if d.name != keep]
-    for _, path in steps[:max(0, len(steps) - (keep_last - 1))]:
+    for _, path in steps[: max(0, len(steps) - (keep_last - 1))]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -320,5 +345,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["PendingSave", "apply_retention", "engine_params", "finish", "rank_pieces", "rng_state",
-           "set_rng_state", "start_save", "write_latest"]
+__all__ = [
+    "PendingSave",
+    "apply_retention",
+    "engine_params",
+    "finish",
+    "rank_pieces",
+    "rng_state",
+    "set_rng_state",
+    "start_save",
+    "write_latest",
+]

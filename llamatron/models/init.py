@@ -42,8 +42,14 @@ def init_full_tensor(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, 
     return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 
 
-def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device | str, dtype: torch.dtype,
-                specs: Mapping[str, ParamSpec] | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    specs: Mapping[str, ParamSpec] | None = None,
+) -> nn.Module:
     """Give every meta parameter of `model` its initial value on `device`.
 
     `specs` (parallel/param_spec.py), by local parameter name: each parameter is initialised over its spec's

@@ -16,6 +16,7 @@ from ..triton_check import TRITON_SETTINGS
 from .cross_entropy_op import CrossEntropy
 from .layers import ATTENTION_BACKENDS, Attention, RMSNorm
 from .llama import SwiGLU
+from .transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -53,5 +54,5 @@ def apply_kernels(model: nn.Module, choices: KernelChoices) -> None:
             module.backend, module.rope_backend = choices.attention, choices.rope
         elif isinstance(module, SwiGLU):
             module.backend = choices.swiglu
-    if isinstance(getattr(model, "loss_fn", None), CrossEntropy):  # tensor parallelism's loss has no kernels
+    if isinstance(model, Transformer) and isinstance(model.loss_fn, CrossEntropy):  # TP's loss has no kernels
         model.loss_fn = CrossEntropy(choices.cross_entropy)

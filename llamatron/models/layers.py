@@ -8,6 +8,7 @@ those attributes, so it runs unchanged on a shard.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +204,8 @@ def attention_core(
 
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]."""
+
+    core: Callable[..., torch.Tensor]  # attention_core; selective recompute wraps it
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -9,7 +9,8 @@ model's (`layers.5.attn.qkv.weight` on whichever stage holds layer 5).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ __all__ = ["IGNORE_INDEX", "CrossEntropy", "Transformer", "build_model", "cross_
 
 
 class Transformer(nn.Module):
+    # (logits, labels) -> fp32 loss per token; tensor parallelism installs its vocabulary-parallel one
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
     def __init__(self, cfg: ModelConfig, layers: Sequence[int] | None = None, embed: bool = True, head: bool = True):
         """The whole model, or a pipeline stage: decoder layers `layers` (default: all), the embedding if
         `embed`, the final norm and output head if `head`."""
@@ -34,11 +38,16 @@ class Transformer(nn.Module):
         # Weights come from models/init.py; passing _weight skips nn.Embedding's own init (slow to import).
         self.embed: nn.Module | None = None
         if embed:
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            self.embed = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+            )
         ids = range(cfg.num_layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): block(cfg) for i in ids})
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.family == "falcon" else RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        norm = (
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+            if cfg.family == "falcon"
+            else RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        )
         self.norm: nn.Module | None = norm if head else None
         # Tied embeddings: the embedding is the head; a last pipeline stage without the embedding holds a copy of
         # it as its head (parallel/pipeline.py: its spec names it embed.weight, their gradients are summed).
@@ -50,6 +59,9 @@ class Transformer(nn.Module):
         self.loss_fn = CrossEntropy()
         # Sequence parallelism splits hidden states along the sequence into this many shards.
         self.seq_shards = 1
+        # Pipeline stages holding a tied embedding's two copies sum their gradients over this group
+        # (parallel/pipeline.py; None: no copy on another stage).
+        self.tied_embedding_group: Any = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -60,13 +72,21 @@ class Transformer(nn.Module):
         return self.norm is not None
 
     def head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+        head = self.embed if self.lm_head is None else self.lm_head
+        assert head is not None, "logits on a stage without the output head"
+        return cast(torch.Tensor, head.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.norm is not None, "logits on a stage without the output head"
         return F.linear(self.norm(hidden), self.head_weight())
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
 
         document_ids (batch, seq), when given, confine attention to tokens of the same
@@ -92,8 +112,13 @@ class Transformer(nn.Module):
         return h.shape[1] * self.seq_shards
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "meta", layers: Sequence[int] | None = None,
-                embed: bool = True, head: bool = True) -> Transformer:
+def build_model(
+    cfg: ModelConfig,
+    device: torch.device | str = "meta",
+    layers: Sequence[int] | None = None,
+    embed: bool = True,
+    head: bool = True,
+) -> Transformer:
     """The model (or a pipeline stage of it: see Transformer) with uninitialised parameters (on `meta` by default:
     see models/init.py)."""
     with torch.device(device):

@@ -19,9 +19,22 @@ import torch
 _BLOCK = 2048
 
 
-def adamw_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  step: torch.Tensor, out: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, grad_scale: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+def adamw_segment(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    out: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+) -> None:
     """Update one flat fp32 segment in place; `step` is the count including this step (0-d fp32 tensor);
     `out` (or None) receives the new weights in its own dtype."""
     n = master.numel()
@@ -29,9 +42,25 @@ def adamw_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         return
     kernel = _kernel()
     scale = grad_scale if grad_scale is not None else found_inf  # any 0-d tensor: not read without HAS_SCALE
-    kernel[(-(-n // _BLOCK),)](master, grad, exp_avg, exp_avg_sq, out if out is not None else master, step, scale,
-                               found_inf, n, lr, beta1, beta2, eps, weight_decay,
-                               HAS_SCALE=grad_scale is not None, HAS_OUT=out is not None, BLOCK=_BLOCK)
+    kernel[(-(-n // _BLOCK),)](
+        master,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        out if out is not None else master,
+        step,
+        scale,
+        found_inf,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        HAS_SCALE=grad_scale is not None,
+        HAS_OUT=out is not None,
+        BLOCK=_BLOCK,
+    )
 
 
 @functools.cache
@@ -41,8 +70,25 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, step_ptr, scale_ptr, inf_ptr, n, lr, beta1, beta2,
-                     eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    def adamw_kernel(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        out_ptr,
+        step_ptr,
+        scale_ptr,
+        inf_ptr,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        HAS_SCALE: tl.constexpr,
+        HAS_OUT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         # a non-finite gradient norm skips the update: every load and store is masked off
         mask = offs < tl.where(tl.load(inf_ptr) == 0, n, 0)

@@ -63,9 +63,18 @@ class CommStats:
 class GradBuffer:
     """Flat parameter and gradient storage of one model chunk, bucketed for data-parallel reduction."""
 
-    def __init__(self, module: nn.Module, dp_group: dist.ProcessGroup | None, dp: int, grad_dtype: torch.dtype = torch.float32,
-                 bucket_size: int = 40_000_000, distributed: bool = False, overlap_grad_reduce: bool = True,
-                 reduce_dtype: torch.dtype | None = None, specs: ParamSpecs | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group: dist.ProcessGroup | None,
+        dp: int,
+        grad_dtype: torch.dtype = torch.float32,
+        bucket_size: int = 40_000_000,
+        distributed: bool = False,
+        overlap_grad_reduce: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        specs: ParamSpecs | None = None,
+    ):
         """specs: the chunk's parameter specs by local name (default: the plain ones), resolved here to the
         materialised parameters."""
         self.module = module
@@ -75,8 +84,9 @@ class GradBuffer:
         self.reduce_dtype = reduce_dtype
         self.stats = CommStats()
         specs = param_specs(module) if specs is None else specs
-        self.spec_of: dict[nn.Parameter, ParamSpec] = {p: specs[n] for n, p in module.named_parameters()
-                                                        if p.requires_grad}
+        self.spec_of: dict[nn.Parameter, ParamSpec] = {
+            p: specs[n] for n, p in module.named_parameters() if p.requires_grad
+        }
         wrong = [s.global_name for p, s in self.spec_of.items() if s.local_shape != tuple(p.shape)]
         if wrong:
             raise ValueError(f"parameter specs do not fit the parameters' shapes: {wrong[:5]}")
@@ -115,8 +125,9 @@ class GradBuffer:
         # Parameters whose gradient no backward wrote since zero_grad (grad_data starts zeroed: none).
         self._unwritten: set[nn.Parameter] = set()
         # Listed once here so the step does no per-parameter Python work to find them.
-        self.tp_partial_grads = [(self._grads[p], self.spec_of[p]) for p in self.spec_of
-                                 if self.spec_of[p].tp_partial_grad]
+        self.tp_partial_grads = [
+            (self._grads[p], self.spec_of[p]) for p in self.spec_of if self.spec_of[p].tp_partial_grad
+        ]
         self.is_last_microbatch = True
         # NCCL gathers in place (input = this rank's slice of the output); gloo needs a separate input.
         self._in_place_gather = dp_group is not None and dist.get_backend(dp_group) == "nccl"
@@ -146,13 +157,15 @@ class GradBuffer:
         overwrite = param in self._unwritten
         if overwrite:
             self._unwritten.discard(param)
+        assert param.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
         accumulate_grad(self._grads[param], param.grad, overwrite=overwrite)
         param.grad = None
         if not self.is_last_microbatch:
             return
         bucket = self.bucket_of[param]
         bucket.pending -= 1
-        # A weight shared across pipeline stages (tied embedding) is summed over them first: finish_grad_sync reduces it.
+        # A weight shared across pipeline stages (tied embedding) is summed over them first: finish_grad_sync
+        # reduces it.
         if bucket.pending == 0 and self.overlap_grad_reduce and not bucket.deferred:
             self._start_reduce(bucket)
 
@@ -166,15 +179,16 @@ class GradBuffer:
     def _start_reduce(self, bucket: Bucket) -> None:
         if self.dp == 1 or bucket.reduce_handle is not None:
             return
-        data = self.grad_data[bucket.start:bucket.end]
+        data = self.grad_data[bucket.start : bucket.end]
         if self.reduce_dtype is not None and self.reduce_dtype != data.dtype:
             bucket.reduce_staging = data.to(self.reduce_dtype)
             data = bucket.reduce_staging
         if self.distributed:
             rank = dist.get_rank(self.dp_group)
             size = bucket.numel // self.dp
-            bucket.reduce_handle = _reduce_scatter(data[rank * size:(rank + 1) * size], data,
-                                                              group=self.dp_group, async_op=True)
+            bucket.reduce_handle = _reduce_scatter(
+                data[rank * size : (rank + 1) * size], data, group=self.dp_group, async_op=True
+            )
         else:
             bucket.reduce_handle = dist.all_reduce(data, group=self.dp_group, async_op=True)
         self.stats.grad_reductions += 1
@@ -216,12 +230,11 @@ class GradBuffer:
         # The first layers' parameters sit in the last buckets: gather those first.
         for bucket in reversed(self.buckets):
             size = bucket.numel // self.dp
-            data = self.param_data[bucket.start:bucket.end]
-            shard = data[rank * size:(rank + 1) * size]
+            data = self.param_data[bucket.start : bucket.end]
+            shard = data[rank * size : (rank + 1) * size]
             if not self._in_place_gather:
                 shard = shard.clone()
-            bucket.gather_handle = _all_gather(data, shard,
-                                                               group=self.dp_group, async_op=overlap)
+            bucket.gather_handle = _all_gather(data, shard, group=self.dp_group, async_op=overlap)
             self.stats.param_gathers += 1
         if not overlap:
             for bucket in self.buckets:
@@ -246,8 +259,9 @@ class GradBuffer:
                 own += [p for p in head.parameters() if p in self.bucket_of]
             if own:
                 buckets = sorted({self.bucket_of[p].index for p in own})
-                self._gather_hooks.append(unit.register_forward_pre_hook(
-                    lambda _m, _args, idx=buckets: self._wait_gather(idx)))
+                self._gather_hooks.append(
+                    unit.register_forward_pre_hook(lambda _m, _args, idx=buckets: self._wait_gather(idx))
+                )
 
     def _wait_gather(self, bucket_indices: list[int]) -> None:
         for i in bucket_indices:

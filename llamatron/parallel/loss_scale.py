@@ -12,8 +12,15 @@ import torch
 
 
 class DynamicLossScaler:
-    def __init__(self, device: torch.device, initial: float = 2.0**16, growth_interval: int = 1000,
-                 backoff: float = 0.5, growth: float = 2.0, min_scale: float = 1.0):
+    def __init__(
+        self,
+        device: torch.device,
+        initial: float = 2.0**16,
+        growth_interval: int = 1000,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+        min_scale: float = 1.0,
+    ):
         self.scale = torch.tensor(initial, device=device, dtype=torch.float32)
         self.good_steps = torch.zeros((), device=device, dtype=torch.int64)
         self.growth_interval, self.backoff, self.growth, self.min_scale = growth_interval, backoff, growth, min_scale
@@ -23,8 +30,11 @@ class DynamicLossScaler:
         overflow = found_inf > 0
         self.good_steps = torch.where(overflow, torch.zeros_like(self.good_steps), self.good_steps + 1)
         grow = self.good_steps >= self.growth_interval
-        scale = torch.where(overflow, (self.scale * self.backoff).clamp_min(self.min_scale),
-                            torch.where(grow, self.scale * self.growth, self.scale))
+        scale = torch.where(
+            overflow,
+            (self.scale * self.backoff).clamp_min(self.min_scale),
+            torch.where(grow, self.scale * self.growth, self.scale),
+        )
         self.good_steps = torch.where(grow, torch.zeros_like(self.good_steps), self.good_steps)
         self.scale = scale
 

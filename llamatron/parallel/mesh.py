@@ -70,8 +70,10 @@ def mesh_problems(world_size: int, tp: int, pp: int) -> list[str]:
     """Why `world_size` processes cannot form a tp x dp x pp mesh (empty when they can)."""
     out = [f"--{name} must be >= 1" for name, size in (("tp", tp), ("pp", pp)) if size < 1]
     if not out and world_size % (tp * pp):
-        out.append(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of "
-                   f"{tp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--pp")
+        out.append(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of "
+            f"{tp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--pp"
+        )
     return out
 
 
@@ -113,7 +115,9 @@ def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None) ->
     rank = dist.get_rank() if dist.is_initialized() else 0
     dp = check_sizes(world_size, tp, pp)
     tp_rank, dp_rank, pp_rank = coordinates(rank, tp, dp)
-    mesh = Mesh(world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    mesh = Mesh(
+        world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank
+    )
     if world_size == 1:
         return mesh
     # Every rank must create every group, in the same order, even those it is not in.

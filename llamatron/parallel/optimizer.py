@@ -37,8 +37,18 @@ class Segment:
 
 
 class DistributedAdamW:
-    def __init__(self, buffers: list[GradBuffer], mesh: Mesh, lr: float, weight_decay: float, betas: tuple[float, float],
-                 eps: float, clip_grad: float, distributed: bool, kernel: str = "torch"):
+    def __init__(
+        self,
+        buffers: list[GradBuffer],
+        mesh: Mesh,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        distributed: bool,
+        kernel: str = "torch",
+    ):
         self.buffers, self.mesh, self.kernel = buffers, mesh, kernel
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, betas, eps, clip_grad
         self.distributed = distributed and mesh.dp > 1
@@ -52,8 +62,9 @@ class DistributedAdamW:
                     if s < e:
                         spec = buf.spec_of[p]
                         replicated_copy = (mesh.tp_rank > 0 and not spec.tensor_parallel) or spec.shared_replica
-                        self.segments.append(Segment(p, spec, buf, s, e, s - start, decay=p.ndim > 1,
-                                                     count_in_norm=not replicated_copy))
+                        self.segments.append(
+                            Segment(p, spec, buf, s, e, s - start, decay=p.ndim > 1, count_in_norm=not replicated_copy)
+                        )
         device = buffers[0].grad_data.device
         self.master_is_param = buffers[0].param_data.dtype == torch.float32
         self.master = [self._master_view(seg) for seg in self.segments]
@@ -62,16 +73,17 @@ class DistributedAdamW:
         self.steps = [torch.zeros((), device=device) for _ in self.segments]
 
     def _master_view(self, seg: Segment) -> torch.Tensor:
-        data = seg.buffer.param_data[seg.start:seg.end]
+        data = seg.buffer.param_data[seg.start : seg.end]
         return data if data.dtype == torch.float32 else data.float()
 
     def grads(self) -> list[torch.Tensor]:
-        return [seg.buffer.grad_data[seg.start:seg.end] for seg in self.segments]
+        return [seg.buffer.grad_data[seg.start : seg.end] for seg in self.segments]
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all data-, tensor- and pipeline-parallel shards, replicas counted once."""
-        counted = [part for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm
-                   for part in _norm_parts(g, seg)]
+        counted = [
+            part for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm for part in _norm_parts(g, seg)
+        ]
         device = self.buffers[0].grad_data.device
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
@@ -110,29 +122,54 @@ class DistributedAdamW:
             idx = [i for i, s in enumerate(self.segments) if s.decay == decay]
             if not idx:
                 continue
-            functional_adamw([self.master[i] for i in idx], [grads[i] for i in idx], [self.exp_avg[i] for i in idx],
-                             [self.exp_avg_sq[i] for i in idx], [], [self.steps[i] for i in idx],
-                             fused=True, amsgrad=False, beta1=self.betas[0], beta2=self.betas[1], lr=lr,
-                             weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, maximize=False,
-                             grad_scale=grad_scale, found_inf=found_inf)
+            functional_adamw(
+                [self.master[i] for i in idx],
+                [grads[i] for i in idx],
+                [self.exp_avg[i] for i in idx],
+                [self.exp_avg_sq[i] for i in idx],
+                [],
+                [self.steps[i] for i in idx],
+                fused=True,
+                amsgrad=False,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                lr=lr,
+                weight_decay=self.weight_decay if decay else 0.0,
+                eps=self.eps,
+                maximize=False,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
         if not self.master_is_param:
             for seg, master in zip(self.segments, self.master):
-                seg.buffer.param_data[seg.start:seg.end].copy_(master)
+                seg.buffer.param_data[seg.start : seg.end].copy_(master)
         return norm, found_inf
 
-    def _triton_step(self, grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | None,
-                     found_inf: torch.Tensor) -> None:
+    def _triton_step(
+        self, grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | None, found_inf: torch.Tensor
+    ) -> None:
         """The same update as the fused torch path, one kernel per segment writing the model weights too."""
         # A skipped step does not count (as torch's fused AdamW). The increment goes in as a tensor list: a 0-d
         # tensor passed as the scalar argument is read on the host, a device sync each step (seen on an H200).
         increment = 1.0 - found_inf
         torch._foreach_add_(self.steps, [increment] * len(self.steps))
         for i, seg in enumerate(self.segments):
-            out = None if self.master_is_param else seg.buffer.param_data[seg.start:seg.end]
-            adamw_segment(self.master[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i], self.steps[i], out, lr=lr,
-                          beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                          weight_decay=self.weight_decay if seg.decay else 0.0, grad_scale=grad_scale,
-                          found_inf=found_inf)
+            out = None if self.master_is_param else seg.buffer.param_data[seg.start : seg.end]
+            adamw_segment(
+                self.master[i],
+                grads[i],
+                self.exp_avg[i],
+                self.exp_avg_sq[i],
+                self.steps[i],
+                out,
+                lr=lr,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                eps=self.eps,
+                weight_decay=self.weight_decay if seg.decay else 0.0,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
 
     def publish_params(self, overlap: bool) -> None:
         """Make every rank's parameters whole again (distributed optimizer only)."""
@@ -164,9 +201,9 @@ def _norm_parts(grad: torch.Tensor, seg: Segment) -> list[torch.Tensor]:
     for lo, hi in seg.spec.norm_exclude:
         lo, hi = max(lo, pos), min(hi, end)
         if lo < hi:
-            parts.append(grad[pos - seg.param_offset:lo - seg.param_offset])
+            parts.append(grad[pos - seg.param_offset : lo - seg.param_offset])
             pos = hi
-    parts.append(grad[pos - seg.param_offset:])
+    parts.append(grad[pos - seg.param_offset :])
     return [p for p in parts if p.numel()]
 
 

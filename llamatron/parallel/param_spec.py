@@ -57,8 +57,9 @@ class ParamSpec:
     def sharded(self, layout: ShardLayout, full_shape: tuple[int, ...]) -> ParamSpec:
         """This spec for a parameter split by `layout` (tensor parallelism)."""
         full_shape = tuple(full_shape)
-        return replace(self, full_shape=full_shape, tp_layout=layout,
-                       norm_exclude=tuple(layout.norm_exclude_ranges(full_shape)))
+        return replace(
+            self, full_shape=full_shape, tp_layout=layout, norm_exclude=tuple(layout.norm_exclude_ranges(full_shape))
+        )
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor (init, checkpoint load)."""

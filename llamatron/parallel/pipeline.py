@@ -24,8 +24,8 @@ data crosses the wire.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,6 @@ from .grad_buffer import GradBuffer
 from .mesh import Mesh, new_group
 from .param_spec import ParamSpecs, param_specs
 from .schedules import Action, Message, Step, build_program, input_message, output_message
-
 
 # ---- stages ----------------------------------------------------------------------------------------
 
@@ -62,11 +61,15 @@ def pipeline_problems(num_layers: int, pp: int, vpp: int, pp_layers: str | Seque
         if split is None:
             return [f"--pp-layers {pp_layers!r} must be comma-separated integers"]
         if len(split) != chunks or sum(split) != num_layers or min(split) < 1:
-            return [f"--pp-layers must give {chunks} positive counts summing to {num_layers} layers (pp*vpp = "
-                    f"{pp}*{vpp}); got {pp_layers}"]
+            return [
+                f"--pp-layers must give {chunks} positive counts summing to {num_layers} layers (pp*vpp = "
+                f"{pp}*{vpp}); got {pp_layers}"
+            ]
     elif chunks > num_layers:
-        return [f"pp*vpp = {chunks} model chunks but only {num_layers} layers: each chunk needs a layer; lower "
-                f"--vpp or --pp (pp*vpp at most {num_layers})"]
+        return [
+            f"pp*vpp = {chunks} model chunks but only {num_layers} layers: each chunk needs a layer; lower "
+            f"--vpp or --pp (pp*vpp at most {num_layers})"
+        ]
     elif num_layers % chunks:
         return [f"{num_layers} layers are not divisible by pp*vpp = {chunks}; give an explicit split with --pp-layers"]
     return []
@@ -77,13 +80,13 @@ def split_layers(num_layers: int, pp: int, vpp: int = 1, pp_layers: str | Sequen
     problems = pipeline_problems(num_layers, pp, vpp, pp_layers)
     if problems:
         raise ConfigError("; ".join(problems))
-    if pp_layers is not None:
-        return _parse_pp_layers(pp_layers)
-    return [num_layers // (pp * vpp)] * (pp * vpp)
+    split = _parse_pp_layers(pp_layers) if pp_layers is not None else None
+    return split if split is not None else [num_layers // (pp * vpp)] * (pp * vpp)
 
 
-def build_stage_chunks(cfg: ModelConfig, mesh: Mesh, vpp: int = 1, pp_layers: str | Sequence[int] | None = None
-                       ) -> tuple[list[Transformer], list[ParamSpecs]]:
+def build_stage_chunks(
+    cfg: ModelConfig, mesh: Mesh, vpp: int = 1, pp_layers: str | Sequence[int] | None = None
+) -> tuple[list[Transformer], list[ParamSpecs]]:
     """This rank's model chunks on meta (local chunk v is global chunk v*pp + pp_rank) and their parameter specs."""
     pp = mesh.pp
     split = split_layers(cfg.num_layers, pp, vpp, pp_layers)
@@ -109,8 +112,9 @@ def _tied_embedding_specs(chunk: Transformer, specs: ParamSpecs) -> ParamSpecs:
     if chunk.is_first_stage:
         specs["embed.weight"] = replace(specs["embed.weight"], defer_grad_reduce=True)
     else:  # the head is a copy of the embedding: the same tensor in checkpoints and init, counted once in the norm
-        specs["lm_head.weight"] = replace(specs["lm_head.weight"], global_name="embed.weight", shared_replica=True,
-                                          defer_grad_reduce=True)
+        specs["lm_head.weight"] = replace(
+            specs["lm_head.weight"], global_name="embed.weight", shared_replica=True, defer_grad_reduce=True
+        )
     return specs
 
 
@@ -187,8 +191,10 @@ class P2P:
             if m.src == self.me:
                 t = self.outbox.pop(m).contiguous()
                 if t.shape != self.shape or t.dtype != self.dtype:  # the receiver allocated by the known shape
-                    raise RuntimeError(f"pipeline stage output {tuple(t.shape)} {t.dtype} differs from the "
-                                       f"transfer shape {self.shape} {self.dtype}")
+                    raise RuntimeError(
+                        f"pipeline stage output {tuple(t.shape)} {t.dtype} differs from the "
+                        f"transfer shape {self.shape} {self.dtype}"
+                    )
                 sends.append(t)
                 ops.append(dist.P2POp(dist.isend, t, self.ranks[m.dst], self.group))
             else:
@@ -249,7 +255,9 @@ class _Runner:
         # awaiting backward: (input, the loss on the last stage, else the output's gradient edge)
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | torch.autograd.graph.GradientEdge]] = {}
 
-    def run(self, forward: Callable[[Action, torch.Tensor], torch.Tensor | None], backward: Callable | None) -> None:
+    def run(
+        self, forward: Callable[[Action, torch.Tensor | None], torch.Tensor | None], backward: Callable | None
+    ) -> None:
         for step in self.program:
             for round_ in step.rounds:
                 self.p2p.issue(round_.messages)
@@ -258,9 +266,14 @@ class _Runner:
                 continue
             needs = input_message(a, self.pp, self.num_chunks)
             received = self.p2p.take(needs) if needs is not None else None
-            out = forward(a, received) if a.forward else backward(a, received)
+            if a.forward:
+                out = forward(a, received)
+            else:
+                assert backward is not None, "a backward action in a forward-only program"
+                out = backward(a, received)
             sends = output_message(a, self.pp, self.num_chunks)
             if sends is not None:
+                assert out is not None, f"{a} produced nothing to send"
                 self.p2p.outbox[sends] = out
         self.p2p.finish()
 
@@ -283,7 +296,11 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
     def forward(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         nonlocal loss_sum
         mb = micro_batches[a.micro_batch]
-        x = mb["input_ids"] if a.chunk == 0 else received.requires_grad_()
+        if a.chunk == 0:
+            x = mb["input_ids"]
+        else:
+            assert received is not None, f"{a} received no activation"
+            x = received.requires_grad_()
         if runner.is_last(a):
             out = runner.chunk(a)(x, **model_kwargs(mb, with_labels=True)).sum() / total_tokens
             loss_sum = loss_sum + out.detach()
@@ -312,8 +329,9 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
 
 
 @torch.no_grad()
-def pipeline_forward_each(engine, micro_batches: list[dict], on_output: Callable[[nn.Module, torch.Tensor, dict], None]
-                          ) -> None:
+def pipeline_forward_each(
+    engine, micro_batches: list[dict], on_output: Callable[[nn.Module, torch.Tensor, dict], None]
+) -> None:
     """Forward every micro-batch through the pipeline (no backward); on the last stage, call
     on_output(last chunk, its logits, the micro-batch) for each. Chunks run in eval mode."""
     was_training = [c.training for c in engine.chunks]

@@ -79,9 +79,11 @@ def schedule_problems(num_micro_batches: int, pp: int, vpp: int) -> list[str]:
     if num_micro_batches < 1:
         return ["the pipeline needs at least one micro-batch per step"]
     if vpp > 1 and num_micro_batches % pp:
-        return [f"the interleaved schedule runs micro-batches in groups of pp={pp}, but a step has "
-                f"{num_micro_batches}; make micro-batches per step (global batch / (micro batch x dp)) a multiple "
-                f"of pp={pp}: raise --global-batch-size"]
+        return [
+            f"the interleaved schedule runs micro-batches in groups of pp={pp}, but a step has "
+            f"{num_micro_batches}; make micro-batches per step (global batch / (micro batch x dp)) a multiple "
+            f"of pp={pp}: raise --global-batch-size"
+        ]
     return []
 
 

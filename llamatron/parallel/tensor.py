@@ -48,24 +48,32 @@ summing them too is harmless, as nothing reads them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.falcon import GeluMLP
 from ..models.layers import Attention
 from ..models.llama import SwiGLU
 from ..models.transformer import Transformer
-from ..errors import ConfigError
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpec, ParamSpecs, param_specs
-from .tensor_layers import (ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelArgmax,
-                            VocabParallelCrossEntropy, VocabParallelEmbedding, contiguous_layout, to_parallel_input,
-                            tp_size)
+from .tensor_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardLayout,
+    VocabParallelArgmax,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    contiguous_layout,
+    to_parallel_input,
+    tp_size,
+)
 
 VOCAB_MULTIPLE = 128  # per tp rank: the vocabulary is padded to a multiple of 128 * tp
 
@@ -124,24 +132,33 @@ def qkv_layout(cfg: ModelConfig, tp: int, tp_rank: int, group: dist.ProcessGroup
     for r in range(tp):
         first_kv = r * kv // tp  # tp > kv: r // (tp / kv), the head of this rank's query heads
         kv_heads = range(first_kv, first_kv + kv_local)
-        indices.append(torch.cat([rows(range(r * q_local, (r + 1) * q_local), 0), rows(kv_heads, nh * d),
-                                  rows(kv_heads, (nh + kv) * d)]))
+        indices.append(
+            torch.cat(
+                [rows(range(r * q_local, (r + 1) * q_local), 0), rows(kv_heads, nh * d), rows(kv_heads, (nh + kv) * d)]
+            )
+        )
     return ShardLayout(0, (nh + 2 * kv) * d, indices, tp_rank, group)
 
 
 def gate_up_layout(ffn: int, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> ShardLayout:
     """Rows of the fused [gate; up]: each rank keeps [gate slice; up slice] so SwiGLU's chunk(2) still splits them."""
     n = ffn // tp
-    indices = [torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange(ffn + r * n, ffn + (r + 1) * n)])
-               for r in range(tp)]
+    indices = [
+        torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange(ffn + r * n, ffn + (r + 1) * n)]) for r in range(tp)
+    ]
     return ShardLayout(0, 2 * ffn, indices, tp_rank, group)
 
 
 # ---- applying it to the model ------------------------------------------------------------------
 
 
-def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool = False,
-                          comm_overlap: bool = True, specs: ParamSpecs | None = None) -> ParamSpecs:
+def apply_tensor_parallel(
+    model: Transformer,
+    mesh: Mesh,
+    sequence_parallel: bool = False,
+    comm_overlap: bool = True,
+    specs: ParamSpecs | None = None,
+) -> ParamSpecs:
     """Shard `model` (on meta, before materialize) over the tensor-parallel group of `mesh`, in place.
 
     Returns the parameter specs: `specs` (default: the plain ones) with the shards' layouts and the
@@ -210,15 +227,17 @@ def tensor_parallel_specs(module: nn.Module, sequence_parallel: bool, specs: Par
 def _column(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> ColumnParallelLinear:
     if layout.full_size != linear.out_features:
         raise ValueError(f"layout of {layout.full_size} rows for a linear with {linear.out_features} outputs")
-    return ColumnParallelLinear(linear.in_features, layout, linear.bias is not None, group, sp,
-                                linear.weight.device, linear.weight.dtype)
+    return ColumnParallelLinear(
+        linear.in_features, layout, linear.bias is not None, group, sp, linear.weight.device, linear.weight.dtype
+    )
 
 
 def _row(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> RowParallelLinear:
     if layout.full_size != linear.in_features:
         raise ValueError(f"layout of {layout.full_size} columns for a linear with {linear.in_features} inputs")
-    return RowParallelLinear(linear.out_features, layout, linear.bias is not None, group, sp,
-                             linear.weight.device, linear.weight.dtype)
+    return RowParallelLinear(
+        linear.out_features, layout, linear.bias is not None, group, sp, linear.weight.device, linear.weight.dtype
+    )
 
 
 def _check_all_sharded(model: nn.Module) -> None:
@@ -231,8 +250,9 @@ def _check_all_sharded(model: nn.Module) -> None:
 # ---- gradients that each rank holds only part of -----------------------------------------------
 
 
-def sync_tensor_parallel_grads(grads: Iterable[tuple[torch.Tensor, ParamSpec]], group: dist.ProcessGroup | None
-                               ) -> None:
+def sync_tensor_parallel_grads(
+    grads: Iterable[tuple[torch.Tensor, ParamSpec]], group: dist.ProcessGroup | None
+) -> None:
     """Sum over the tp group the gradients of sequence-parallel replicated parameters and of replicated KV rows.
 
     `grads`: (gradient, spec) of the parameters whose spec has `tp_partial_grad` (others are skipped;
@@ -253,18 +273,24 @@ def sync_tensor_parallel_grads(grads: Iterable[tuple[torch.Tensor, ParamSpec]], 
     for grad, layout in replicas:
         # Every replicated row has a slot; each rank fills the slots of the rows it holds; the sum adds the replicas.
         slots = grad.new_zeros((layout.num_replicated, *grad.shape[1:]))
-        slots.index_copy_(0, layout.replicated_slots.to(grad.device),
-                          grad.index_select(0, layout.replicated_positions.to(grad.device)))
+        slots.index_copy_(
+            0,
+            layout.replicated_slots.to(grad.device),
+            grad.index_select(0, layout.replicated_positions.to(grad.device)),
+        )
         pieces.append(slots.reshape(-1))
     flat = torch.cat(pieces)
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in whole:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     for grad, layout in replicas:
         n = layout.num_replicated * grad[0].numel()
-        slots = flat[offset:offset + n].view(layout.num_replicated, *grad.shape[1:])
+        slots = flat[offset : offset + n].view(layout.num_replicated, *grad.shape[1:])
         offset += n
-        grad.index_copy_(0, layout.replicated_positions.to(grad.device),
-                         slots.index_select(0, layout.replicated_slots.to(grad.device)))
+        grad.index_copy_(
+            0,
+            layout.replicated_positions.to(grad.device),
+            slots.index_select(0, layout.replicated_slots.to(grad.device)),
+        )

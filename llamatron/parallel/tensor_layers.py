@@ -26,7 +26,6 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.transformer import IGNORE_INDEX
-
 from .mesh import all_gather_flat as _all_gather
 from .mesh import all_reduce as _all_reduce
 from .mesh import group_size as tp_size
@@ -48,7 +47,7 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the ranks, keep this rank's 1/tp of the sequence."""
-    if tp_size(group) == 1:
+    if group is None or tp_size(group) == 1:
         return x
     out, pending = _reduce_scatter_seq_async(x, group)
     pending.wait()
@@ -177,8 +176,9 @@ class ShardLayout:
     (lowest tp rank) holder is its owner, which counts it in the grad norm.
     """
 
-    def __init__(self, dim: int, full_size: int, indices: list[torch.Tensor], tp_rank: int,
-                 group: dist.ProcessGroup | None):
+    def __init__(
+        self, dim: int, full_size: int, indices: list[torch.Tensor], tp_rank: int, group: dist.ProcessGroup | None
+    ):
         self.dim, self.full_size, self.group, self.tp_rank = dim, full_size, group, tp_rank
         self.tp = len(indices)
         self.local_size = len(indices[0])
@@ -208,7 +208,8 @@ class ShardLayout:
         self.num_replicated = int(replicated.sum())
         owner = first // self.local_size
         self.not_owned_positions = self.replicated_positions[
-            owner[self.local_index[self.replicated_positions]] != tp_rank]
+            owner[self.local_index[self.replicated_positions]] != tp_rank
+        ]
 
     def local_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = list(full_shape)
@@ -267,9 +268,16 @@ def contiguous_layout(dim: int, full_size: int, tp: int, tp_rank: int, group: di
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W_local = the rows of W this rank holds (`layout`, along dim 0)."""
 
-    def __init__(self, in_features: int, layout: ShardLayout, bias: bool, group: dist.ProcessGroup | None,
-                 sequence_parallel: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        layout: ShardLayout,
+        bias: bool,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.in_features, self.layout = in_features, layout
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -294,16 +302,25 @@ class ColumnParallelLinear(nn.Module):
         return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out_local={self.layout.local_size}, out_full={self.layout.full_size}, " \
-               f"sequence_parallel={self.sequence_parallel}"
+        return (
+            f"in={self.in_features}, out_local={self.layout.local_size}, out_full={self.layout.full_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_local W_local^T, + b (replicated, added once after the reduction)."""
 
-    def __init__(self, out_features: int, layout: ShardLayout, bias: bool, group: dist.ProcessGroup | None,
-                 sequence_parallel: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        out_features: int,
+        layout: ShardLayout,
+        bias: bool,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if layout.dim != 1:
             raise ValueError("a row-parallel linear splits its weight along dim 1 (input features)")
@@ -322,16 +339,24 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in_local={self.layout.local_size}, in_full={self.layout.full_size}, out={self.out_features}, " \
-               f"sequence_parallel={self.sequence_parallel}"
+        return (
+            f"in_local={self.layout.local_size}, in_full={self.layout.full_size}, out={self.out_features}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous range of the (padded) vocabulary; other ids contribute zeros, summed over ranks."""
 
-    def __init__(self, layout: ShardLayout, hidden_size: int, group: dist.ProcessGroup | None,
-                 sequence_parallel: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        layout: ShardLayout,
+        hidden_size: int,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.layout, self.group, self.sequence_parallel = layout, group, sequence_parallel
         self.vocab_start = layout.tp_rank * layout.local_size
@@ -410,7 +435,7 @@ class VocabParallelArgmax:
         x = logits.float()
         if self.num_real < x.shape[-1]:
             x = x.clone()
-            x[..., self.num_real:] = float("-inf")
+            x[..., self.num_real :] = float("-inf")
         value, index = x.max(dim=-1)
         index = index + self.vocab_start
         n = tp_size(self.group)
