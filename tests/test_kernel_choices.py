@@ -114,8 +114,8 @@ def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
     }
     norms = [m for m in models["torch norms"].modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 5 and {m.backend for m in norms} == {"torch"}  # both layers' two, and the final norm
-    assert {layer.mlp.backend for layer in models["torch"].layers} == {"torch"}
-    assert {layer.attn.rope_backend for layer in models["auto"].layers} == {"auto"}
+    assert {layer.mlp.backend for layer in models["torch"].layers.values()} == {"torch"}
+    assert {layer.attn.rope_backend for layer in models["auto"].layers.values()} == {"auto"}
     assert models["torch"].loss_fn.backend == "torch" and models["plain"].loss_fn.backend == "auto"
     assert not _ops_run(models["auto"]) & set().union(*TRITON_OPS.values())  # CPU: the torch paths
     monkeypatch.setattr(triton_check, "kernels_on", lambda backend, x: backend != "torch")

@@ -119,7 +119,7 @@ def test_forcing_an_attention_backend_sets_the_layers_and_leaves_the_process_alo
     caches = (inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache)
     cfg, model = make("llama-test")
     apply_kernels(model, KernelChoices(attention="flash"))
-    assert [layer.attn.backend for layer in model.layers] == ["flash"] * cfg.num_layers
+    assert [layer.attn.backend for layer in model.layers.values()] == ["flash"] * cfg.num_layers
     model(torch.randint(0, cfg.vocab_size, (1, 8)))
     assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
