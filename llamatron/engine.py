@@ -102,9 +102,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     )
     dtype = DTYPES[derived.dtype_name]
     p = cfg.parallel
-    kernels = KernelChoices()  # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
-    if device.type == "cuda":
-        kernels = KernelChoices.from_resolved(kernel_choices(cfg, device.type, model_cfg))
+    resolved = kernel_choices(cfg, device.type, model_cfg)
+    # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
+    kernels = KernelChoices.from_resolved(resolved) if device.type == "cuda" else KernelChoices()
     if p.pp > 1:
         chunks, specs = build_stage_chunks(model_cfg, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
         forward_backward = pipeline_forward_backward
@@ -141,7 +141,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     ]
     o = cfg.optim
     # auto: the Triton pass on CUDA, measured 2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)
-    adamw_kernel = kernel_choices(cfg, device.type, model_cfg)["adamw"]
+    adamw_kernel = resolved["adamw"]
     optimizer = DistributedAdamW(
         buffers,
         mesh,

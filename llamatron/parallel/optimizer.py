@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
@@ -219,8 +218,3 @@ def lr_at(step: int, peak: float, floor: float, warmup: int, total: int, schedul
     if schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown lr schedule {schedule!r}")
-
-
-def dist_barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
