@@ -20,29 +20,34 @@ import torch
 from torch import nn
 
 from .config import RunConfig, validate
-from .data.batches import micro_batches_for_step, to_device
+from .data.batches import micro_batches_for_rank, to_device
 from .data.mock import MockDataset
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
 from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
 from .plan import bytes_per_param
+from .train import build_datasets
 
 
 def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
-    """`warmup` untimed and `steps` timed training steps on synthetic tokens, then one instrumented step for the
-    breakdown: the row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
+    """`warmup` untimed and `steps` timed training steps on one batch (synthetic tokens, or the first of --data /
+    --sft-data when given: real documents for document masks), then one instrumented step for the breakdown: the
+    row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
     t, device = cfg.train, engine.device
-    data = MockDataset(model_cfg.vocab_size, cfg.data.seq_length, t.seed)
-    batch = to_device(
-        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), device
+    real = cfg.data.data is not None or cfg.data.sft_data is not None
+    data = (
+        build_datasets(cfg, model_cfg, mesh).train
+        if real
+        else MockDataset(model_cfg.vocab_size, cfg.data.seq_length, t.seed)
     )
+    batch = to_device(micro_batches_for_rank(data, 0, t.global_batch_size, t.micro_batch_size, mesh), device)
     for step in range(warmup):
         train_step(engine, batch, step)
     sync_device(device)
@@ -74,6 +79,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "pp": p.pp,
         "vpp": p.vpp,
         "dp": mesh.dp,
+        "cp": mesh.cp,
         "sp": p.sequence_parallel,
         "dist_opt": p.distributed_optimizer,
         "recompute": t.recompute,

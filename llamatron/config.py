@@ -24,6 +24,7 @@ from .kernel_settings import check_kernel_settings
 from .logging_sinks import check_sink_dependencies
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
+from .parallel.context import context_problems
 from .parallel.mesh import mesh_problems
 from .parallel.pipeline import pipeline_problems, split_layers
 from .parallel.schedules import schedule_problems
@@ -57,6 +58,7 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size (ranks sharing each layer)")
     pp: int = _f(1, "pipeline-parallel size (stages)")
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved 1F1B)")
+    cp: int = _f(1, "context-parallel size (ranks that split every sequence and share the weights)")
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
@@ -421,13 +423,12 @@ def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tup
     """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step).
     Each rule belongs to the module that applies it (its `*_problems`); the flags' own ranges are checked here."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    _raise_if(mesh_problems(world_size, p.tp, p.pp))
-    dp = world_size // (p.tp * p.pp)
+    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp))
+    dp = world_size // (p.tp * p.pp * p.cp)
     _raise_if(tensor_parallel_problems(model, p.tp))
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("--sequence-parallel needs --tp > 1")
-    if p.sequence_parallel and d.seq_length % p.tp:
-        raise ConfigError(f"--seq-length {d.seq_length} must be divisible by tp={p.tp} with --sequence-parallel")
+    _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
     _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
     if t.recompute_layers is not None:
         chunk = max(split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers))  # the largest

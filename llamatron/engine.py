@@ -22,6 +22,7 @@ from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from .models.layers import Attention
 from .models.transformer import IGNORE_INDEX, CrossEntropy
+from .parallel.context import apply_context_parallel
 from .parallel.grad_buffer import GradBuffer
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
@@ -119,6 +120,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             )
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         apply_kernels(chunk, kernels)
+        apply_context_parallel(chunk, mesh)  # before recompute, which then recomputes its K/V gather
         if cfg.train.recompute != "none":
             apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_layers)
         if derived.compile:
@@ -128,8 +130,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     buffers = [
         GradBuffer(
             chunk,
-            mesh.dp_group,
-            mesh.dp,
+            mesh.replica_group,
+            mesh.replicas,
             grad_dtype=grad_dtype,
             bucket_size=p.bucket_size,
             distributed=p.distributed_optimizer,
@@ -171,9 +173,9 @@ def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], tota
 
 
 def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
-    """Tokens that count towards the loss in the whole global batch (summed over data-parallel ranks)."""
+    """Tokens that count towards the loss in the whole global batch (summed over the dp x cp replicas)."""
     local = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(engine.device, torch.float32)
-    return all_reduce(local, engine.mesh.dp_group).clamp_min(1.0)
+    return all_reduce(local, engine.mesh.replica_group).clamp_min(1.0)
 
 
 def train_step(

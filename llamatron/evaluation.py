@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .data.batches import Samples, micro_batches_for_step, model_kwargs, to_device
+from .data.batches import Samples, micro_batches_for_rank, model_kwargs, to_device
 from .errors import ConfigError
 from .models import IGNORE_INDEX
 from .parallel.mesh import sum_from_last_stage
@@ -177,13 +177,8 @@ def evaluate(
     t = cfg.train
 
     def batches_of(it: int) -> list[dict]:
-        return micro_batches_for_step(
-            dataset,
-            start_sample + it * t.global_batch_size,
-            t.global_batch_size,
-            t.micro_batch_size,
-            mesh.dp,
-            mesh.dp_rank,
+        return micro_batches_for_rank(
+            dataset, start_sample + it * t.global_batch_size, t.global_batch_size, t.micro_batch_size, mesh
         )
 
     def add(model, logits: torch.Tensor, mb: dict) -> None:

@@ -23,7 +23,7 @@ from .checkpoint import (
 )
 from .config import Derived, RunConfig, validate
 from .data import samples
-from .data.batches import Samples, micro_batches_for_step, to_device
+from .data.batches import Samples, micro_batches_for_rank, to_device
 from .data.boundaries import DocumentBoundaries
 from .data.mock import MockDataset
 from .data.sft_dataset import build_sft_datasets
@@ -187,7 +187,7 @@ def _train_on_this_rank(
     cfg: RunConfig, derived: Derived, model_cfg: ModelConfig, faults: FaultInjection
 ) -> TrainResult:
     t = cfg.train
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp)
     if mesh.rank == 0:
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)
@@ -269,9 +269,7 @@ class Trainer:
 
     def _train(self, step: int) -> None:
         t, mesh = self.engine.cfg.train, self.engine.mesh
-        mbs = micro_batches_for_step(
-            self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank
-        )
+        mbs = micro_batches_for_rank(self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size, mesh)
         self.guard.start_step(step)
         out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
         self.consumed += t.global_batch_size

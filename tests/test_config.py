@@ -2,6 +2,7 @@ import argparse
 import sys
 
 import pytest
+import torch
 import yaml
 
 from llamatron.config import add_config_arguments, config_from_values, load_config, validate
@@ -212,7 +213,7 @@ def test_fa4_attention_is_refused_for_head_dims_and_dtypes_it_has_no_kernels_for
     """Checked before any CUDA call (so it runs here): FA4's backward was measured wrong for head dim 16, and
     its kernels assert bf16/fp16/fp8 inputs."""
     cfg = config_from_values({"model": "llama-test", "attention_backend": "fa4"})
-    with pytest.raises(ConfigError, match="supports head dims 64, 96, 128; this model's is 16"):
+    with pytest.raises(ConfigError, match="supports head dims 64, 96, 128 .*; this model's is 16"):
         validate(cfg, world_size=1, cuda_available=True)
     cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4", "precision": "fp32"})
     with pytest.raises(ConfigError, match="runs in bf16 or fp16, not fp32: use --precision bf16"):
@@ -266,3 +267,26 @@ def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
         "adamw": "-",
     }
     assert set(run({"model": "llama-test"}, device="cpu").values()) == {"auto", "torch"}
+
+
+def test_auto_attention_takes_fa4_exactly_where_it_can_run(monkeypatch):
+    """--attention-backend auto resolves to fa4 with FlashAttention 4 installed on Hopper in bf16 at a head dim it
+    tunes; any one of those missing keeps SDPA's pick (auto)."""
+    import llamatron.kernel_settings as kernel_settings
+
+    monkeypatch.setattr(kernel_settings, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+    def attention(values, device="cuda"):
+        return kernel_choices(config_from_values({"model": "llama-1b", **values}), device)["attention"]
+
+    assert attention({}) == "fa4"
+    assert attention({"attention_backend": "cudnn"}) == "cudnn"
+    assert attention({"precision": "fp32"}) == "auto"
+    assert attention({}, device="cpu") == "auto"
+    assert attention({"model": "llama-test"}) == "auto"  # head dim 16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert attention({}) == "auto"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(kernel_settings, "unavailable_reason", lambda: "flash_attn.cute is not installed")
+    assert attention({}) == "auto"

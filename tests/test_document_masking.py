@@ -13,7 +13,9 @@ from llamatron.config import ConfigError, RunConfig, validate
 from llamatron.data.batches import collate
 from llamatron.data.boundaries import DocumentBoundaries, document_ids_and_positions
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
-from llamatron.models.layers import attention_core, document_mask
+from llamatron.models.attention import attention_core, attention_mask
+
+CPU = torch.device("cpu")
 
 EOD = 0
 
@@ -47,13 +49,14 @@ def test_flex_block_mask_matches_dense_mask(window):
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
     docs = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 40])
-    dense = attention_core(q, k, v, window, document_mask(docs, window, flex=False))
-    flex = attention_core(q, k, v, window, document_mask(docs, window, flex=True))
+    dense = attention_core(q, k, v, attention_mask(40, window, docs, CPU, flex=False))
+    flex = attention_core(q, k, v, attention_mask(40, window, docs, CPU, flex=True))
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     # each document alone gives the same result as the packed row
-    alone = attention_core(q[:1, :, 7:27], k[:1, :, 7:27], v[:1, :, 7:27], window)
+    alone = attention_core(q[:1, :, 7:27], k[:1, :, 7:27], v[:1, :, 7:27], attention_mask(20, window, None, CPU))
     torch.testing.assert_close(dense[:1, :, 7:27], alone, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dense[1:], attention_core(q[1:], k[1:], v[1:], window), rtol=1e-5, atol=1e-5)
+    whole = attention_core(q[1:], k[1:], v[1:], attention_mask(40, window, None, CPU))
+    torch.testing.assert_close(dense[1:], whole, rtol=1e-5, atol=1e-5)
 
 
 def tiny_model(preset):
@@ -182,10 +185,10 @@ def test_compiled_flex_attention_on_cuda():
     q, k, v = (torch.randn(2, h, 256, 64, device=dev, dtype=torch.bfloat16) for h in (8, 2, 2))
     docs = torch.tensor([[0] * 100 + [1] * 156, [0] * 30 + [1] * 200 + [2] * 26], device=dev)
     for window in (None, 64):
-        flex_mask = document_mask(docs, window)
-        assert not isinstance(flex_mask, torch.Tensor)  # a BlockMask on CUDA
-        flex = attention_core(q, k, v, window, flex_mask)
-        dense = attention_core(q, k, v, window, document_mask(docs, window, flex=False))
+        flex_mask = attention_mask(256, window, docs, dev)
+        assert flex_mask.block is not None and flex_mask.dense is None  # a BlockMask on CUDA
+        flex = attention_core(q, k, v, flex_mask)
+        dense = attention_core(q, k, v, attention_mask(256, window, docs, dev, flex=False))
         torch.testing.assert_close(flex, dense, rtol=2e-2, atol=2e-2)
 
     cfg = get_preset("llama-test")

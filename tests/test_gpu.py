@@ -82,7 +82,7 @@ def test_compiled_layers_with_fa4_match_eager_sdpa():
 
 
 def test_sdpa_attention_matches_math_reference():
-    from llamatron.models.layers import attention_core
+    from llamatron.models.attention import attention_core
 
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
@@ -99,7 +99,7 @@ def test_sdpa_attention_matches_math_reference():
 def test_each_attention_backend_matches_math(backend):
     """--attention-backend: each kernel (GQA, causal; SDPA's and FlashAttention 4) agrees with SDPA's math
     kernel, forward and gradients."""
-    from llamatron.models.layers import attention_core
+    from llamatron.models.attention import attention_core
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

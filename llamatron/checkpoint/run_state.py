@@ -44,6 +44,7 @@ def _layout(engine: Engine) -> dict[str, Any]:
         "pp": m.pp,
         "vpp": len(engine.chunks),
         "dp": m.dp,
+        "cp": m.cp,
         "distributed_optimizer": engine.optimizer.distributed,
         "sequence_parallel": p.sequence_parallel,
         "dtype": str(engine.dtype).removeprefix("torch."),
@@ -253,7 +254,7 @@ def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
     """Each rank's RNG states, when the layout is the one that saved them (otherwise rank r's state means nothing)."""
     saved = reader.run_meta.get("layout", {})
     now = _layout(engine)
-    if any(saved.get(k) != now[k] for k in ("world_size", "tp", "pp", "vpp", "dp")):
+    if any(saved.get(k, 1 if k == "cp" else None) != now[k] for k in ("world_size", "tp", "pp", "vpp", "dp", "cp")):
         return
     path = reader.step_dir / rng_file(engine.mesh.rank)
     if path.is_file():

@@ -2,7 +2,8 @@
 
 Step k trains on global samples [k*G, (k+1)*G) (G = global batch size), so
 what a step sees depends only on the global batch and `consumed_samples`,
-never on the layout. Data-parallel rank r takes the r-th contiguous 1/dp of it.
+never on the layout. Data-parallel rank r takes the r-th contiguous 1/dp of it;
+under context parallelism each of its cp ranks keeps its part of every sequence.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 import torch
 
 from ..models import IGNORE_INDEX
+from ..parallel.context import split_for_context
+from ..parallel.mesh import Mesh
 
 
 class Samples(Protocol):
@@ -32,6 +35,15 @@ def micro_batches_for_step(
     for start in range(first, first + per_rank, micro_batch_size):
         out.append(collate([dataset[(start + j) % len(dataset)] for j in range(micro_batch_size)]))
     return out
+
+
+def micro_batches_for_rank(
+    dataset: Samples, consumed_samples: int, global_batch_size: int, micro_batch_size: int, mesh: Mesh
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of the step starting at `consumed_samples`: its data-parallel share, each
+    sequence cut to its context-parallel part."""
+    mbs = micro_batches_for_step(dataset, consumed_samples, global_batch_size, micro_batch_size, mesh.dp, mesh.dp_rank)
+    return [split_for_context(mb, mesh.cp, mesh.cp_rank) for mb in mbs]
 
 
 def collate(samples: list) -> dict[str, torch.Tensor]:

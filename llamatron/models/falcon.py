@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import AttentionMask
 from .config import ModelConfig
 from .layers import Attention
 
@@ -32,7 +33,9 @@ class FalconBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = GeluMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         attn_in = self.attn_norm(x)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
-        return x + self.attn(attn_in, cos, sin, doc_mask) + self.mlp(mlp_in)
+        return x + self.attn(attn_in, cos, sin, mask) + self.mlp(mlp_in)

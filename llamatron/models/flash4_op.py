@@ -35,21 +35,28 @@ def unavailable_reason() -> str | None:
     return None if found else "flash_attn.cute is not installed"
 
 
-def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of (batch, seq, heads, dim) tensors; k, v may have fewer heads (GQA/MQA)."""
-    return fa4_attention(q, k, v)[0]
+def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Causal attention of (batch, seq, heads, dim) tensors; k, v may have fewer heads (GQA/MQA). With a window,
+    query i sees keys i - window < j <= i (FA4's local attention: it skips the blocks outside)."""
+    return fa4_attention(q, k, v, -1 if window is None else window)[0]
+
+
+def _window_left(window: int) -> int | None:
+    """FlashAttention's window_size_left counts the keys before the query's own: window - 1 (None: unbounded)."""
+    return None if window < 0 else window - 1
 
 
 @torch.library.custom_op("llamatron::fa4_attention", mutates_args=(), device_types="cuda")
-def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse, *_ = _flash_attn_fwd(q, k, v, causal=True, return_lse=True)
+    left = _window_left(window)
+    out, lse, *_ = _flash_attn_fwd(q, k, v, causal=True, window_size_left=left, return_lse=True)
     return out, lse
 
 
 @fa4_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq, heads, _ = q.shape
     out = q.new_empty((batch, seq, heads, v.shape[-1]))
     return out, q.new_empty((batch, heads, seq), dtype=torch.float32)
@@ -57,7 +64,13 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
 
 @torch.library.custom_op("llamatron::fa4_attention_backward", mutates_args=(), device_types="cuda")
 def _fa4_attention_backward(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from flash_attn.cute.interface import _flash_attn_bwd
 
@@ -65,25 +78,36 @@ def _fa4_attention_backward(
     # (the kernel's own choice, empty_like(input), follows strides that compiled code may pass differently).
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     dq, dk, dv = _flash_attn_bwd(
-        q, k, v, out, grad_out.contiguous(), lse, causal=True, dq=grads[0], dk=grads[1], dv=grads[2]
+        q,
+        k,
+        v,
+        out,
+        grad_out.contiguous(),
+        lse,
+        causal=True,
+        window_size_left=_window_left(window),
+        dq=grads[0],
+        dk=grads[1],
+        dv=grads[2],
     )[:3]
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_fa4_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse):
+def _(grad_out, q, k, v, out, lse, window):
     return tuple(t.new_empty(t.shape) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v = inputs
+    q, k, v, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
+    ctx.window = window
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    return _fa4_attention_backward(grad_out, q, k, v, out, lse)
+    return (*_fa4_attention_backward(grad_out, q, k, v, out, lse, ctx.window), None)
 
 
 fa4_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields
 from torch import nn
 
 from ..triton_check import TRITON_SETTINGS
+from .attention import ATTENTION_BACKENDS
 from .cross_entropy_op import CrossEntropy
-from .layers import ATTENTION_BACKENDS, Attention, RMSNorm
+from .layers import Attention, RMSNorm
 from .llama import SwiGLU
 from .transformer import Transformer
 

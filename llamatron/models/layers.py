@@ -11,14 +11,12 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import triton_check
 from . import rmsnorm_op, rope_op
+from .attention import AttentionMask, attention_core
 from .config import ModelConfig, RopeScaling
-from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
 
 
 class RMSNorm(nn.Module):
@@ -92,136 +90,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """Boolean (seq, seq) mask: query i sees keys j with i - window < j <= i."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    return (j <= i) & (j > i - window)
-
-
-def document_mask(document_ids: torch.Tensor, sliding_window: int | None = None, flex: bool | None = None):
-    """The attention mask for packed documents: query i sees key j iff j <= i, both lie in the same
-    document (equal ids in a (batch, seq) tensor) and, with a window, i - window < j.
-
-    Built once per forward and shared by every layer. On CUDA (or flex=True) a flex-attention
-    BlockMask, whose kernel skips the blocks between documents; elsewhere a dense boolean
-    (batch, 1, seq, seq) mask for scaled_dot_product_attention.
-    """
-    flex = document_ids.is_cuda if flex is None else flex
-    seq_len = document_ids.shape[1]
-    if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_document(b, h, q, kv):
-            keep = (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
-            return keep & (q - kv < sliding_window) if sliding_window is not None else keep
-
-        # _compile builds the block structure without materialising a (seq, seq) mask.
-        return create_block_mask(
-            same_document,
-            document_ids.shape[0],
-            None,
-            seq_len,
-            seq_len,
-            device=document_ids.device,
-            _compile=document_ids.is_cuda,
-        )
-    window = sliding_window if sliding_window is not None else seq_len  # a window of seq_len: plain causal
-    causal = sliding_window_mask(seq_len, window, document_ids.device)
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same & causal)[:, None]
-
-
-# --attention-backend: auto (SDPA picks per call), fa4 (FlashAttention 4 for plain causal attention, SDPA's pick
-# for the masked kinds) or one forced SDPA kernel.
-_SDPA_BACKENDS = {
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "math": SDPBackend.MATH,
-}
-ATTENTION_BACKENDS = ("auto", "fa4", *_SDPA_BACKENDS)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, **kwargs) -> torch.Tensor:
-    """scaled_dot_product_attention, restricted to a forced kernel for this call only. torch.compile traces
-    sdpa_kernel into the layer's graph (no graph break), so a compiled graph, and its cache key, hold the kernel
-    it runs. auto takes no context manager: SDPA's own pick, as fast as a bare call."""
-    if backend not in _SDPA_BACKENDS:
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with sdpa_kernel(_SDPA_BACKENDS[backend]):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
-_compiled_flex_attention = None
-
-
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, gqa: bool) -> torch.Tensor:
-    """flex_attention compiled once on CUDA (eager flex attention materialises the full score matrix)."""
-    global _compiled_flex_attention
-    from torch.nn.attention.flex_attention import flex_attention as flex
-
-    if not q.is_cuda or torch.compiler.is_compiling():
-        # CPU: the eager reference implementation (tests, tiny shapes); inside a compiled layer the
-        # layer's own compilation turns it into a fused kernel.
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex, dynamic=False)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-
-
-def attention_core(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sliding_window: int | None = None,
-    doc_mask=None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Causal attention over (batch, heads, seq, head_dim); k/v may have fewer heads (GQA/MQA).
-
-    doc_mask (from `document_mask`, the sliding window already in it) keeps each token inside its document.
-    backend: one of ATTENTION_BACKENDS (the layer's choice).
-    """
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        gqa = False
-    seq_len = q.shape[2]
-    if isinstance(doc_mask, torch.Tensor):
-        return _sdpa(q, k, v, backend, attn_mask=doc_mask, enable_gqa=gqa)
-    if doc_mask is not None:
-        return flex_attention(q, k, v, doc_mask, gqa)
-    if sliding_window is not None and seq_len > sliding_window:
-        mask = sliding_window_mask(seq_len, sliding_window, q.device)
-        return _sdpa(q, k, v, backend, attn_mask=mask, enable_gqa=gqa)
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    if backend == "fa4" and q.is_cuda and half and q.shape[-1] in SUPPORTED_HEAD_DIMS:
-        # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.
-        return fa4_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-    return _sdpa(q, k, v, backend, is_causal=True, enable_gqa=gqa)
-
-
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]."""
 
-    core: Callable[..., torch.Tensor]  # attention_core; selective recompute wraps it
+    core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.sliding_window = cfg.sliding_window
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
-        self.core = attention_core  # replaceable: selective recompute wraps it
+        self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
         # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
         self.backend = "auto"
         self.rope_backend = "auto"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
@@ -236,5 +125,5 @@ class Attention(nn.Module):
             k = k.view(batch, seq, -1, d).transpose(1, 2)
             v = v.view(batch, seq, -1, d).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, self.sliding_window, doc_mask, self.backend)
+        out = self.core(q, k, v, mask, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))

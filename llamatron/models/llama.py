@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import AttentionMask
 from .config import ModelConfig
 from .layers import Attention, RMSNorm
 from .swiglu_op import swiglu
@@ -41,6 +42,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_mask=None) -> torch.Tensor:
-        x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, doc_mask))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
+        x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, mask))
         return self.mlp(normed, residual=x)

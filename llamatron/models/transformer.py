@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import attention_mask, load_balanced_index
 from .config import ModelConfig
 from .cross_entropy_op import IGNORE_INDEX, CrossEntropy, cross_entropy_per_token
 from .falcon import FalconBlock
-from .layers import RMSNorm, document_mask, rope_cos_sin
+from .layers import RMSNorm, rope_cos_sin
 from .llama import LlamaBlock
 
 __all__ = ["IGNORE_INDEX", "CrossEntropy", "Transformer", "build_model", "cross_entropy_per_token"]
@@ -59,6 +60,9 @@ class Transformer(nn.Module):
         self.loss_fn = CrossEntropy()
         # Sequence parallelism splits hidden states along the sequence into this many shards.
         self.seq_shards = 1
+        # Context parallelism (parallel/context.py): (cp size, cp rank); this rank holds the tokens
+        # load_balanced_index names, and its attention sees the whole sequence's keys.
+        self.context = (1, 0)
         # Pipeline stages holding a tied embedding's two copies sum their gradients over this group
         # (parallel/pipeline.py; None: no copy on another stage).
         self.tied_embedding_group: Any = None
@@ -90,17 +94,23 @@ class Transformer(nn.Module):
         """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
 
         document_ids (batch, seq), when given, confine attention to tokens of the same
-        document (packed sequences). Returns the per-token loss when labels are given,
-        else logits; a stage without the head returns its hidden states.
+        document (packed sequences); under context parallelism they are the whole sequence's.
+        Returns the per-token loss when labels are given, else logits; a stage without the
+        head returns its hidden states.
         """
         h = self.embed(inputs) if self.embed is not None else inputs
         batch, seq = h.shape[0], self.full_seq_length(h)
         if position_ids is None:
-            position_ids = torch.arange(seq, device=h.device).expand(batch, seq)
+            size, rank = self.context
+            if size > 1:
+                index = load_balanced_index(seq * size, size, rank, h.device)
+            else:
+                index = torch.arange(seq, device=h.device)
+            position_ids = index.expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
-        doc_mask = None if document_ids is None else document_mask(document_ids, self.cfg.sliding_window)
+        mask = attention_mask(seq, self.cfg.sliding_window, document_ids, h.device, self.context)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, doc_mask)
+            h = layer(h, cos, sin, mask)
         if self.norm is None:
             return h
         if labels is None:

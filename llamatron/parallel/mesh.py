@@ -1,12 +1,19 @@
-"""Process groups and rank coordinates for tensor x data x pipeline parallelism.
+"""Process groups and rank coordinates for tensor x context x data x pipeline parallelism.
 
-Rank order (fastest-varying first): tensor, data, pipeline.
+Rank order (fastest-varying first): tensor, context, data, pipeline.
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 so the ranks of one tensor-parallel group are adjacent and stay inside a node
-(tp <= GPUs per node), data-parallel peers come next, and pipeline stages are
-farthest apart (their point-to-point traffic is the lightest).
+(tp <= GPUs per node), context-parallel peers (a K/V all-gather every layer)
+come next, data-parallel peers after them, and pipeline stages are farthest
+apart (their point-to-point traffic is the lightest).
+
+The ranks that hold the same weights are the dp x cp "replicas": context
+parallelism splits each sequence, not the weights, so gradients are reduced,
+and the distributed optimizer shards, over all of them (`replica_group`).
+Data loading follows `dp` alone: the cp ranks of one data-parallel slot read
+the same samples and each keeps its part of every sequence.
 """
 
 from __future__ import annotations
@@ -28,16 +35,29 @@ class Mesh:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    replica_group: dist.ProcessGroup | None = None  # dp x cp: the ranks holding the same weights
     mp_group: dist.ProcessGroup | None = None  # tp x pp: one model replica
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights (gradients are reduced over them): dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def replica_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -50,15 +70,15 @@ class Mesh:
     @property
     def is_logging_rank(self) -> bool:
         """The rank that writes metrics: last pipeline stage (it has the loss), first tp and dp rank."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
 
-def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def coordinates(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """(tp_rank, dp_rank, pp_rank, cp_rank) of a global rank."""
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp
 
 
 def divisors(n: int) -> list[int]:
@@ -66,23 +86,24 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_problems(world_size: int, tp: int, pp: int) -> list[str]:
-    """Why `world_size` processes cannot form a tp x dp x pp mesh (empty when they can)."""
-    out = [f"--{name} must be >= 1" for name, size in (("tp", tp), ("pp", pp)) if size < 1]
-    if not out and world_size % (tp * pp):
+def mesh_problems(world_size: int, tp: int, pp: int, cp: int = 1) -> list[str]:
+    """Why `world_size` processes cannot form a tp x cp x dp x pp mesh (empty when they can)."""
+    out = [f"--{name} must be >= 1" for name, size in (("tp", tp), ("pp", pp), ("cp", cp)) if size < 1]
+    if not out and world_size % (tp * pp * cp):
+        names, sizes = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
         out.append(
-            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of "
-            f"{tp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--pp"
+            f"world size {world_size} is not divisible by {names} = {sizes}; launch a multiple of "
+            f"{tp * cp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--cp/--pp"
         )
     return out
 
 
-def check_sizes(world_size: int, tp: int, pp: int) -> int:
+def check_sizes(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     """The data-parallel size; raises ConfigError before any group is built if the sizes cannot work."""
-    problems = mesh_problems(world_size, tp, pp)
+    problems = mesh_problems(world_size, tp, pp, cp)
     if problems:
         raise ConfigError("; ".join(problems))
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 # Collectives of every group wait at most this long (--dist-timeout); new_group does not inherit it by itself.
@@ -105,45 +126,45 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None) -> Mesh:
+def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp: int = 1) -> Mesh:
     """Groups for the current job (a single process gets a mesh of size 1 with no groups).
 
-    dp_comm_max_ctas caps the thread blocks NCCL gives the data-parallel group's collectives: those run
-    beside backward/forward compute, and every SM they take is one the matmuls lose.
+    dp_comm_max_ctas caps the thread blocks NCCL gives the gradient reduction's collectives (the replica group):
+    those run beside backward/forward compute, and every SM they take is one the matmuls lose.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dp = check_sizes(world_size, tp, pp)
-    tp_rank, dp_rank, pp_rank = coordinates(rank, tp, dp)
-    mesh = Mesh(
-        world_size=world_size, rank=rank, tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank
-    )
+    dp = check_sizes(world_size, tp, pp, cp)
+    tp_rank, dp_rank, pp_rank, cp_rank = coordinates(rank, tp, dp, cp)
+    mesh = Mesh(world_size, rank, tp, pp, dp, cp, tp_rank, pp_rank, dp_rank, cp_rank)
     if world_size == 1:
         return mesh
     # Every rank must create every group, in the same order, even those it is not in.
-    for p in range(pp):
-        for d in range(dp):
-            ranks = [mesh.rank_of(t, d, p) for t in range(tp)]
-            group = new_group(ranks)
+    every = [(t, d, p, c) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
+
+    def groups(varying: str, **options) -> tuple[dist.ProcessGroup, list[int]]:
+        """My group of the ranks that differ only in the dimensions named in `varying` (of "tdpc")."""
+        members: dict[tuple[int, ...], list[int]] = {}
+        for coord in every:
+            key = tuple(x for x, name in zip(coord, "tdpc") if name not in varying)
+            members.setdefault(key, []).append(mesh.rank_of(*coord))
+        mine = None
+        for ranks in members.values():  # insertion order: the same on every rank
+            group = new_group(ranks, **options)
             if rank in ranks:
-                mesh.tp_group, mesh.tp_ranks = group, ranks
-    for p in range(pp):
-        for t in range(tp):
-            ranks = [mesh.rank_of(t, d, p) for d in range(dp)]
-            group = new_group(ranks, max_ctas=dp_comm_max_ctas)
-            if rank in ranks:
-                mesh.dp_group, mesh.dp_ranks = group, ranks
-    for d in range(dp):
-        for t in range(tp):
-            ranks = [mesh.rank_of(t, d, p) for p in range(pp)]
-            group = new_group(ranks)
-            if rank in ranks:
-                mesh.pp_group, mesh.pp_ranks = group, ranks
-    for d in range(dp):
-        ranks = [mesh.rank_of(t, d, p) for p in range(pp) for t in range(tp)]
-        group = new_group(ranks)
-        if rank in ranks:
-            mesh.mp_group = group
+                mine = (group, ranks)
+        assert mine is not None
+        return mine
+
+    mesh.tp_group, mesh.tp_ranks = groups("t")
+    mesh.dp_group, mesh.dp_ranks = groups("d", max_ctas=dp_comm_max_ctas)
+    mesh.pp_group, mesh.pp_ranks = groups("p")
+    mesh.mp_group = groups("tp")[0]
+    if cp > 1:
+        mesh.cp_group = groups("c")[0]
+        mesh.replica_group = groups("dc", max_ctas=dp_comm_max_ctas)[0]
+    else:
+        mesh.replica_group = mesh.dp_group
     return mesh
 
 
@@ -176,8 +197,9 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceO
 
 
 def sum_from_last_stage(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Sum `t` over data-parallel ranks where the last pipeline stage computed it, then give every stage the sum."""
-    all_reduce(t, mesh.dp_group)
+    """Sum `t` over the replicas (dp x cp: each holds its share of the global batch's tokens) where the last
+    pipeline stage computed it, then give every stage the sum."""
+    all_reduce(t, mesh.replica_group)
     if mesh.pp > 1:
         dist.broadcast(t, src=mesh.pp_ranks[-1], group=mesh.pp_group)
     return t

@@ -50,11 +50,11 @@ class DistributedAdamW:
     ):
         self.buffers, self.mesh, self.kernel = buffers, mesh, kernel
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, betas, eps, clip_grad
-        self.distributed = distributed and mesh.dp > 1
+        self.distributed = distributed and mesh.replicas > 1
         self.segments: list[Segment] = []
         for buf in buffers:
             for bucket in buf.buckets:
-                lo, hi = buf.shard_range(bucket, mesh.dp_rank)
+                lo, hi = buf.shard_range(bucket, mesh.replica_rank)
                 for p in bucket.params:
                     start, end = buf.param_range[p]
                     s, e = max(start, lo), min(end, hi)
@@ -88,7 +88,7 @@ class DistributedAdamW:
         if counted:
             sq = torch.stack(torch._foreach_norm([g.float() for g in counted])).pow(2).sum()
         if self.distributed:
-            all_reduce(sq, self.mesh.dp_group)
+            all_reduce(sq, self.mesh.replica_group)
         all_reduce(sq, self.mesh.mp_group)
         return sq.sqrt()
 

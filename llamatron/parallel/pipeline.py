@@ -124,11 +124,12 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
         return None
     mine = None
     for d in range(mesh.dp):
-        for t in range(mesh.tp):
-            ranks = [mesh.rank_of(t, d, 0), mesh.rank_of(t, d, mesh.pp - 1)]
-            group = new_group(ranks)  # carries --dist-timeout
-            if mesh.rank in ranks:
-                mine = group
+        for c in range(mesh.cp):
+            for t in range(mesh.tp):
+                ranks = [mesh.rank_of(t, d, 0, c), mesh.rank_of(t, d, mesh.pp - 1, c)]
+                group = new_group(ranks)  # carries --dist-timeout
+                if mesh.rank in ranks:
+                    mine = group
     return mine
 
 

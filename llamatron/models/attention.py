@@ -1,0 +1,172 @@
+"""The attention core and its masks: which keys each query sees, built once per forward and shared by all layers.
+
+One rule says what a query sees (`_keep`): keys at or before it, in its document when document ids are given,
+and within the sliding window when there is one. It is applied three ways:
+
+- no mask at all for plain causal attention over the local sequence (the fastest kernels: cuDNN, FA4);
+- on CUDA a flex-attention BlockMask, whose kernel skips the blocks the rule masks out; without document ids it
+  depends only on the shape, so it is cached across steps (FA4 runs a plain window natively instead, when chosen);
+- off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against.
+
+Context parallelism (parallel/context.py) gives each rank two chunks of every sequence (`load_balanced_index`)
+and the whole sequence's keys; the rule then reads each query's index in the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+
+from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
+
+# --attention-backend: auto (config resolves it: FA4 where installed and usable, else SDPA's own pick), fa4
+# (FlashAttention 4 for causal attention and plain sliding windows, flex for other masks) or one forced SDPA kernel.
+_SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+ATTENTION_BACKENDS = ("auto", "fa4", *_SDPA_BACKENDS)
+
+
+def load_balanced_index(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Indices in the whole sequence of the tokens context-parallel rank `rank` of `size` holds, in its order.
+
+    The sequence is cut into 2*size chunks and rank r holds chunks r and 2*size-1-r: under a causal mask an early
+    chunk has little to attend to and a late one much, so each rank gets the same attention work."""
+    chunk = seq_len // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query sees, in the form the kernel of this device runs: `block` (flex attention) on CUDA,
+    `dense` (a boolean (batch or 1, 1, queries, keys) tensor) elsewhere. `window` is set when the mask is nothing
+    but a sliding window over the local sequence, which FA4 runs without either."""
+
+    block: BlockMask | None = None
+    dense: torch.Tensor | None = None
+    window: int | None = None
+
+
+def _keep(query_index: torch.Tensor | None, documents: torch.Tensor | None, window: int | None) -> Callable:
+    """The rule as a flex-attention mask_mod: does query q (of batch row b) see key kv?"""
+
+    def keep(b, h, q, kv):
+        qi = q if query_index is None else query_index[q]
+        out = kv <= qi
+        if documents is not None:
+            out = out & (documents[b, qi] == documents[b, kv])
+        if window is not None:
+            out = out & (qi - kv < window)
+        return out
+
+    return keep
+
+
+_CACHE: dict[tuple, AttentionMask] = {}  # masks without document ids: they depend on the shape alone
+_CACHE_SIZE = 16
+
+
+def attention_mask(
+    seq_len: int,
+    window: int | None,
+    document_ids: torch.Tensor | None,
+    device: torch.device,
+    context: tuple[int, int] = (1, 0),
+    flex: bool | None = None,
+) -> AttentionMask | None:
+    """The mask of one forward over `seq_len` local queries (None: plain causal attention, no mask needed).
+
+    document_ids: (batch, whole sequence) ids, equal within a document; under context parallelism they cover the
+    whole sequence (the keys), not only this rank's queries. context: (cp size, cp rank). flex: build a BlockMask
+    (default: on CUDA), else a dense mask."""
+    size, rank = context
+    keys = seq_len * size
+    if window is not None and window >= keys:
+        window = None  # a window as long as the sequence is plain causal attention
+    if document_ids is None and size == 1 and window is None:
+        return None
+    flex = device.type == "cuda" if flex is None else flex
+    key = (seq_len, window, str(device), size, rank, flex)
+    if document_ids is None and key in _CACHE:
+        return _CACHE[key]
+    query_index = load_balanced_index(keys, size, rank, device) if size > 1 else None
+    rule = _keep(query_index, document_ids, window)
+    batch = None if document_ids is None else document_ids.shape[0]
+    if flex:
+        # _compile builds the block structure without materialising a (queries, keys) mask.
+        block = create_block_mask(rule, batch, None, seq_len, keys, device=device, _compile=device.type == "cuda")
+        mask = AttentionMask(block=block)
+    else:
+        mask = AttentionMask(dense=create_mask(rule, batch or 1, 1, seq_len, keys, device=device))
+    if document_ids is None and size == 1:
+        mask = AttentionMask(mask.block, mask.dense, window)
+    if document_ids is None:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = mask
+    return mask
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, **kwargs: Any) -> torch.Tensor:
+    """scaled_dot_product_attention, restricted to a forced kernel for this call only. torch.compile traces
+    sdpa_kernel into the layer's graph (no graph break), so a compiled graph, and its cache key, hold the kernel
+    it runs. auto takes no context manager: SDPA's own pick, as fast as a bare call."""
+    if backend not in _SDPA_BACKENDS:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(_SDPA_BACKENDS[backend]):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+_compiled_flex_attention = None
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
+    """flex_attention compiled once on CUDA (eager flex attention materialises the full score matrix)."""
+    global _compiled_flex_attention
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if not q.is_cuda or torch.compiler.is_compiling():
+        # CPU: the eager reference implementation (tests, tiny shapes); inside a compiled layer the
+        # layer's own compilation turns it into a fused kernel.
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def _fa4_runs(q: torch.Tensor, backend: str) -> bool:
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return backend == "fa4" and q.is_cuda and half and q.shape[-1] in SUPPORTED_HEAD_DIMS
+
+
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Attention over (batch, heads, queries, head_dim) with the keys `mask` allows (None: causal); k/v may have
+    fewer heads (GQA/MQA) and, under context parallelism, more positions than q. backend: one of
+    ATTENTION_BACKENDS (the layer's choice)."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    if mask is None or (mask.window is not None and _fa4_runs(q, backend)):
+        if _fa4_runs(q, backend):
+            # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.
+            window = None if mask is None else mask.window
+            out = fa4_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
+            return out.transpose(1, 2)
+        return _sdpa(q, k, v, backend, is_causal=True, enable_gqa=gqa)
+    if mask.block is not None:
+        return flex_attention(q, k, v, mask.block, gqa)
+    return _sdpa(q, k, v, backend, attn_mask=mask.dense, enable_gqa=gqa)
