@@ -3,7 +3,7 @@
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
-#   1 GPU:  clocks, profile, plan, commit_ab1
+#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, longctx
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -135,6 +135,38 @@ for group in ${@:-single dp tests}; do
       done ;;
     plan)  # the planner's prediction against measured peak memory
       plan_check ;;
+    masks)  # issue 18: every mask kind beside plain causal on one GPU; real documents from CORPUS (default
+      # runs/bench_corpus, built by benchmarks/doc_corpus.py): defs (~443-token documents) and files (~4k)
+      C=${CORPUS:-runs/bench_corpus}; D="--tokenizer $C/tokenizer --data $C/defs_text_document"
+      S8="--model llama-1b --seq-length 8192 --global-batch-size 4 --micro-batch-size 4 --steps 8 --warmup 2"
+      printf 'model: llama-1b\nmodel_overrides:\n  sliding_window: 1024\n' >"$OUT/window.yaml"
+      printf 'model: mistral-7b\nmodel_overrides:\n  num_layers: 4\n' >"$OUT/mistral4.yaml"
+      ROW_TAG=causal-8k one 0 $S8 ${MASK_ARGS:-}
+      ROW_TAG=window-8k one 0 --config "$OUT/window.yaml" $S8 ${MASK_ARGS:-}
+      ROW_TAG=causal-defs one 0 $B1 --micro-batch-size 8 --steps 8 $D ${MASK_ARGS:-}
+      ROW_TAG=docs-defs one 0 $B1 --micro-batch-size 8 --steps 8 $D --reset-attention-mask ${MASK_ARGS:-}
+      ROW_TAG=docs-window-defs one 0 --config "$OUT/window.yaml" $B1 --micro-batch-size 8 --steps 8 $D \
+        --reset-attention-mask ${MASK_ARGS:-}
+      ROW_TAG=docs-files one 0 $B1 --micro-batch-size 8 --steps 8 --tokenizer $C/tokenizer \
+        --data $C/files_text_document --reset-attention-mask ${MASK_ARGS:-}
+      ROW_TAG=mistral4-32k one 0 --config "$OUT/mistral4.yaml" --seq-length 32768 --global-batch-size 1 \
+        --micro-batch-size 1 --steps 4 --warmup 2 ${MASK_ARGS:-} ;;
+    masks_fa4)  # with FlashAttention 4 importable: auto (now fa4) causal and its windowed kernel against flex
+      S8="--model llama-1b --seq-length 8192 --global-batch-size 4 --micro-batch-size 4 --steps 8 --warmup 2"
+      printf 'model: llama-1b\nmodel_overrides:\n  sliding_window: 1024\n' >"$OUT/window.yaml"
+      ROW_TAG=causal-8k-auto one 0 $S8
+      ROW_TAG=causal-8k-cudnn one 0 $S8 --attention-backend cudnn
+      ROW_TAG=window-8k-fa4 one 0 --config "$OUT/window.yaml" $S8
+      ROW_TAG=window-8k-flex one 0 --config "$OUT/window.yaml" $S8 --attention-backend cudnn ;;
+    longctx)  # issue 18: the longest sequences one GPU trains at, full recompute, micro-batch 1 (LONG_1B, LONG_7B)
+      for s in ${LONG_1B:-32768 65536 131072}; do
+        ROW_TAG=llama-1b-$s one 0 --model llama-1b --seq-length $s --global-batch-size 1 --micro-batch-size 1 \
+          --recompute full --steps 3 --warmup 1
+      done
+      for s in ${LONG_7B:-16384 32768}; do
+        ROW_TAG=llama2-7b-$s one 0 --model llama2-7b --seq-length $s --global-batch-size 1 --micro-batch-size 1 \
+          --recompute full --steps 2 --warmup 1
+      done ;;
     tests)
       timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations 15 >>"$OUT/pytest_gpu.txt" 2>&1
       echo "== pytest -m gpu rc $?" >>"$OUT/log.txt" ;;

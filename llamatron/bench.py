@@ -88,6 +88,8 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "mbs": t.micro_batch_size,
         "gbs": t.global_batch_size,
         "seq": cfg.data.seq_length,
+        "data": os.path.basename(cfg.data.data or cfg.data.sft_data or "mock"),
+        "document_mask": cfg.data.reset_attention_mask or cfg.data.sft_data is not None,
         "step_ms": 1000 * elapsed / steps,
         **speed,
         "peak_mem_gib": peak_mem,

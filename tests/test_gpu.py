@@ -36,7 +36,7 @@ def _assert_same_loss_and_grads(cfg, reference, other) -> None:
         assert rel < 5e-2, (n, float(rel))
 
 
-@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
+@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test", "mistral-test"])  # mistral: a window mask
 def test_compiled_layers_match_eager(name):
     from llamatron.engine import apply_compile
 
@@ -112,6 +112,55 @@ def test_each_attention_backend_matches_math(backend):
         results.append((out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), grad_out))))
     for ref, got in zip(*results):
         assert ((got - ref).norm() / ref.norm()) < 1e-2
+
+
+def _attention_against_dense(mask_of, backend="auto", seq=1024, cp=1):
+    """Forward and gradients of attention with the mask `mask_of(flex)` gives, the CUDA path (flex=None: what
+    the model builds) against the dense reference mask (flex=False) run by SDPA's math kernel in fp32."""
+    from llamatron.models.attention import attention_core
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, seq // cp, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, seq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 2, seq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(2, 8, seq // cp, 64, device="cuda", dtype=torch.bfloat16)
+    fast = mask_of(None)
+    results = []
+    for mask, name, dtype in ((mask_of(False), "math", torch.float32), (fast, backend, torch.bfloat16)):
+        inputs = [t.to(dtype) for t in (q, k, v)]
+        out = attention_core(*inputs, mask, name)
+        results.append((out.float(), *(g.float() for g in torch.autograd.grad(out, inputs, grad_out.to(dtype)))))
+    for ref, got in zip(*results):
+        assert ((got - ref).norm() / ref.norm()) < 1e-2
+    return fast
+
+
+@pytest.mark.parametrize("kind", ["window", "documents", "documents+window", "cp-rank1-of-2"])
+def test_masked_attention_on_cuda_skips_blocks_and_matches_the_dense_reference(kind):
+    """Every mask kind takes flex attention's block-sparse kernel on CUDA (no dense mask), and agrees with the
+    dense mask's result, forward and gradients."""
+    from llamatron.models.attention import attention_mask
+
+    dev = torch.device("cuda")
+    docs = torch.tensor([[0] * 300 + [1] * 500 + [2] * 224, [0] * 1024], device=dev) if "documents" in kind else None
+    window = 128 if "window" in kind else None
+    context = (2, 1) if kind.startswith("cp") else (1, 0)
+    seq = 1024 // context[0]
+    fast = _attention_against_dense(
+        lambda flex: attention_mask(seq, window, docs, dev, context, flex=flex), cp=context[0]
+    )
+    assert fast.block is not None and fast.dense is None
+    assert fast.block.sparsity() > 0  # blocks skipped
+
+
+@needs_fa4
+def test_fa4_sliding_window_matches_the_dense_reference():
+    from llamatron.models.attention import attention_mask
+
+    fast = _attention_against_dense(
+        lambda flex: attention_mask(1024, 128, None, torch.device("cuda"), flex=flex), "fa4"
+    )
+    assert fast.window == 128  # the plain window FA4 runs natively
 
 
 @pytest.mark.parametrize(

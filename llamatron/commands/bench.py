@@ -18,9 +18,6 @@ from .launch import add_launch_argument, relaunch_if_asked
 _TRAIN_ONLY = {
     "save",
     "load",
-    "data",
-    "sft_data",
-    "tokenizer",
     "train_steps",
     "eval_interval",
     "eval_iters",
@@ -40,12 +37,13 @@ _TRAIN_ONLY = {
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="measure training throughput on synthetic data",
+        help="measure training throughput on synthetic data (or the first batch of --data)",
         description=(
-            "Runs --warmup untimed and --steps timed training steps on synthetic tokens and prints one row: tokens/s "
+            "Runs --warmup untimed and --steps timed training steps on one batch of synthetic tokens (with --data or "
+            "--sft-data: the corpus's first batch, so document masks see real documents) and prints one row: tokens/s "
             "per GPU, TFLOP/s, MFU, peak memory, and a breakdown (forward, backward, exposed gradient sync, optimizer, "
             "pipeline bubble) measured on one extra instrumented step, so its parts need not add up to the timed "
-            "step. The model, parallel, precision and kernel flags of `train` apply; data, checkpoint, evaluation and "
+            "step. The model, parallel, precision, kernel and data flags of `train` apply; checkpoint, evaluation and "
             "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."
         ),
     )
@@ -70,7 +68,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     cfg = load_config(args)
     ignored = sorted(cfg.explicit & _TRAIN_ONLY)
-    cfg.data.mock_data = True
+    cfg.data.mock_data = cfg.data.data is None and cfg.data.sft_data is None
     cfg.train.train_steps = args.warmup + args.steps + 2
     status = relaunch_if_asked(args, cfg)
     if status is not None:
@@ -78,7 +76,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if ignored and int(os.environ.get("RANK", "0")) == 0:
         print(
             f"llamatron bench: ignoring {', '.join('--' + k.replace('_', '-') for k in ignored)} (bench trains on "
-            "synthetic data and saves, evaluates and logs nothing)",
+            "one batch and saves, evaluates and logs nothing)",
             file=sys.stderr,
         )
     row = run_bench(cfg, args.steps, args.warmup)
