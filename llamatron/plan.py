@@ -4,12 +4,15 @@ layouts that fit a model on a cluster with it).
 Memory model (bytes on the busiest GPU: every pipeline rank is evaluated, the largest is reported)
 ---------------------------------------------------------------------------------------------------
 Weights, gradients, optimizer state: per parameter the rank holds, as parallel/optimizer.py allocates them:
-bf16 params 2 + fp32 grads 4 + (fp32 master 4 + moments 8) / s; fp32 params 4 + 4 + 8 / s (s = dp with the
-distributed optimizer, else 1). Tensor-parallel shards divide by tp (KV heads stay >= 1 per rank), norms are
-replicated, the vocabulary is padded to 128*tp (parallel/tensor.py); the embedding sits on the first stage,
-the head and final norm on the last, and a tied embedding keeps a copy there when pp > 1.
+bf16 params 2 + fp32 grads 4 + (fp32 master 4 + moments 8) / s; fp32 params 4 + 4 + 8 / s (s = dp x cp, the
+replicas holding the same weights, with the distributed optimizer, else 1). Tensor-parallel shards divide by
+tp (KV heads stay >= 1 per rank), norms are replicated, the vocabulary is padded to 128*tp (parallel/tensor.py);
+the embedding sits on the first stage, the head and final norm on the last, and a tied embedding keeps a copy
+there when pp > 1.
 
-Activations: see plan_activations.py (what autograd saves per layer and chunk, per token).
+Activations: see plan_activations.py (what autograd saves per layer and chunk, per token). Context parallelism
+(--cp) gives each rank seq/cp tokens of every sequence: activations, the loss and the batch count those, plus
+the K/V each layer gathers over the cp ranks (kept per layer without recompute, plan_activations.py).
 
 Buffers:
   temporaries   the larger of the loss peak on the last stage (per token and local vocabulary entry: 12 bytes
@@ -17,30 +20,37 @@ Buffers:
                 one), 2 x the activation dtype for the compiled one and the Triton one (the logits and their
                 gradient; measured for the compiled one);
                 10 for the vocabulary-parallel one, 14 when the shard holds padding) and the backward of one
-                layer (gradients and re-computed tensors: about one layer's eager activations)
+                layer (gradients and re-computed tensors: about one layer's eager activations; with cp its
+                gathered K/V and their gradients before the reduce-scatter)
   staging       bf16 copies of the gradient buckets (--grad-reduce-dtype bf16, 2 per param, during backward);
                 the distributed optimizer's all-gather sources (a/dp per param) live after the step, when the
                 activations are freed, and count only by how much they exceed the backward peak
   param_grad    the largest parameter's .grad in the parameter dtype before it is added into main_grad
-  batch         the step's token ids and labels on the device, 16 bytes per token
+  batch         the step's token ids and labels on the device, 16 bytes per token (this rank's seq/cp; with
+                cp > 1 also their positions, 8 more)
   fragmentation 15% of the dynamic part (activations + the above); the flat parameter/gradient/optimizer
                 buffers are few and large and do not fragment
   runtime       outside PyTorch's allocator: CUDA context and libraries 1 GiB, plus 0.5 GiB of NCCL buffers
-                per parallel dimension in use
+                per communicator in use: tp, pp, cp and the replicas' (dp x cp; dp's own without cp)
 `allocated` (everything but fragmentation and runtime) is what torch.cuda.max_memory_allocated() should read.
 
 Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see SpeedAssumptions)
 ---------------------------------------------------------------------------------------------------
-  compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency);
+  compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency),
+    tokens = micro-batch x seq / cp (the load-balanced split gives every cp rank 1/cp of the attention work);
     hardware FLOPs = 6N + 12LhS plus one more layer forward (full recompute; N/layers-per-chunk of it with
     --recompute-layers N) or attention forward (selective);
     GEMM efficiency = tokens/(tokens+256) x (h/tp)/((h/tp)+64): small micro-batches and thin shards run slower;
   tensor parallelism: 8 (12 with full recompute) all-gathers/reduce-scatters of (tokens x h) per layer over
     NVLink (tp never leaves a node), not overlapped with compute;
+  context parallelism: per layer and micro-batch an all-gather of the whole sequence's K/V (2 x seq x kv heads/tp
+    x head_dim per sample) in forward, the reduce-scatter of their gradients in backward and, with recompute,
+    the gather again; over NVLink when tp*cp fits in a node, else across nodes; not overlapped (context.py);
   pipeline: point-to-point sends per virtual stage, across nodes when the job spans nodes, and the bubble:
     time x (1 + (pp-1)/(m*vpp));
-  data parallelism: the gradient reduction (and the distributed optimizer's all-gather) overlaps the last
-    micro-batch's backward (forward); the rest is exposed, never less than one bucket;
+  data parallelism: the gradient reduction (and the distributed optimizer's all-gather) over the dp x cp
+    replicas overlaps the last micro-batch's backward (forward); the rest is exposed, never less than one
+    bucket;
   optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter.
   Calibrated against llamatron's own compiled bf16 runs on H200s (benchmarks/h200_peak_memory.json: 21
   runs of llama-1b and Llama 2 7B on one and two GPUs, each within 10%, tested); eager runs are ~27% slower
@@ -57,7 +67,13 @@ from .models import ModelConfig
 from .models.rope_op import supports_head_dim as rope_supports_head_dim
 from .parallel.pipeline import split_layers
 from .parallel.tensor import local_kv_heads, padded_vocab_size
-from .plan_activations import LayerKernels, chunk_activation_bytes, chunks_in_flight, layer_activation_bytes
+from .plan_activations import (
+    LayerKernels,
+    chunk_activation_bytes,
+    chunks_in_flight,
+    gathered_kv_bytes,
+    layer_activation_bytes,
+)
 
 GB = 1e9
 GiB = 2**30
@@ -77,11 +93,22 @@ class Layout:
     micro_batch_size: int
     global_batch_size: int
     recompute_layers: int | None = None  # --recompute-layers: only the first N layers of each chunk
+    cp: int = 1  # --cp: ranks that split every sequence (world = tp x cp x dp x pp)
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches per data-parallel rank per step (m)."""
+        """Micro-batches per data-parallel rank per step (m; the cp ranks of a dp slot share the samples)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: gradients are reduced, and the optimizer sharded, over dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def label(self) -> str:
+        """The parallel sizes in words, for messages: 'tp 8 x cp 2 x pp 1, dp 1'."""
+        return f"tp {self.tp} x cp {self.cp} x pp {self.pp}, dp {self.dp}"
 
     @property
     def recompute_label(self) -> str:
@@ -240,9 +267,10 @@ def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int) -
     return count, largest
 
 
-def bytes_per_param(dtype: str, distributed_optimizer: bool, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter held, as parallel/optimizer.py allocates them."""
-    shards = dp if distributed_optimizer else 1
+def bytes_per_param(dtype: str, distributed_optimizer: bool, replicas: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter held, as parallel/optimizer.py allocates them
+    (replicas: dp x cp, over which the distributed optimizer shards)."""
+    shards = replicas if distributed_optimizer else 1
     if dtype == "fp32":
         return 4.0, 4.0, 8.0 / shards
     return 2.0, 4.0, 12.0 / shards
@@ -262,6 +290,22 @@ def loss_bytes_per_token(
 
 
 # ---- memory of a layout -------------------------------------------------------------------------------------
+
+
+def static_memory(
+    model: ModelConfig, lay: Layout, precision: Precision = Precision(), pp_layers: str | None = None
+) -> float:
+    """Weights + gradients + optimizer state on the busiest pipeline rank, which context parallelism does not
+    shrink (cp splits the sequence, not the weights): with runtime_memory, a lower bound of layout_memory."""
+    w, g, o = bytes_per_param(precision.dtype, lay.distributed_optimizer, lay.replicas)
+    chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)
+    return max((w + g + o) * stage_params(model, lay.tp, lay.pp, r, sum(chunks[r]))[0] for r in range(lay.pp))
+
+
+def runtime_memory(lay: Layout) -> float:
+    """Memory outside PyTorch's allocator: the CUDA context and libraries, and NCCL's buffers per communicator
+    that moves data: tp, pp, cp and the replicas' (dp x cp; the dp group's own without cp)."""
+    return RUNTIME_BASE + RUNTIME_PER_COMM * sum(1 for n in (lay.tp, lay.pp, lay.cp, lay.replicas) if n > 1)
 
 
 def layout_memory(
@@ -293,8 +337,8 @@ def _rank_memory(
     a = prec.act_bytes
     chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)[rank]
     params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks))
-    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.dp)
-    tokens = lay.micro_batch_size * seq_length
+    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.replicas)
+    tokens = lay.micro_batch_size * seq_length // lay.cp  # this rank's part of each micro-batch
     kernels = prec.layer_kernels(model)
     per_chunk = [
         chunk_activation_bytes(
@@ -309,28 +353,34 @@ def _rank_memory(
             lay.pp > 1,
             kernels,
             recompute_layers,
+            lay.cp,
         )
         for v, layers in enumerate(chunks)
     ]
     in_flight = chunks_in_flight(lay.pp, lay.vpp, lay.micro_batches, rank)
     activations = in_flight * sum(per_chunk) / len(per_chunk) * tokens
-    one_layer = layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none") * tokens
+    # One layer's backward; with cp its gathered K/V (kept or re-gathered) and their not yet reduce-scattered grads.
+    one_layer = tokens * (
+        layer_activation_bytes(model, a, lay.tp, lay.sequence_parallel, "none", cp=lay.cp)
+        + gathered_kv_bytes(model, a, lay.tp, lay.cp)
+    )
     loss = (
         loss_bytes_per_token(model, lay.tp, prec.compiled, a, prec.fused_loss) * tokens if rank == lay.pp - 1 else 0.0
     )
     temporaries, kind = (loss, "logits/loss") if loss > one_layer else (one_layer, "one layer's backward")
-    reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.dp > 1 else 0.0
-    gather_staging = a * params / lay.dp if lay.distributed_optimizer and lay.dp > 1 else 0.0
+    reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.replicas > 1 else 0.0
+    gather_staging = a * params / lay.replicas if lay.distributed_optimizer and lay.replicas > 1 else 0.0
     during_backward = activations + temporaries + a * largest + reduce_staging
     staging = reduce_staging + max(0.0, gather_staging - during_backward)
     buffers = {
         "temporaries": temporaries,
         "staging": staging,
         "param_grad": float(a * largest),
-        "batch": 16.0 * seq_length * lay.global_batch_size / lay.dp,
+        # ids and labels of this rank's seq/cp tokens; with cp also their positions (parallel/context.py)
+        "batch": (16.0 if lay.cp == 1 else 24.0) * seq_length / lay.cp * lay.global_batch_size / lay.dp,
     }
     buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest)
-    buffers["runtime"] = RUNTIME_BASE + RUNTIME_PER_COMM * sum(1 for n in (lay.tp, lay.pp, lay.dp) if n > 1)
+    buffers["runtime"] = runtime_memory(lay)
     return Memory(
         weights=w * params,
         gradients=g * params,
@@ -356,6 +406,7 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
         t.micro_batch_size,
         t.global_batch_size,
         t.recompute_layers,
+        p.cp,
     )
 
 
@@ -414,7 +465,7 @@ def estimate_speed(
     """Expected step time and throughput of a layout (see the module docstring)."""
     a = 4 if precision == "fp32" else 2
     h, L = model.hidden_size, model.num_layers
-    tokens = lay.micro_batch_size * seq_length
+    tokens = lay.micro_batch_size * seq_length / lay.cp  # this rank's part of a micro-batch
     model_flops = model.flops_per_token(seq_length)
     attention_fwd = 4.0 * L * h * seq_length
     layers_fwd = 2.0 * L * layer_params(model) + attention_fwd
@@ -430,26 +481,18 @@ def estimate_speed(
     if lay.tp > 1:
         collectives = 8 + (4 * share if lay.recompute == "full" else 0)
         tp_comm = layers_here * collectives * (lay.tp - 1) / lay.tp * tokens * h * a / hw.nvlink_bw
+    cp_comm = context_comm_seconds(model, lay, seq_length, gpus_per_node, hw, a, share)
     p2p = 0.0
     if lay.pp > 1:
         bw = hw.nvlink_bw if gpus <= gpus_per_node else hw.internode_bw
         p2p = 2 * lay.vpp * tokens * h * a / (lay.tp if lay.sequence_parallel else 1) / bw
-    per_micro_batch = compute + tp_comm + p2p
+    per_micro_batch = compute + tp_comm + cp_comm + p2p
     m = lay.micro_batches
     bubble = (lay.pp - 1) / (m * lay.vpp)
     pipeline = per_micro_batch * m * (1 + bubble)
     params = max(stage_params(model, lay.tp, lay.pp, r, L // lay.pp)[0] for r in range(lay.pp))
-    reduce_exposed = gather_exposed = 0.0
-    if lay.dp > 1:
-        bw = hw.nvlink_bw if lay.tp * lay.dp <= gpus_per_node else hw.internode_bw
-        share = (lay.dp - 1) / lay.dp
-        last_bucket = min(1.0, hw.bucket_size / params)
-        reduce = (1 if lay.distributed_optimizer else 2) * share * params * 4 / bw
-        reduce_exposed = max(reduce - per_micro_batch * 2 / 3, reduce * last_bucket)
-        if lay.distributed_optimizer:
-            gather = share * params * a / bw
-            gather_exposed = max(gather - per_micro_batch / 3, gather * last_bucket)
-    owned = params / (lay.dp if lay.distributed_optimizer else 1)
+    reduce_exposed, gather_exposed = _replica_comm_exposed(lay, params, per_micro_batch, gpus_per_node, hw, a)
+    owned = params / (lay.replicas if lay.distributed_optimizer else 1)
     optimizer = (30 * owned + 8 * params) / hw.hbm_bw
     step = pipeline + reduce_exposed + gather_exposed + optimizer
     tokens_per_gpu = lay.global_batch_size * seq_length / step / gpus
@@ -461,9 +504,50 @@ def estimate_speed(
         {
             "compute": compute * m,
             "tp_comm": tp_comm * m,
+            "cp_comm": cp_comm * m,
             "p2p": p2p * m,
             "bubble": pipeline - per_micro_batch * m,
             "dp_exposed": reduce_exposed + gather_exposed,
             "optimizer": optimizer,
         },
     )
+
+
+def context_comm_seconds(
+    model: ModelConfig,
+    lay: Layout,
+    seq_length: int,
+    gpus_per_node: int,
+    hw: SpeedAssumptions = SpeedAssumptions(),
+    act_bytes: int = 2,
+    recompute_share: float = 1.0,
+) -> float:
+    """Seconds of context-parallel traffic per micro-batch on a pipeline rank: each layer all-gathers the whole
+    sequence's K/V in forward (again when recomputed) and reduce-scatters their gradients in backward. Exposed
+    in full: context.py does not overlap the gather with attention."""
+    if lay.cp == 1:
+        return 0.0
+    # Rank order tp, cp, dp, pp: a cp group spans tp*cp consecutive ranks, inside a node when they fit.
+    bw = hw.nvlink_bw if lay.tp * lay.cp <= gpus_per_node else hw.internode_bw
+    gathered = lay.micro_batch_size * seq_length * gathered_kv_bytes(model, act_bytes, lay.tp, lay.cp) / lay.cp
+    collectives = 2 + (recompute_share if lay.recompute != "none" else 0.0)
+    layers_here = model.num_layers / lay.pp
+    return layers_here * collectives * (lay.cp - 1) / lay.cp * gathered / bw
+
+
+def _replica_comm_exposed(
+    lay: Layout, params: int, per_micro_batch: float, gpus_per_node: int, hw: SpeedAssumptions, act_bytes: int
+) -> tuple[float, float]:
+    """Seconds of the gradient reduction over the dp x cp replicas, and of the distributed optimizer's
+    all-gather, that the last micro-batch's backward (forward) does not hide; never less than one bucket."""
+    if lay.replicas == 1:
+        return 0.0, 0.0
+    bw = hw.nvlink_bw if lay.tp * lay.replicas <= gpus_per_node else hw.internode_bw
+    share = (lay.replicas - 1) / lay.replicas
+    last_bucket = min(1.0, hw.bucket_size / params)
+    reduce = (1 if lay.distributed_optimizer else 2) * share * params * 4 / bw
+    reduce_exposed = max(reduce - per_micro_batch * 2 / 3, reduce * last_bucket)
+    if not lay.distributed_optimizer:
+        return reduce_exposed, 0.0
+    gather = share * params * act_bytes / bw
+    return reduce_exposed, max(gather - per_micro_batch / 3, gather * last_bucket)

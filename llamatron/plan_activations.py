@@ -24,6 +24,12 @@ kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps
 (/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*head_dim, token ids 8 (first chunk), the final
 norm (last chunk), and on pipeline stages the received input a*h (/tp with sp); the sent output is freed
 once sent (backward starts from its gradient edge).
+Context parallelism (cp ranks, each holding seq/cp tokens; everything above is per local token): without
+recompute the attention kernel saves the K and V it attends to, the whole sequence's gathered over the cp ranks
+(gathered_kv: 2a*kv*cp per local token), in place of this rank's own: the local k and v are freed, and with the
+torch rotary so is the QKV projection's output (the kernel no longer holds v as a view of it), leaving q alone
+(a*h, in qkv with kernels.rope, else in rope). Selective recompute checkpoints the gather with the kernel, so
+its inputs, the local q/k/v, are kept as without cp; full recompute keeps the layer input.
 In flight on pipeline rank r: parallel/schedules.max_alive: min(pp - r, m) micro-batches under 1F1B; with vpp
 chunks per rank min(pp*vpp - r, m*vpp) chunk activations (each 1/vpp of the rank's layers); one micro-batch
 at a time without a pipeline.
@@ -57,8 +63,10 @@ def layer_activation_terms(
     tp: int = 1,
     sequence_parallel: bool = False,
     kernels: LayerKernels = EAGER_TORCH,
+    cp: int = 1,
 ) -> dict[str, float]:
-    """Bytes one decoder layer saves for backward per token, by part (see the module docstring)."""
+    """Bytes one decoder layer saves for backward per token, by part (see the module docstring); cp > 1: the
+    attention kernel attends to K/V gathered over cp context-parallel ranks (without recompute)."""
     compiled = kernels.compiled
     a, h, d = act_bytes, model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
@@ -72,15 +80,27 @@ def layer_activation_terms(
         norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if kernels.norms else 2 * (4 * h + a * h + 4)
         norm_outputs = 2 * a * h
         mlp = (3 if compiled or kernels.swiglu else 4) * a * f
+    qkv, rope = a * (q + 2 * kv) * d, 0 if kernels.rope else a * (q + kv) * d
+    if cp > 1:  # the kernel holds the gathered K/V, not this rank's: of the local tensors only q stays
+        qkv, rope = (a * q * d, 0) if kernels.rope else (0, a * q * d)
     return {
         "norm_inputs": norm_inputs / (tp if sequence_parallel else 1),
         "norm_outputs": norm_outputs,
-        "qkv": a * (q + 2 * kv) * d,
-        "rope": 0 if kernels.rope else a * (q + kv) * d,
+        "qkv": qkv,
+        "rope": rope,
+        "gathered_kv": gathered_kv_bytes(model, act_bytes, tp, cp),
         "softmax_stats": 4 * q,
         "attn_output": (2 if compiled else 1) * a * q * d,
         "mlp": mlp,
     }
+
+
+def gathered_kv_bytes(model: ModelConfig, act_bytes: int, tp: int, cp: int) -> float:
+    """Per local token: the whole sequence's K and V that one layer all-gathers over the cp ranks (seq/cp tokens
+    each), i.e. cp times a rank's own; 0 without context parallelism (the local K/V are the qkv term)."""
+    if cp == 1:
+        return 0.0
+    return 2.0 * cp * act_bytes * local_kv_heads(model.num_kv_heads, tp) * model.head_dim
 
 
 def final_norm_bytes(
@@ -99,11 +119,13 @@ def layer_activation_bytes(
     sequence_parallel: bool,
     recompute: str,
     kernels: LayerKernels = EAGER_TORCH,
+    cp: int = 1,
 ) -> float:
-    """Bytes per token one decoder layer keeps until its backward, under a recompute mode."""
+    """Bytes per (local) token one decoder layer keeps until its backward, under a recompute mode."""
     if recompute == "full":
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
-    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, kernels)
+    # Selective recompute re-runs the K/V gather inside its checkpoint: only the local q/k/v are kept.
+    terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, kernels, cp if recompute == "none" else 1)
     if recompute == "selective":
         terms.pop("softmax_stats")
     return sum(terms.values())
@@ -121,15 +143,19 @@ def chunk_activation_bytes(
     pipelined: bool,
     kernels: LayerKernels = EAGER_TORCH,
     recompute_layers: int | None = None,
+    cp: int = 1,
 ) -> float:
-    """Bytes per token one model chunk keeps for one micro-batch until its backward.
+    """Bytes per (local) token one model chunk keeps for one micro-batch until its backward.
 
-    recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers).
+    recompute_layers: only the chunk's first N layers are recomputed (--recompute-layers); cp: context-parallel
+    ranks (each holds seq/cp tokens of the micro-batch).
     """
     hidden = act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
     recomputed = layers if recompute == "none" or recompute_layers is None else min(layers, recompute_layers)
-    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, kernels)
-    total += (layers - recomputed) * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", kernels)
+    total = recomputed * layer_activation_bytes(model, act_bytes, tp, sequence_parallel, recompute, kernels, cp)
+    total += (layers - recomputed) * layer_activation_bytes(
+        model, act_bytes, tp, sequence_parallel, "none", kernels, cp
+    )
     total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
     if first:
         total += 8  # token ids saved by the embedding

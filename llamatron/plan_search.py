@@ -1,21 +1,44 @@
 """`llamatron plan`: every layout the trainer accepts for a model on a cluster, those that fit, fastest first
-(the memory and speed of one layout are plan.py's model)."""
+(the memory and speed of one layout are plan.py's model).
+
+Context parallelism (--cp) is proposed only where it is needed or faster: the layouts without it are searched
+first, and a layout with cp > 1 is listed only when none of them fits or it is expected faster than all that
+do, by CONTEXT_SPEEDUP. cp splits the sequence, not the weights: it pays off for long sequences, whose
+activations do not fit otherwise or whose tensor parallelism would move more than cp's K/V gathers; at short
+ones it mostly adds traffic.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 
 from .config import RunConfig, config_from_values, validate
 from .errors import ConfigError
 from .models import ModelConfig, get_preset
 from .parallel.mesh import divisors
-from .plan import GB, RUNTIME_BASE, RUNTIME_PER_COMM, Layout, Memory, Plan, Precision, estimate_speed, layout_memory
+from .plan import (
+    GB,
+    RUNTIME_BASE,
+    RUNTIME_PER_COMM,
+    Layout,
+    Memory,
+    Plan,
+    Precision,
+    estimate_speed,
+    layout_memory,
+    runtime_memory,
+    static_memory,
+)
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
+# A cp layout is listed beside layouts without cp only when expected this much faster than all of them: the
+# speed model is calibrated to ~10%, and under cp attention runs flex attention over a mask of this rank's
+# query positions instead of the causal kernels, which the model (layouts, not kernels) does not see.
+CONTEXT_SPEEDUP = 1.05
 
 # ---- search -------------------------------------------------------------------------------------------------
 
@@ -24,6 +47,7 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
     values = {
         "model": model_name,
         "tp": lay.tp,
+        "cp": lay.cp,
         "pp": lay.pp,
         "vpp": lay.vpp,
         "sequence_parallel": lay.sequence_parallel,
@@ -41,6 +65,14 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
     return config_from_values(values)
 
 
+def context_sizes(gpus: int, seq_length: int) -> list[int]:
+    """The cp sizes worth searching: 1, 2, 4, 8, ... dividing the GPU count, with the sequence cut into 2*cp
+    chunks (config.validate checks the rest: with sequence parallelism each rank's part splits over tp)."""
+    return [
+        c for c in (2**i for i in range(gpus.bit_length())) if gpus % c == 0 and (c == 1 or seq_length % (2 * c) == 0)
+    ]
+
+
 def candidate_layouts(
     model_name: str,
     gpus: int,
@@ -48,29 +80,39 @@ def candidate_layouts(
     gpus_per_node: int,
     global_batch_size: int | None = None,
     model_overrides: dict | None = None,
+    context: Iterable[int] = (1,),
+    worth: Callable[[Layout], bool] | None = None,
 ) -> Iterator[Layout]:
-    """Every layout the trainer accepts (config.validate) with tp inside a node, even pipeline splits and
-    sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple of
-    micro-batch x dp (x pp when interleaved) closest to ~4M tokens."""
+    """Every layout the trainer accepts (config.validate) with tp inside a node, cp in `context`, even pipeline
+    splits and sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple
+    of micro-batch x dp (x pp when interleaved) closest to ~4M tokens. `worth`: a cheap test a layout must pass
+    before the (costlier) validation."""
     model = _model(model_name, model_overrides)
-    for tp in divisors(gpus):
-        if tp > gpus_per_node or gpus_per_node % tp:
-            continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
-            for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):
-                gbs = global_batch_size
-                if gbs is None:
-                    step = mb * dp * (pp if vpp > 1 else 1)
-                    gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
-                for dist_opt in (False, True) if dp > 1 else (False,):
-                    lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs)
-                    try:
-                        validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
-                    except ConfigError:
-                        continue
-                    yield lay
+    sizes = [
+        (tp, cp, pp)
+        for tp in divisors(gpus)
+        if tp <= gpus_per_node and gpus_per_node % tp == 0
+        for cp in context
+        if (gpus // tp) % cp == 0
+        for pp in divisors(gpus // (tp * cp))
+    ]
+    for tp, cp, pp in sizes:
+        dp = gpus // (tp * cp * pp)
+        vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
+        for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):
+            gbs = global_batch_size
+            if gbs is None:
+                step = mb * dp * (pp if vpp > 1 else 1)
+                gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
+            for dist_opt in (False, True) if dp * cp > 1 else (False,):
+                lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs, cp=cp)
+                if worth is not None and not worth(lay):
+                    continue
+                try:
+                    validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
+                except ConfigError:
+                    continue
+                yield lay
 
 
 @dataclass
@@ -97,14 +139,26 @@ def plan(
     """All layouts that fit, fastest first; when none does, an explanation of why."""
     _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
     model = _model(model_name, model_overrides)
-    fits, rejected = [], []
-    for lay in candidate_layouts(model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides):
-        mem = layout_memory(model, lay, seq_length, precision)
-        if mem.total <= gpu_memory:
-            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
-        else:
-            rejected.append((lay, mem))
-    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+
+    def evaluate(context: Iterable[int], worth: Callable[[Layout], bool] | None = None) -> tuple[list, list]:
+        layouts = candidate_layouts(
+            model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides, context, worth
+        )
+        return _evaluate(model, layouts, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+
+    fits, rejected = evaluate((1,))
+    context = [c for c in context_sizes(gpus, seq_length) if c > 1]
+    if context:
+        # cp only where needed or faster: a cp layout must beat every layout without cp that fits, by CONTEXT_SPEEDUP.
+        to_beat = CONTEXT_SPEEDUP * max((p.speed.tokens_per_sec_per_gpu for p in fits), default=0.0)
+        # Without any valid layout to explain a failure by, cp layouts are modelled in full even when their
+        # weights alone cannot fit (the explanation names the smallest).
+        worth = _ContextFilter(
+            model, seq_length, gpu_memory, precision, gpus, gpus_per_node, to_beat, bool(fits or rejected)
+        )
+        cp_fits, cp_rejected = evaluate(context, worth)
+        fits += [p for p in cp_fits if p.speed.tokens_per_sec_per_gpu > to_beat]
+        rejected += cp_rejected
     fits = _drop_dominated_recompute(fits)
     fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
     result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
@@ -122,6 +176,64 @@ def plan(
             rejected,
         )
     return result
+
+
+def _evaluate(
+    model: ModelConfig,
+    layouts: Iterable[Layout],
+    seq_length: int,
+    gpu_memory: float,
+    precision: Precision,
+    gpus: int,
+    gpus_per_node: int,
+) -> tuple[list[Plan], list[tuple[Layout, Memory]]]:
+    """(the layouts that fit, with their partial-recompute variants; those that do not, with their memory)."""
+    fits, rejected = [], []
+    for lay in layouts:
+        mem = layout_memory(model, lay, seq_length, precision)
+        if mem.total <= gpu_memory:
+            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
+        else:
+            rejected.append((lay, mem))
+    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+    return fits, rejected
+
+
+@dataclass
+class _ContextFilter:
+    """Whether a cp layout can fit and be listed, judged before validating it or modelling its activations:
+    its weights, gradients and optimizer state (which cp does not shrink) and the runtime must fit, and where a
+    layout without cp fits it must be faster than `to_beat` even without recompute (recompute, partial or not,
+    only slows a layout down)."""
+
+    model: ModelConfig
+    seq_length: int
+    gpu_memory: float
+    precision: Precision
+    gpus: int
+    gpus_per_node: int
+    to_beat: float  # tokens/s per GPU; 0 when no layout without cp fits
+    static_bound: bool = True  # skip the layouts whose weights, gradients, optimizer state and runtime overflow
+    _static_fits: dict[tuple, bool] = field(default_factory=dict)  # by what the lower bound depends on
+
+    def __call__(self, lay: Layout) -> bool:
+        if lay.micro_batches < 1 or (self.static_bound and not self._fits_statically(lay)):
+            return False  # (no micro-batch: the global batch does not split, config.validate rejects it)
+        if self.to_beat == 0:
+            return True
+        fastest = replace(lay, recompute="none", recompute_layers=None)
+        speed = estimate_speed(self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node)
+        return speed.tokens_per_sec_per_gpu > self.to_beat
+
+    def _fits_statically(self, lay: Layout) -> bool:
+        key = (lay.tp, lay.cp, lay.pp, lay.vpp, lay.replicas, lay.distributed_optimizer)
+        if key not in self._static_fits:
+            try:
+                least = static_memory(self.model, lay, self.precision) + runtime_memory(lay)
+                self._static_fits[key] = least <= self.gpu_memory
+            except ConfigError:  # pp*vpp does not divide the layers: config.validate rejects it too
+                self._static_fits[key] = False
+        return self._static_fits[key]
 
 
 def _partial_recompute(
@@ -166,6 +278,7 @@ def _drop_dominated_recompute(fits: list[Plan]) -> list[Plan]:
         lay = p.layout
         return (
             lay.tp,
+            lay.cp,
             lay.pp,
             lay.vpp,
             lay.dp,
@@ -287,19 +400,20 @@ def _explain(
         batch = f" and global batch size {global_batch_size}" if global_batch_size else ""
         return (
             f"{setup}: no layout of {gpus} GPUs is valid for this model{batch} (tp must divide the heads and "
-            f"stay within a node of {gpus_per_node}, pp*vpp must divide its {model.num_layers} layers)"
+            f"stay within a node of {gpus_per_node}, pp*vpp must divide its {model.num_layers} layers, 2*cp the "
+            f"sequence)"
         )
     static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
     if static_mem.static > gpu_memory:
         why = (
             f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU even at the largest "
-            f"model-parallel size tp*pp = {static_lay.tp * static_lay.pp} (tp {static_lay.tp} x pp {static_lay.pp}, "
-            f"dp {static_lay.dp}{', distributed optimizer' if static_lay.distributed_optimizer else ''})"
+            f"model-parallel size tp*pp = {static_lay.tp * static_lay.pp} ({static_lay.label}"
+            f"{', distributed optimizer' if static_lay.distributed_optimizer else ''})"
         )
     else:
         lay, mem = min(rejected, key=lambda r: r[1].total)
         why = (
-            f"the smallest layout (tp {lay.tp} x pp {lay.pp}, dp {lay.dp}, recompute {lay.recompute}, micro-batch "
+            f"the smallest layout ({lay.label}, recompute {lay.recompute}, micro-batch "
             f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
             f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}"
         )

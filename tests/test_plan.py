@@ -518,8 +518,9 @@ def test_impossible_inputs_raise(kwargs, message):
 
 
 def test_no_valid_layout_is_explained():
-    # Falcon 7B has 71 heads (tp 1 only): on 64 GPUs dp >= 2, so a global batch of 1 sample cannot be split.
-    result = S.plan("falcon-7b", 64, 80 * GB, 2048, global_batch_size=1)
+    # Falcon 7B has 71 heads (tp 1 only): on 64 GPUs dp >= 2, so a global batch of 1 sample cannot be split
+    # (cp would take the place of dp, but 2046 tokens do not cut into 2*cp chunks).
+    result = S.plan("falcon-7b", 64, 80 * GB, 2046, global_batch_size=1)
     assert not result.fits and "no layout of 64 GPUs is valid" in result.explanation
 
 

@@ -24,11 +24,12 @@ def register(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="list the parallel layouts that fit a model on a cluster, fastest first",
-        description="Memory per GPU and expected speed of every tp/pp/vpp/dp/optimizer/recompute/"
-        "micro-batch layout that fits. Memory is given in GB (10^9 bytes); a GPU sold as "
-        "'80GB' holds about 85.5e9 bytes (81559 MiB), so --gpu-memory 80GB leaves a small margin; "
-        "an H200 (sold as 141GB) gives torch 139.8 GiB: --gpu-memory 139.8GiB. Speeds assume "
-        "H100/H200-class GPUs and the measured kernel efficiencies of benchmarks/RESULTS.md.",
+        description="Memory per GPU and expected speed of every tp/cp/pp/vpp/dp/optimizer/recompute/"
+        "micro-batch layout that fits (context parallelism, cp, only where needed or faster). Memory is "
+        "given in GB (10^9 bytes); a GPU sold as '80GB' holds about 85.5e9 bytes (81559 MiB), so "
+        "--gpu-memory 80GB leaves a small margin; an H200 (sold as 141GB) gives torch 139.8 GiB: "
+        "--gpu-memory 139.8GiB. Speeds assume H100/H200-class GPUs and the measured kernel efficiencies of "
+        "benchmarks/RESULTS.md.",
     )
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
@@ -94,6 +95,7 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
     cols = [
         "#",
         "tp",
+        "cp",
         "pp",
         "vpp",
         "dp",
@@ -117,6 +119,7 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
             [
                 str(i),
                 str(lay.tp),
+                str(lay.cp),
                 str(lay.pp),
                 str(lay.vpp),
                 str(lay.dp),
@@ -131,8 +134,10 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     note = (
-        "sequence parallelism is on whenever tp > 1; recompute full:N = --recompute full --recompute-layers N "
-        "(the fewest layers per chunk that fit); buffers = logits/loss or backward temporaries, staging, "
-        "batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc llamatron.plan`)"
+        "sequence parallelism is on whenever tp > 1; cp = context-parallel ranks per sequence (listed only where "
+        "no layout without it fits or it is expected faster than all that do); recompute full:N = --recompute "
+        "full --recompute-layers N (the fewest layers per chunk that fit); buffers = logits/loss or backward "
+        "temporaries, staging, batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc "
+        "llamatron.plan`)"
     )
     return "\n".join([head, *lines, note])
