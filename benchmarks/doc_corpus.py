@@ -43,7 +43,9 @@ def main(out_dir: str, max_mb: float = 16.0) -> None:
         os.remove(jsonl)
         lengths = np.asarray(IndexedDataset(prefix).sizes)
         stats = {"mean": float(lengths.mean()), "median": float(np.median(lengths)), "documents": len(lengths)}
-        print(json.dumps({"corpus": name, "data": prefix, "tokenizer": tokenizer, "tokens": int(lengths.sum()), **stats}))
+        print(
+            json.dumps({"corpus": name, "data": prefix, "tokenizer": tokenizer, "tokens": int(lengths.sum()), **stats})
+        )
 
 
 if __name__ == "__main__":

@@ -173,3 +173,16 @@ def test_swiglu_with_residual_equals_residual_plus_mlp(bias):
     grad = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flops_per_token_counts_the_keys_a_query_attends_to():
+    """6·N + 12·L·h·S with S the sequence length, or the sliding window where it is shorter."""
+    import dataclasses
+
+    cfg = get_preset("mistral-test")  # window 16
+    plain = dataclasses.replace(cfg, sliding_window=None)
+    n = 6.0 * cfg.num_params()
+    attention = 12.0 * cfg.num_layers * cfg.hidden_size
+    assert plain.flops_per_token(64) == n + attention * 64
+    assert cfg.flops_per_token(64) == n + attention * 16
+    assert cfg.flops_per_token(8) == plain.flops_per_token(8) == n + attention * 8

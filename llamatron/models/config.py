@@ -121,8 +121,10 @@ class ModelConfig:
         return self.num_layers * per_layer + final_norm + embed
 
     def flops_per_token(self, seq_length: int) -> float:
-        """Model FLOPs per trained token: 6·N + 12·L·h·S (docs/design.md)."""
-        return 6.0 * self.num_params() + 12.0 * self.num_layers * self.hidden_size * seq_length
+        """Model FLOPs per trained token: 6·N + 12·L·h·S (docs/design.md), S the keys a query attends to: the
+        sequence length, or the sliding window when it is shorter (else windowed models report MFU above 100%)."""
+        keys = min(seq_length, self.sliding_window) if self.sliding_window is not None else seq_length
+        return 6.0 * self.num_params() + 12.0 * self.num_layers * self.hidden_size * keys
 
 
 __all__ = ["ModelConfig", "RopeScaling"]
