@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> N
             print(f"llamatron {args.command}: file not found: {e.filename or e}", file=sys.stderr)
         sys.exit(2)
     except CheckpointError as e:
-        print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)
+        if first_rank or not e.same_on_every_rank:
+            print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)
         sys.exit(2)
     except TrainingAborted as e:  # too many non-finite steps, a hung rank: the message says what to do
         if e.rank_specific or first_rank:

@@ -18,7 +18,12 @@ class MissingDataError(DataError, FileNotFoundError):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint (or imported weights) that cannot be read, written or used for this model."""
+    """A checkpoint (or imported weights) that cannot be read, written or used for this model.
+
+    `same_on_every_rank`: every rank raises this same message (a save's outcome): only rank 0 prints it.
+    """
+
+    same_on_every_rank = False
 
 
 class HFConversionError(CheckpointError):

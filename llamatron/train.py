@@ -21,6 +21,7 @@ from .checkpoint import (
     step_dirs,
     step_number,
 )
+from .checkpoint.save_lock import SaveDirLock
 from .config import Derived, RunConfig, validate
 from .data import samples
 from .data.batches import Samples, micro_batches_for_rank, to_device
@@ -172,15 +173,27 @@ def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInject
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     if t.load:
         check_checkpoint_fits(t.load, model_cfg, model_label(cfg))
-    if not replace_save:
-        check_save_dir(cfg)
-    init_distributed(derived.device, t.dist_timeout)
+    lock = _lock_save_dir(cfg)
     try:
+        if not replace_save:
+            check_save_dir(cfg)
+        init_distributed(derived.device, t.dist_timeout)
         return _train_on_this_rank(cfg, derived, model_cfg, faults)
     finally:  # also after an error: a process group left alive aborts the exit (gloo's threads)
         restore_signal_handlers()
         if dist.is_initialized():
             dist.destroy_process_group()
+        lock.release()
+
+
+def _lock_save_dir(cfg: RunConfig) -> SaveDirLock:
+    """The run's lock on --save (taken by global rank 0: the ranks of one run are one holder)."""
+    save = cfg.train.save
+    if not save or int(os.environ.get("RANK", "0")) != 0:
+        return SaveDirLock(None)
+    if not os.path.isdir(save):
+        check_save_dir(cfg)  # creates it, or says why it cannot
+    return SaveDirLock.acquire(save)
 
 
 def _train_on_this_rank(

@@ -214,13 +214,14 @@ def tp2_failed_save(workdir) -> dict:
         "error": str(failure.value),
         "records": _records(run_dir),
         "latest": (root / "latest").read_text(),
-        "entries": sorted(p.name for p in root.iterdir()),
+        "entries": sorted(p.name for p in root.iterdir() if p.name != ".lock"),  # the run's lock file stays
     }
 
 
 def test_failed_save_leaves_the_previous_checkpoint_and_latest(tp2_failed_save):
     assert "No space left on device (injected" in tp2_failed_save["error"]
     assert "latest still names the previous checkpoint" in tp2_failed_save["error"]
+    assert tp2_failed_save["error"].count("checkpoint error:") == 1  # the same outcome on both ranks, said once
     assert tp2_failed_save["latest"].strip() == "step-2"
     assert tp2_failed_save["entries"] == ["latest", "step-2"]  # no step-4, no temporary directory left
     assert [r["step"] for r in tp2_failed_save["records"]] == [1, 2, 3, 4]
@@ -292,8 +293,8 @@ def test_async_save_writes_the_same_checkpoint_as_sync(workdir, dp2_distopt):
             m["config"]["train"].pop("save"), m["config"]["train"].pop("metrics_file")
         assert metas[0] == metas[1]
         for r in range(2):
-            a, b = (torch.load(d / f"rng/rank-{r:05d}.pt", weights_only=False) for d in (sync, done))
-            assert torch.equal(a["torch"], b["torch"])
+            a, b = (json.loads((d / f"rng/rank-{r:05d}.json").read_text()) for d in (sync, done))
+            assert a["torch"] == b["torch"] and len(a["torch"]) > 1000
 
 
 def test_resume_with_distributed_optimizer_is_exact(workdir, dp2_distopt):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .meta_llama import MetaLlamaSource, is_meta_checkpoint
-from .reader import META_FILE, MODEL_FILE, open_weights, resolve_checkpoint
+from .reader import META_FILE, MODEL_FILE, inside, open_weights, read_meta, resolve_checkpoint
 from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
 TOKENIZER_FILES = (
@@ -56,13 +57,28 @@ def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | Meta
     for weights in _WEIGHT_FILES:
         index = d / f"{weights}.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return hf, TensorSource(d / f for f in files), f"{weights.split('.')[-1]} (sharded)"
+            files = sorted(set(_weight_map(index).values()))
+            return hf, TensorSource(inside(d, f, str(index)) for f in files), f"{weights.split('.')[-1]} (sharded)"
         if (d / weights).is_file():
             return hf, TensorSource([d / weights]), weights.split(".")[-1]
     raise CheckpointError(
         f"{d}: no weights; expected model.safetensors, pytorch_model.bin or their *.index.json with shards"
     )
+
+
+def _read_hf_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download it") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    data = _read_hf_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to files; re-download it")
+    return weight_map
 
 
 def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -135,7 +151,16 @@ def _copy_tokenizer(src: Path, dst: Path) -> Path | None:
 
 
 def _is_tokenizer(path: Path) -> bool:
-    return path.is_file() or (path.is_dir() and any((path / n).is_file() for n in TOKENIZER_FILES))
+    """A tokenizer file or a directory of tokenizer files that the tokenizer libraries load: a checkpoint's
+    meta.json names the path, so anything else (any file on the machine) must not be shipped as one."""
+    named = path.is_file() and path.name in TOKENIZER_FILES
+    if not (named or (path.is_dir() and any((path / n).is_file() for n in TOKENIZER_FILES))):
+        return False
+    try:
+        load_tokenizer(str(path))
+    except Exception:  # not a tokenizer, whatever its name says
+        return False
+    return True
 
 
 def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = None) -> Path | None:
@@ -144,6 +169,10 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     if explicit is not None:
         if not Path(explicit).exists():
             raise CheckpointError(f"tokenizer {explicit} not found")
+        if not _is_tokenizer(Path(explicit)):
+            raise CheckpointError(
+                f"--tokenizer {explicit} is not a tokenizer ({', '.join(TOKENIZER_FILES)} that loads)"
+            )
         return Path(explicit)
     recorded = [c for c in (meta.get("tokenizer"), (meta.get("config") or {}).get("data", {}).get("tokenizer")) if c]
     # OUT/tokenizer of an import is still there when the checkpoint was copied elsewhere as a whole.
@@ -153,8 +182,8 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     if recorded:  # exporting without it would publish a model nobody can tokenize for
         raise CheckpointError(
             f"the checkpoint's tokenizer {recorded[0]} (recorded in {step_dir / META_FILE}) is "
-            f"not there any more (moved or deleted); pass --tokenizer PATH with the tokenizer "
-            f"the model was trained with"
+            f"not there any more (moved or deleted) or is not a tokenizer; pass --tokenizer PATH with the "
+            f"tokenizer the model was trained with"
         )
     return None
 
@@ -186,7 +215,7 @@ def export_hf(
         raise CheckpointError(
             f"{out} already exists and is not empty; export into a new directory (or delete {out} first)"
         )
-    meta = json.loads((step_dir / META_FILE).read_text())
+    meta = read_meta(step_dir)
     cfg = ModelConfig.from_dict(meta["model_config"])
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
@@ -212,13 +241,22 @@ def export_hf(
     generation = hf_meta.get("generation_config") or {
         k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf
     }
-    out.mkdir(parents=True, exist_ok=True)
-    files = _write_shards(out, specs, _hf_tensors(rules, source, vocab, dtype), max_shard_size)
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if generation:
-        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if tok is not None:
-        _copy_tokenizer(tok, out)
+    # Written into a temporary directory beside OUT and renamed into place once complete: a failure half-way
+    # (a truncated checkpoint, a full disk) leaves no unreadable model.safetensors behind.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        files = _write_shards(tmp, specs, _hf_tensors(rules, source, vocab, dtype), max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if generation:
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tok is not None:
+            _copy_tokenizer(tok, tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"files": files, "tokenizer": str(tok) if tok else None, "config": hf, "step_dir": str(step_dir)}
 
 

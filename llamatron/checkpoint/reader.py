@@ -3,9 +3,13 @@
 A checkpoint step directory holds
 
     meta.json                   step, consumed_samples, resolved config, model config, layout it was saved under
-    index.json                  every tensor: full shape, dtype, and its pieces (file, offsets, sizes)
+    index.json                  every tensor: full shape, dtype, and its pieces (file, offsets, sizes);
+                                each file's sha256, checked when the file is first read
     rank-NNNNN.safetensors      the pieces one rank wrote; the key of a piece is KIND/NAME@OFFSETS
-    rng/rank-NNNNN.pt           that rank's RNG states
+    rng/rank-NNNNN.json         that rank's RNG states (JSON: nothing in a checkpoint is unpickled)
+
+Every path read from a checkpoint (`latest`, the index's files) must name a file inside its directory,
+symlinks resolved: a crafted checkpoint cannot make a load read anything else.
 
 Tensors are grouped by kind: `model` (weights), `master` (fp32 master
 weights, only when they differ from the weights), `exp_avg`, `exp_avg_sq`
@@ -20,7 +24,9 @@ Reads use safetensors' lazy slicing: only the overlapping bytes are read.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +75,25 @@ def rank_file(rank: int) -> str:
 
 
 def rng_file(rank: int) -> str:
-    return f"rng/rank-{rank:05d}.pt"
+    return f"rng/rank-{rank:05d}.json"
+
+
+def inside(directory: Path, name: str, what: str) -> Path:
+    """directory/name, refused unless it resolves (symlinks followed) to a path inside `directory`."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise CheckpointError(f"{what} names {name!r}, not a file of {directory}; refusing to read it")
+    path = directory / name
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(f"{what} names {name!r}, outside {directory}; refusing to read it")
+    return path
+
+
+def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -99,18 +123,57 @@ def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted((n, d) for d in root.iterdir() if (n := step_number(d.name)) is not None and d.is_dir())
 
 
+def is_complete(step_dir: Path) -> bool:
+    """meta.json is written last of a step's files, then the directory is renamed: its presence means done."""
+    return (step_dir / META_FILE).is_file()
+
+
+def intact_copy(root: Path, name: str) -> Path | None:
+    """A complete copy of step `name` left beside it by a save killed while replacing it (writer._publish moves
+    the old copy to .old-NAME before the new one, a complete .tmp-NAME, takes its place): the new one first."""
+    for candidate in (root / f".tmp-{name}", root / f".old-{name}"):
+        if is_complete(candidate):
+            return candidate
+    return None
+
+
+def latest_name(root: Path) -> str | None:
+    """The step `root/latest` names (None without one); a name that is not a step directory is refused."""
+    latest = root / "latest"
+    if not latest.is_file():
+        return None
+    name = latest.read_text(errors="replace").strip()
+    if step_number(name) is None:
+        raise CheckpointError(f"{latest} names {name!r}, not a step-N directory of {root}; refusing to follow it")
+    inside(root, name, str(latest))
+    return name
+
+
+_TOLD: set[Path] = set()
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """DIR (follows DIR/latest) or DIR/step-N -> the step directory."""
     p = Path(path)
-    if (p / META_FILE).is_file():
+    if is_complete(p):
         return p
-    latest = p / "latest"
-    if latest.is_file():
-        step_dir = p / latest.read_text().strip()
-        if (step_dir / META_FILE).is_file():
+    name = latest_name(p)
+    if name is not None:
+        step_dir = p / name
+        if is_complete(step_dir):
             return step_dir
-        raise CheckpointError(f"{latest} points to {step_dir}, which is not a complete checkpoint")
-    complete = [d for _, d in step_dirs(p) if (d / META_FILE).is_file()]
+        copy = intact_copy(p, name)
+        if copy is not None:
+            if copy not in _TOLD:  # resolved more than once per load: say it once
+                _TOLD.add(copy)
+                print(
+                    f"llamatron: {step_dir} is missing (a save was killed while replacing it); loading its intact "
+                    f"copy {copy}",
+                    file=sys.stderr,
+                )
+            return copy
+        raise CheckpointError(f"{p / 'latest'} points to {step_dir}, which is not a complete checkpoint")
+    complete = [d for _, d in step_dirs(p) if is_complete(d)]
     if complete:  # `latest` lost (copied without it, say): the complete checkpoints are there to name
         names = ", ".join(d.name for d in complete[-5:])
         raise CheckpointError(
@@ -119,8 +182,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"no checkpoint at {path}: expected {path}/latest or {path}/{META_FILE}")
 
 
+def _checked_meta(path: Path) -> dict[str, Any]:
+    """meta.json, refused (as damaged) unless it is an object holding the model's config."""
+    meta = _read_json(path)
+    if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
+        raise _damaged(path, ValueError("no model_config object in it"))
+    return meta
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
-    return _read_json(resolve_checkpoint(path) / META_FILE)
+    return _checked_meta(resolve_checkpoint(path) / META_FILE)
 
 
 def index_to_json(files: list[str], tensors: dict[str, dict[str, StoredTensor]]) -> dict[str, Any]:
@@ -146,21 +217,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in TORCH_DTYPES.items()}[dtype]
 
 
-def _index_from_json(data: dict[str, Any], where: Path) -> dict[str, dict[str, StoredTensor]]:
-    if data.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{where}: unknown checkpoint format {data.get('format')!r} (this version reads {FORMAT})"
-        )
-    files = data["files"]
-    out: dict[str, dict[str, StoredTensor]] = {}
-    for kind, by_name in data["tensors"].items():
-        out[kind] = {}
-        for name, entry in by_name.items():
-            pieces = []
-            for file_id, offsets, sizes in entry["pieces"]:
-                box = Box(tuple(offsets), tuple(sizes))
-                pieces.append(StoredPiece(files[file_id], piece_key(kind, name, box), box))
-            out[kind][name] = StoredTensor(tuple(entry["shape"]), TORCH_DTYPES[entry["dtype"]], pieces)
+def _index_from_json(data: Any, where: Path) -> dict[str, dict[str, StoredTensor]]:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{where}: unknown checkpoint format {found!r} (this version reads {FORMAT})")
+    try:
+        files = data["files"]
+        out: dict[str, dict[str, StoredTensor]] = {}
+        for kind, by_name in data["tensors"].items():
+            out[kind] = {}
+            for name, entry in by_name.items():
+                pieces = []
+                for file_id, offsets, sizes in entry["pieces"]:
+                    box = Box(tuple(int(x) for x in offsets), tuple(int(x) for x in sizes))
+                    pieces.append(StoredPiece(files[file_id], piece_key(kind, name, box), box))
+                out[kind][name] = StoredTensor(tuple(entry["shape"]), TORCH_DTYPES[entry["dtype"]], pieces)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        raise _damaged(where, ValueError(f"malformed index: {type(err).__name__}: {err}")) from None
     return out
 
 
@@ -190,14 +263,17 @@ class CheckpointReader:
 
     def __init__(self, path: str | Path):
         self.step_dir = resolve_checkpoint(path)
-        self.run_meta: dict[str, Any] = _read_json(self.step_dir / META_FILE)
+        self.run_meta: dict[str, Any] = _checked_meta(self.step_dir / META_FILE)
         index = self.step_dir / INDEX_FILE
-        self.tensors = (
-            _index_from_json(_read_json(index), index)
-            if index.is_file()
-            else _index_of_full_tensor_files(self.step_dir)
-        )
         self._handles: dict[str, Any] = {}
+        self._checksums: dict[str, str] = {}  # absent in checkpoints written before checksums
+        if index.is_file():
+            data = _read_json(index)
+            self.tensors = _index_from_json(data, index)
+            sums = data.get("checksums", {})
+            self._checksums = sums if isinstance(sums, dict) else {}
+        else:
+            self.tensors = _index_of_full_tensor_files(self.step_dir)
 
     def has(self, kind: str, name: str | None = None) -> bool:
         return kind in self.tensors and (name is None or name in self.tensors[kind])
@@ -238,9 +314,12 @@ class CheckpointReader:
 
     def _handle(self, fname: str):
         if fname not in self._handles:
-            path = self.step_dir / fname
+            path = inside(self.step_dir, fname, str(self.step_dir / INDEX_FILE))
             if not path.is_file():
                 raise CheckpointError(f"{path}: listed in {self.step_dir / INDEX_FILE} but missing")
+            want = self._checksums.get(fname)
+            if want is not None and file_sha256(path) != want:
+                raise _damaged(path, ValueError("its sha256 differs from the one the index recorded"))
             self._handles[fname] = open_safetensors(path)
         return self._handles[fname]
 

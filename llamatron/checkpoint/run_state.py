@@ -18,20 +18,23 @@ schedule is a function of the step, so restoring the step restores it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..engine import Engine
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingAborted
 from ..faults import NO_FAULTS, FaultInjection
 from ..models import ModelConfig, build_model
 from ..parallel.optimizer import lr_at
 from ..parallel.param_spec import ParamSpec
 from .pieces import local_pieces
 from .reader import CheckpointReader, read_meta, rng_file
-from .writer import PendingSave, engine_params, finish, set_rng_state, start_save
+from .rng import restore_rng
+from .writer import PendingSave, engine_params, finish, start_save
 
 FORMAT_VERSION = 2
 
@@ -97,8 +100,24 @@ def begin_save(
 
     skipped_steps: non-finite steps skipped so far in the run, which a resumed run continues counting;
     keep_last: --keep-last; inherited_meta: `meta_to_inherit` of the loaded checkpoint; fail: an injected fault."""
+    check_weights_finite(engine, step, root)
     meta = _meta(engine, step, consumed_samples, skipped_steps, inherited_meta or {})
     return start_save(engine, root, step, meta, background=background, keep_last=keep_last, fail=fail)
+
+
+def check_weights_finite(engine: Engine, step: int, root: str | Path) -> None:
+    """Refuse to save weights with a NaN or an infinity (a corrupt load, a diverged step that was not skipped):
+    such a checkpoint could only replace a good one. Every rank checks its own and learns of any other's."""
+    bad = torch.zeros((), device=engine.device)
+    for buf in engine.buffers:
+        bad += (~torch.isfinite(buf.param_data)).any()
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    if bad.item():
+        raise TrainingAborted(
+            f"the weights after step {step} hold NaN or infinite values: not saved, so {root}/latest still names "
+            "the last good checkpoint; resume from it (a lower --lr, or check the data and the checkpoint loaded)"
+        )
 
 
 def finish_pending_save(engine: Engine, pending: PendingSave) -> str:
@@ -155,7 +174,10 @@ class Checkpointing:
 
 
 def read_model_config(path: str) -> ModelConfig:
-    return ModelConfig.from_dict(read_meta(path)["model_config"])
+    try:
+        return ModelConfig.from_dict(read_meta(path)["model_config"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: the model_config in its meta.json is not a model's ({err})") from None
 
 
 def check_checkpoint_fits(path: str, model_cfg: ModelConfig, model_name: str) -> None:
@@ -256,9 +278,7 @@ def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
     now = _layout(engine)
     if any(saved.get(k, 1 if k == "cp" else None) != now[k] for k in ("world_size", "tp", "pp", "vpp", "dp", "cp")):
         return
-    path = reader.step_dir / rng_file(engine.mesh.rank)
-    if path.is_file():
-        set_rng_state(torch.load(path, weights_only=False))
+    restore_rng(reader.step_dir / rng_file(engine.mesh.rank))
 
 
 __all__ = [

@@ -10,6 +10,7 @@ little-endian data), readable by `safetensors.safe_open` and transformers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -101,8 +102,13 @@ class StreamingSafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors itself writes it
         self.path, self._specs, self._next = Path(path), specs, 0
+        self.sha256 = hashlib.sha256()  # of every byte written: the checkpoint index records it
         self._file = open(self.path, "wb")
-        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._write(struct.pack("<Q", len(blob)) + blob)
+
+    def _write(self, data) -> None:
+        self._file.write(data)
+        self.sha256.update(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, dtype, shape = self._specs[self._next]
@@ -112,7 +118,7 @@ class StreamingSafetensorsWriter:
                 f"got {name} {tensor.dtype} {tuple(tensor.shape)}"
             )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(data.numpy().data)
+        self._write(data.numpy().data)
         self._next += 1
 
     def close(self) -> None:

@@ -32,14 +32,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -56,11 +54,15 @@ from .reader import (
     StoredPiece,
     StoredTensor,
     index_to_json,
+    intact_copy,
+    is_complete,
+    latest_name,
     piece_key,
     rank_file,
     rng_file,
     step_dirs,
 )
+from .rng import rng_state, write_rng
 from .tensor_io import StreamingSafetensorsWriter
 
 
@@ -85,6 +87,8 @@ class PendingSave:
     file: str | None
     thread: threading.Thread | None = None
     error: str | None = None
+    checksum: str | None = None  # sha256 of this rank's file, for the index
+    renamed: bool = False  # step-N is in place (rank 0), whether or not `latest` names it yet
     keep_last: int = 0
     expected: dict[str, tuple[int, ...]] | None = None  # every weight's full shape (rank 0 checks the index)
 
@@ -139,21 +143,6 @@ def rank_pieces(engine) -> list[PieceToWrite]:
     return out
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -165,8 +154,12 @@ def _fsync(path: Path) -> None:
 _INJECTED = "No space left on device (injected: FaultInjection.fail_save)"
 
 
-def write_files(tmp: Path, rank: int, pieces: list[PieceToWrite], rng: dict[str, Any], fail: bool = False) -> None:
-    """This rank's safetensors file and RNG state, flushed to disk. fail: a test's injected failure half-way."""
+def write_files(
+    tmp: Path, rank: int, pieces: list[PieceToWrite], rng: dict[str, Any], fail: bool = False
+) -> str | None:
+    """This rank's safetensors file and RNG state, flushed to disk; returns the file's sha256 (None: no file).
+    fail: a test's injected failure half-way."""
+    digest = None
     if pieces:
         specs = [(piece_key(p.kind, p.name, p.box), p.data.dtype, p.box.sizes) for p in pieces]
         path = tmp / rank_file(rank)
@@ -175,10 +168,12 @@ def write_files(tmp: Path, rank: int, pieces: list[PieceToWrite], rng: dict[str,
                 if fail and n == len(pieces) // 2:
                     raise OSError(errno.ENOSPC, _INJECTED, str(path))
                 writer.write(spec[0], piece.data)
+        digest = writer.sha256.hexdigest()
         _fsync(path)
     elif fail:
         raise OSError(errno.ENOSPC, _INJECTED)
-    torch.save(rng, tmp / rng_file(rank))
+    write_rng(tmp / rng_file(rank), rng)
+    return digest
 
 
 def _snapshot(pieces: list[PieceToWrite]) -> list[PieceToWrite]:
@@ -212,6 +207,8 @@ def start_save(
         model = build_model(engine.model_cfg, device="meta")
         pending.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
         try:
+            if pending.tmp.exists() and pending.tmp == protected_copy(root):  # the only copy `latest` has
+                os.replace(pending.tmp, root / f".old-step-{step}")
             if pending.tmp.exists():  # left by a save that crashed
                 shutil.rmtree(pending.tmp)
             (pending.tmp / "rng").mkdir(parents=True)
@@ -229,7 +226,7 @@ def start_save(
 
     def write(to_write: list[PieceToWrite]) -> None:
         try:
-            write_files(pending.tmp, mesh.rank, to_write, rng, fail)
+            pending.checksum = write_files(pending.tmp, mesh.rank, to_write, rng, fail)
         except Exception as e:
             pending.error = pending.error or _describe(mesh.rank, e)
 
@@ -256,7 +253,7 @@ def finish(engine: Engine, pending: PendingSave) -> str:
     """Wait for every rank's writes, then publish step-N and `latest` (rank 0), or discard it everywhere."""
     if pending.thread is not None:
         pending.thread.join()
-    report = (pending.error, pending.file, pending.listing)
+    report = (pending.error, pending.file, pending.listing, pending.checksum)
     reports: list[Any] | None = [report]
     outcome: list[str | None] = [None]
     if dist.is_initialized():
@@ -271,14 +268,22 @@ def finish(engine: Engine, pending: PendingSave) -> str:
             _publish(pending, reports)
         except Exception as e:
             shutil.rmtree(pending.tmp, ignore_errors=True)
-            outcome[0] = (
-                f"saving {pending.final} failed ({e}); nothing was published: {pending.root}/latest "
-                f"still names the previous checkpoint"
-            )
+            if pending.renamed:
+                outcome[0] = (
+                    f"saving {pending.final} failed after it was written ({e}): {pending.root}/latest could not "
+                    f"be updated and still names the previous checkpoint; load {pending.final} by name"
+                )
+            else:
+                outcome[0] = (
+                    f"saving {pending.final} failed ({e}); nothing was published: {pending.root}/latest "
+                    f"still names the previous checkpoint"
+                )
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
-        raise CheckpointError(outcome[0])
+        error = CheckpointError(outcome[0])
+        error.same_on_every_rank = True  # rank 0 broadcast it: printed once
+        raise error
     return str(pending.final)
 
 
@@ -286,7 +291,7 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
     """Rank 0: index and meta into the temporary directory, rename it into place, then `latest`, then retention."""
     tensors: dict[str, dict[str, StoredTensor]] = {}
     files = sorted(r[1] for r in reports if r[1])
-    for _, fname, listing in reports:
+    for _, fname, listing, _ in reports:
         for kind, name, shape, dtype, offsets, sizes in listing:
             box = Box(tuple(offsets), tuple(sizes))
             entry = tensors.setdefault(kind, {}).setdefault(name, StoredTensor(tuple(shape), TORCH_DTYPES[dtype], []))
@@ -305,7 +310,7 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
             raise CheckpointError(f"the ranks wrote {kind} for a different set of tensors than the weights")
     tmp, root, final = pending.tmp, pending.root, pending.final
     for name, text in (
-        (INDEX_FILE, json.dumps(index_to_json(files, tensors), separators=(",", ":"))),
+        (INDEX_FILE, json.dumps(_index_with_checksums(files, tensors, reports), separators=(",", ":"))),
         (META_FILE, json.dumps(pending.meta, indent=1)),
     ):
         (tmp / name).write_text(text)
@@ -315,10 +320,18 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
     os.replace(tmp, final)
+    pending.renamed = True
     _fsync(root)
     write_latest(root, final.name)
     shutil.rmtree(aside, ignore_errors=True)
     apply_retention(root, pending.keep_last, keep=final.name)
+
+
+def _index_with_checksums(files: list[str], tensors: dict[str, dict[str, StoredTensor]], reports: list[tuple]) -> dict:
+    """index.json: the pieces, and each rank file's sha256 (the reader checks it before using the file)."""
+    index = index_to_json(files, tensors)
+    index["checksums"] = {fname: digest for _, fname, _, digest in reports if fname}
+    return index
 
 
 def write_latest(root: Path, name: str) -> None:
@@ -332,12 +345,23 @@ def write_latest(root: Path, name: str) -> None:
 def apply_retention(root: Path, keep_last: int, keep: str) -> None:
     """Remove what crashed saves left behind; with keep_last K, all but `keep` and the newest K-1 others."""
     for stale in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale != protected_copy(root):
+            shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return
     steps = [(n, d) for n, d in step_dirs(root) if d.name != keep]
     for _, path in steps[: max(0, len(steps) - (keep_last - 1))]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def protected_copy(root: Path) -> Path | None:
+    """The intact copy of the step `latest` names when that step directory itself is missing (a save killed while
+    replacing it): cleanup must keep it, as the reader loads it (reader.intact_copy)."""
+    try:
+        name = latest_name(root)
+    except CheckpointError:
+        return None
+    return intact_copy(root, name) if name is not None and not is_complete(root / name) else None
 
 
 def _barrier() -> None:
@@ -351,8 +375,6 @@ __all__ = [
     "engine_params",
     "finish",
     "rank_pieces",
-    "rng_state",
-    "set_rng_state",
     "start_save",
     "write_latest",
 ]
