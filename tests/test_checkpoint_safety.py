@@ -247,3 +247,47 @@ def test_malformed_index_or_meta_is_one_line(saved, tmp_path, damage):
 def test_checksums_are_recorded_for_every_rank_file(saved):
     index = json.loads((saved / "step-3" / "index.json").read_text())
     assert set(index["checksums"]) == set(index["files"]) and all(len(h) == 64 for h in index["checksums"].values())
+
+
+# ---- 5 and 8: export-hf --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["secret.txt", "tokenizer.json"])
+def test_export_ships_no_file_a_meta_json_names_unless_it_is_a_tokenizer(saved, tmp_path, name):
+    """meta.json's "tokenizer" pointing at any file (named like a tokenizer or not) is not copied out."""
+    from llamatron.checkpoint.hf_io import export_hf
+
+    ck = _copy(saved, tmp_path)
+    secret = tmp_path / name
+    secret.write_text("password=hunter2")
+    meta = json.loads((ck / "step-3" / "meta.json").read_text())
+    meta["tokenizer"] = str(secret)
+    (ck / "step-3" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="is not a tokenizer"):
+        export_hf(ck, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_leaves_nothing_behind(saved, tmp_path):
+    from llamatron.checkpoint.hf_io import export_hf
+
+    ck = _copy(saved, tmp_path)
+    victim = ck / "step-3" / "rank-00000.safetensors"
+    index = json.loads((ck / "step-3" / "index.json").read_text())
+    index.pop("checksums")  # so that the truncation is found while the shards are written
+    (ck / "step-3" / "index.json").write_text(json.dumps(index))
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        export_hf(ck, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no out/, no temporary directory
+
+
+def test_hf_index_weight_map_cannot_leave_the_directory(tmp_path):
+    from llamatron.checkpoint.hf_io import open_hf_dir
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
+    with pytest.raises(CheckpointError, match="outside"):
+        open_hf_dir(hf)

@@ -182,7 +182,7 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     if recorded:  # exporting without it would publish a model nobody can tokenize for
         raise CheckpointError(
             f"the checkpoint's tokenizer {recorded[0]} (recorded in {step_dir / META_FILE}) is "
-            f"not there any more (moved or deleted) or is not a tokenizer; pass --tokenizer PATH with the "
+            f"not there any more (moved or deleted), or is not a tokenizer; pass --tokenizer PATH with the "
             f"tokenizer the model was trained with"
         )
     return None
