@@ -341,11 +341,27 @@ def test_import_hf_refuses_a_truncated_file_and_writes_nothing(name, hf_dir, tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_import_hf_refuses_a_config_json_that_is_not_an_object(hf_dir, tmp_path, capsys):
+def _without_layers(config: dict) -> dict:
+    config.pop("num_hidden_layers")
+    return config
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda config: [1, 2], "config.json must hold a JSON object, not list"),
+        (_without_layers, "config.json has no 'num_hidden_layers', which the conversion needs"),
+        (lambda config: {**config, "num_hidden_layers": "four"}, "num_layers 'four' must be an integer"),
+        (lambda config: {**config, "hidden_size": "64"}, "config.json holds a value of the wrong type"),
+    ],
+)
+def test_import_hf_refuses_a_config_json_it_cannot_convert(change, message, hf_dir, tmp_path, capsys):
     src = _copy_dir(hf_dir, tmp_path / "hf")
-    (src / "config.json").write_text("[1, 2]")
+    (src / "config.json").write_text(json.dumps(change(json.loads((src / "config.json").read_text()))))
     code, err = _cli(["import-hf", str(src), str(tmp_path / "out")], capsys)
-    assert code == 2 and "must hold a JSON object, not list" in err, err
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert message in err and str(src / "config.json") in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_import_hf_of_a_sound_directory_still_works(hf_dir, tmp_path, capsys):

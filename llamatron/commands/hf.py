@@ -6,8 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from ..checkpoint.hf import config_from_hf
 from ..checkpoint.hf_io import export_hf, import_hf
 from ..checkpoint.hf_verify import DEFAULT_TOLERANCE, compare_with_hf, push_to_hub
+from ..checkpoint.meta_llama import is_meta_checkpoint
 from ..checkpoint.tensor_io import parse_size
 from ..data.tokenizer import load_tokenizer
 from ..dtypes import DTYPES
@@ -95,6 +97,8 @@ def check_hf_files(hf_dir: str, tokenizer: bool) -> None:
             raise HFConversionError(f"{path} cannot be read ({e.strerror})") from None
         if not isinstance(value, dict):
             raise HFConversionError(f"{path} must hold a JSON object, not {type(value).__name__}; re-download it")
+        if path.name == "config.json" and not is_meta_checkpoint(d):
+            _check_hf_config(path, value)
     if tokenizer and d.is_dir() and any((d / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         try:
             load_tokenizer(str(d))
@@ -102,6 +106,21 @@ def check_hf_files(hf_dir: str, tokenizer: bool) -> None:
             raise HFConversionError(f"the tokenizer files of {d} cannot be loaded: {e}") from None
         except ImportError:  # a tokenizer.model without sentencepiece installed: copied unchecked
             pass
+
+
+def _check_hf_config(path: Path, hf: dict) -> None:
+    """config.json describes a model llamatron can build: its keys are there and of the right types."""
+    try:
+        cfg = config_from_hf(hf)
+    except HFConversionError:  # a model llamatron does not convert: its own message
+        raise
+    except KeyError as e:
+        raise HFConversionError(f"{path} has no {e.args[0]!r}, which the conversion needs; re-download it") from None
+    except (TypeError, ValueError) as e:  # e.g. a string where a number belongs, met by the conversion's arithmetic
+        raise HFConversionError(f"{path} holds a value of the wrong type ({e}); re-download it") from None
+    problems = cfg.problems()
+    if problems:
+        raise HFConversionError(f"{path} describes a model llamatron cannot build: {'; '.join(problems)}")
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
