@@ -17,11 +17,12 @@ from typing import Any
 
 import yaml
 
+from .config_ranges import Range, above, at_least, problem
 from .data.samples import parse_data_argument, split_documents
 from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
 from .kernel_settings import check_kernel_settings
-from .logging_sinks import check_sink_dependencies
+from .logging_sinks import check_output_paths, check_sink_dependencies
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
 from .parallel.context import context_problems
@@ -31,10 +32,13 @@ from .parallel.schedules import schedule_problems
 from .parallel.tensor import tensor_parallel_problems
 
 
-def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None) -> Any:
+    """A setting: its default, help and choices; `allowed`: the range of a number (every int and float has one)."""
     meta: dict[str, Any] = {"help": help}
     if choices:
         meta["choices"] = choices
+    if allowed is not None:
+        meta["allowed"] = allowed
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -55,10 +59,12 @@ def _kernel_switch(
 
 @dataclass
 class ParallelConfig:
-    tp: int = _f(1, "tensor-parallel size (ranks sharing each layer)")
-    pp: int = _f(1, "pipeline-parallel size (stages)")
-    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved 1F1B)")
-    cp: int = _f(1, "context-parallel size (ranks that split every sequence and share the weights)")
+    tp: int = _f(1, "tensor-parallel size (ranks sharing each layer)", allowed=at_least(1))
+    pp: int = _f(1, "pipeline-parallel size (stages)", allowed=at_least(1))
+    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved 1F1B)", allowed=at_least(1))
+    cp: int = _f(
+        1, "context-parallel size (ranks that split every sequence and share the weights)", allowed=at_least(1)
+    )
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
@@ -69,27 +75,30 @@ class ParallelConfig:
     )
     overlap_grad_reduce: bool = _f(True, "reduce gradient buckets while backward runs")
     overlap_param_gather: bool = _f(True, "all-gather updated parameters during the next forward")
-    bucket_size: int = _f(40_000_000, "gradient bucket size in elements")
+    bucket_size: int = _f(
+        40_000_000, "gradient bucket size in elements", allowed=at_least(1, "elements per gradient bucket")
+    )
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction", ("fp32", "bf16"))
     dp_comm_max_ctas: int | None = _f(
         None,
         "NCCL: at most this many thread blocks (SMs) for the data-parallel "
         "group's collectives, so overlapped ones slow the compute less "
         "(default: NCCL's choice)",
+        allowed=at_least(1, "or left unset for NCCL's choice"),
     )
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(3e-4, "peak learning rate")
-    min_lr: float = _f(3e-5, "learning-rate floor of the decay")
+    lr: float = _f(3e-4, "peak learning rate", allowed=at_least(0))
+    min_lr: float = _f(3e-5, "learning-rate floor of the decay (at most --lr)", allowed=at_least(0))
     lr_schedule: str = _f("cosine", "learning-rate decay after warm-up", ("constant", "linear", "cosine"))
-    warmup_steps: int = _f(0, "linear warm-up steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
-    adam_beta1: float = _f(0.9, "AdamW beta1")
-    adam_beta2: float = _f(0.95, "AdamW beta2")
-    adam_eps: float = _f(1e-8, "AdamW epsilon")
-    clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)")
+    warmup_steps: int = _f(0, "linear warm-up steps", allowed=at_least(0))
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)", allowed=at_least(0))
+    adam_beta1: float = _f(0.9, "AdamW beta1", allowed=Range(0, 1, high_open=True))
+    adam_beta2: float = _f(0.95, "AdamW beta2", allowed=Range(0, 1, high_open=True))
+    adam_eps: float = _f(1e-8, "AdamW epsilon", allowed=above(0))
+    clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)", allowed=at_least(0, "0: off"))
     adamw_kernel: str = _f(
         "auto",
         "AdamW update: triton (one pass that also writes the model weights; CUDA) or "
@@ -105,7 +114,7 @@ class DataConfig:
     mock_data: bool = _f(False, "deterministic synthetic tokens with learnable structure")
     tokenizer: str | None = _f(None, "tokenizer (HF directory, tokenizer.json or tokenizer.model)")
     split: str = _f("98,2,0", "train,valid,test split of the documents")
-    seq_length: int = _f(512, "tokens per sample")
+    seq_length: int = _f(512, "tokens per sample", allowed=at_least(1))
     reset_position_ids: bool = _f(False, "positions restart at 0 after each end-of-document (EOD) token")
     reset_attention_mask: bool = _f(False, "attention does not cross EOD tokens (each document attends only to itself)")
     eod_mask_loss: bool = _f(False, "no loss on predicting the EOD token")
@@ -116,17 +125,22 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     model: str = _f("llama-tiny", f"model preset ({', '.join(PRESET_NAMES)})")
-    micro_batch_size: int = _f(4, "samples per forward/backward on one rank")
-    global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks")
-    train_steps: int = _f(100, "optimizer steps")
-    seed: int = _f(1234, "seed of initialisation, data order and dropout")
+    micro_batch_size: int = _f(4, "samples per forward/backward on one rank", allowed=at_least(1))
+    global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks", allowed=at_least(1))
+    train_steps: int = _f(100, "optimizer steps", allowed=at_least(0))
+    # numpy seeds the data order: it takes 0..2**32-1
+    seed: int = _f(1234, "seed of initialisation, data order and dropout", allowed=Range(0, 2**32 - 1))
     precision: str = _f(
         "auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16")
     )
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
-    recompute_layers: int | None = _f(None, "recompute only the first N layers of each chunk (default: all)")
+    recompute_layers: int | None = _f(
+        None, "recompute only the first N layers of each chunk (default: all)", allowed=at_least(0)
+    )
     initial_loss_scale: float = _f(
-        2.0**16, "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)"
+        2.0**16,
+        "fp16: starting dynamic loss scale (halved on overflow, doubled after 1000 clean steps)",
+        allowed=above(0),
     )
     compile: bool | None = _f(None, "torch.compile each decoder layer (default: on for cuda, off for cpu)")
     attention_backend: str = _f(
@@ -152,15 +166,17 @@ class TrainConfig:
     save: str | None = _f(None, "checkpoint directory to save into")
     load: str | None = _f(None, "checkpoint directory (or DIR/step-N) to resume from")
     finetune: bool = _f(False, "with --load: weights only, fresh optimizer and step count")
-    save_interval: int = _f(0, "steps between checkpoints (0: only at the end when --save is set)")
-    keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
+    save_interval: int = _f(
+        0, "steps between checkpoints (0: only at the end when --save is set)", allowed=at_least(0, "0: at the end")
+    )
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)", allowed=at_least(0, "0: keep all"))
     async_save: bool = _f(
         False,
         "write checkpoints in a background thread while training goes on (published at the next save or at the end)",
     )
-    eval_interval: int = _f(0, "steps between evaluations (0: only at the end)")
-    eval_iters: int = _f(4, "batches per evaluation")
-    log_interval: int = _f(1, "steps between metric records")
+    eval_interval: int = _f(0, "steps between evaluations (0: only at the end)", allowed=at_least(0, "0: at the end"))
+    eval_iters: int = _f(4, "batches per evaluation", allowed=at_least(1))
+    log_interval: int = _f(1, "steps between metric records", allowed=at_least(1))
     metrics_file: str | None = _f(None, "JSON-lines metrics file")
     progress: bool = _f(True, "show a progress bar (--no-progress: a plain line per logged step, for batch logs)")
     # Watching a run (logging_sinks.py, evaluation.py)
@@ -182,15 +198,18 @@ class TrainConfig:
         10,
         "stop after this many consecutive steps with a non-finite loss or gradient "
         "norm (each is skipped; 0: never stop)",
+        allowed=at_least(0, "0: never stop"),
     )
     exit_duration_mins: float | None = _f(
         None,
         "save and exit cleanly once this many minutes have passed since "
         "start (set below the job's time limit, leaving time to save)",
+        allowed=above(0, "minutes"),
     )
     dist_timeout: float = _f(
         1800.0,
         "seconds a collective may wait before failing with the ranks it waited for (checkpoint saves must fit in it)",
+        allowed=above(0, "seconds"),
     )
 
 
@@ -212,7 +231,7 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for key, value in self.model_overrides.items():
-            if not hasattr(cfg, key):
+            if key not in {f.name for f in fields(cfg)}:  # not hasattr: a property or method is no field
                 raise ConfigError(f"model_overrides: unknown model field {key!r}")
             setattr(cfg, key, value)
         cfg.__post_init__()
@@ -293,6 +312,10 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from flat key/values (YAML keys or parsed flags)."""
     values = dict(values)
     overrides = values.pop("model_overrides", None) or {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(
+            f"model_overrides must be a mapping of model field: value (e.g. num_layers: 4), not {overrides!r}"
+        )
     unknown = set(values) - set(SECTIONS_OWNER)
     if unknown:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; see `llamatron train --help` for the names")
@@ -303,6 +326,25 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
 
 
 _FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
+_NUMERIC = [(name, f) for name, cls in SECTIONS.items() for f in fields(cls) if _field_type(f) in (int, float)]
+_UNRANGED = [f.name for _, f in _NUMERIC if "allowed" not in f.metadata]
+if _UNRANGED:  # fails at import, so a new numeric setting cannot go unchecked
+    raise TypeError(f"numeric settings {_UNRANGED} need a range: _f(..., allowed=...) (llamatron/config_ranges.py)")
+# (section, field, flag, range, is an integer) of every numeric setting, for range_problems.
+_RANGES: list[tuple[str, str, str, Range, bool]] = [
+    (section_name, f.name, "--" + f.name.replace("_", "-"), f.metadata["allowed"], _field_type(f) is int)
+    for section_name, f in _NUMERIC
+]
+
+
+def range_problems(cfg: RunConfig) -> list[str]:
+    """Each numeric setting outside its declared range (unset ones, None, are left out)."""
+    out = []
+    for section_name, name, flag, allowed, integer in _RANGES:
+        value = getattr(getattr(cfg, section_name), name)
+        if value is not None and (why := problem(flag, value, allowed, integer)) is not None:
+            out.append(why)
+    return out
 
 
 def _checked(key: str, value: Any) -> Any:
@@ -320,18 +362,26 @@ def _checked(key: str, value: Any) -> Any:
         except ValueError:
             pass
     if t is float and number:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # a YAML integer of hundreds of digits
+            raise ConfigError(f"setting {key} ({flag}): {value} is too large for a number") from None
     elif typing.get_origin(t) is list and isinstance(value, str):
         value = value.split()  # `eval_metrics: loss accuracy`, as on the command line
-    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(t, "a list")
-    ok = {
-        bool: isinstance(value, bool),
-        int: number and isinstance(value, int),
-        float: isinstance(value, float),
-        str: isinstance(value, str),
-    }.get(t, isinstance(value, list))
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(t, "a list of strings")
+    if typing.get_origin(t) is list:  # and each item of its type: eval_metrics: [1, 2] is no list of names
+        ok = isinstance(value, list) and all(isinstance(v, typing.get_args(t)[0]) for v in value)
+    else:
+        ok = {
+            bool: isinstance(value, bool),
+            int: number and isinstance(value, int),
+            float: isinstance(value, float),
+            str: isinstance(value, str),
+        }[t]
     if not ok:
         raise ConfigError(f"setting {key} ({flag}): {value!r} is not {kind}")
+    if isinstance(value, str) and "\x00" in value:  # YAML can hold one; no path or name can (argv cannot)
+        raise ConfigError(f"setting {key} ({flag}): {value!r} holds a NUL character")
     if choices and value not in choices:
         raise ConfigError(f"setting {key} ({flag}): {value!r} is not one of {', '.join(choices)}")
     return value
@@ -351,13 +401,19 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     if config_file:
         path = Path(config_file)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8 YAML"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of setting: value")
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+            raise ConfigError(f"config file {path} must hold a mapping of setting: value (names as keys)")
         values.update({k.replace("-", "_"): v for k, v in loaded.items()})
     values.update({k: v for k, v in given.items() if k in SECTIONS_OWNER})
     return config_from_values(values)
@@ -402,16 +458,11 @@ def _validate_data(d: DataConfig) -> None:
 
 
 def _validate_ops(cfg: RunConfig) -> None:
-    """Evaluation metrics, logging packages and fault settings (their modules hold the details)."""
+    """Evaluation metrics, logging packages and where records go (their modules hold the details)."""
     t = cfg.train
     resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t)
-    if t.max_skipped_steps < 0:
-        raise ConfigError("--max-skipped-steps must be >= 0 (0: never stop)")
-    if t.exit_duration_mins is not None and t.exit_duration_mins <= 0:
-        raise ConfigError("--exit-duration-mins must be > 0")
-    if t.dist_timeout <= 0:
-        raise ConfigError("--dist-timeout must be > 0 seconds")
+    check_output_paths(t)
 
 
 def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
@@ -421,7 +472,7 @@ def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
 
 def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tuple[int, int]:
     """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step).
-    Each rule belongs to the module that applies it (its `*_problems`); the flags' own ranges are checked here."""
+    Each rule belongs to the module that applies it (its `*_problems`); each flag's own range, by range_problems."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp))
     dp = world_size // (p.tp * p.pp * p.cp)
@@ -434,13 +485,11 @@ def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tup
         chunk = max(split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers))  # the largest
         if t.recompute == "none":
             raise ConfigError(f"--recompute-layers {t.recompute_layers} needs --recompute full or selective")
-        if not 0 <= t.recompute_layers <= chunk:
+        if t.recompute_layers > chunk:  # >= 0: its declared range
             raise ConfigError(
                 f"--recompute-layers {t.recompute_layers}: a model chunk holds at most {chunk} layers "
                 f"(pp*vpp = {p.pp * p.vpp}); give 0..{chunk}"
             )
-    if t.micro_batch_size < 1 or t.global_batch_size < 1:
-        raise ConfigError("--micro-batch-size and --global-batch-size must be >= 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {t.global_batch_size} is not a multiple of micro-batch-size x "
@@ -453,22 +502,15 @@ def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tup
 
 
 def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
-    """Ranges of the flags that no other module owns."""
-    p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
-    if p.bucket_size < 1:
-        raise ConfigError(f"--bucket-size {p.bucket_size} must be >= 1 (elements per gradient bucket)")
-    if not o.clip_grad >= 0:
-        raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0 (0: off)")
-    if d.seq_length < 1 or d.seq_length > model.max_seq_length * 64:
+    """Rules between flags, and against the model, that no other module owns (each flag's own range is declared
+    on its field: range_problems)."""
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    if d.seq_length > model.max_seq_length * 64:
         raise ConfigError(f"--seq-length {d.seq_length} is out of range for {t.model}")
-    if t.train_steps < 0 or o.warmup_steps < 0 or t.log_interval < 1:
-        raise ConfigError("--train-steps and --warmup-steps must be >= 0, --log-interval >= 1")
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
     if t.finetune and not t.load:
         raise ConfigError("--finetune needs --load CHECKPOINT")
-    if p.dp_comm_max_ctas is not None and p.dp_comm_max_ctas < 1:
-        raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} must be >= 1 (or left unset for NCCL's choice)")
 
 
 def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
@@ -494,6 +536,7 @@ def validate(
 
     `model` is the architecture to check against (default: the preset of --model).
     """
+    _raise_if(range_problems(cfg))
     model = model or cfg.model_config()
     _raise_if(
         model.problems(),

@@ -9,6 +9,7 @@ naming the package to install, raised by `check_sink_dependencies` before any me
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from typing import Any
 
@@ -35,6 +36,41 @@ def check_sink_dependencies(train_cfg) -> None:
     for attr, flag, module, package in _OPTIONAL:
         if getattr(train_cfg, attr):
             _import(module, flag, package)
+
+
+def check_output_paths(train_cfg) -> None:
+    """--metrics-file can be opened for appending and --tensorboard-dir made a directory (both are created with
+    their missing parents): checked by config.validate, so that a directory given as the file, a file given as
+    the directory or an unwritable place is refused before the model is built."""
+    if train_cfg.metrics_file:
+        _check_metrics_file(train_cfg.metrics_file)
+    if train_cfg.tensorboard_dir:
+        path, flag = train_cfg.tensorboard_dir, f"--tensorboard-dir {train_cfg.tensorboard_dir}"
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} is a file; give a directory for the TensorBoard event files")
+        _check_creatable(path, flag)
+
+
+def _check_metrics_file(path: str) -> None:
+    flag = f"--metrics-file {path}"
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} is a directory; give a file name, e.g. {os.path.join(path, 'metrics.jsonl')}")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{flag} is not writable by this user; give another file")
+        return
+    _check_creatable(path, flag)
+
+
+def _check_creatable(path: str, flag: str) -> None:
+    """`path` (a file or directory that does not exist yet, or a directory that does) can be created or written."""
+    parent = os.path.abspath(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the nearest directory that exists: the missing ones are created in it
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag}: {parent} is a file, so the directory cannot be created there")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: cannot write in {parent} (not writable by this user)")
 
 
 def scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:

@@ -53,6 +53,19 @@ def throughput(
     return {"tokens_per_sec": tps, "tflops_per_gpu": tflops, "mfu": (tflops / peak) if peak else None}
 
 
+def finite_or_null(value: Any) -> Any:
+    """`value` with every NaN and infinity (a skipped step's loss and gradient norm) replaced by None: JSON has
+    no such numbers, and strict parsers reject the bare `NaN` Python writes. The record's `skipped` flag says
+    why a value is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 class MetricsSink:
     """Writes each record to the JSON-lines file and any other registered sink."""
 
@@ -64,11 +77,9 @@ class MetricsSink:
         self.extra_sinks = extra_sinks or []
 
     def write(self, record: dict[str, Any]) -> None:
-        clean = {
-            k: (None if isinstance(v, float) and not math.isfinite(v) and k == "mfu" else v) for k, v in record.items()
-        }
-        if self.file is not None:
-            self.file.write(json.dumps(clean) + "\n")
+        clean = finite_or_null(record)
+        if self.file is not None:  # allow_nan=False: a NaN that got past finite_or_null is a bug, not a record
+            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
         for sink in self.extra_sinks:
             sink(clean)
 

@@ -65,7 +65,7 @@ def test_split_keeps_positions_global_and_document_ids_whole():
     [
         ({"cp": 2, "seq_length": 30}, 2, r"--seq-length 30 must be divisible by 2\*cp = 4"),
         ({"cp": 2}, 3, r"world size 3 is not divisible by tp\*cp\*pp = 1\*2\*1"),
-        ({"cp": 0}, 1, "--cp must be >= 1"),
+        ({"cp": 0}, 1, "--cp 0 must be >= 1"),
         (
             {"cp": 2, "tp": 4, "sequence_parallel": True, "seq_length": 20},
             8,

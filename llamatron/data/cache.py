@@ -53,10 +53,19 @@ class ArrayCache:
         self.paths = [os.path.join(cache_dir, f"{stem}_{key}_{name}.npy") for name in names] if cache_dir else []
 
     def load(self) -> list[np.ndarray] | None:
-        """The cached arrays, memory-mapped, or None when any is missing."""
+        """The cached arrays, memory-mapped, or None when any is missing or unreadable (then they are rebuilt)."""
         if not self.paths or not all(os.path.isfile(p) for p in self.paths):
             return None
-        return [np.load(p, mmap_mode="r") for p in self.paths]
+        arrays = []
+        for path in self.paths:
+            try:
+                arrays.append(np.load(path, mmap_mode="r"))
+            except (ValueError, OSError, EOFError) as err:
+                # Truncated or overwritten (a copy cut short, a full disk, an edit): a cache only saves time, so
+                # build it again rather than stop the run; saving replaces the bad file atomically.
+                warnings.warn(f"index cache {path} cannot be read ({err}); rebuilding it", stacklevel=3)
+                return None
+        return arrays
 
     def save(self, arrays: Sequence[np.ndarray]) -> bool:
         """Write the arrays (each atomically); a read-only data directory only warns."""

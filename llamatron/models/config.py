@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import types
+import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -46,12 +49,23 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
-        if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if isinstance(self.rope_scaling, dict) and _rope_scaling_keys_problem(self.rope_scaling) is None:
+            self.rope_scaling = RopeScaling(**self.rope_scaling)  # else it stays a dict: problems() says why
 
     def problems(self) -> list[str]:
         """What makes this shape unbuildable or wrong to train (empty when it is sound)."""
-        out = [
+        # Values of the wrong type (YAML model_overrides, a checkpoint's or HF config) first: the rules below
+        # compare and divide them.
+        out = type_problems(self)
+        if isinstance(self.rope_scaling, RopeScaling):
+            out += type_problems(self.rope_scaling, "rope_scaling ")
+        elif self.rope_scaling is not None:
+            out.append(_rope_scaling_keys_problem(self.rope_scaling) or "rope_scaling: set without __post_init__")
+        if out:
+            return out
+        if not self.init_std >= 0:
+            out.append(f"init_std {self.init_std} must be >= 0")
+        out += [
             f"{name} {getattr(self, name)} must be >= 1"
             for name in (
                 "vocab_size",
@@ -127,4 +141,51 @@ class ModelConfig:
         return 6.0 * self.num_params() + 12.0 * self.num_layers * self.hidden_size * keys
 
 
-__all__ = ["ModelConfig", "RopeScaling"]
+def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
+    """(type, may be None) of each field of a config dataclass, from its annotations."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        kinds[name] = (next(a for a in args if a is not type(None)), type(None) in args)
+    return kinds
+
+
+_FIELD_KINDS = {cls: _field_kinds(cls) for cls in (ModelConfig, RopeScaling)}
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):  # YAML `true` is no number
+        return False
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def type_problems(cfg: ModelConfig | RopeScaling, prefix: str = "") -> list[str]:
+    """Each field of `cfg` (a ModelConfig or RopeScaling) whose value is not of its declared type; the nested
+    rope_scaling is left to the caller. A float field takes an integer (YAML's `rope_theta: 500000`)."""
+    out = []
+    for name, (kind, optional) in _FIELD_KINDS[type(cfg)].items():
+        value = getattr(cfg, name)
+        if kind is RopeScaling or (value is None and optional) or _is_kind(value, kind):
+            continue
+        out.append(f"{prefix}{name} {value!r} must be {_KIND_WORDS.get(kind, kind.__name__)}")
+    return out
+
+
+def _rope_scaling_keys_problem(value: Any) -> str | None:
+    """Why `value` (YAML or JSON) cannot be a RopeScaling (None when it can)."""
+    known = [f.name for f in fields(RopeScaling)]
+    form = f"a mapping of {', '.join(known)} (kind and factor required), or null for none"
+    if not isinstance(value, dict):
+        return f"rope_scaling {value!r} must be {form}"
+    missing = [k for k in ("kind", "factor") if k not in value]
+    unknown = sorted(str(k) for k in value if k not in known)
+    parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+        [f"unknown {', '.join(unknown)}"] if unknown else []
+    )
+    return f"rope_scaling {value!r}: {'; '.join(parts)}; it must be {form}" if parts else None
+
+
+__all__ = ["ModelConfig", "RopeScaling", "type_problems"]
