@@ -173,10 +173,10 @@ def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInject
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     if t.load:
         check_checkpoint_fits(t.load, model_cfg, model_label(cfg))
+    if not replace_save:
+        check_save_dir(cfg)  # first: a refused run leaves the directory exactly as it was, no lock file either
     lock = _lock_save_dir(cfg)
     try:
-        if not replace_save:
-            check_save_dir(cfg)
         init_distributed(derived.device, t.dist_timeout)
         return _train_on_this_rank(cfg, derived, model_cfg, faults)
     finally:  # also after an error: a process group left alive aborts the exit (gloo's threads)
@@ -191,8 +191,7 @@ def _lock_save_dir(cfg: RunConfig) -> SaveDirLock:
     save = cfg.train.save
     if not save or int(os.environ.get("RANK", "0")) != 0:
         return SaveDirLock(None)
-    if not os.path.isdir(save):
-        check_save_dir(cfg)  # creates it, or says why it cannot
+    os.makedirs(save, exist_ok=True)  # the demo's, which it cleared (check_save_dir made any other)
     return SaveDirLock.acquire(save)
 
 

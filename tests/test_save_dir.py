@@ -23,7 +23,9 @@ ARGS = [
 
 
 def _fingerprint(root) -> dict:
-    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    """Every checkpoint file's hash (not the .lock, which names the run that holds the directory now)."""
+    files = (p for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest() for p in files}
 
 
 @pytest.fixture
