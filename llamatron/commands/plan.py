@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 
+from ..config_ranges import Range, at_least, number_arg
 from ..errors import ConfigError
 from ..plan import GB, GiB, Plan, Precision
 from ..plan_search import PlanResult, plan
@@ -32,17 +33,22 @@ def register(sub) -> None:
         "benchmarks/RESULTS.md.",
     )
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpus", type=number_arg(int, at_least(1)), required=True, help="number of GPUs")
     p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB (H100) or 139.8GiB (H200)")
-    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--seq-length", type=number_arg(int, at_least(1)), required=True, help="tokens per sample")
     p.add_argument(
         "--global-batch-size",
-        type=int,
+        type=number_arg(int, Range(low=1, high=2**31, note="samples per step")),
         default=None,
         help="samples per step (default: about 4M tokens, rounded per layout)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
-    p.add_argument("--top", type=int, default=10, help="show the K fastest layouts")
+    p.add_argument(
+        "--gpus-per-node",
+        type=number_arg(int, at_least(1)),
+        default=8,
+        help="GPUs per node; tensor parallelism stays inside one",
+    )
+    p.add_argument("--top", type=number_arg(int, at_least(1)), default=10, help="show the K fastest layouts")
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
