@@ -43,7 +43,7 @@ def register(sub) -> None:
 
 def _check_sampling_args(args: argparse.Namespace) -> None:
     if not 0 <= args.temperature < math.inf:  # also NaN
-        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 and finite (0: greedy)")
+        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0: greedy) and finite")
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 1 (1: always the likeliest token)")
     if args.max_new_tokens < 1:
