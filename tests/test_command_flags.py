@@ -32,3 +32,46 @@ def test_out_of_range_flags_are_one_line_and_exit_2(argv, flag, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+
+
+def test_the_launcher_checks_the_checkpoints_model_not_the_default_preset(tmp_path, capsys):
+    """`--tp 3 --nproc-per-node 3 --load CKPT`: the rules are checked against the checkpoint's 4 heads (issue 23,
+    item 8: it used to name the default preset's 8)."""
+    small = ["--mock-data", "--device", "cpu", "--seq-length", "32", "--micro-batch-size", "2", "--no-progress"]
+    with pytest.raises(SystemExit) as saved:
+        main(
+            [
+                "train",
+                "--model",
+                "llama-test",
+                *small,
+                "--global-batch-size",
+                "2",
+                "--train-steps",
+                "1",
+                "--save",
+                str(tmp_path / "ck"),
+            ]
+        )
+    assert saved.value.code in (0, None)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(
+            [
+                "train",
+                "--load",
+                str(tmp_path / "ck"),
+                "--finetune",
+                "--tp",
+                "3",
+                "--nproc-per-node",
+                "3",
+                *small,
+                "--global-batch-size",
+                "6",
+                "--save",
+                str(tmp_path / "ft"),
+            ]
+        )
+    assert done.value.code == 2
+    assert "num_attention_heads=4 is not divisible by tp=3" in capsys.readouterr().err
