@@ -66,9 +66,11 @@ class TrainResult:
 
 def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datasets:
     d, t = cfg.data, cfg.train
-    n_evals = (t.train_steps // t.eval_interval if t.eval_interval else 0) + 1
     train_samples = max(1, t.train_steps * t.global_batch_size)
-    valid_samples = max(1, n_evals * t.eval_iters * t.global_batch_size)
+    # Every evaluation reads the same first --eval-iters global batches (evaluation.evaluate starts at sample 0),
+    # so the validation samples are a function of the data, split, seed, sequence length and these two flags
+    # alone: evaluations of runs of any length on the same data are comparable.
+    valid_samples = max(1, t.eval_iters * t.global_batch_size)
     if d.mock_data:
         return Datasets(
             MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
