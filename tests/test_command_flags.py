@@ -75,3 +75,30 @@ def test_the_launcher_checks_the_checkpoints_model_not_the_default_preset(tmp_pa
         )
     assert done.value.code == 2
     assert "num_attention_heads=4 is not divisible by tp=3" in capsys.readouterr().err
+
+
+def test_megatron_flag_names_set_the_same_settings():
+    """Issue 23, item 14: Megatron-LM's spellings are aliases of the same settings (model-shape ones of
+    model_overrides)."""
+    import argparse
+
+    from llamatron.config import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = ["--model", "llama-test", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv += ["--context-parallel-size", "2", "--train-iters", "7", "--lr-warmup-iters", "3"]
+    argv += ["--use-distributed-optimizer", "--data-path", "corpus", "--bf16", "--num-layers", "4"]
+    argv += ["--hidden-size", "96", "--num-attention-heads", "6", "--num-query-groups", "2", "--ffn-hidden-size", "64"]
+    cfg = load_config(parser.parse_args(argv))
+    p, t = cfg.parallel, cfg.train
+    assert (p.tp, p.pp, p.cp, p.distributed_optimizer) == (2, 2, 2, True)
+    assert (t.train_steps, cfg.optim.warmup_steps, cfg.data.data, t.precision) == (7, 3, "corpus", "bf16")
+    model = cfg.model_config()
+    assert (model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size) == (
+        4,
+        96,
+        6,
+        2,
+        64,
+    )
