@@ -179,7 +179,9 @@ class TrainConfig:
     eval_iters: int = _f(4, "batches per evaluation", allowed=at_least(1))
     log_interval: int = _f(1, "steps between metric records", allowed=at_least(1))
     metrics_file: str | None = _f(None, "JSON-lines metrics file")
-    progress: bool = _f(True, "show a progress bar (--no-progress: a plain line per logged step, for batch logs)")
+    progress: bool = _f(
+        True, "show a progress bar on a terminal (--no-progress, or output not to a terminal: a line per logged step)"
+    )
     # Watching a run (logging_sinks.py, evaluation.py)
     eval_metrics: list[str] = _f(
         ["loss", "perplexity", "accuracy"],

@@ -102,3 +102,19 @@ def test_megatron_flag_names_set_the_same_settings():
         2,
         64,
     )
+
+
+def test_no_progress_bar_when_the_output_is_not_a_terminal(tmp_path):
+    """Issue 23, item 13: without --no-progress but into a pipe, plain lines per logged step and no bar."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    argv = [sys.executable, "-m", "llamatron", "train", "--model", "llama-test", "--mock-data", "--device", "cpu"]
+    argv += ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-steps", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1: loss" in done.stdout and "step 2: loss" in done.stdout
+    assert "\r" not in done.stdout + done.stderr and "step/s" not in done.stderr  # no tqdm bar
