@@ -87,3 +87,6 @@ def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> N
         if e.rank_specific or first_rank:
             print(f"llamatron {args.command}: stopped: {e}", file=sys.stderr)
         sys.exit(1)
+    except BrokenPipeError:  # the reader went away (`llamatron plan --json | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        sys.exit(0)

@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
 from .kernel_settings import check_kernel_settings
 from .logging_sinks import check_output_paths, check_sink_dependencies
+from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
 from .parallel.context import context_problems
@@ -178,7 +179,9 @@ class TrainConfig:
     eval_iters: int = _f(4, "batches per evaluation", allowed=at_least(1))
     log_interval: int = _f(1, "steps between metric records", allowed=at_least(1))
     metrics_file: str | None = _f(None, "JSON-lines metrics file")
-    progress: bool = _f(True, "show a progress bar (--no-progress: a plain line per logged step, for batch logs)")
+    progress: bool = _f(
+        True, "show a progress bar on a terminal (--no-progress, or output not to a terminal: a line per logged step)"
+    )
     # Watching a run (logging_sinks.py, evaluation.py)
     eval_metrics: list[str] = _f(
         ["loss", "perplexity", "accuracy"],
@@ -267,7 +270,8 @@ SECTIONS_OWNER: dict[str, type] = {f.name: cls for cls in SECTIONS.values() for 
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field; defaults are suppressed so YAML values are not overridden by them."""
+    """One flag per config field (and Megatron-LM's name for it, megatron_flags.py); defaults are suppressed so
+    YAML values are not overridden by them."""
     parser.add_argument(
         "--config", default=argparse.SUPPRESS, help="YAML file of settings (flag names with underscores)"
     )
@@ -286,7 +290,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 help_text += f" (default: {default})"
             if t is bool:
                 group.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
                 )
             elif typing.get_origin(t) is list:  # space-separated values: --eval-metrics loss accuracy
                 group.add_argument(
@@ -306,6 +313,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                     help=help_text,
                     metavar=None if f.metadata.get("choices") else f.name.upper(),
                 )
+
+    add_model_aliases(parser)
+    add_setting_aliases(parser)
 
 
 def config_from_values(values: dict[str, Any]) -> RunConfig:
@@ -415,6 +425,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
         if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
             raise ConfigError(f"config file {path} must hold a mapping of setting: value (names as keys)")
         values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    shape = model_overrides_from_flags(given)  # Megatron-LM's --num-layers and the like
+    if shape:
+        values["model_overrides"] = {**(values.get("model_overrides") or {}), **shape}
     values.update({k: v for k, v in given.items() if k in SECTIONS_OWNER})
     return config_from_values(values)
 

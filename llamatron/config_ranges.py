@@ -8,6 +8,7 @@ step non-finite, `--seed -1` fails deep inside numpy. config.py attaches a Range
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -73,4 +74,25 @@ def problem(flag: str, value: float, allowed: Range, integer: bool) -> str | Non
     return f"{flag} {value} must be {allowed.describe(integer)}"
 
 
-__all__ = ["INT64_MAX", "Range", "above", "at_least", "problem"]
+def number_arg(kind: type, allowed: Range):
+    """An argparse `type=` for the commands' own numeric flags (train's come from config.py): parses `kind` and
+    refuses a value outside `allowed`, so argparse prints one line and exits 2."""
+    integer = kind is int
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if integer else 'a number'}") from None
+        if not allowed.allows(value, integer):
+            finite = "" if integer or math.isfinite(value) else "a finite number "
+            raise argparse.ArgumentTypeError(f"{text} must be {finite}{allowed.describe(integer)}".rstrip())
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+SEED = Range(low=0, high=2**32 - 1, note="numpy's seed range")
+
+__all__ = ["INT64_MAX", "SEED", "Range", "above", "at_least", "number_arg", "problem"]

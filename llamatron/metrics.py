@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,7 +128,10 @@ class MetricsLog:
         self.global_batch = t.global_batch_size
         self.logging_rank = engine.mesh.is_logging_rank
         self.sink = MetricsSink(t.metrics_file if self.logging_rank else None, extra_sinks)
-        self.progress = _progress_bar(t.train_steps, start_step) if (self.logging_rank and t.progress) else None
+        # A bar only on a terminal: redirected to a file (batch jobs, CI) it would be a stream of \r-updates.
+        on_terminal = sys.stdout.isatty() and sys.stderr.isatty()
+        bar = self.logging_rank and t.progress and on_terminal
+        self.progress = _progress_bar(t.train_steps, start_step) if bar else None
         self.flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
         self.peak = peak_tflops(engine.device)
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_length

@@ -115,6 +115,23 @@ class Layout:
         """'full', or 'full:N' when only the first N layers of each chunk are recomputed."""
         return self.recompute if self.recompute_layers is None else f"{self.recompute}:{self.recompute_layers}"
 
+    def train_flags(self, seq_length: int) -> str:
+        """The `llamatron train` flags that run this layout (launched on tp x cp x pp x dp processes)."""
+        flags = [f"--tp {self.tp}", f"--pp {self.pp}"]
+        flags += [f"--cp {self.cp}"] if self.cp > 1 else []
+        flags += [f"--vpp {self.vpp}"] if self.vpp > 1 else []
+        flags += ["--sequence-parallel"] if self.sequence_parallel else []
+        flags += ["--distributed-optimizer"] if self.distributed_optimizer else []
+        if self.recompute != "none":
+            flags.append(f"--recompute {self.recompute}")
+            flags += [f"--recompute-layers {self.recompute_layers}"] if self.recompute_layers is not None else []
+        flags += [
+            f"--micro-batch-size {self.micro_batch_size}",
+            f"--global-batch-size {self.global_batch_size}",
+            f"--seq-length {seq_length}",
+        ]
+        return " ".join(flags)
+
 
 @dataclass(frozen=True)
 class Precision:

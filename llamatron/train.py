@@ -66,9 +66,11 @@ class TrainResult:
 
 def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datasets:
     d, t = cfg.data, cfg.train
-    n_evals = (t.train_steps // t.eval_interval if t.eval_interval else 0) + 1
     train_samples = max(1, t.train_steps * t.global_batch_size)
-    valid_samples = max(1, n_evals * t.eval_iters * t.global_batch_size)
+    # Every evaluation reads the same first --eval-iters global batches (evaluation.evaluate starts at sample 0),
+    # so the validation samples are a function of the data, split, seed, sequence length and these two flags
+    # alone: evaluations of runs of any length on the same data are comparable.
+    valid_samples = max(1, t.eval_iters * t.global_batch_size)
     if d.mock_data:
         return Datasets(
             MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
@@ -159,16 +161,21 @@ def model_label(cfg: RunConfig) -> str:
     return t.model if "model" in cfg.explicit or not t.load else f"the model of checkpoint {t.load}"
 
 
+def model_to_train(cfg: RunConfig) -> ModelConfig:
+    """The architecture the run trains: the checkpoint's with --load (unless --model is given: then they must
+    match), else --model's. Every check of the run is made against this one."""
+    if cfg.train.load and "model" not in cfg.explicit:
+        return read_model_config(cfg.train.load)
+    return cfg.model_config()
+
+
 def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInjection = NO_FAULTS) -> TrainResult:
     """Train as configured. replace_save: the caller has cleared --save (the demo's own directory); faults:
     what a test injects (none in a real run)."""
     t = cfg.train
     if cfg.data.tokenizer and os.path.exists(cfg.data.tokenizer):
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)  # checkpoints must name it from anywhere
-    model_cfg = cfg.model_config()
-    if t.load and "model" not in cfg.explicit:
-        # The architecture comes from the checkpoint unless --model is given (then they must match).
-        model_cfg = read_model_config(t.load)
+    model_cfg = model_to_train(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     if t.load:

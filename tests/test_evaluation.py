@@ -146,3 +146,31 @@ def test_eval_metrics_flag_takes_several_names():
     cfg = load_config(parser.parse_args(["--eval-metrics", "perplexity", "accuracy", "--train-steps", "3"]))
     assert cfg.train.eval_metrics == ["perplexity", "accuracy"] and cfg.train.train_steps == 3
     assert config_from_values({}).train.eval_metrics == ["loss", "perplexity", "accuracy"]
+
+
+def test_validation_samples_do_not_depend_on_the_run_length(tmp_path):
+    """Issue 23, item 9: a 5-step and a 500-step run on the same data evaluate on the same samples."""
+    import json
+
+    import numpy as np
+
+    from llamatron.config import config_from_values
+    from llamatron.data.preprocess import preprocess
+    from llamatron.data.tokenizer import train_bpe_tokenizer
+    from llamatron.parallel.mesh import Mesh
+    from llamatron.train import build_datasets
+
+    texts = [f"doc {i}: " + " ".join(["ab", "cd", "ef"][j % 3] for j in range(i % 31 + 2)) for i in range(400)]
+    train_bpe_tokenizer(texts, vocab_size=300, out_dir=str(tmp_path / "tok"))
+    with open(tmp_path / "d.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    prefix = preprocess(str(tmp_path / "d.jsonl"), str(tmp_path / "d"), str(tmp_path / "tok"), progress=False)
+    values = {"model": "llama-test", "model_overrides": {"vocab_size": 320}, "data": prefix["outputs"]["text"]}
+    values |= {"tokenizer": str(tmp_path / "tok"), "split": "80,20,0", "seq_length": 32, "global_batch_size": 4}
+    values |= {"eval_iters": 3, "eval_interval": 1}
+    valid = []
+    for steps in (5, 500):
+        cfg = config_from_values({**values, "train_steps": steps})
+        ds = build_datasets(cfg, cfg.model_config(), Mesh()).valid
+        valid.append(np.stack([np.asarray(ds[i]) for i in range(12)]))
+    assert np.array_equal(valid[0], valid[1])

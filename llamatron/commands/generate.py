@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from ..checkpoint import read_meta
+from ..config_ranges import SEED, number_arg
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError
 from ..generate import load_for_generation, sample
@@ -22,16 +24,26 @@ def register(sub) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the one recorded in the checkpoint)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: 100)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0: greedy (default: 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=50,
+        help="sample among the k likeliest tokens (default: 50)",
+    )
+    p.add_argument("--seed", type=number_arg(int, SEED), default=0, help="sampling seed (default: 0)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.set_defaults(func=cmd_generate)
 
 
 def _check_sampling_args(args: argparse.Namespace) -> None:
-    if not args.temperature >= 0:  # also NaN
-        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0: greedy)")
+    if not 0 <= args.temperature < math.inf:  # also NaN
+        raise ConfigError(f"--temperature {args.temperature}: must be >= 0 (0: greedy) and finite")
     if args.top_k < 1:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 1 (1: always the likeliest token)")
     if args.max_new_tokens < 1:

@@ -11,6 +11,7 @@ from ..checkpoint.hf_io import export_hf, import_hf
 from ..checkpoint.hf_verify import DEFAULT_TOLERANCE, compare_with_hf, push_to_hub
 from ..checkpoint.meta_llama import is_meta_checkpoint
 from ..checkpoint.tensor_io import parse_size
+from ..config_ranges import SEED, at_least, number_arg
 from ..data.tokenizer import load_tokenizer
 from ..dtypes import DTYPES
 from ..errors import DataError, HFConversionError
@@ -69,12 +70,17 @@ def register(sub) -> None:
     p.add_argument("--hf", required=True, metavar="HF_DIR", help="Hugging Face directory to compare with")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument(
-        "--tolerance", type=float, default=None, help=f"largest mean |logit difference| (default: {DEFAULT_TOLERANCE})"
+        "--tolerance",
+        type=number_arg(float, at_least(0.0)),
+        default=None,
+        help=f"largest mean |logit difference| (default: {DEFAULT_TOLERANCE})",
     )
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=None, help="default: min(128, max positions)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batches", type=number_arg(int, at_least(1)), default=4)
+    p.add_argument("--batch-size", type=number_arg(int, at_least(1)), default=2)
+    p.add_argument(
+        "--seq-length", type=number_arg(int, at_least(1)), default=None, help="default: min(128, max positions)"
+    )
+    p.add_argument("--seed", type=number_arg(int, SEED), default=0)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_verify)
 

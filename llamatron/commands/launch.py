@@ -10,6 +10,7 @@ import sys
 import torch
 
 from ..config import RunConfig, validate
+from ..models import ModelConfig
 
 
 def add_launch_argument(p: argparse.ArgumentParser) -> None:
@@ -21,12 +22,12 @@ def add_launch_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def relaunch_if_asked(args: argparse.Namespace, cfg: RunConfig) -> int | None:
-    """With --nproc-per-node: check the settings once, here (rather than once per spawned rank), then run this
-    command under torchrun and return its exit status; without it, None."""
+def relaunch_if_asked(args: argparse.Namespace, cfg: RunConfig, model: ModelConfig | None = None) -> int | None:
+    """With --nproc-per-node: check the settings once, here (rather than once per spawned rank), against `model`
+    (default: --model's), then run this command under torchrun and return its exit status; without it, None."""
     if not args.nproc_per_node:
         return None
-    validate(cfg, args.nproc_per_node, torch.cuda.is_available())
+    validate(cfg, args.nproc_per_node, torch.cuda.is_available(), model)
     return relaunch_with_torchrun(args.nproc_per_node)
 
 

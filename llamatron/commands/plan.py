@@ -6,7 +6,9 @@ import argparse
 import json
 import re
 
+from ..config_ranges import Range, at_least, number_arg
 from ..errors import ConfigError
+from ..models import get_preset
 from ..plan import GB, GiB, Plan, Precision
 from ..plan_search import PlanResult, plan
 
@@ -32,17 +34,29 @@ def register(sub) -> None:
         "benchmarks/RESULTS.md.",
     )
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB (H100) or 139.8GiB (H200)")
-    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--gpus", type=number_arg(int, at_least(1)), required=True, help="number of GPUs")
+    p.add_argument(
+        "--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB (H100, the default) or 139.8GiB (H200)"
+    )
+    p.add_argument(
+        "--seq-length",
+        type=number_arg(int, at_least(1)),
+        default=None,
+        help="tokens per sample (default: the model's context length)",
+    )
     p.add_argument(
         "--global-batch-size",
-        type=int,
+        type=number_arg(int, Range(low=1, high=2**31, note="samples per step")),
         default=None,
         help="samples per step (default: about 4M tokens, rounded per layout)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays inside one")
-    p.add_argument("--top", type=int, default=10, help="show the K fastest layouts")
+    p.add_argument(
+        "--gpus-per-node",
+        type=number_arg(int, at_least(1)),
+        default=8,
+        help="GPUs per node; tensor parallelism stays inside one",
+    )
+    p.add_argument("--top", type=number_arg(int, at_least(1)), default=10, help="show the K fastest layouts")
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -55,11 +69,15 @@ def register(sub) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     memory = parse_memory(args.gpu_memory)
+    try:
+        seq_length = args.seq_length or get_preset(args.model).max_seq_length
+    except ValueError as e:  # an unknown preset: its message lists the known ones
+        raise ConfigError(str(e)) from None
     result = plan(
         args.model,
         args.gpus,
         memory,
-        args.seq_length,
+        seq_length,
         args.global_batch_size,
         args.gpus_per_node,
         precision=Precision(compiled=args.compile),
@@ -74,7 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "gpu_memory_gb": memory / GB,
                     "seq_length": result.seq_length,
                     "fits": len(result.fits),
-                    "layouts": [p.to_dict() for p in shown],
+                    "layouts": [{**p.to_dict(), "train_flags": p.layout.train_flags(seq_length)} for p in shown],
                     "explanation": result.explanation or None,
                 },
                 indent=2,
@@ -82,6 +100,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     else:
         print(format_table(result, shown))
+        if shown:
+            print(f"\n#1 as `llamatron train` flags: {shown[0].layout.train_flags(seq_length)}")
     return 0 if result.fits else 1
 
 

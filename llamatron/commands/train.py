@@ -7,7 +7,7 @@ import os
 
 from .. import demo
 from ..config import add_config_arguments, load_config
-from ..train import run_training
+from ..train import model_to_train, run_training
 from .launch import add_launch_argument, relaunch_if_asked
 
 
@@ -25,7 +25,8 @@ def register(sub) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args)
-    status = relaunch_if_asked(args, cfg)  # the ranks then apply the demo's settings themselves
+    # checked against the model it trains (a --load checkpoint's); the ranks then apply the demo's settings
+    status = relaunch_if_asked(args, cfg, model_to_train(cfg) if args.nproc_per_node else None)
     if status is not None:
         return status
     is_demo = demo.is_demo(cfg)

@@ -1,0 +1,86 @@
+"""Megatron-LM's flag names, accepted where they mean exactly what one of llamatron's settings means.
+
+Users of Megatron-LLaMA and Megatron-LLM bring launch scripts full of them. Each alias is a second spelling of
+the same setting (`--tensor-model-parallel-size 8` is `--tp 8`), never a conversion: flags whose Megatron
+meaning differs (`--lr-decay-iters`, `--lr-warmup-fraction`) are not aliased. The model-shape flags set the
+matching `model_overrides` key. docs/megatron.md lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# llamatron setting -> Megatron-LM's flags for it
+SETTING_ALIASES: dict[str, tuple[str, ...]] = {
+    "tp": ("--tensor-model-parallel-size",),
+    "pp": ("--pipeline-model-parallel-size",),
+    "cp": ("--context-parallel-size",),
+    "train_steps": ("--train-iters",),
+    "warmup_steps": ("--lr-warmup-iters",),
+    "distributed_optimizer": ("--use-distributed-optimizer",),
+    "data": ("--data-path",),
+}
+
+# Megatron-LM's model-shape flag -> the ModelConfig field it sets through model_overrides
+MODEL_ALIASES: dict[str, str] = {
+    "--num-layers": "num_layers",
+    "--hidden-size": "hidden_size",
+    "--num-attention-heads": "num_heads",
+    "--num-query-groups": "num_kv_heads",
+    "--ffn-hidden-size": "ffn_hidden_size",
+    "--max-position-embeddings": "max_seq_length",
+}
+
+# Megatron-LM's precision switches -> --precision
+PRECISION_ALIASES = {"--bf16": "bf16", "--fp16": "fp16"}
+
+
+def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
+    """Each alias as its own hidden flag writing the setting's dest, parsed like the setting's own flag (so an
+    error names the spelling the user typed)."""
+    own = {action.dest: action for action in parser._actions}
+    for setting, flags in SETTING_ALIASES.items():
+        action = own[setting]
+        for flag in flags:
+            if isinstance(action, argparse.BooleanOptionalAction):
+                parser.add_argument(
+                    flag, dest=setting, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+                )
+            else:
+                parser.add_argument(
+                    flag,
+                    dest=setting,
+                    type=action.type or str,
+                    nargs=action.nargs,
+                    choices=action.choices,
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                )
+
+
+def add_model_aliases(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Megatron-LM model-shape flags (set model_overrides)")
+    for flag, field in MODEL_ALIASES.items():
+        group.add_argument(
+            flag,
+            type=int,
+            dest=f"megatron_{field}",
+            default=argparse.SUPPRESS,
+            metavar="N",
+            help=f"= model_overrides: {field}: N",
+        )
+    for flag, precision in PRECISION_ALIASES.items():
+        group.add_argument(
+            flag,
+            action="store_const",
+            const=precision,
+            dest="precision",
+            default=argparse.SUPPRESS,
+            help=f"= --precision {precision}",
+        )
+
+
+def model_overrides_from_flags(given: dict[str, Any]) -> dict[str, int]:
+    """The model_overrides the Megatron model-shape flags in parsed `given` set (popped from it)."""
+    return {key.removeprefix("megatron_"): given.pop(key) for key in list(given) if key.startswith("megatron_")}

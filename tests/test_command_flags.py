@@ -1,0 +1,120 @@
+"""The other commands' own numeric flags (train's are config.py's): out-of-range and non-finite values are one
+line and exit 2 before anything is read or built."""
+
+import pytest
+
+from llamatron.cli import main
+
+PLAN = ["plan", "--model", "llama-1b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-length", "4096"]
+VERIFY = ["verify", "--load", "nowhere", "--hf", "nowhere"]
+GENERATE = ["generate", "--load", "nowhere", "--prompt", "x"]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        ([*PLAN, "--top", "0"], "--top"),
+        ([*PLAN, "--top", "-1"], "--top"),
+        ([*PLAN, "--global-batch-size", str(10**12)], "--global-batch-size"),
+        ([*PLAN, "--gpus-per-node", "0"], "--gpus-per-node"),
+        ([*VERIFY, "--tolerance", "nan"], "--tolerance"),
+        ([*VERIFY, "--batches", "0"], "--batches"),
+        ([*VERIFY, "--seq-length", "0"], "--seq-length"),
+        ([*VERIFY, "--seed", "-1"], "--seed"),
+        ([*GENERATE, "--temperature", "inf"], "--temperature"),
+        ([*GENERATE, "--seed", str(2**40)], "--seed"),
+        (["preprocess", "--input", "x", "--output-prefix", "y", "--tokenizer", "t", "--workers", "0"], "--workers"),
+    ],
+)
+def test_out_of_range_flags_are_one_line_and_exit_2(argv, flag, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+
+
+def test_the_launcher_checks_the_checkpoints_model_not_the_default_preset(tmp_path, capsys):
+    """`--tp 3 --nproc-per-node 3 --load CKPT`: the rules are checked against the checkpoint's 4 heads (issue 23,
+    item 8: it used to name the default preset's 8)."""
+    small = ["--mock-data", "--device", "cpu", "--seq-length", "32", "--micro-batch-size", "2", "--no-progress"]
+    with pytest.raises(SystemExit) as saved:
+        main(
+            [
+                "train",
+                "--model",
+                "llama-test",
+                *small,
+                "--global-batch-size",
+                "2",
+                "--train-steps",
+                "1",
+                "--save",
+                str(tmp_path / "ck"),
+            ]
+        )
+    assert saved.value.code in (0, None)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(
+            [
+                "train",
+                "--load",
+                str(tmp_path / "ck"),
+                "--finetune",
+                "--tp",
+                "3",
+                "--nproc-per-node",
+                "3",
+                *small,
+                "--global-batch-size",
+                "6",
+                "--save",
+                str(tmp_path / "ft"),
+            ]
+        )
+    assert done.value.code == 2
+    assert "num_attention_heads=4 is not divisible by tp=3" in capsys.readouterr().err
+
+
+def test_megatron_flag_names_set_the_same_settings():
+    """Issue 23, item 14: Megatron-LM's spellings are aliases of the same settings (model-shape ones of
+    model_overrides)."""
+    import argparse
+
+    from llamatron.config import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = ["--model", "llama-test", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv += ["--context-parallel-size", "2", "--train-iters", "7", "--lr-warmup-iters", "3"]
+    argv += ["--use-distributed-optimizer", "--data-path", "corpus", "--bf16", "--num-layers", "4"]
+    argv += ["--hidden-size", "96", "--num-attention-heads", "6", "--num-query-groups", "2", "--ffn-hidden-size", "64"]
+    cfg = load_config(parser.parse_args(argv))
+    p, t = cfg.parallel, cfg.train
+    assert (p.tp, p.pp, p.cp, p.distributed_optimizer) == (2, 2, 2, True)
+    assert (t.train_steps, cfg.optim.warmup_steps, cfg.data.data, t.precision) == (7, 3, "corpus", "bf16")
+    model = cfg.model_config()
+    assert (model.num_layers, model.hidden_size, model.num_heads, model.num_kv_heads, model.ffn_hidden_size) == (
+        4,
+        96,
+        6,
+        2,
+        64,
+    )
+
+
+def test_no_progress_bar_when_the_output_is_not_a_terminal(tmp_path):
+    """Issue 23, item 13: without --no-progress but into a pipe, plain lines per logged step and no bar."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    argv = [sys.executable, "-m", "llamatron", "train", "--model", "llama-test", "--mock-data", "--device", "cpu"]
+    argv += ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-steps", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1: loss" in done.stdout and "step 2: loss" in done.stdout
+    assert "\r" not in done.stdout + done.stderr and "step/s" not in done.stderr  # no tqdm bar
