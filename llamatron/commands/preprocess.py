@@ -6,7 +6,6 @@ import argparse
 import sys
 from typing import Any
 
-from ..config_ranges import at_least, number_arg
 from ..data.preprocess import format_summary, preprocess
 from ..data.sft import preprocess_conversations
 from ..errors import ConfigError
@@ -47,9 +46,7 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         default=True,
         help="append the tokenizer's EOS token to every document (default: on)",
     )
-    parser.add_argument(
-        "--workers", type=number_arg(int, at_least(1)), default=1, help="tokenizer processes (default: 1)"
-    )
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     parser.add_argument(
         "--skip-bad-lines",
         action="store_true",
