@@ -24,6 +24,7 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
+from .hf_files import check_hf_files, read_hf_json
 from .meta_llama import MetaLlamaSource, is_meta_checkpoint
 from .reader import META_FILE, MODEL_FILE, inside, open_weights, read_meta, resolve_checkpoint
 from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
@@ -53,7 +54,7 @@ def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | Meta
     config_file = d / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{d}: no config.json (nor Meta's params.json + consolidated.*.pth)")
-    hf = json.loads(config_file.read_text())
+    hf = read_hf_json(config_file)
     for weights in _WEIGHT_FILES:
         index = d / f"{weights}.index.json"
         if index.is_file():
@@ -66,15 +67,8 @@ def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | Meta
     )
 
 
-def _read_hf_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download it") from None
-
-
 def _weight_map(index: Path) -> dict[str, str]:
-    data = _read_hf_json(index)
+    data = read_hf_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CheckpointError(f"{index} has no weight_map of tensor names to files; re-download it")
@@ -93,6 +87,7 @@ def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: di
 
 def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Convert a Hugging Face (or Meta) directory into the llamatron checkpoint `out`; returns OUT/step-0."""
+    check_hf_files(hf_dir, tokenizer=True)  # before anything is converted or written
     hf, source, fmt = open_hf_dir(hf_dir)
     cfg = config_from_hf(hf)
     rules = weight_rules(cfg, hf)
@@ -128,7 +123,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
             "config": hf,
             "source": str(Path(hf_dir).resolve()),
             "format": fmt,
-            "generation_config": json.loads(generation.read_text()) if generation.is_file() else None,
+            "generation_config": read_hf_json(generation) if generation.is_file() else None,
         },
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))

@@ -6,25 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from ..checkpoint.hf import config_from_hf
+from ..checkpoint.hf_files import check_hf_files
 from ..checkpoint.hf_io import export_hf, import_hf
 from ..checkpoint.hf_verify import DEFAULT_TOLERANCE, compare_with_hf, push_to_hub
-from ..checkpoint.meta_llama import is_meta_checkpoint
 from ..checkpoint.tensor_io import parse_size
 from ..config_ranges import SEED, at_least, number_arg
-from ..data.tokenizer import load_tokenizer
 from ..dtypes import DTYPES
-from ..errors import DataError, HFConversionError
-
-# The JSON files import-hf and verify read from a Hugging Face (or Meta) directory.
-_JSON_FILES = (
-    "config.json",
-    "params.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-)
-_TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def register(sub) -> None:
@@ -85,52 +72,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_verify)
 
 
-def check_hf_files(hf_dir: str, tokenizer: bool) -> None:
-    """Before anything is written: each JSON file of `hf_dir` parses to an object, and (`tokenizer`) its
-    tokenizer loads. A truncated download otherwise fails midway (a JSONDecodeError after the weights were
-    converted) or is copied into the checkpoint unnoticed (a corrupt tokenizer.json)."""
-    d = Path(hf_dir)
-    for path in (d / name for name in _JSON_FILES + (_TOKENIZER_JSON_FILES if tokenizer else ())):
-        if not path.is_file():
-            continue
-        try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as e:  # also invalid UTF-8
-            raise HFConversionError(
-                f"{path} is not valid JSON ({e}); re-download it (a truncated file reads like this)"
-            ) from None
-        except OSError as e:
-            raise HFConversionError(f"{path} cannot be read ({e.strerror})") from None
-        if not isinstance(value, dict):
-            raise HFConversionError(f"{path} must hold a JSON object, not {type(value).__name__}; re-download it")
-        if path.name == "config.json" and not is_meta_checkpoint(d):
-            _check_hf_config(path, value)
-    if tokenizer and d.is_dir() and any((d / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
-        try:
-            load_tokenizer(str(d))
-        except DataError as e:
-            raise HFConversionError(f"the tokenizer files of {d} cannot be loaded: {e}") from None
-        except ImportError:  # a tokenizer.model without sentencepiece installed: copied unchecked
-            pass
-
-
-def _check_hf_config(path: Path, hf: dict) -> None:
-    """config.json describes a model llamatron can build: its keys are there and of the right types."""
-    try:
-        cfg = config_from_hf(hf)
-    except HFConversionError:  # a model llamatron does not convert: its own message
-        raise
-    except KeyError as e:
-        raise HFConversionError(f"{path} has no {e.args[0]!r}, which the conversion needs; re-download it") from None
-    except (TypeError, ValueError) as e:  # e.g. a string where a number belongs, met by the conversion's arithmetic
-        raise HFConversionError(f"{path} holds a value of the wrong type ({e}); re-download it") from None
-    problems = cfg.problems()
-    if problems:
-        raise HFConversionError(f"{path} describes a model llamatron cannot build: {'; '.join(problems)}")
-
-
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    check_hf_files(args.hf_dir, tokenizer=True)
     step_dir = import_hf(args.hf_dir, args.out, DTYPES[args.dtype] if args.dtype else None)
     meta = json.loads((step_dir / "meta.json").read_text())
     c = meta["model_config"]
