@@ -3,7 +3,7 @@
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
-#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, longctx
+#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, longctx, fp8_7b, fp8_1b, fp8_parity
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -35,6 +35,17 @@ plan_check() {  # the planner's prediction against measured peak memory, on GPU 
 }
 for group in ${@:-single dp tests}; do
   case $group in
+    fp8_7b)  # issue 19: FP8 against our bf16 default, Llama 2 7B (FP8_7B_ARGS: e.g. a recompute setting)
+      for r in none tensorwise rowwise; do ROW_TAG=fp8-$r one 0 $B7 --micro-batch-size 1 --fp8 $r ${FP8_7B_ARGS:-}; done ;;
+    fp8_1b)
+      for r in none tensorwise rowwise; do ROW_TAG=fp8-$r one 0 $B1 --micro-batch-size 8 --fp8 $r; done ;;
+    fp8_parity)  # issue 19: bf16, tensorwise and rowwise trained side by side on GPU 0 on real text
+      # PARITY_DATA: the --data prefix of benchmarks/code_corpus.py's corpus
+      for r in none tensorwise rowwise; do
+        CUDA_VISIBLE_DEVICES=0 timeout "${PARITY_TIMEOUT:-540}" python3 -m llamatron train --config configs/fp8-parity-350m.yaml \
+          --data "$PARITY_DATA" --fp8 $r --no-progress --metrics-file "$OUT/parity-$r.jsonl" >"$OUT/parity-$r.log" 2>&1 &
+      done
+      wait ;;
     single)
       (one 0 $B1 --micro-batch-size 8 --compile; one 0 $B1 --micro-batch-size 8 --no-compile) &
       (one 1 $B7 --micro-batch-size 2 --compile --recompute full; one 1 $B1 --micro-batch-size 4 --compile) &

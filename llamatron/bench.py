@@ -85,6 +85,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "recompute": t.recompute,
         "compile": derived.compile,
         "precision": derived.dtype_name,
+        "fp8": t.fp8,
         "mbs": t.micro_batch_size,
         "gbs": t.global_batch_size,
         "seq": cfg.data.seq_length,

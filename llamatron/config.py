@@ -21,6 +21,7 @@ from .config_ranges import Range, above, at_least, problem
 from .data.samples import parse_data_argument, split_documents
 from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
+from .fp8 import FP8_RECIPES, check_fp8
 from .kernel_settings import check_kernel_settings
 from .logging_sinks import check_output_paths, check_sink_dependencies
 from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
@@ -134,6 +135,13 @@ class TrainConfig:
     precision: str = _f(
         "auto", "parameter/compute dtype (auto: bf16 on GPU, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16")
     )
+    fp8: str = _f(
+        "none",
+        "FP8 matmuls in the decoder's linear layers on top of bf16 (torchao.float8; H100/H200 or newer; "
+        "pip install -e '.[fp8]'): tensorwise (one scale per tensor, fastest) or rowwise (a scale per row)",
+        FP8_RECIPES,
+    )
+    fp8_emulate: bool = _f(False, "with --fp8: emulate FP8's numerics without FP8 hardware (slow; for tests on CPU)")
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
     recompute_layers: int | None = _f(
         None, "recompute only the first N layers of each chunk (default: all)", allowed=at_least(0)
@@ -560,6 +568,9 @@ def validate(
     _validate_settings(cfg, model)
     device, dtype_name = _resolve_device(cfg, cuda_available)
     check_kernel_settings(cfg, model, device, dtype_name)
+    p = cfg.parallel
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_length // p.cp
+    check_fp8(cfg.train.fp8, cfg.train.fp8_emulate, device, dtype_name, model, p.tp, tokens)
     _validate_data(cfg.data)
     _validate_ops(cfg)
     t = cfg.train

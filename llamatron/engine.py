@@ -1,7 +1,7 @@
 """Builds a trainable model for a config and a mesh, and runs one optimizer step.
 
 Order: plain model (or this rank's pipeline stage chunks) on meta, with their
-parameter specs -> tensor parallelism -> materialise (layout-independent init)
+parameter specs -> tensor parallelism -> FP8 matmuls (--fp8) -> materialise (layout-independent init)
 -> recompute -> compile -> gradient buffers -> optimizer. Nothing touches
 device memory before the config is validated.
 """
@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import Derived, RunConfig
 from .data.batches import model_kwargs
 from .dtypes import DTYPES
+from .fp8 import apply_fp8
 from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from .models.layers import Attention
@@ -118,6 +119,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             specs[i] = apply_tensor_parallel(
                 chunk, mesh, sequence_parallel=p.sequence_parallel, comm_overlap=p.tp_comm_overlap, specs=specs[i]
             )
+        apply_fp8(chunk, cfg.train.fp8, cfg.train.fp8_emulate)  # keeps the parameters: specs and init unchanged
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         apply_kernels(chunk, kernels)
         apply_context_parallel(chunk, mesh)  # before recompute, which then recomputes its K/V gather

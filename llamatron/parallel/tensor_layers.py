@@ -19,6 +19,8 @@ one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -282,6 +284,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.layout = in_features, layout
         self.group, self.sequence_parallel = group, sequence_parallel
         self.overlap_backward = True  # False: plain gather/copy + F.linear (for A/B measurement)
+        # (x, weight, bias) -> the output of the local shard; fp8.apply_fp8 installs FP8's
+        self.linear: Callable[..., torch.Tensor] = F.linear
         self.weight = nn.Parameter(torch.empty(layout.local_size, in_features, device=device, dtype=dtype))
         self.bias = None
         if bias:
@@ -296,9 +300,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:
-            return F.linear(x, self.weight, self.bias)
-        if not self.overlap_backward:
-            return F.linear(to_parallel_input(x, self.group, self.sequence_parallel), self.weight, self.bias)
+            return self.linear(x, self.weight, self.bias)
+        if not self.overlap_backward or self.linear is not F.linear:
+            # FP8's matmul has its own backward, so its input gradient's collective is not overlapped
+            return self.linear(to_parallel_input(x, self.group, self.sequence_parallel), self.weight, self.bias)
         return _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
@@ -329,13 +334,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, layout.local_size, device=device, dtype=dtype))
         # Replicated; under sequence parallelism added on sequence shards (tensor_parallel_specs marks it).
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        # (x, weight) -> the partial output of the local shard; fp8.apply_fp8 installs FP8's
+        self.linear: Callable[..., torch.Tensor] = F.linear
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """The full shapes of the parameters `layout` splits (the bias is replicated)."""
         return {"weight": (self.out_features, self.layout.full_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = from_parallel_output(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        y = from_parallel_output(self.linear(x, self.weight), self.group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -1,0 +1,182 @@
+"""FP8 training (--fp8): the decoder's linear layers run FP8 matmuls through torchao.float8.
+
+What runs in FP8: each decoder layer's QKV, attention output, gate/up and down projections (Falcon's too),
+forward and backward, with dynamic scaling (torchao's recipes: `tensorwise` scales each tensor by its own amax;
+`rowwise` scales each row, with the weight gradient's matmul in higher precision). The embedding, the output
+head, norms, attention and the loss stay bf16; weights, gradients, master weights and optimizer state are what
+they are without FP8 (bf16 / fp32), so checkpoints do not change and FP8 can be switched on or off at a resume.
+
+Plain `nn.Linear` layers become torchao's `Float8Linear` (its public `convert_to_float8_training`; the module
+keeps its parameters, so their names and specs stay). Tensor parallelism's `ColumnParallelLinear` and
+`RowParallelLinear` are not `nn.Linear`s: they get an `FP8Matmul` as their `linear` and run it on their local
+shards. That is written here because torchao's tensor-parallel support is for DTensor, which llamatron's layers
+do not use; it calls torchao's own FP8 matmul (the autograd function `Float8Linear` runs), so the numerics are
+torchao's. A sharded layer scales its local shard (tensorwise: its own amax), which is at least as precise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import logging
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+from .models.config import ModelConfig
+from .parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
+# H100/H200 (9.0), L4/L40S/RTX 4090 (8.9), Blackwell (10.0+) have FP8 tensor cores.
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_MULTIPLE = 16  # torch._scaled_mm takes dimensions that are multiples of 16
+
+
+def torchao_missing() -> bool:
+    return importlib.util.find_spec("torchao") is None
+
+
+def fp8_problems(
+    recipe: str,
+    emulate: bool,
+    device: str,
+    dtype_name: str,
+    model: ModelConfig,
+    tp: int,
+    tokens_per_matmul: int,
+    capability: tuple[int, int] | None = None,
+) -> list[str]:
+    """Why --fp8 `recipe` cannot train this model here (empty: it can). `tokens_per_matmul` is the rows of one
+    micro-batch's activations on a rank (micro-batch x sequence / context parallel size); `capability` is the
+    GPU's (read from the device when None and the device is cuda)."""
+    if recipe == "none":
+        return ["--fp8-emulate needs --fp8 tensorwise or rowwise"] if emulate else []
+    if torchao_missing():
+        return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.17,<0.19')"]
+    problems = []
+    if dtype_name != "bf16":
+        problems.append(f"--fp8 runs on top of bf16, not {dtype_name}: use --precision bf16 (or auto on a GPU)")
+    if not emulate:
+        if device != "cuda":
+            problems.append(
+                f"--fp8 {recipe} needs an NVIDIA GPU with FP8 tensor cores (H100, H200, L40S, RTX 4090, or newer); "
+                f"this run is on {device} (--fp8-emulate runs FP8's numerics without them, slowly: for tests)"
+            )
+        else:
+            major, minor = capability or torch.cuda.get_device_capability()
+            if (major, minor) < FP8_MIN_CAPABILITY:
+                problems.append(
+                    f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9 or newer: H100, H200, L40S); "
+                    f"this GPU is {major}.{minor}: use --fp8 none"
+                )
+    problems += _shape_problems(model, tp, tokens_per_matmul)
+    return problems
+
+
+def _shape_problems(model: ModelConfig, tp: int, tokens: int) -> list[str]:
+    """Every FP8 matmul's dimensions on a rank must be multiples of 16: features in and out, and the tokens
+    (the inner dimension of the weight gradient's matmul)."""
+    q = model.num_heads * model.head_dim // tp
+    kv = max(model.num_kv_heads // tp, 1) * model.head_dim  # a KV head replicated over ranks when kv < tp
+    sizes = {
+        "hidden_size": model.hidden_size,
+        "QKV output per tensor-parallel rank": q + 2 * kv,
+        "attention output input per rank (heads x head_dim / tp)": q,
+        "ffn_hidden_size per rank": model.ffn_hidden_size // tp,
+        "tokens per micro-batch and rank (micro-batch-size x seq-length / cp)": tokens,
+    }
+    bad = [f"{name} = {size}" for name, size in sizes.items() if size % FP8_MULTIPLE]
+    if not bad:
+        return []
+    return [
+        f"--fp8 needs every matmul dimension to be a multiple of {FP8_MULTIPLE}; not so: {', '.join(bad)} "
+        "(change the shape or the layout, or use --fp8 none)"
+    ]
+
+
+def check_fp8(recipe: str, emulate: bool, device: str, dtype_name: str, model: ModelConfig, tp: int, tokens: int):
+    """fp8_problems, raised as one ConfigError (config.validate calls this)."""
+    problems = fp8_problems(recipe, emulate, device, dtype_name, model, tp, tokens)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+@functools.cache
+def _import_torchao() -> None:
+    """Import torchao once, without its import-time warnings: on a build without its CUDA extensions (CPU,
+    emulation) it warns about each one it cannot load, and about an Enum it registers with torch's pytree."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        importlib.import_module("torchao.float8")
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+
+
+def float8_config(recipe: str, emulate: bool):
+    """torchao's Float8LinearConfig for a recipe name (emulate: FP8 numerics without FP8 hardware)."""
+    _import_torchao()
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
+class FP8Matmul:
+    """x W^T (+ b) with torchao's FP8 matmul and scaling, for layers that are not nn.Linear (tensor parallel)."""
+
+    def __init__(self, recipe: str, emulate: bool):
+        _import_torchao()
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        self.recipe, self.config = recipe, float8_config(recipe, emulate)
+        self._matmul = matmul_with_hp_or_float8_args
+        c = self.config
+        # The output, input-gradient and weight-gradient matmuls, as torchao's Float8Linear configures them.
+        gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+        configs = [ScaledMMConfig(emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemms]
+        self.mm_config = LinearMMConfig(*configs)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._matmul.apply(x, weight.t(), self.mm_config, self.config)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def __repr__(self) -> str:
+        return f"FP8Matmul({self.recipe})"
+
+
+def _decoder_linear(module: nn.Module, name: str) -> bool:
+    """The linears torchao converts: those inside decoder layers (not the head), exactly nn.Linear."""
+    return type(module) is nn.Linear and name.startswith("layers.")
+
+
+def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> list[str]:
+    """Make `model`'s (a Transformer or a pipeline chunk) decoder linears run FP8; returns their names.
+    Works on the meta model (parameters are kept, not copied), before or after tensor parallelism."""
+    if recipe == "none":
+        return []
+    _import_torchao()
+    from torchao.float8 import convert_to_float8_training
+
+    matmul = FP8Matmul(recipe, emulate)
+    for name, module in model.named_modules():
+        if name.startswith("layers.") and isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.linear = matmul
+    convert_to_float8_training(model, module_filter_fn=_decoder_linear, config=float8_config(recipe, emulate))
+    return fp8_layers(model)
+
+
+def fp8_layers(model: nn.Module) -> list[str]:
+    """Names of the layers of `model` that run FP8 matmuls (after apply_fp8), in the model's order."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__ == "Float8Linear"
+        or (isinstance(module, ColumnParallelLinear | RowParallelLinear) and isinstance(module.linear, FP8Matmul))
+    ]
