@@ -44,6 +44,7 @@ for group in ${@:-single dp tests}; do
       for r in none tensorwise rowwise; do
         CUDA_VISIBLE_DEVICES=0 timeout "${PARITY_TIMEOUT:-540}" python3 -m llamatron train --config configs/fp8-parity-350m.yaml \
           --data "$PARITY_DATA" --fp8 $r --no-progress --metrics-file "$OUT/parity-$r.jsonl" >"$OUT/parity-$r.log" 2>&1 &
+        sleep 15  # the first run writes the data's index cache; the others then read it
       done
       wait ;;
     single)
