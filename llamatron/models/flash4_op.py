@@ -11,6 +11,7 @@ q, k, v, the output and the log-sum-exp, as the flash kernels need.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -21,18 +22,28 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 
 
 def available() -> bool:
-    """flash-attn-4 is installed: found without importing flash_attn.cute itself (seconds of imports), though
-    finding it imports the parent flash_attn package; a broken install of that counts as not installed."""
+    """flash-attn-4 is installed and its interface imports (once per process: seconds of imports); a broken
+    install counts as not installed."""
     return unavailable_reason() is None
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """None when flash_attn.cute can be found; else why not (not installed, or the import error)."""
+    """None when FlashAttention 4's interface imports; else why not (not installed, or the import error: a
+    flash_attn package whose CuTe DSL dependency is missing finds `flash_attn.cute` but cannot import it)."""
     try:
         found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        found = False
     except Exception as e:  # a flash_attn package that fails to import (e.g. a FlashAttention 2 build)
         return f"importing flash_attn failed: {type(e).__name__}: {e}"
-    return None if found else "flash_attn.cute is not installed"
+    if not found:
+        return "flash_attn.cute is not installed"
+    try:
+        importlib.import_module("flash_attn.cute.interface")
+    except Exception as e:  # e.g. a FlashAttention 2 build, or no cutlass
+        return f"importing flash_attn.cute failed: {type(e).__name__}: {e}"
+    return None
 
 
 def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
