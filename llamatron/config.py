@@ -142,6 +142,7 @@ class TrainConfig:
         FP8_RECIPES,
     )
     fp8_emulate: bool = _f(False, "with --fp8: emulate FP8's numerics without FP8 hardware (slow; for tests on CPU)")
+    fp8_head: bool = _f(False, "with --fp8: the output head's matmul in FP8 too (faster; the logits lose precision)")
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
     recompute_layers: int | None = _f(
         None, "recompute only the first N layers of each chunk (default: all)", allowed=at_least(0)
@@ -570,7 +571,7 @@ def validate(
     check_kernel_settings(cfg, model, device, dtype_name)
     p = cfg.parallel
     tokens = cfg.train.micro_batch_size * cfg.data.seq_length // p.cp
-    check_fp8(cfg.train.fp8, cfg.train.fp8_emulate, device, dtype_name, model, p.tp, tokens)
+    check_fp8(cfg.train, device, dtype_name, model, p.tp, tokens)
     _validate_data(cfg.data)
     _validate_ops(cfg)
     t = cfg.train

@@ -119,7 +119,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             specs[i] = apply_tensor_parallel(
                 chunk, mesh, sequence_parallel=p.sequence_parallel, comm_overlap=p.tp_comm_overlap, specs=specs[i]
             )
-        apply_fp8(chunk, cfg.train.fp8, cfg.train.fp8_emulate)  # keeps the parameters: specs and init unchanged
+        apply_fp8(
+            chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
+        )  # keeps the parameters: specs and init unchanged
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         apply_kernels(chunk, kernels)
         apply_context_parallel(chunk, mesh)  # before recompute, which then recomputes its K/V gather

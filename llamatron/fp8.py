@@ -21,13 +21,18 @@ import functools
 import importlib
 import importlib.util
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
 from .models.config import ModelConfig
+from .parallel.tensor import padded_vocab_size
 from .parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:  # config imports this module to validate: the type only
+    from .config import TrainConfig
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 # H100/H200 (9.0), L4/L40S/RTX 4090 (8.9), Blackwell (10.0+) have FP8 tensor cores.
@@ -48,14 +53,17 @@ def fp8_problems(
     tp: int,
     tokens_per_matmul: int,
     capability: tuple[int, int] | None = None,
+    head: bool = False,
 ) -> list[str]:
-    """Why --fp8 `recipe` cannot train this model here (empty: it can). `tokens_per_matmul` is the rows of one
-    micro-batch's activations on a rank (micro-batch x sequence / context parallel size); `capability` is the
-    GPU's (read from the device when None and the device is cuda)."""
+    """Why --fp8 `recipe` (with the output head when `head`) cannot train this model here (empty: it can).
+    `tokens_per_matmul` is the rows of one micro-batch's activations on a rank (micro-batch x sequence / context
+    parallel size); `capability` is the GPU's (read from the device when None and the device is cuda)."""
     if recipe == "none":
-        return ["--fp8-emulate needs --fp8 tensorwise or rowwise"] if emulate else []
+        flags = [f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head)) if on]
+        verb = "needs" if len(flags) == 1 else "need"
+        return [f"{' and '.join(flags)} {verb} --fp8 tensorwise or rowwise"] if flags else []
     if torchao_missing():
-        return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.17,<0.19')"]
+        return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.18,<0.19')"]
     problems = []
     if dtype_name != "bf16":
         problems.append(f"--fp8 runs on top of bf16, not {dtype_name}: use --precision bf16 (or auto on a GPU)")
@@ -72,11 +80,11 @@ def fp8_problems(
                     f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9 or newer: H100, H200, L40S); "
                     f"this GPU is {major}.{minor}: use --fp8 none"
                 )
-    problems += _shape_problems(model, tp, tokens_per_matmul)
+    problems += _shape_problems(model, tp, tokens_per_matmul, head)
     return problems
 
 
-def _shape_problems(model: ModelConfig, tp: int, tokens: int) -> list[str]:
+def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> list[str]:
     """Every FP8 matmul's dimensions on a rank must be multiples of 16: features in and out, and the tokens
     (the inner dimension of the weight gradient's matmul)."""
     q = model.num_heads * model.head_dim // tp
@@ -88,6 +96,10 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int) -> list[str]:
         "ffn_hidden_size per rank": model.ffn_hidden_size // tp,
         "tokens per micro-batch and rank (micro-batch-size x seq-length / cp)": tokens,
     }
+    if head:
+        # tensor parallelism pads the vocabulary to a multiple of 128 per rank; one process does not
+        vocab = padded_vocab_size(model.vocab_size, tp) // tp if tp > 1 else model.vocab_size
+        sizes["--fp8-head: the vocabulary per rank"] = vocab
     bad = [f"{name} = {size}" for name, size in sizes.items() if size % FP8_MULTIPLE]
     if not bad:
         return []
@@ -97,9 +109,9 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int) -> list[str]:
     ]
 
 
-def check_fp8(recipe: str, emulate: bool, device: str, dtype_name: str, model: ModelConfig, tp: int, tokens: int):
-    """fp8_problems, raised as one ConfigError (config.validate calls this)."""
-    problems = fp8_problems(recipe, emulate, device, dtype_name, model, tp, tokens)
+def check_fp8(train: TrainConfig, device: str, dtype_name: str, model: ModelConfig, tp: int, tokens: int) -> None:
+    """fp8_problems of the run's --fp8 flags, raised as one ConfigError (config.validate calls this)."""
+    problems = fp8_problems(train.fp8, train.fp8_emulate, device, dtype_name, model, tp, tokens, head=train.fp8_head)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -156,15 +168,18 @@ def _decoder_linear(module: nn.Module, name: str) -> bool:
     return type(module) is nn.Linear and name.startswith("layers.")
 
 
-def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> list[str]:
-    """Make `model`'s (a Transformer or a pipeline chunk) decoder linears run FP8; returns their names.
-    Works on the meta model (parameters are kept, not copied), before or after tensor parallelism."""
+def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool = False) -> list[str]:
+    """Make `model`'s (a Transformer or a pipeline chunk) decoder linears run FP8, and its output head with
+    `head`; returns their names ("head" for the head). Works on the meta model (parameters are kept, not
+    copied), before or after tensor parallelism."""
     if recipe == "none":
         return []
     _import_torchao()
     from torchao.float8 import convert_to_float8_training
 
     matmul = FP8Matmul(recipe, emulate)
+    if head and getattr(model, "norm", None) is not None:  # a stage with the head
+        model.head_matmul = matmul  # type: ignore[assignment]
     for name, module in model.named_modules():
         if name.startswith("layers.") and isinstance(module, ColumnParallelLinear | RowParallelLinear):
             module.linear = matmul
@@ -174,9 +189,10 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False) -> list[str]
 
 def fp8_layers(model: nn.Module) -> list[str]:
     """Names of the layers of `model` that run FP8 matmuls (after apply_fp8), in the model's order."""
-    return [
+    names = [
         name
         for name, module in model.named_modules()
         if type(module).__name__ == "Float8Linear"
         or (isinstance(module, ColumnParallelLinear | RowParallelLinear) and isinstance(module.linear, FP8Matmul))
     ]
+    return names + ["head"] if isinstance(getattr(model, "head_matmul", None), FP8Matmul) else names

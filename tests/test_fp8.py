@@ -1,6 +1,7 @@
 """--fp8 (torchao.float8): the rules, which layers run FP8 under each layout, FP8's numerics against bf16 (in
 torchao's emulation, on CPU), layouts against the single process, and checkpoints across FP8 on and off."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -41,6 +42,11 @@ def test_fp8_runs_where_it_can_and_says_why_not_elsewhere():
     assert "--precision bf16" in fp16
     (emulate_alone,) = _problems(recipe="none", emulate=True)
     assert "--fp8-emulate needs --fp8" in emulate_alone
+    assert "--fp8-emulate and --fp8-head need" in _problems(recipe="none", emulate=True, head=True)[0]
+    (vocab,) = _problems(model=dataclasses.replace(MODEL, vocab_size=250), head=True)
+    assert "vocabulary per rank = 250" in vocab
+    assert _problems(model=dataclasses.replace(MODEL, vocab_size=250), head=True, tp=2) == []  # padded to 256
+    assert _problems(model=dataclasses.replace(MODEL, vocab_size=250)) == []  # the head stays bf16 by default
 
 
 def test_shapes_fp8_matmuls_cannot_take_are_named():
@@ -80,6 +86,21 @@ def test_every_decoder_linear_runs_fp8_and_nothing_else_does(recipe):
     assert type(model.lm_head) is nn.Linear  # the head, embedding and norms stay bf16
     assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in params.items()}  # kept
     assert apply_fp8(build_model(MODEL), "none") == []
+
+
+def test_the_head_runs_fp8_only_when_asked():
+    torch.manual_seed(0)
+    plain = build_model(MODEL, device="cpu").to(torch.bfloat16)
+    models = {head: copy.deepcopy(plain) for head in (False, True)}
+    for head, model in models.items():
+        names = apply_fp8(model, "tensorwise", emulate=True, head=head)
+        assert names == _expected(range(MODEL.num_layers)) + (["head"] if head else [])
+    hidden = torch.randn(2, 16, MODEL.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        bf16_head, fp8_head = (models[h].logits(hidden).float() for h in (False, True))
+    assert 1e-3 < float((fp8_head - bf16_head).norm() / bf16_head.norm()) < 0.08
+    chunks, _ = build_stage_chunks(get_preset("llama-test4"), Mesh(pp=2, pp_rank=0))  # no head on this stage
+    assert "head" not in apply_fp8(chunks[0], "tensorwise", emulate=True, head=True)
 
 
 def test_tensor_parallel_layers_run_fp8_on_their_shards():

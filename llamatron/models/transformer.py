@@ -56,6 +56,8 @@ class Transformer(nn.Module):
         self.lm_head: nn.Module | None = None
         if separate_head:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The head's matmul (x, weight) -> logits; --fp8-head installs an FP8 one (fp8.apply_fp8).
+        self.head_matmul: Callable[..., torch.Tensor] = F.linear
         # Swappable so tensor parallelism can install a vocabulary-parallel loss.
         self.loss_fn = CrossEntropy()
         # Sequence parallelism splits hidden states along the sequence into this many shards.
@@ -82,7 +84,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.norm is not None, "logits on a stage without the output head"
-        return F.linear(self.norm(hidden), self.head_weight())
+        return self.head_matmul(self.norm(hidden), self.head_weight())
 
     def forward(
         self,
