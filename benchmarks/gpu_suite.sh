@@ -35,10 +35,11 @@ plan_check() {  # the planner's prediction against measured peak memory, on GPU 
 }
 for group in ${@:-single dp tests}; do
   case $group in
-    fp8_7b)  # issue 19: FP8 against our bf16 default, Llama 2 7B (FP8_7B_ARGS: e.g. a recompute setting)
-      for r in none tensorwise rowwise; do ROW_TAG=fp8-$r one 0 $B7 --micro-batch-size 1 --fp8 $r ${FP8_7B_ARGS:-}; done ;;
-    fp8_1b)
-      for r in none tensorwise rowwise; do ROW_TAG=fp8-$r one 0 $B1 --micro-batch-size 8 --fp8 $r; done ;;
+    fp8_7b|fp8_1b)  # issue 19: FP8 against our bf16 default; FP8_SETTINGS: the rows' flags, ';'-separated
+      IFS=';' read -ra settings <<<"${FP8_SETTINGS:---fp8 none;--fp8 tensorwise;--fp8 rowwise}"
+      for s in "${settings[@]}"; do
+        if [ $group = fp8_7b ]; then ROW_TAG="$s" one 0 $B7 --micro-batch-size 1 $s; else ROW_TAG="$s" one 0 $B1 --micro-batch-size 8 $s; fi
+      done ;;
     fp8_parity)  # issue 19: bf16, tensorwise and rowwise trained side by side on GPU 0 on real text
       # PARITY_DATA: the --data prefix of benchmarks/code_corpus.py's corpus
       for r in none tensorwise rowwise; do
