@@ -18,11 +18,12 @@ from typing import Any
 import yaml
 
 from .config_ranges import Range, above, at_least, problem
+from .data.cache import KEEP_PER_KIND
 from .data.samples import parse_data_argument, split_documents
 from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
 from .kernel_settings import check_kernel_settings
-from .logging_sinks import check_output_paths, check_sink_dependencies
+from .logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
 from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
@@ -121,6 +122,11 @@ class DataConfig:
     eod_mask_loss: bool = _f(False, "no loss on predicting the EOD token")
     sft_data: str | None = _f(None, "instruction-tuning prefix written by `preprocess --sft` (PREFIX + PREFIX_mask)")
     pack: bool = _f(True, "--sft-data: pack conversations into full sequences (--no-pack: one padded per sample)")
+    data_cache_path: str | None = _f(
+        None,
+        "directory for the index caches of --data / --sft-data (default: beside the data); it keeps each "
+        f"dataset's {KEEP_PER_KIND} most recently used indexes of each kind (train, valid, ...)",
+    )
 
 
 @dataclass
@@ -476,6 +482,8 @@ def _validate_ops(cfg: RunConfig) -> None:
     resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t)
     check_output_paths(t)
+    if cfg.data.data_cache_path:
+        check_output_directory(cfg.data.data_cache_path, "--data-cache-path", "the index caches")
 
 
 def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
