@@ -275,9 +275,13 @@ def _field_type(f) -> type:
 SECTIONS_OWNER: dict[str, type] = {f.name: cls for cls in SECTIONS.values() for f in fields(cls)}
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, unlisted: frozenset[str] = frozenset()) -> None:
     """One flag per config field (and Megatron-LM's name for it, megatron_flags.py); defaults are suppressed so
-    YAML values are not overridden by them."""
+    YAML values are not overridden by them. The fields in `unlisted` (settings a command does not use) still
+    parse, so a train command line can be reused, but --help leaves them out."""
+    unknown = unlisted - SECTIONS_OWNER.keys()
+    if unknown:
+        raise ValueError(f"unlisted settings {sorted(unknown)} are not config fields")
     parser.add_argument(
         "--config", default=argparse.SUPPRESS, help="YAML file of settings (flag names with underscores)"
     )
@@ -294,6 +298,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = f.metadata.get("help", "")
             if "(default:" not in help_text and default is not None:  # unset (None): the help says what happens
                 help_text += f" (default: {default})"
+            if f.name in unlisted:
+                help_text = argparse.SUPPRESS
             if t is bool:
                 group.add_argument(
                     flag,
