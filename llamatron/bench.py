@@ -35,7 +35,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     --sft-data when given: real documents for document masks), then one instrumented step for the breakdown: the
     row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
-    init_distributed(derived.device)
+    init_distributed(derived.device, cfg.train.dist_timeout)
     mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)

@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="llamatron", description="Distributed trainer for LLaMA-family models.")
     parser.add_argument("--version", action="version", version=f"llamatron {__version__} (torch {_torch_version()})")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="`llamatron COMMAND --help` lists its flags")
     for command in COMMANDS:
         command.register(sub)
     return parser

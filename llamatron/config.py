@@ -18,12 +18,13 @@ from typing import Any
 import yaml
 
 from .config_ranges import Range, above, at_least, problem
+from .data.cache import KEEP_PER_KIND
 from .data.samples import parse_data_argument, split_documents
 from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
 from .fp8 import FP8_RECIPES, check_fp8
 from .kernel_settings import check_kernel_settings
-from .logging_sinks import check_output_paths, check_sink_dependencies
+from .logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
 from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
@@ -122,6 +123,11 @@ class DataConfig:
     eod_mask_loss: bool = _f(False, "no loss on predicting the EOD token")
     sft_data: str | None = _f(None, "instruction-tuning prefix written by `preprocess --sft` (PREFIX + PREFIX_mask)")
     pack: bool = _f(True, "--sft-data: pack conversations into full sequences (--no-pack: one padded per sample)")
+    data_cache_path: str | None = _f(
+        None,
+        "directory for the index caches of --data / --sft-data (default: beside the data); it keeps each "
+        f"dataset's {KEEP_PER_KIND} most recently used indexes of each kind (train, valid, ...)",
+    )
 
 
 @dataclass
@@ -278,9 +284,13 @@ def _field_type(f) -> type:
 SECTIONS_OWNER: dict[str, type] = {f.name: cls for cls in SECTIONS.values() for f in fields(cls)}
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, unlisted: frozenset[str] = frozenset()) -> None:
     """One flag per config field (and Megatron-LM's name for it, megatron_flags.py); defaults are suppressed so
-    YAML values are not overridden by them."""
+    YAML values are not overridden by them. The fields in `unlisted` (settings a command does not use) still
+    parse, so a train command line can be reused, but --help leaves them out."""
+    unknown = unlisted - SECTIONS_OWNER.keys()
+    if unknown:
+        raise ValueError(f"unlisted settings {sorted(unknown)} are not config fields")
     parser.add_argument(
         "--config", default=argparse.SUPPRESS, help="YAML file of settings (flag names with underscores)"
     )
@@ -297,6 +307,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = f.metadata.get("help", "")
             if "(default:" not in help_text and default is not None:  # unset (None): the help says what happens
                 help_text += f" (default: {default})"
+            if f.name in unlisted:
+                help_text = argparse.SUPPRESS
             if t is bool:
                 group.add_argument(
                     flag,
@@ -485,6 +497,8 @@ def _validate_ops(cfg: RunConfig) -> None:
     resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t)
     check_output_paths(t)
+    if cfg.data.data_cache_path:
+        check_output_directory(cfg.data.data_cache_path, "--data-cache-path", "the index caches")
 
 
 def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:

@@ -45,10 +45,15 @@ def check_output_paths(train_cfg) -> None:
     if train_cfg.metrics_file:
         _check_metrics_file(train_cfg.metrics_file)
     if train_cfg.tensorboard_dir:
-        path, flag = train_cfg.tensorboard_dir, f"--tensorboard-dir {train_cfg.tensorboard_dir}"
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"{flag} is a file; give a directory for the TensorBoard event files")
-        _check_creatable(path, flag)
+        check_output_directory(train_cfg.tensorboard_dir, "--tensorboard-dir", "the TensorBoard event files")
+
+
+def check_output_directory(path: str, flag: str, what: str) -> None:
+    """The directory `path` given by `flag` exists or can be created, and is writable."""
+    flag = f"{flag} {path}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} is a file; give a directory for {what}")
+    _check_creatable(path, flag)
 
 
 def _check_metrics_file(path: str) -> None:

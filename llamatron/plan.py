@@ -38,8 +38,8 @@ Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see 
 ---------------------------------------------------------------------------------------------------
   compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency),
     tokens = micro-batch x seq / cp (the load-balanced split gives every cp rank 1/cp of the attention work);
-    hardware FLOPs = 6N + 12LhS plus one more layer forward (full recompute; N/layers-per-chunk of it with
-    --recompute-layers N) or attention forward (selective);
+    hardware FLOPs = model FLOPs (ModelConfig.flops_per_token) plus one more layer forward (full recompute;
+    N/layers-per-chunk of it with --recompute-layers N) or attention forward (selective);
     GEMM efficiency = tokens/(tokens+256) x (h/tp)/((h/tp)+64): small micro-batches and thin shards run slower;
   tensor parallelism: 8 (12 with full recompute) all-gathers/reduce-scatters of (tokens x h) per layer over
     NVLink (tp never leaves a node), not overlapped with compute;
@@ -194,9 +194,9 @@ class Memory:
 @dataclass(frozen=True)
 class SpeedAssumptions:
     peak_flops: float = 989e12  # dense bf16, H100/H200
-    base_mfu: float = (
-        0.645  # a large GEMM-bound step: fitted to llamatron's own compiled runs on H200 (RESULTS.md, run 2)
-    )
+    # A large GEMM-bound step: fitted to llamatron's own compiled runs on H200 (RESULTS.md, run 2; refitted to
+    # benchmarks/h200_peak_memory.json's rows, 0.645 -> 0.635, when the input embedding left the FLOP count).
+    base_mfu: float = 0.635
     nvlink_bw: float = 200e9  # bus bandwidth, 32-64 MiB collectives in a node (docs/gpu_facts.md: all-gather 212 GB/s)
     internode_bw: float = 40e9  # per GPU across nodes (400 Gb/s NIC, ~80% achieved)
     hbm_bw: float = 3.0e12

@@ -80,7 +80,15 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
         train, valid = _rank0_first(
             mesh,
             lambda: build_sft_datasets(
-                d.sft_data, d.split, d.seq_length, train_samples, valid_samples, t.seed, d.pack, model_cfg.vocab_size
+                d.sft_data,
+                d.split,
+                d.seq_length,
+                train_samples,
+                valid_samples,
+                t.seed,
+                d.pack,
+                model_cfg.vocab_size,
+                d.data_cache_path,
             ),
         )
         if mesh.is_logging_rank:
@@ -112,7 +120,14 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     train, valid = _rank0_first(
         mesh,
         lambda: samples.build_datasets(
-            prefix, d.split, d.seq_length, train_samples, valid_samples, t.seed, vocab_size=model_cfg.vocab_size
+            prefix,
+            d.split,
+            d.seq_length,
+            train_samples,
+            valid_samples,
+            t.seed,
+            vocab_size=model_cfg.vocab_size,
+            cache_path=d.data_cache_path,
         ),
     )
     if mesh.is_logging_rank:
@@ -132,7 +147,7 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
 
 
 def _rank0_first(mesh: Mesh, build):
-    """Rank 0 builds the index files (cached next to the data) first; the other ranks then load them.
+    """Rank 0 builds the index files (cached beside the data or in --data-cache-path) first; the others load them.
 
     When rank 0 fails (a bad data file), the others learn it instead of waiting in a collective until rank 0's
     exit breaks it: rank 0 reports the error and exits; they wait for the launcher to stop them (so that the

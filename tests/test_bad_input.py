@@ -258,6 +258,8 @@ def test_a_metrics_file_that_is_a_directory_is_refused_before_anything_is_built(
         validate(config_from_values({**BASE, "metrics_file": str(file / "m.jsonl")}))
     with pytest.raises(ConfigError, match=f"--tensorboard-dir {file} is a file; give a directory"):
         validate(config_from_values({**BASE, "tensorboard_dir": str(file)}))
+    with pytest.raises(ConfigError, match=f"--data-cache-path {file} is a file; give a directory for the index"):
+        validate(config_from_values({**BASE, "data_cache_path": str(file)}))
     validate(config_from_values({**BASE, "metrics_file": str(tmp_path / "new" / "m.jsonl")}))  # created later
     validate(config_from_values({**BASE, "tensorboard_dir": str(tmp_path / "new" / "tb")}))
 

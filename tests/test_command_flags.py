@@ -118,3 +118,46 @@ def test_no_progress_bar_when_the_output_is_not_a_terminal(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 1: loss" in done.stdout and "step 2: loss" in done.stdout
     assert "\r" not in done.stdout + done.stderr and "step/s" not in done.stderr  # no tqdm bar
+
+
+def _commands() -> dict:
+    import argparse
+
+    from llamatron.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"llamatron": parser, **sub.choices}
+
+
+def test_every_flag_of_every_command_has_a_description():
+    """What --help lists (flags and positional arguments) each says what it is; hidden aliases are not listed."""
+    import argparse
+
+    undescribed = [
+        f"{name} {action.option_strings[0] if action.option_strings else action.metavar or action.dest}"
+        for name, parser in _commands().items()
+        for action in parser._actions
+        if action.help != argparse.SUPPRESS and not (action.help or "").strip()
+    ]
+    assert undescribed == []
+
+
+def test_verify_help_shows_its_tolerances_readably():
+    text = _commands()["verify"].format_help()
+    assert "{'" not in text  # no dict repr
+    assert "0.0001 for fp32, 0.1 for bf16" in " ".join(text.split())
+
+
+def test_bench_help_lists_only_the_flags_bench_uses():
+    import re
+
+    commands = _commands()
+    bench, train = commands["bench"].format_help(), commands["train"].format_help()
+    ignored = ["--save", "--load", "--train-steps", "--eval-interval", "--metrics-file", "--wandb-project"]
+    ignored += ["--log-interval", "--keep-last", "--max-skipped-steps", "--progress"]
+    for flag in ignored:
+        assert re.search(rf"{flag}\b(?!-)", train), flag
+        assert not re.search(rf"{flag}\b(?!-)", bench), flag
+    for flag in ["--tp", "--seq-length", "--micro-batch-size", "--attention-backend", "--data", "--dist-timeout"]:
+        assert re.search(rf"{flag}\b(?!-)", bench), flag

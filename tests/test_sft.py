@@ -357,6 +357,9 @@ def run_sft_training(workdir, prefix, steps, micro_batch_size, name):
 def test_sft_training_loss_falls_and_is_a_global_token_mean(sft_prefix, tmp_path):
     losses, stdout = run_sft_training(tmp_path, sft_prefix, steps=30, micro_batch_size=2, name="mbs2")
     assert "sft data" in stdout and "truncated" in stdout and "packed into" in stdout
+    size = IndexedDataset(sft_prefix)  # the data line gives the dataset's size and the samples drawn (8 x 30)
+    assert f"{len(size):,} conversations, {size.num_tokens:,} tokens (train split: " in stdout
+    assert "; 240 samples drawn" in stdout
     assert np.mean(losses[-5:]) < 0.5 * losses[0], losses
     # One micro-batch of 8 must give the same losses as four of 2: the loss is the mean over the
     # trained tokens of the whole global batch, and the micro-batches hold different numbers of them.

@@ -14,24 +14,31 @@ from ..config import add_config_arguments, load_config
 from ..errors import ConfigError
 from .launch import add_launch_argument, relaunch_if_asked
 
-# Settings of `train` that bench does not use: it warns instead of silently ignoring them.
-_TRAIN_ONLY = {
-    "save",
-    "load",
-    "train_steps",
-    "eval_interval",
-    "eval_iters",
-    "eval_metrics",
-    "save_interval",
-    "metrics_file",
-    "tensorboard_dir",
-    "wandb_project",
-    "wandb_name",
-    "wandb_mode",
-    "finetune",
-    "exit_duration_mins",
-    "log_interval",
-}
+# Settings of `train` that bench does not use: its --help leaves them out, and given anyway (a train command line
+# reused) they are ignored with a warning, not silently.
+_TRAIN_ONLY = frozenset(
+    {
+        "save",
+        "load",
+        "finetune",
+        "save_interval",
+        "keep_last",
+        "async_save",
+        "train_steps",
+        "eval_interval",
+        "eval_iters",
+        "eval_metrics",
+        "log_interval",
+        "metrics_file",
+        "progress",
+        "tensorboard_dir",
+        "wandb_project",
+        "wandb_name",
+        "wandb_mode",
+        "exit_duration_mins",
+        "max_skipped_steps",
+    }
+)
 
 
 def register(sub) -> None:
@@ -43,11 +50,12 @@ def register(sub) -> None:
             "--sft-data: the corpus's first batch, so document masks see real documents) and prints one row: tokens/s "
             "per GPU, TFLOP/s, MFU, peak memory, and a breakdown (forward, backward, exposed gradient sync, optimizer, "
             "pipeline bubble) measured on one extra instrumented step, so its parts need not add up to the timed "
-            "step. The model, parallel, precision, kernel and data flags of `train` apply; checkpoint, evaluation and "
-            "logging flags are ignored. Run under torchrun (or --nproc-per-node) for several GPUs."
+            "step. The model, parallel, optimizer, precision, kernel and data flags of `train` apply and are listed "
+            "here; its checkpoint, evaluation, logging and fault flags are not (given anyway, they are ignored with "
+            "a warning). Run under torchrun (or --nproc-per-node) for several GPUs."
         ),
     )
-    add_config_arguments(p)
+    add_config_arguments(p, _TRAIN_ONLY)
     add_launch_argument(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
     p.add_argument(

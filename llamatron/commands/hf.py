@@ -23,8 +23,12 @@ def register(sub) -> None:
         "llamatron checkpoint OUT (OUT/step-0, OUT/latest, OUT/tokenizer). The result "
         "holds weights only: train from it with --load OUT --finetune.",
     )
-    p.add_argument("hf_dir", metavar="HF_DIR")
-    p.add_argument("out", metavar="OUT")
+    p.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="Hugging Face model directory, or a directory of Meta's consolidated.*.pth and params.json",
+    )
+    p.add_argument("out", metavar="OUT", help="llamatron checkpoint directory to write")
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="store weights in this dtype (default: as given)"
     )
@@ -34,11 +38,12 @@ def register(sub) -> None:
         "export-hf",
         help="write a checkpoint as a Hugging Face directory",
         description="Write checkpoint CKPT (DIR or DIR/step-N, saved under any layout) as a directory "
-        "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, sharded "
-        "safetensors with an index, tokenizer files.",
+        "transformers.AutoModelForCausalLM.from_pretrained loads: config.json, the weights (one "
+        "model.safetensors when they fit in --max-shard-size; else shards of at most that size and "
+        "model.safetensors.index.json), tokenizer files.",
     )
-    p.add_argument("ckpt", metavar="CKPT")
-    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("ckpt", metavar="CKPT", help="llamatron checkpoint: DIR (its latest) or DIR/step-N")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face directory to write")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default: 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or file to ship (default: the checkpoint's)")
@@ -53,22 +58,34 @@ def register(sub) -> None:
         "print max and mean absolute logit difference and loss difference; exit 1 when "
         "the mean difference is above the tolerance.",
     )
-    p.add_argument("ckpt", metavar="CKPT")
+    p.add_argument("ckpt", metavar="CKPT", help="llamatron checkpoint: DIR (its latest) or DIR/step-N")
     p.add_argument("--hf", required=True, metavar="HF_DIR", help="Hugging Face directory to compare with")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="both models run in this dtype (default: fp32)"
+    )
+    defaults = ", ".join(f"{tol:g} for {name}" for name, tol in DEFAULT_TOLERANCE.items())
     p.add_argument(
         "--tolerance",
         type=number_arg(float, at_least(0.0)),
         default=None,
-        help=f"largest mean |logit difference| (default: {DEFAULT_TOLERANCE})",
+        help=f"largest mean |logit difference| that passes (default: {defaults})",
     )
-    p.add_argument("--batches", type=number_arg(int, at_least(1)), default=4)
-    p.add_argument("--batch-size", type=number_arg(int, at_least(1)), default=2)
     p.add_argument(
-        "--seq-length", type=number_arg(int, at_least(1)), default=None, help="default: min(128, max positions)"
+        "--batches", type=number_arg(int, at_least(1)), default=4, help="random token batches compared (default: 4)"
     )
-    p.add_argument("--seed", type=number_arg(int, SEED), default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--batch-size", type=number_arg(int, at_least(1)), default=2, help="sequences per batch (default: 2)"
+    )
+    p.add_argument(
+        "--seq-length",
+        type=number_arg(int, at_least(1)),
+        default=None,
+        help="tokens per sequence (default: 128, or the models' max positions if fewer)",
+    )
+    p.add_argument(
+        "--seed", type=number_arg(int, SEED), default=0, help="seed of the random token batches (default: 0)"
+    )
+    p.add_argument("--device", default="cpu", help="device both models run on: cpu, cuda, cuda:1 (default: cpu)")
     p.set_defaults(func=cmd_verify)
 
 

@@ -96,9 +96,10 @@ class GPTSampleDataset:
     """Samples of ``seq_length + 1`` tokens (int64) over ``documents`` of ``indexed``.
 
     With ``cache_dir`` set, the index arrays are saved there as .npy files
-    named by a hash of everything they depend on, and loaded (memory-mapped)
-    when present instead of being rebuilt. ``build_seconds`` and
-    ``index_bytes`` tell what building (or loading) the index cost.
+    named by the split and a hash of everything they depend on, and loaded
+    (memory-mapped) when present instead of being rebuilt (cache.py: which
+    entries a directory keeps). ``build_seconds`` and ``index_bytes`` tell what
+    building (or loading) the index cost.
     """
 
     CACHE_NAMES = ("doc_order", "sample_starts", "sample_order")
@@ -111,8 +112,10 @@ class GPTSampleDataset:
         num_samples: int,
         seed: int,
         cache_dir: str | None = None,
+        split_name: str = "train",
     ) -> None:
         self.indexed = indexed
+        self.split_name = split_name
         self.documents = np.asarray(documents, dtype=np.int64)
         self.seq_length = seq_length
         self.num_samples = num_samples
@@ -121,23 +124,35 @@ class GPTSampleDataset:
             raise ValueError(f"document ids out of range for {len(indexed)} sequences in {indexed.prefix}")
         start = time.perf_counter()
         self._cache = self._make_cache(cache_dir)
-        arrays, self.loaded_from_cache = self._cache.get_or_build(
-            lambda: build_sample_index(indexed.sizes, self.documents, seq_length, num_samples, seed)[:3]
+        self.loaded_from_cache = self._index_arrays()
+        self.build_seconds = time.perf_counter() - start
+        self.index_bytes = sum(a.nbytes for a in (self.doc_order, self.sample_starts, self.sample_order))
+
+    def _index_arrays(self) -> bool:
+        """Load the index from the cache, or build (and cache) it; True when it was loaded."""
+        arrays, loaded = self._cache.get_or_build(
+            lambda: build_sample_index(
+                self.indexed.sizes, self.documents, self.seq_length, self.num_samples, self.seed
+            )[:3]
         )
         self.doc_order, self.sample_starts, self.sample_order = arrays
-        self.build_seconds = time.perf_counter() - start
-        self.index_bytes = sum(a.nbytes for a in arrays)
+        return loaded
 
     def describe(self) -> str:
+        """The data line a run prints: the dataset's size, its split's, and the samples drawn from it."""
         origin = "loaded from cache" if self.loaded_from_cache else f"built in {self.build_seconds:.1f}s"
+        split_tokens = int(self.indexed.sizes[self.documents].sum(dtype=np.int64))
+        epochs = self.num_samples * self.seq_length / max(split_tokens, 1)
         return (
-            f"data {self.indexed.prefix}: {self.num_samples} samples of {self.seq_length + 1} tokens over "
-            f"{self.documents.size} documents; sample index {self.index_bytes / 2**20:.1f} MiB, {origin}"
+            f"data {self.indexed.prefix}: {len(self.indexed):,} documents, {self.indexed.num_tokens:,} tokens "
+            f"({self.split_name} split: {self.documents.size:,} documents, {split_tokens:,} tokens); "
+            f"{self.num_samples:,} samples of {self.seq_length + 1} tokens drawn, {epochs:.3g} epochs; "
+            f"sample index {self.index_bytes / 2**20:.1f} MiB, {origin}"
         )
 
     def _make_cache(self, cache_dir: str | None) -> ArrayCache:
         if cache_dir is None:
-            return ArrayCache(None, "", "", self.CACHE_NAMES)
+            return ArrayCache(None, "", "", "", self.CACHE_NAMES)
         key = cache_key(
             "gpt",
             self.seq_length,
@@ -147,7 +162,7 @@ class GPTSampleDataset:
             self.documents,
             np.asarray(self.indexed.sizes[self.documents]),
         )
-        return ArrayCache(cache_dir, os.path.basename(self.indexed.prefix), key, self.CACHE_NAMES)
+        return ArrayCache(cache_dir, os.path.basename(self.indexed.prefix), self.split_name, key, self.CACHE_NAMES)
 
     def _cached_on_disk(self) -> bool:
         return bool(self._cache.paths) and all(os.path.isfile(p) for p in self._cache.paths)
@@ -164,9 +179,7 @@ class GPTSampleDataset:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if not hasattr(self, "doc_order"):
-            arrays = self._cache.load()
-            assert arrays is not None, "pickled without its arrays only when they are cached on disk (__getstate__)"
-            self.doc_order, self.sample_starts, self.sample_order = arrays
+            self._index_arrays()  # rebuilt, the same, if the entry has been removed since (cache.py)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -242,6 +255,7 @@ class BlendedDataset:
         seed: int,
         cache_dir: str | None = None,
         names: Sequence[str] | None = None,
+        split_name: str = "train",
     ) -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
@@ -249,7 +263,7 @@ class BlendedDataset:
         self.weights = [float(w) / sum(weights) for w in weights]
         self.num_samples = num_samples
         key = cache_key("blend", [float(w) for w in weights], num_samples, seed, list(names or []))
-        cache = ArrayCache(cache_dir, "blend", key, self.CACHE_NAMES)
+        cache = ArrayCache(cache_dir, "blend", split_name, key, self.CACHE_NAMES)
         (self.dataset_index, self.sample_index), self.loaded_from_cache = cache.get_or_build(
             lambda: blend_indices(weights, num_samples, seed)
         )
@@ -277,7 +291,7 @@ def token_id_range(indexed: IndexedDataset, cache_dir: str | None = None) -> tup
     """(smallest, largest) token id of a dataset's .bin, cached by the files' size and mtime."""
     files = (data_path(indexed.prefix), index_path(indexed.prefix))
     key = cache_key("token_range", *(part for path in files for part in file_signature(path)))
-    cache = ArrayCache(cache_dir, os.path.basename(indexed.prefix), key, ("token_range",))
+    cache = ArrayCache(cache_dir, os.path.basename(indexed.prefix), "token-range", key, ("token_range",))
     (limits,), _ = cache.get_or_build(lambda: [np.array(indexed.token_id_range(), dtype=np.int64)])
     return int(limits[0]), int(limits[1])
 
@@ -330,19 +344,26 @@ def _is_number(word: str) -> bool:
     return True
 
 
-def _cache_dir_for(indexed: IndexedDataset) -> str:
-    return os.path.dirname(os.path.abspath(indexed.prefix))  # next to the data
+def index_cache_dir(prefix: str, cache_path: str | None) -> str:
+    """Where a dataset's index caches go: --data-cache-path, else beside the data."""
+    return cache_path if cache_path is not None else os.path.dirname(os.path.abspath(prefix))
 
 
 def _build_split(
-    sources: list[tuple[float, IndexedDataset, np.ndarray]], seq_length: int, num_samples: int, seed: int
+    sources: list[tuple[float, IndexedDataset, np.ndarray]],
+    split_name: str,
+    seq_length: int,
+    num_samples: int,
+    seed: int,
+    cache_path: str | None,
 ) -> GPTSampleDataset | BlendedDataset | None:
     sources = [(w, ds, docs) for w, ds, docs in sources if docs.size and w > 0 and ds.sizes[docs].sum() > 0]
     if not sources or num_samples <= 0:
         return None
 
     def one(indexed: IndexedDataset, docs: np.ndarray, count: int) -> GPTSampleDataset:
-        return GPTSampleDataset(indexed, docs, seq_length, count, seed, cache_dir=_cache_dir_for(indexed))
+        cache_dir = index_cache_dir(indexed.prefix, cache_path)
+        return GPTSampleDataset(indexed, docs, seq_length, count, seed, cache_dir, split_name)
 
     if len(sources) == 1:
         return one(sources[0][1], sources[0][2], num_samples)
@@ -351,9 +372,9 @@ def _build_split(
     datasets = [one(ds, docs, int(w / total * num_samples) + 1) for w, ds, docs in sources]
     # Named by each part's own cache key: the blend changes whenever a part does.
     names = [os.path.basename(d._cache.paths[0]) if d._cache.paths else d.indexed.prefix for d in datasets]
-    return BlendedDataset(
-        datasets, [w for w, _, _ in sources], num_samples, seed, cache_dir=_cache_dir_for(sources[0][1]), names=names
-    )
+    weights = [w for w, _, _ in sources]
+    cache_dir = index_cache_dir(sources[0][1].prefix, cache_path)
+    return BlendedDataset(datasets, weights, num_samples, seed, cache_dir, names, split_name)
 
 
 def build_datasets(
@@ -364,22 +385,24 @@ def build_datasets(
     valid_samples: int,
     seed: int,
     vocab_size: int | None = None,
+    cache_path: str | None = None,
 ) -> tuple[GPTSampleDataset | BlendedDataset, GPTSampleDataset | BlendedDataset | None]:
     """Train and validation datasets for ``--data`` (one prefix, or weighted pairs to blend).
 
     Every prefix is split into contiguous train/valid/test document ranges by
     ``split``; the valid dataset is None when no source has validation data.
     With ``vocab_size``, every .bin is checked to hold only ids below it.
+    Index caches go to ``cache_path`` (--data-cache-path), else beside each dataset.
     """
     sources = []
     for weight, prefix in parse_data_argument(data):
         indexed = IndexedDataset(prefix)
         if vocab_size is not None:
-            check_token_ids(indexed, vocab_size, _cache_dir_for(indexed))
+            check_token_ids(indexed, vocab_size, index_cache_dir(prefix, cache_path))
         train_docs, valid_docs, _ = split_documents(len(indexed), split)
         sources.append((weight, indexed, train_docs, valid_docs))
-    train = _build_split([(w, ds, t) for w, ds, t, _ in sources], seq_length, train_samples, seed)
+    train = _build_split([(w, ds, t) for w, ds, t, _ in sources], "train", seq_length, train_samples, seed, cache_path)
     if train is None:
         raise DataError(f"data={data!r} split={split!r}: the train split has no tokens (or train_samples=0)")
-    valid = _build_split([(w, ds, v) for w, ds, _, v in sources], seq_length, valid_samples, seed)
+    valid = _build_split([(w, ds, v) for w, ds, _, v in sources], "valid", seq_length, valid_samples, seed, cache_path)
     return train, valid

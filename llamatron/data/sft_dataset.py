@@ -30,7 +30,7 @@ import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key
 from llamatron.data.indexed import IndexedDataset, index_path
-from llamatron.data.samples import check_token_ids, split_documents
+from llamatron.data.samples import check_token_ids, index_cache_dir, split_documents
 from llamatron.data.sft import mask_prefix
 from llamatron.errors import DataError, MissingDataError
 
@@ -105,7 +105,7 @@ class SFTDataset:
             )
         start = time.perf_counter()
         key = cache_key("sft", seq_length, num_samples, seed, pack, self.conversations, lengths)
-        cache = ArrayCache(cache_dir, os.path.basename(tokens.prefix), key, self.CACHE_NAMES)
+        cache = ArrayCache(cache_dir, os.path.basename(tokens.prefix), f"sft-{split_name}", key, self.CACHE_NAMES)
         (self.bin_offsets, self.bin_items, self.sample_order), self.loaded_from_cache = cache.get_or_build(
             lambda: self._build(lengths, capacity)
         )
@@ -154,11 +154,13 @@ class SFTDataset:
         return offsets, items, order.astype(np.int64)
 
     def describe(self) -> str:
-        packing = f"packed into {self.num_sequences} sequences" if self.pack else "one per sequence (--no-pack)"
+        """The data line a run prints: the dataset's size, its split's packing, and the samples drawn."""
+        packing = f"packed into {self.num_sequences:,} sequences" if self.pack else "one per sequence (--no-pack)"
         return (
-            f"sft data {self.tokens.prefix}: {self.conversations.size} conversations {packing} of "
+            f"sft data {self.tokens.prefix}: {len(self.tokens):,} conversations, {self.tokens.num_tokens:,} tokens "
+            f"({self.split_name} split: {self.conversations.size:,} conversations {packing} of "
             f"{self.seq_length + 1} tokens, {self.fill:.0%} filled; {self.truncated} truncated to "
-            f"{self.seq_length + 1} tokens"
+            f"{self.seq_length + 1} tokens); {self.num_samples:,} samples drawn"
         )
 
     def __len__(self) -> int:
@@ -199,8 +201,10 @@ def build_sft_datasets(
     seed: int,
     pack: bool = True,
     vocab_size: int | None = None,
+    cache_path: str | None = None,
 ) -> tuple[SFTDataset, SFTDataset | None]:
-    """Train and validation datasets for ``--sft-data PREFIX`` (conversations split by ``split``)."""
+    """Train and validation datasets for ``--sft-data PREFIX`` (conversations split by ``split``); index caches
+    in ``cache_path`` (--data-cache-path), else beside the data."""
     base = prefix[: -len("_mask")]
     if (
         prefix.endswith("_mask")
@@ -219,7 +223,7 @@ def build_sft_datasets(
             f"{err}; --sft-data needs the loss mask that `preprocess --sft` writes next to the "
             f"tokens: is {prefix} a --data (pre-training) dataset?"
         ) from None
-    cache_dir = os.path.dirname(os.path.abspath(prefix))
+    cache_dir = index_cache_dir(prefix, cache_path)
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, cache_dir)
     train_ids, valid_ids, _ = split_documents(len(tokens), split)

@@ -118,7 +118,7 @@ class ModelConfig:
         return cls(**d)
 
     def num_params(self) -> int:
-        """All parameters, embeddings included (the N of the FLOP formula)."""
+        """All parameters, embeddings included (a tied table once)."""
         h, d = self.hidden_size, self.head_dim
         kv = self.num_kv_heads * d
         attn = h * (h + 2 * kv) + h * h
@@ -134,11 +134,19 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + final_norm + embed
 
+    def input_embedding_params(self) -> int:
+        """The parameters of an input-embedding table of its own (untied): a lookup, no matmul, so no FLOPs. A
+        tied table is the output head's weight too, and its matmul counts: 0 then."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+
     def flops_per_token(self, seq_length: int) -> float:
-        """Model FLOPs per trained token: 6·N + 12·L·h·S (docs/design.md), S the keys a query attends to: the
-        sequence length, or the sliding window when it is shorter (else windowed models report MFU above 100%)."""
+        """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
+        6·(N - input-embedding params) + 12·L·h·S, as PaLM and torchtitan count them (docs/design.md). S is the
+        keys a query attends to: the sequence length, or the sliding window when it is shorter (else windowed
+        models report MFU above 100%)."""
         keys = min(seq_length, self.sliding_window) if self.sliding_window is not None else seq_length
-        return 6.0 * self.num_params() + 12.0 * self.num_layers * self.hidden_size * keys
+        matmul_params = self.num_params() - self.input_embedding_params()
+        return 6.0 * matmul_params + 12.0 * self.num_layers * self.hidden_size * keys
 
 
 def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
