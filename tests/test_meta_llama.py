@@ -142,3 +142,15 @@ def test_meta_params_that_do_not_fit_the_weights_fail_in_one_line(params, messag
     assert message in err and "\n" not in err and str(tmp_path / "meta" / "params.json") in err
     assert not (tmp_path / "ck").exists()
 
+
+def test_meta_llama3_tiktoken_tokenizer_is_named_not_misread(tmp_path, capsys):
+    """Meta's Llama 3 tokenizer.model is a tiktoken vocabulary, not SentencePiece: say so and what to do."""
+    model = make_random_model("Llama", LLAMA31)
+    write_meta_consolidated(model, tmp_path / "meta", {**LLAMA31_PARAMS, "vocab_size": VOCAB}, embed_split=0)
+    (tmp_path / "meta/tokenizer.model").write_text("IQ== 0\nIg== 1\nIw== 2\n")  # tiktoken: base64 token, rank
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 2
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer.model is a tiktoken vocabulary" in err and "tokenizer.json" in err and "\n" not in err
+    write_tokenizer(tmp_path / "meta")  # with the Hugging Face tokenizer.json beside it, it imports
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 0
+    assert (tmp_path / "ck/tokenizer/tokenizer.json").exists()
