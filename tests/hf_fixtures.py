@@ -99,6 +99,12 @@ def make_random_model(kind: str, kwargs: dict, seed: int = 0, dtype: torch.dtype
     return model.to(dtype).eval()
 
 
+def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's half-split rotary rows back to Meta's adjacent pairs (the inverse of the import)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
 def random_tokens(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, seq), generator=gen)

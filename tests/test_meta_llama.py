@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import FAMILIES, VOCAB, make_random_model, random_tokens
+from hf_fixtures import FAMILIES, VOCAB, halves_to_pairs, make_random_model, random_tokens
 from safetensors.torch import load_file
 from test_hf_interop import run_cli, save_hf, write_tokenizer
 
@@ -31,12 +31,6 @@ LLAMA31 = dict(
     rope_scaling=LLAMA31_SCALING,
 )
 LLAMA31_PARAMS = {"multiple_of": 32, "ffn_dim_multiplier": 1.3, "rope_theta": 500000.0, "use_scaled_rope": True}
-
-
-def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Hugging Face's half-split rotary rows back to Meta's adjacent pairs (the inverse of the import)."""
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def write_meta_consolidated(model, directory: Path, params: dict, shards: int = 2, embed_split: int = 1) -> None:
