@@ -181,3 +181,10 @@ def test_shards_that_disagree_with_their_args_fail_in_one_line(tmp_path, capsys)
     assert import_megatron(tmp_path / "c", tmp_path / "ck") == 2
     _one_line_error(capsys, "the shards hold 4 layers, the args say num_layers=3")
     assert not (tmp_path / "ck").exists()
+
+
+def test_args_without_the_sizes_fail_in_one_line(tmp_path, capsys):
+    model = hf_llama()
+    write_megatron(model, tmp_path / "a", tp=1, pp=1, args=megatron_args(model, 1, 1, "legacy", hidden_size="64x"))
+    assert import_megatron(tmp_path / "a", tmp_path / "ck") == 2
+    _one_line_error(capsys, "its args do not give the model's sizes")

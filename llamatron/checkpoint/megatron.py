@@ -195,11 +195,17 @@ class MegatronSource:
             raise CheckpointError(f"vocabulary {vocab} is larger than the checkpoint's embedding ({padded} rows)")
         self.vocab, self.padded_vocab = int(vocab), padded
         if args is not None:
-            self.hf_config = hf_config_from_args(args, self.vocab)
+            try:
+                self.hf_config = hf_config_from_args(args, self.vocab)
+            except (TypeError, ValueError) as e:  # a size missing (None) or not a number
+                raise CheckpointError(f"{grid.path(0, 0)}: its args do not give the model's sizes ({e})") from None
         else:
             assert model is not None
             self.hf_config = config_to_hf(model, vocab_size=self.vocab)
         self.hf_config["tie_word_embeddings"] = "head" not in self._globals
+        untied = _arg(args, "untie_embeddings_and_output_weights") or _arg(args, "tie_embed_logits") is False
+        if untied and "head" not in self._globals:
+            raise CheckpointError(f"{grid.path(0, 0)}: the args untie the output layer, but no shard holds it")
         self.hf_config["torch_dtype"] = str(self._globals["embed"][0].dtype).removeprefix("torch.")
         self._check_shapes(grid)
         self.summary = {"tp": grid.tp, "pp": grid.pp, "layout": self.layout.flavour, "dir": str(grid.path(0, 0))}
