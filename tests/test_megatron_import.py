@@ -188,3 +188,20 @@ def test_args_without_the_sizes_fail_in_one_line(tmp_path, capsys):
     write_megatron(model, tmp_path / "a", tp=1, pp=1, args=megatron_args(model, 1, 1, "legacy", hidden_size="64x"))
     assert import_megatron(tmp_path / "a", tmp_path / "ck") == 2
     _one_line_error(capsys, "its args do not give the model's sizes")
+
+
+def test_export_of_an_import_carries_the_tokenizers_ids_not_transformers_defaults(tmp_path):
+    from test_hf_interop import write_tokenizer
+
+    model = hf_llama()
+    write_megatron(model, tmp_path / "mg", tp=2, pp=1)
+    write_tokenizer(tmp_path / "tok")
+    config_file = tmp_path / "tok/tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "bos_token": "t1", "eos_token": "t2"}))
+    for tokenizer, ck, ids in ((None, "plain", (None, None)), (tmp_path / "tok", "with-tok", (1, 2))):
+        flags = ("--tokenizer", tokenizer) if tokenizer else ()
+        assert import_megatron(tmp_path / "mg", tmp_path / ck, "--vocab-size", VOCAB, *flags) == 0
+        assert run_cli("export-hf", tmp_path / ck, tmp_path / f"{ck}-hf") == 0
+        config = json.loads((tmp_path / f"{ck}-hf/config.json").read_text())
+        assert (config["bos_token_id"], config["eos_token_id"]) == ids, ck
+    assert (tmp_path / "with-tok-hf/tokenizer.json").read_bytes() == (tmp_path / "tok/tokenizer.json").read_bytes()

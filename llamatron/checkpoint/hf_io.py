@@ -201,7 +201,7 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     return None
 
 
-def _special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
+def special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
     """bos/eos ids of the shipped tokenizer. None is written as null on purpose: a missing key makes transformers
     fill in its per-family defaults (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here."""
     if tokenizer is None:
@@ -250,7 +250,7 @@ def export_hf(
     out_dtype = dtype or specs[0][1]
     hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
     if base is None:  # trained here: the token ids are the tokenizer's (an import keeps its source's)
-        hf = dict(sorted({**hf, **_special_token_ids(tok)}.items()))
+        hf = dict(sorted({**hf, **special_token_ids(tok)}.items()))
     generation = hf_meta.get("generation_config") or {
         k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf
     }
@@ -318,4 +318,12 @@ def _write_shards(
     return names
 
 
-__all__ = ["TOKENIZER_FILES", "export_hf", "find_tokenizer", "import_hf", "open_hf_dir", "write_imported"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "export_hf",
+    "find_tokenizer",
+    "import_hf",
+    "open_hf_dir",
+    "special_token_ids",
+    "write_imported",
+]

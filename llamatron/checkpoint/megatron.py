@@ -29,7 +29,7 @@ import torch
 from ..errors import CheckpointError
 from ..models import ModelConfig
 from .hf import config_to_hf
-from .hf_io import write_imported
+from .hf_io import special_token_ids, write_imported
 from .megatron_files import MegatronEnum, ShardGrid, find_shards, flat_tensors, iteration_dir, load_megatron_file
 from .meta_llama import pairs_to_halves
 
@@ -402,6 +402,8 @@ def import_megatron(
     if tokenizer is not None and not Path(tokenizer).exists():
         raise CheckpointError(f"--tokenizer {tokenizer} does not exist")
     source = MegatronSource(load, iteration, model, vocab_size)
+    # A Megatron checkpoint has no token ids: the tokenizer's, else null (not transformers' Llama 1/2 ones).
+    source.hf_config.update(special_token_ids(Path(tokenizer) if tokenizer is not None else None))
     origin = {"source": str(Path(load).resolve()), "format": f"megatron ({source.layout.flavour})"}
     step_dir = write_imported(
         source.hf_config, source, origin, out, dtype, Path(tokenizer) if tokenizer is not None else None
