@@ -78,9 +78,14 @@ FAMILIES: dict[str, tuple[str, dict, int]] = {
 
 def make_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random transformers causal LM; norms and biases get random values too, so a swapped one shows."""
+    kind, kwargs, _ = FAMILIES[family]
+    return make_random_model(kind, kwargs, seed, dtype)
+
+
+def make_random_model(kind: str, kwargs: dict, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random transformers `{kind}ForCausalLM` of config `kwargs` (see make_hf_model)."""
     import transformers
 
-    kind, kwargs, _ = FAMILIES[family]
     config = getattr(transformers, f"{kind}Config")(**kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -92,6 +97,12 @@ def make_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32
             else:
                 p.normal_(0.0, 0.05)
     return model.to(dtype).eval()
+
+
+def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's half-split rotary rows back to Meta's adjacent pairs (the inverse of the import)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def random_tokens(batch: int, seq: int, seed: int = 1) -> torch.Tensor:

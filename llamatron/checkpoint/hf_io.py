@@ -89,9 +89,33 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
     """Convert a Hugging Face (or Meta) directory into the llamatron checkpoint `out`; returns OUT/step-0."""
     check_hf_files(hf_dir, tokenizer=True)  # before anything is converted or written
     hf, source, fmt = open_hf_dir(hf_dir)
+    generation = Path(hf_dir) / "generation_config.json"
+    return write_imported(
+        hf,
+        source,
+        {"source": str(Path(hf_dir).resolve()), "format": fmt},
+        out,
+        dtype,
+        tokenizer=Path(hf_dir),
+        generation_config=read_hf_json(generation) if generation.is_file() else None,
+    )
+
+
+def write_imported(
+    hf: dict[str, Any],
+    source: WeightSource,
+    origin: dict[str, Any],
+    out: str | Path,
+    dtype: torch.dtype | None,
+    tokenizer: Path | None,
+    generation_config: dict[str, Any] | None = None,
+) -> Path:
+    """The weights-only checkpoint OUT/step-0 of `source`, whose tensors carry Hugging Face names and which
+    `hf` (a config.json) describes; `origin` (source, format) goes into meta.json beside the config, and the
+    tokenizer files of `tokenizer` (a directory or one file) into OUT/tokenizer. The importers' one writer."""
     cfg = config_from_hf(hf)
     rules = weight_rules(cfg, hf)
-    check_hf_names(rules, source.keys(), cfg, str(hf_dir))
+    check_hf_names(rules, source.keys(), cfg, origin["source"])
     specs: list[TensorSpec] = []
     for rule in rules:  # shapes and dtypes from the file headers; no data read yet
         fused = rule.fuse([source.meta(n) for n in rule.hf_names])
@@ -108,10 +132,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
         for rule in rules:  # one fused tensor in memory at a time
             tensor = rule.fuse([source.get(n) for n in rule.hf_names])
             writer.write(rule.name, tensor.to(dtype) if dtype else tensor)
-    tokenizer = _copy_tokenizer(Path(hf_dir), out / "tokenizer")
+    copied = _copy_tokenizer(tokenizer, out / "tokenizer") if tokenizer else None
     run = RunConfig()
-    run.data.tokenizer = str(tokenizer.resolve()) if tokenizer else None
-    generation = Path(hf_dir) / "generation_config.json"
+    run.data.tokenizer = str(copied.resolve()) if copied else None
     meta = {
         "step": 0,
         "consumed_samples": 0,
@@ -119,12 +142,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
         "config": run.to_dict(),
         "model_config": cfg.to_dict(),
         "tokenizer": run.data.tokenizer,
-        "hf": {
-            "config": hf,
-            "source": str(Path(hf_dir).resolve()),
-            "format": fmt,
-            "generation_config": read_hf_json(generation) if generation.is_file() else None,
-        },
+        "hf": {"config": hf, **origin, "generation_config": generation_config},
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     os.replace(tmp, final)
@@ -183,7 +201,7 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     return None
 
 
-def _special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
+def special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
     """bos/eos ids of the shipped tokenizer. None is written as null on purpose: a missing key makes transformers
     fill in its per-family defaults (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here."""
     if tokenizer is None:
@@ -232,7 +250,7 @@ def export_hf(
     out_dtype = dtype or specs[0][1]
     hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
     if base is None:  # trained here: the token ids are the tokenizer's (an import keeps its source's)
-        hf = dict(sorted({**hf, **_special_token_ids(tok)}.items()))
+        hf = dict(sorted({**hf, **special_token_ids(tok)}.items()))
     generation = hf_meta.get("generation_config") or {
         k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf
     }
@@ -300,4 +318,12 @@ def _write_shards(
     return names
 
 
-__all__ = ["TOKENIZER_FILES", "export_hf", "find_tokenizer", "import_hf", "open_hf_dir"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "export_hf",
+    "find_tokenizer",
+    "import_hf",
+    "open_hf_dir",
+    "special_token_ids",
+    "write_imported",
+]

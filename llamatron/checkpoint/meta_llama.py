@@ -1,12 +1,12 @@
 """Meta's original Llama checkpoints (`consolidated.NN.pth` + `params.json`), read as a Hugging Face model.
 
 `MetaLlamaSource` presents Meta's tensors under Hugging Face names, so import
-goes through the same rules as a Hugging Face directory. Two differences are
-undone here:
+goes through the same rules as a Hugging Face directory. Llama 1, 2 and 3.x
+(3.1+ with `use_scaled_rope`) are read. Two differences are undone here:
 - model parallelism: each `consolidated.NN.pth` holds a slice of every matrix,
   by rows (column-parallel: wq, wk, wv, w1, w3, output) or by columns
-  (row-parallel: wo, w2; Llama 1/2 also split the embedding by columns);
-  norms are replicated.
+  (row-parallel: wo, w2; Llama 1/2 split the embedding by columns, Llama 3 by
+  rows); norms are replicated.
 - rotary layout: Meta rotates adjacent pairs (x[2i], x[2i+1]); Hugging Face
   (and llamatron) rotate the halves (x[i], x[i + d/2]). Rows of wq/wk are
   reordered within each head so both compute the same thing.
@@ -35,6 +35,15 @@ _LAYER_NAMES = {
     "attention_norm.weight": ("input_layernorm.weight", None),
     "ffn_norm.weight": ("post_attention_layernorm.weight", None),
 }
+# `use_scaled_rope` (Llama 3.1+): the constants of Meta's reference code (llama-models' apply_scaling), which
+# params.json does not repeat; transformers' conversion writes the same for 3.1.
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": ("model.embed_tokens.weight", 1),
     "norm.weight": ("model.norm.weight", None),
@@ -44,6 +53,26 @@ _GLOBAL_NAMES = {
 
 def is_meta_checkpoint(directory: Path) -> bool:
     return (directory / "params.json").is_file() and any(directory.glob("consolidated.*.pth"))
+
+
+def meta_ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """The SwiGLU width Meta's model code builds: 2/3 of 4·dim, times ffn_dim_multiplier, rounded up to
+    a multiple of multiple_of."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * -(-hidden // multiple_of)
+
+
+def _max_positions(p: dict[str, Any], vocab: int) -> int:
+    """The context the model was trained for; params.json rarely says (its max_seq_len is a runtime setting)."""
+    if p.get("max_seq_len"):
+        return int(p["max_seq_len"])
+    if p.get("use_scaled_rope"):
+        return 131072  # Llama 3.1+
+    if vocab >= 128000:
+        return 8192  # Llama 3 (its 128K-token vocabulary)
+    return 16384 if float(p.get("rope_theta", 10000.0)) > 10000.0 else 4096  # Code Llama; Llama 2
 
 
 def pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -61,10 +90,16 @@ class MetaLlamaSource:
         files = sorted(directory.glob("consolidated.*.pth"))
         self.shards = [load_pickled(f) for f in files]
         p = self.params
-        if p.get("use_scaled_rope") or p.get("moe"):
+        required = ("dim", "n_layers", "n_heads") + (("multiple_of",) if "multiple_of" in p else ())
+        malformed = [k for k in required if not isinstance(p.get(k), int) or p[k] <= 0]
+        if malformed:
             raise CheckpointError(
-                f"{directory}: this Meta checkpoint (Llama 3.1+ scaled rope or MoE) is not "
-                f"supported; convert it with transformers' script and import that directory"
+                f"{directory / 'params.json'}: {', '.join(malformed)} must be positive integers; re-download it"
+            )
+        if p.get("moe") or p.get("vision_model") or (p.get("vision_chunk_size") or -1) > 0:
+            raise CheckpointError(
+                f"{directory}: this Meta checkpoint (mixture of experts or vision) is not supported; "
+                f"llamatron imports the text-only dense Llama 1/2/3.x models"
             )
         self.heads, self.dim = p["n_heads"], p["dim"]
         self.kv_heads = p.get("n_kv_heads") or self.heads
@@ -78,6 +113,7 @@ class MetaLlamaSource:
                 raise CheckpointError(f"{directory}: {meta_name} is missing from {', '.join(missing)}")
         vocab = self.meta("lm_head.weight").shape[0]  # params.json often says -1
         ffn = self.meta("model.layers.0.mlp.gate_proj.weight").shape[0]
+        self._check_params(directory, vocab, ffn)
         dtype = self.shards[0]["norm.weight"].dtype
         self.hf_config = {
             "architectures": ["LlamaForCausalLM"],
@@ -91,10 +127,30 @@ class MetaLlamaSource:
             "hidden_act": "silu",
             "rms_norm_eps": p.get("norm_eps", 1e-5),
             "rope_theta": float(p.get("rope_theta", 10000.0)),
-            "max_position_embeddings": p.get("max_seq_len", 4096),
+            "rope_scaling": dict(LLAMA3_ROPE_SCALING) if p.get("use_scaled_rope") else None,
+            "max_position_embeddings": _max_positions(p, vocab),
             "tie_word_embeddings": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
+
+    def _check_params(self, directory: Path, vocab: int, ffn: int) -> None:
+        """params.json describes the tensors beside it (a params.json of another size would build a model
+        that does not run them correctly, or not at all)."""
+        p = self.params
+        want_ffn = meta_ffn_hidden_size(self.dim, p.get("multiple_of", 256), p.get("ffn_dim_multiplier"))
+        problems = []
+        if want_ffn != ffn:
+            problems.append(
+                f"dim={self.dim}, multiple_of={p.get('multiple_of', 256)}, ffn_dim_multiplier="
+                f"{p.get('ffn_dim_multiplier')} give a feed-forward width of {want_ffn}, the weights have {ffn}"
+            )
+        if p.get("vocab_size", -1) > 0 and p["vocab_size"] != vocab:
+            problems.append(f"vocab_size={p['vocab_size']}, the output layer has {vocab} rows")
+        if problems:
+            raise CheckpointError(
+                f"{directory / 'params.json'} does not describe its consolidated.*.pth: {'; '.join(problems)}; "
+                f"use the params.json that came with these weights"
+            )
 
     def keys(self) -> set[str]:
         return set(self._names)
@@ -127,4 +183,4 @@ class MetaLlamaSource:
         return full
 
 
-__all__ = ["MetaLlamaSource", "is_meta_checkpoint", "pairs_to_halves"]
+__all__ = ["LLAMA3_ROPE_SCALING", "MetaLlamaSource", "is_meta_checkpoint", "meta_ffn_hidden_size", "pairs_to_halves"]

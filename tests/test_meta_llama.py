@@ -1,0 +1,150 @@
+"""import-hf of Meta's original checkpoints (consolidated.NN.pth + params.json): Llama 2 and Llama 3.1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hf_fixtures import FAMILIES, VOCAB, halves_to_pairs, make_random_model, random_tokens
+from safetensors.torch import load_file
+from test_hf_interop import run_cli, save_hf, write_tokenizer
+
+from llamatron.generate import load_for_generation
+
+# A Llama 3.1-shaped model, tiny: GQA, rope theta 500000, Meta's 3.1 rope scaling (use_scaled_rope), and an
+# FFN width that Meta's rule gives from multiple_of and ffn_dim_multiplier (int(1.3 * 170) = 221 -> 224).
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LLAMA31 = dict(
+    FAMILIES["llama"][1],
+    intermediate_size=224,
+    num_key_value_heads=2,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    rope_scaling=LLAMA31_SCALING,
+)
+LLAMA31_PARAMS = {"multiple_of": 32, "ffn_dim_multiplier": 1.3, "rope_theta": 500000.0, "use_scaled_rope": True}
+
+
+def write_meta_consolidated(model, directory: Path, params: dict, shards: int = 2, embed_split: int = 1) -> None:
+    """Meta's layout: model-parallel slices (column-parallel by rows, row-parallel by columns; the embedding
+    by columns in Llama 1/2, `embed_split` 0: by rows as Llama 3's VocabParallelEmbedding)."""
+    sd, c = model.state_dict(), model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    tensors = {
+        "tok_embeddings.weight": (sd["model.embed_tokens.weight"], embed_split),
+        "norm.weight": (sd["model.norm.weight"], None),
+        "output.weight": (sd["lm_head.weight"], 0),
+    }
+    for i in range(c.num_hidden_layers):
+        h = f"model.layers.{i}"
+        tensors.update(
+            {
+                f"layers.{i}.attention.wq.weight": (halves_to_pairs(sd[f"{h}.self_attn.q_proj.weight"], heads), 0),
+                f"layers.{i}.attention.wk.weight": (halves_to_pairs(sd[f"{h}.self_attn.k_proj.weight"], kv), 0),
+                f"layers.{i}.attention.wv.weight": (sd[f"{h}.self_attn.v_proj.weight"], 0),
+                f"layers.{i}.attention.wo.weight": (sd[f"{h}.self_attn.o_proj.weight"], 1),
+                f"layers.{i}.feed_forward.w1.weight": (sd[f"{h}.mlp.gate_proj.weight"], 0),
+                f"layers.{i}.feed_forward.w3.weight": (sd[f"{h}.mlp.up_proj.weight"], 0),
+                f"layers.{i}.feed_forward.w2.weight": (sd[f"{h}.mlp.down_proj.weight"], 1),
+                f"layers.{i}.attention_norm.weight": (sd[f"{h}.input_layernorm.weight"], None),
+                f"layers.{i}.ffn_norm.weight": (sd[f"{h}.post_attention_layernorm.weight"], None),
+            }
+        )
+    directory.mkdir()
+    for s in range(shards):
+        torch.save(
+            {n: (t if dim is None else t.chunk(shards, dim)[s]).clone() for n, (t, dim) in tensors.items()},
+            directory / f"consolidated.{s:02d}.pth",
+        )
+    base = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": heads, "n_kv_heads": kv}
+    (directory / "params.json").write_text(json.dumps({**base, "norm_eps": c.rms_norm_eps, **params}))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    want, got = (load_file(str(d / "step-0/model.safetensors")) for d in (a, b))
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_import_meta_consolidated_llama2(tmp_path):
+    model = save_hf("llama2-gqa", tmp_path / "hf")
+    # 2/3 of 4 * 64 = 170, * 0.5 = 85, up to a multiple of 32: the fixture's 96
+    write_meta_consolidated(model, tmp_path / "meta", {"multiple_of": 32, "ffn_dim_multiplier": 0.5, "vocab_size": -1})
+    write_tokenizer(tmp_path / "meta")
+    assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ck-hf") == 0
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck-meta") == 0
+    assert_same_weights(tmp_path / "ck-hf", tmp_path / "ck-meta")
+    ours, meta = load_for_generation(str(tmp_path / "ck-meta"))
+    assert meta["model_config"]["rope_scaling"] is None
+    tokens = random_tokens(2, 24)
+    with torch.no_grad():
+        assert (ours(tokens) - model(tokens).logits).abs().max() <= 1e-4
+    assert (tmp_path / "ck-meta/tokenizer/tokenizer.json").exists()
+
+
+def test_import_meta_consolidated_llama31_with_scaled_rope(tmp_path):
+    import transformers
+
+    model = make_random_model("Llama", LLAMA31)
+    model.save_pretrained(tmp_path / "hf")
+    write_meta_consolidated(model, tmp_path / "meta", {**LLAMA31_PARAMS, "vocab_size": VOCAB}, embed_split=0)
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck-meta") == 0
+    assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ck-hf") == 0
+    assert_same_weights(tmp_path / "ck-hf", tmp_path / "ck-meta")
+    ours, meta = load_for_generation(str(tmp_path / "ck-meta"))
+    cfg = meta["model_config"]
+    assert cfg["rope_scaling"] == {
+        "kind": "llama3",
+        "factor": 8.0,
+        "original_max_position": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+    assert (cfg["rope_theta"], cfg["num_kv_heads"], cfg["ffn_hidden_size"]) == (500000.0, 2, 224)
+    # Positions up to 63 turn the scaled frequency band by up to ~0.05 rad: the scaling shows in the logits.
+    tokens = random_tokens(2, 64)
+    unscaled = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(LLAMA31, rope_scaling=None)))
+    unscaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        logits, want = ours(tokens), model(tokens).logits
+        assert (logits - want).abs().max() <= 1e-4
+        assert (unscaled.eval()(tokens).logits - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({**LLAMA31_PARAMS, "ffn_dim_multiplier": 1.5}, "give a feed-forward width of 256, the weights have 224"),
+        ({**LLAMA31_PARAMS, "vocab_size": 128256}, "vocab_size=128256, the output layer has 96 rows"),
+        ({**LLAMA31_PARAMS, "n_heads": "4"}, "n_heads must be positive integers"),
+    ],
+)
+def test_meta_params_that_do_not_fit_the_weights_fail_in_one_line(params, message, tmp_path, capsys):
+    model = make_random_model("Llama", LLAMA31)
+    write_meta_consolidated(model, tmp_path / "meta", params, embed_split=0)
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and str(tmp_path / "meta" / "params.json") in err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_meta_llama3_tiktoken_tokenizer_is_named_not_misread(tmp_path, capsys):
+    """Meta's Llama 3 tokenizer.model is a tiktoken vocabulary, not SentencePiece: say so and what to do."""
+    model = make_random_model("Llama", LLAMA31)
+    write_meta_consolidated(model, tmp_path / "meta", {**LLAMA31_PARAMS, "vocab_size": VOCAB}, embed_split=0)
+    (tmp_path / "meta/tokenizer.model").write_text("IQ== 0\nIg== 1\nIw== 2\n")  # tiktoken: base64 token, rank
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 2
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer.model is a tiktoken vocabulary" in err and "tokenizer.json" in err and "\n" not in err
+    write_tokenizer(tmp_path / "meta")  # with the Hugging Face tokenizer.json beside it, it imports
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 0
+    assert (tmp_path / "ck/tokenizer/tokenizer.json").exists()
