@@ -102,14 +102,21 @@ def random_tokens(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
 def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
     """A llama-test checkpoint trained one step from scratch (mock data) that records a tokenizer made by
     train_bpe_tokenizer (`<|endoftext|>` is id 0, no BOS token); returns (checkpoint dir, tokenizer dir)."""
-    from llamatron.cli import main
     from llamatron.data.tokenizer import train_bpe_tokenizer
 
     tok_dir = workdir / "tok"
     if not tok_dir.exists():
         train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300, str(tok_dir))
-    config = workdir / "run.yaml"
-    config.write_text("model: llama-test\nmodel_overrides: {vocab_size: 320}\n")  # room for the tokenizer's 300
+    return train_with_tokenizer(workdir, tok_dir, 320, ckpt_name), tok_dir  # room for the tokenizer's 300
+
+
+def train_with_tokenizer(workdir, tok_dir, vocab_size: int, ckpt_name: str = "ckpt"):
+    """A llama-test checkpoint (vocabulary `vocab_size`) trained one step from scratch on mock data that records
+    the tokenizer `tok_dir`; returns the checkpoint directory."""
+    from llamatron.cli import main
+
+    config = workdir / f"{ckpt_name}.yaml"
+    config.write_text(f"model: llama-test\nmodel_overrides: {{vocab_size: {vocab_size}}}\n")
     args = [
         "train",
         "--config",
@@ -139,4 +146,4 @@ def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
         main([str(a) for a in args])
     except SystemExit as e:
         assert not e.code, e.code
-    return workdir / ckpt_name, tok_dir
+    return workdir / ckpt_name

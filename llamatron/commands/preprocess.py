@@ -33,7 +33,11 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         required=True,
         help="writes PREFIX_{key}_document.bin/.idx (with --sft: PREFIX_sft and PREFIX_sft_mask)",
     )
-    parser.add_argument("--tokenizer", required=True, help="Hugging Face directory, tokenizer.json or tokenizer.model")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="Hugging Face directory, tokenizer.json, or tokenizer.model (SentencePiece, or Llama 3's tiktoken ranks)",
+    )
     parser.add_argument(
         "--json-keys",
         nargs="+",
