@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens, train_with_bpe_tokenizer
+from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens, train_with_bpe_tokenizer, write_meta_consolidated
 from layout import free_port
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -136,54 +136,6 @@ def test_import_reads_every_weight_format(layout, tmp_path):
     want = load_file(str(tmp_path / "ck-ref/step-0/model.safetensors"))
     got = load_file(str(tmp_path / "ck/step-0/model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
-
-
-def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Hugging Face's half-split rotary rows back to Meta's adjacent pairs (the inverse of the import)."""
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def write_meta_consolidated(model, directory: Path, shards: int = 2) -> None:
-    """Meta's Llama 2 layout: model-parallel slices (column-parallel by rows, row-parallel by columns)."""
-    sd, c = model.state_dict(), model.config
-    heads, kv = c.num_attention_heads, c.num_key_value_heads
-    tensors = {
-        "tok_embeddings.weight": (sd["model.embed_tokens.weight"], 1),
-        "norm.weight": (sd["model.norm.weight"], None),
-        "output.weight": (sd["lm_head.weight"], 0),
-    }
-    for i in range(c.num_hidden_layers):
-        h = f"model.layers.{i}"
-        tensors.update(
-            {
-                f"layers.{i}.attention.wq.weight": (halves_to_pairs(sd[f"{h}.self_attn.q_proj.weight"], heads), 0),
-                f"layers.{i}.attention.wk.weight": (halves_to_pairs(sd[f"{h}.self_attn.k_proj.weight"], kv), 0),
-                f"layers.{i}.attention.wv.weight": (sd[f"{h}.self_attn.v_proj.weight"], 0),
-                f"layers.{i}.attention.wo.weight": (sd[f"{h}.self_attn.o_proj.weight"], 1),
-                f"layers.{i}.feed_forward.w1.weight": (sd[f"{h}.mlp.gate_proj.weight"], 0),
-                f"layers.{i}.feed_forward.w3.weight": (sd[f"{h}.mlp.up_proj.weight"], 0),
-                f"layers.{i}.feed_forward.w2.weight": (sd[f"{h}.mlp.down_proj.weight"], 1),
-                f"layers.{i}.attention_norm.weight": (sd[f"{h}.input_layernorm.weight"], None),
-                f"layers.{i}.ffn_norm.weight": (sd[f"{h}.post_attention_layernorm.weight"], None),
-            }
-        )
-    directory.mkdir()
-    for s in range(shards):
-        torch.save(
-            {n: (t if dim is None else t.chunk(shards, dim)[s]).clone() for n, (t, dim) in tensors.items()},
-            directory / f"consolidated.{s:02d}.pth",
-        )
-    params = {
-        "dim": c.hidden_size,
-        "n_layers": c.num_hidden_layers,
-        "n_heads": heads,
-        "n_kv_heads": kv,
-        "multiple_of": 32,
-        "norm_eps": c.rms_norm_eps,
-        "vocab_size": -1,
-    }
-    (directory / "params.json").write_text(json.dumps(params))
 
 
 def test_import_meta_consolidated_llama2(tmp_path):

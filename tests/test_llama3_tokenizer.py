@@ -1,19 +1,21 @@
-"""Meta's Llama 3 tokenizer.model (tiktoken BPE ranks): load, encode, preprocess, train, generate."""
+"""Meta's Llama 3 tokenizer.model (tiktoken BPE ranks): load, encode, preprocess, train, generate, export-hf."""
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
 
 import numpy as np
 import pytest
 import tiktoken
-from hf_fixtures import train_with_tokenizer
+from hf_fixtures import make_hf_model, train_with_tokenizer, write_meta_consolidated
 from tiktoken_fixtures import TEXTS, write_tiktoken_model
 
 from llamatron.cli import main
 from llamatron.data.indexed import IndexedDataset
 from llamatron.data.preprocess import preprocess
+from llamatron.data.sft import ChatRenderer
 from llamatron.data.tokenizer import LLAMA3_PATTERN, TiktokenTokenizer, load_tokenizer
 from llamatron.errors import DataError
 
@@ -122,3 +124,78 @@ def test_generate_with_the_tiktoken_tokenizer(trained, tok_dir, monkeypatch, cap
     assert prompts == [load_tokenizer(str(tok_dir)).encode("The quick <|eot_id|>"), [RANKS]]
     assert prompts[0][-1] == RANKS + 9
     assert capsys.readouterr().out.startswith("The quick <|eot_id|>")
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """The trained checkpoint exported: the export directory."""
+    out = tmp_path_factory.mktemp("llama3_export") / "hf"
+    with pytest.raises(SystemExit) as done:
+        main(["export-hf", str(trained), str(out)])
+    assert done.value.code == 0
+    return out
+
+
+def test_export_hf_writes_a_tokenizer_transformers_loads_with_the_same_ids(tok_dir, exported):
+    transformers = pytest.importorskip("transformers")
+    hf_dir = exported
+    assert not (hf_dir / "tokenizer.model").exists() and (hf_dir / "tokenizer.json").is_file()
+    tok = load_tokenizer(str(tok_dir))
+    hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert len(hf) == tok.vocab_size
+    assert (hf.bos_token, hf.bos_token_id, hf.eos_token, hf.eos_token_id) == (
+        "<|begin_of_text|>",
+        RANKS,
+        "<|end_of_text|>",
+        RANKS + 1,
+    )
+    for text in STRINGS:
+        ids = tok.encode(text)
+        assert hf.encode(text, add_special_tokens=False) == ids, text
+        assert hf(text)["input_ids"] == [RANKS] + ids  # BOS first, as Meta's Hugging Face release does
+        assert hf.decode(ids) == text
+    for text, offset in SPECIAL_OFFSETS.items():
+        assert hf.convert_tokens_to_ids(text) == RANKS + offset
+    # our own loader reads the export the same way
+    assert load_tokenizer(str(hf_dir)).encode(STRINGS[4]) == tok.encode(STRINGS[4])
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    generation = transformers.GenerationConfig.from_pretrained(hf_dir)
+    assert (config.bos_token_id, config.eos_token_id) == (RANKS, RANKS + 1)
+    assert generation.eos_token_id == [RANKS + 1, RANKS + 9]  # <|end_of_text|>, <|eot_id|>: a chat reply ends
+
+
+def test_export_hf_chat_template_renders_the_llama3_format(tok_dir, exported):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(exported)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": " Another one? "},
+    ]
+    ours = ChatRenderer(str(tok_dir))
+    assert ours.format == "llama3"
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ours.prompt(messages)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>")
+    assert text.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_import_of_a_meta_llama3_directory_exports_the_tokenizers_ids(tok_dir, tmp_path):
+    """Meta's params.json has no token ids: the export takes them from the tokenizer.model (else transformers
+    would fall back to Llama's 1 and 2, ordinary tokens of Llama 3's vocabulary)."""
+    transformers = pytest.importorskip("transformers")
+    model = make_hf_model("llama")
+    model.resize_token_embeddings(RANKS + 256)
+    write_meta_consolidated(model, tmp_path / "meta")
+    shutil.copy(tok_dir / "tokenizer.model", tmp_path / "meta")
+    for args in (["import-hf", tmp_path / "meta", tmp_path / "ck"], ["export-hf", tmp_path / "ck", tmp_path / "hf"]):
+        with pytest.raises(SystemExit) as done:
+            main([str(a) for a in args])
+        assert done.value.code == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (config.bos_token_id, config.eos_token_id) == (RANKS, RANKS + 1)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tok = load_tokenizer(str(tok_dir))
+    for text in (STRINGS[2], STRINGS[4]):  # with special tokens too
+        assert hf.encode(text, add_special_tokens=False) == tok.encode(text)

@@ -503,6 +503,22 @@ def test_llama3_format_for_meta_llama3_tokenizer(llama3_tokenizer_dir):
     assert [tok.decode(run) for run in trained_runs(tokens, mask)] == ["Blue.<|eot_id|>", "Green, obviously.<|eot_id|>"]
 
 
+def test_llama3_format_for_a_hugging_face_llama3_tokenizer_without_template(llama3_tokenizer_dir, tmp_path):
+    pytest.importorskip("transformers")
+    from llamatron.checkpoint.hf_tokenizer import hf_tokenizer_files
+
+    files = hf_tokenizer_files(load_tokenizer(llama3_tokenizer_dir))  # what export-hf ships, less its template
+    config = json.loads(files["tokenizer_config.json"])
+    del config["chat_template"]
+    (tmp_path / "tokenizer.json").write_text(files["tokenizer.json"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    encoder = ConversationEncoder(str(tmp_path))
+    assert encoder.tokenizer.kind == "huggingface" and encoder.renderer.format == "llama3"
+    [(tokens, mask)] = encoder.encode([{"messages": CONVERSATION}])
+    [(expected_tokens, expected_mask)] = ConversationEncoder(llama3_tokenizer_dir).encode([{"messages": CONVERSATION}])
+    assert tokens.tolist() == expected_tokens.tolist() and mask.tolist() == expected_mask.tolist()
+
+
 def test_generation_prompt_and_end_of_turn(llama3_tokenizer_dir, tokenizer_dir, template_tokenizer_dir, tmp_path):
     question = CONVERSATION[:2]
     llama3 = ChatRenderer(llama3_tokenizer_dir)
