@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 VOCAB = 96
@@ -113,14 +116,21 @@ def random_tokens(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
 def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
     """A llama-test checkpoint trained one step from scratch (mock data) that records a tokenizer made by
     train_bpe_tokenizer (`<|endoftext|>` is id 0, no BOS token); returns (checkpoint dir, tokenizer dir)."""
-    from llamatron.cli import main
     from llamatron.data.tokenizer import train_bpe_tokenizer
 
     tok_dir = workdir / "tok"
     if not tok_dir.exists():
         train_bpe_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300, str(tok_dir))
-    config = workdir / "run.yaml"
-    config.write_text("model: llama-test\nmodel_overrides: {vocab_size: 320}\n")  # room for the tokenizer's 300
+    return train_with_tokenizer(workdir, tok_dir, 320, ckpt_name), tok_dir  # room for the tokenizer's 300
+
+
+def train_with_tokenizer(workdir, tok_dir, vocab_size: int, ckpt_name: str = "ckpt"):
+    """A llama-test checkpoint (vocabulary `vocab_size`) trained one step from scratch on mock data that records
+    the tokenizer `tok_dir`; returns the checkpoint directory."""
+    from llamatron.cli import main
+
+    config = workdir / f"{ckpt_name}.yaml"
+    config.write_text(f"model: llama-test\nmodel_overrides: {{vocab_size: {vocab_size}}}\n")
     args = [
         "train",
         "--config",
@@ -150,4 +160,46 @@ def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
         main([str(a) for a in args])
     except SystemExit as e:
         assert not e.code, e.code
-    return workdir / ckpt_name, tok_dir
+    return workdir / ckpt_name
+
+
+# Meta's params.json of the small Llama 2 shape above: FFN 2/3 * 4 * 64 * 0.5 rounded up to 32 = 96
+LLAMA2_PARAMS = {"multiple_of": 32, "ffn_dim_multiplier": 0.5, "vocab_size": -1}
+
+
+def write_meta_consolidated(
+    model, directory: Path, params: dict | None = None, shards: int = 2, embed_split: int = 1
+) -> None:
+    """Meta's layout: model-parallel slices (column-parallel by rows, row-parallel by columns; the embedding
+    by columns in Llama 1/2, `embed_split` 0: by rows as Llama 3's VocabParallelEmbedding)."""
+    sd, c = model.state_dict(), model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    tensors = {
+        "tok_embeddings.weight": (sd["model.embed_tokens.weight"], embed_split),
+        "norm.weight": (sd["model.norm.weight"], None),
+        "output.weight": (sd["lm_head.weight"], 0),
+    }
+    for i in range(c.num_hidden_layers):
+        h = f"model.layers.{i}"
+        tensors.update(
+            {
+                f"layers.{i}.attention.wq.weight": (halves_to_pairs(sd[f"{h}.self_attn.q_proj.weight"], heads), 0),
+                f"layers.{i}.attention.wk.weight": (halves_to_pairs(sd[f"{h}.self_attn.k_proj.weight"], kv), 0),
+                f"layers.{i}.attention.wv.weight": (sd[f"{h}.self_attn.v_proj.weight"], 0),
+                f"layers.{i}.attention.wo.weight": (sd[f"{h}.self_attn.o_proj.weight"], 1),
+                f"layers.{i}.feed_forward.w1.weight": (sd[f"{h}.mlp.gate_proj.weight"], 0),
+                f"layers.{i}.feed_forward.w3.weight": (sd[f"{h}.mlp.up_proj.weight"], 0),
+                f"layers.{i}.feed_forward.w2.weight": (sd[f"{h}.mlp.down_proj.weight"], 1),
+                f"layers.{i}.attention_norm.weight": (sd[f"{h}.input_layernorm.weight"], None),
+                f"layers.{i}.ffn_norm.weight": (sd[f"{h}.post_attention_layernorm.weight"], None),
+            }
+        )
+    directory.mkdir()
+    for s in range(shards):
+        torch.save(
+            {n: (t if dim is None else t.chunk(shards, dim)[s]).clone() for n, (t, dim) in tensors.items()},
+            directory / f"consolidated.{s:02d}.pth",
+        )
+    base = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": heads, "n_kv_heads": kv}
+    params = LLAMA2_PARAMS if params is None else params
+    (directory / "params.json").write_text(json.dumps({**base, "norm_eps": c.rms_norm_eps, **params}))

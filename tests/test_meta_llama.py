@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import FAMILIES, VOCAB, halves_to_pairs, make_random_model, random_tokens
+from hf_fixtures import FAMILIES, VOCAB, make_random_model, random_tokens, write_meta_consolidated
 from safetensors.torch import load_file
 from test_hf_interop import run_cli, save_hf, write_tokenizer
 
@@ -31,41 +30,6 @@ LLAMA31 = dict(
     rope_scaling=LLAMA31_SCALING,
 )
 LLAMA31_PARAMS = {"multiple_of": 32, "ffn_dim_multiplier": 1.3, "rope_theta": 500000.0, "use_scaled_rope": True}
-
-
-def write_meta_consolidated(model, directory: Path, params: dict, shards: int = 2, embed_split: int = 1) -> None:
-    """Meta's layout: model-parallel slices (column-parallel by rows, row-parallel by columns; the embedding
-    by columns in Llama 1/2, `embed_split` 0: by rows as Llama 3's VocabParallelEmbedding)."""
-    sd, c = model.state_dict(), model.config
-    heads, kv = c.num_attention_heads, c.num_key_value_heads
-    tensors = {
-        "tok_embeddings.weight": (sd["model.embed_tokens.weight"], embed_split),
-        "norm.weight": (sd["model.norm.weight"], None),
-        "output.weight": (sd["lm_head.weight"], 0),
-    }
-    for i in range(c.num_hidden_layers):
-        h = f"model.layers.{i}"
-        tensors.update(
-            {
-                f"layers.{i}.attention.wq.weight": (halves_to_pairs(sd[f"{h}.self_attn.q_proj.weight"], heads), 0),
-                f"layers.{i}.attention.wk.weight": (halves_to_pairs(sd[f"{h}.self_attn.k_proj.weight"], kv), 0),
-                f"layers.{i}.attention.wv.weight": (sd[f"{h}.self_attn.v_proj.weight"], 0),
-                f"layers.{i}.attention.wo.weight": (sd[f"{h}.self_attn.o_proj.weight"], 1),
-                f"layers.{i}.feed_forward.w1.weight": (sd[f"{h}.mlp.gate_proj.weight"], 0),
-                f"layers.{i}.feed_forward.w3.weight": (sd[f"{h}.mlp.up_proj.weight"], 0),
-                f"layers.{i}.feed_forward.w2.weight": (sd[f"{h}.mlp.down_proj.weight"], 1),
-                f"layers.{i}.attention_norm.weight": (sd[f"{h}.input_layernorm.weight"], None),
-                f"layers.{i}.ffn_norm.weight": (sd[f"{h}.post_attention_layernorm.weight"], None),
-            }
-        )
-    directory.mkdir()
-    for s in range(shards):
-        torch.save(
-            {n: (t if dim is None else t.chunk(shards, dim)[s]).clone() for n, (t, dim) in tensors.items()},
-            directory / f"consolidated.{s:02d}.pth",
-        )
-    base = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": heads, "n_kv_heads": kv}
-    (directory / "params.json").write_text(json.dumps({**base, "norm_eps": c.rms_norm_eps, **params}))
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -137,14 +101,17 @@ def test_meta_params_that_do_not_fit_the_weights_fail_in_one_line(params, messag
     assert not (tmp_path / "ck").exists()
 
 
-def test_meta_llama3_tiktoken_tokenizer_is_named_not_misread(tmp_path, capsys):
-    """Meta's Llama 3 tokenizer.model is a tiktoken vocabulary, not SentencePiece: say so and what to do."""
+def test_a_broken_tiktoken_tokenizer_beside_meta_weights_is_refused_in_one_line(tmp_path, capsys):
+    """Meta's Llama 3 tokenizer.model is a tiktoken vocabulary, read as one (tests/test_llama3_tokenizer.py); one
+    that is not whole (single bytes missing) stops the import in one line before anything is written."""
     model = make_random_model("Llama", LLAMA31)
     write_meta_consolidated(model, tmp_path / "meta", {**LLAMA31_PARAMS, "vocab_size": VOCAB}, embed_split=0)
     (tmp_path / "meta/tokenizer.model").write_text("IQ== 0\nIg== 1\nIw== 2\n")  # tiktoken: base64 token, rank
     assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 2
     err = capsys.readouterr().err.strip()
-    assert "tokenizer.model is a tiktoken vocabulary" in err and "tokenizer.json" in err and "\n" not in err
-    write_tokenizer(tmp_path / "meta")  # with the Hugging Face tokenizer.json beside it, it imports
+    assert "tokenizer.model" in err and "\n" not in err, err
+    assert not (tmp_path / "ck").exists()
+    (tmp_path / "meta/tokenizer.model").unlink()
+    write_tokenizer(tmp_path / "meta")  # with a Hugging Face tokenizer.json instead, it imports
     assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 0
     assert (tmp_path / "ck/tokenizer/tokenizer.json").exists()

@@ -1,20 +1,27 @@
 """Instruction tuning: chat rendering, assistant-only loss mask, packing, truncation, and a fine-tuning run."""
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
+from tiktoken_fixtures import write_tiktoken_model
 
+from llamatron.commands.preprocess import add_preprocess_arguments
 from llamatron.data.batches import collate
 from llamatron.data.indexed import DataError, IndexedDataset
 from llamatron.data.preprocess import BadInputError
 from llamatron.data.sft import (
+    CHATML,
     ChatRenderer,
     ConversationEncoder,
+    chat_template,
     conversation_from_record,
     mask_prefix,
     preprocess_conversations,
@@ -469,3 +476,116 @@ def test_sft_data_prefix_mistakes_get_a_hint(sft_prefix, tokenizer_dir, tmp_path
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"data error: {output_prefix}.idx: file not found" in err
     assert f"did you mean '{sft_prefix}'?" in err, err
+
+
+# --- Llama 3's chat format, the generation prompt, missing markers ---
+
+
+def llama3_text(messages):
+    turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in messages)
+    return "<|begin_of_text|>" + turns
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama3_sft_tokenizer")
+    write_tiktoken_model(directory)
+    return str(directory)
+
+
+def test_llama3_format_for_meta_llama3_tokenizer(llama3_tokenizer_dir):
+    encoder = ConversationEncoder(llama3_tokenizer_dir)
+    assert encoder.renderer.format == "llama3" and encoder.renderer.missing_markers == []
+    [(tokens, mask)] = encoder.encode([{"messages": CONVERSATION}])
+    tok = encoder.tokenizer
+    assert tok.decode(tokens) == llama3_text(CONVERSATION)
+    special = tok.special_tokens
+    assert tokens[0] == special["<|begin_of_text|>"]  # each marker is its one special token
+    for marker in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"):
+        assert int((tokens == special[marker]).sum()) == len(CONVERSATION), marker
+    assert [tok.decode(run) for run in trained_runs(tokens, mask)] == ["Blue.<|eot_id|>", "Green, obviously.<|eot_id|>"]
+
+
+def test_llama3_format_for_a_hugging_face_llama3_tokenizer_without_template(llama3_tokenizer_dir, tmp_path):
+    pytest.importorskip("transformers")
+    from llamatron.checkpoint.hf_tokenizer import hf_tokenizer_files
+
+    files = hf_tokenizer_files(load_tokenizer(llama3_tokenizer_dir))  # what export-hf ships, less its template
+    config = json.loads(files["tokenizer_config.json"])
+    del config["chat_template"]
+    (tmp_path / "tokenizer.json").write_text(files["tokenizer.json"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    encoder = ConversationEncoder(str(tmp_path))
+    assert encoder.tokenizer.kind == "huggingface" and encoder.renderer.format == "llama3"
+    [(tokens, mask)] = encoder.encode([{"messages": CONVERSATION}])
+    [(expected_tokens, expected_mask)] = ConversationEncoder(llama3_tokenizer_dir).encode([{"messages": CONVERSATION}])
+    assert tokens.tolist() == expected_tokens.tolist() and mask.tolist() == expected_mask.tolist()
+
+
+def test_generation_prompt_and_end_of_turn(llama3_tokenizer_dir, tokenizer_dir, template_tokenizer_dir, tmp_path):
+    question = CONVERSATION[:2]
+    llama3 = ChatRenderer(llama3_tokenizer_dir)
+    assert llama3.prompt(question) == llama3_text(question) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    answered = "".join(text for text, _ in llama3.segments(CONVERSATION[:3]))
+    assert answered == llama3.prompt(question) + "Blue.<|eot_id|>"  # the reply continues the prompt
+    eot = load_tokenizer(llama3_tokenizer_dir).special_tokens["<|eot_id|>"]
+    assert (llama3.end_of_turn, llama3.end_of_turn_id) == ("<|eot_id|>", eot)
+    chatml = ChatRenderer(tokenizer_dir)
+    assert chatml.prompt(question) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    ids = load_tokenizer(tokenizer_dir).encode("<|im_end|>")
+    assert chatml.end_of_turn == "<|im_end|>" and chatml.end_of_turn_id == (ids[0] if len(ids) == 1 else None)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(template_tokenizer_dir)
+    template = ChatRenderer(template_tokenizer_dir)
+    assert template.prompt(question) == hf.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert template.end_of_turn == hf.eos_token and template.end_of_turn_id == hf.eos_token_id
+    # a template with a generation prompt (ChatML's, as chat_template writes it) ends the prompt with it
+    chatml_template = tmp_path / "chatml_template"
+    shutil.copytree(template_tokenizer_dir, chatml_template)
+    config = json.loads((chatml_template / "tokenizer_config.json").read_text())
+    config["chat_template"] = chat_template(CHATML)
+    (chatml_template / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatRenderer(str(chatml_template)).prompt(question) == chatml.prompt(question)
+
+
+def test_chatml_markers_that_are_no_special_tokens_are_warned_once(tmp_path, capsys):
+    plain = tmp_path / "plain"
+    train_bpe_tokenizer(["Say llama 3 times. llama llama llama. Answer about animals."] * 20, 300, str(plain))
+    path = write_jsonl(tmp_path / "chat.jsonl", animal_conversations(6))
+    assert ChatRenderer(str(plain)).missing_markers == ["<|im_start|>", "<|im_end|>"]
+    preprocess_conversations(path, str(tmp_path / "plain_out"), str(plain), progress=False)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert "no special tokens for chatml's <|im_start|>, <|im_end|>: they are split into ordinary tokens" in warnings[0]
+    assert "chat template" in warnings[0]  # how to avoid it
+    marked = tmp_path / "marked"  # the same tokenizer with the markers as special tokens: nothing to warn about
+    backend = tokenizers.Tokenizer.from_file(str(plain / "tokenizer.json"))
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    marked.mkdir()
+    backend.save(str(marked / "tokenizer.json"))
+    shutil.copy(plain / "tokenizer_config.json", marked)
+    summary = preprocess_conversations(path, str(tmp_path / "marked_out"), str(marked), progress=False)
+    assert "warning" not in capsys.readouterr().err and summary["chat_format"] == "chatml"
+    tokens = IndexedDataset(summary["outputs"]["tokens"])
+    assert int((tokens[0] == backend.token_to_id("<|im_end|>")).sum()) == len(animal_conversations(6)[0]["messages"])
+
+
+def test_records_without_messages_name_the_prompt_and_response_flags(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"instruction": "Name a colour.", "output": "Blue."}])
+    with pytest.raises(BadInputError, match=r"pairs\.jsonl:1: missing key 'messages' .*--prompt-key/--response-key"):
+        preprocess_conversations(path, str(tmp_path / "out"), tokenizer_dir, progress=False)
+
+
+def test_preprocess_help_documents_the_chat_formats():
+    text = " ".join(add_preprocess_arguments(argparse.ArgumentParser()).format_help().split())
+    for fragment in (
+        "chat template",
+        "Llama 3's format",
+        "<|start_header_id|>ROLE<|end_header_id|>\\n\\nCONTENT<|eot_id|>",
+        "ChatML",
+        "<|im_start|>ROLE\\nCONTENT<|im_end|>\\n",
+    ):
+        assert fragment in text, fragment

@@ -24,7 +24,6 @@ _JSON_FILES = (
     "pytorch_model.bin.index.json",
 )
 _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
-_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 
 
 def read_hf_json(path: Path) -> Any:
@@ -52,25 +51,12 @@ def check_hf_files(hf_dir: str | Path, tokenizer: bool) -> None:
         if path.name == "config.json" and not is_meta_checkpoint(d):
             _check_hf_config(path, value)
     if tokenizer and d.is_dir() and any((d / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
-        if not (d / "tokenizer.json").is_file() and _is_tiktoken_file(d / "tokenizer.model"):
-            raise HFConversionError(
-                f"{d / 'tokenizer.model'} is a tiktoken vocabulary (Meta's Llama 3 tokenizer), which llamatron "
-                f"does not read: put the model's Hugging Face tokenizer.json and tokenizer_config.json beside it, "
-                f"or move tokenizer.model away to import the weights alone"
-            )
         try:
             load_tokenizer(str(d))
         except DataError as e:
             raise HFConversionError(f"the tokenizer files of {d} cannot be loaded: {e}") from None
         except ImportError:  # a tokenizer.model without sentencepiece installed: copied unchecked
             pass
-
-
-def _is_tiktoken_file(path: Path) -> bool:
-    """tiktoken's format: lines of `<base64 token> <rank>` (a SentencePiece model is a binary protobuf)."""
-    with open(path, "rb") as f:
-        first = f.readline(4096).split()
-    return len(first) == 2 and first[1].isdigit() and all(c in _BASE64 for c in first[0])
 
 
 def _check_hf_config(path: Path, hf: dict) -> None:

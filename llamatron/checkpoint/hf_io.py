@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
-from ..data.tokenizer import load_tokenizer
+from ..data.sft import LLAMA3
+from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .hf_files import check_hf_files, read_hf_json
+from .hf_tokenizer import hf_tokenizer_files
 from .meta_llama import MetaLlamaSource, is_meta_checkpoint
 from .reader import META_FILE, MODEL_FILE, inside, open_weights, read_meta, resolve_checkpoint
 from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
@@ -201,16 +203,48 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
     return None
 
 
+class ShippedTokenizer:
+    """The tokenizer an export ships: its bos/eos ids, and the files to write (None: copy the source's files;
+    Llama 3's tiktoken tokenizer.model is converted to tokenizer.json, which transformers reads)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.converted: dict[str, str] | None = None
+        # None is written as null on purpose: a missing key makes transformers fill in its per-family defaults
+        # (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here.
+        self.token_ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+        self.end_of_turn_id: int | None = None  # where generation stops besides eos: the chat template's end of turn
+        if path is None:
+            return
+        try:
+            tok = load_tokenizer(str(path))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"tokenizer {path} cannot be read: {e}") from None
+        self.token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id}
+        if isinstance(tok, TiktokenTokenizer):
+            self.converted = hf_tokenizer_files(tok)
+            self.end_of_turn_id = tok.special_tokens[LLAMA3.end_of_turn]  # the template hf_tokenizer_files writes
+
+    def generation_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """generation_config.json for a model with no imported one: its token ids, and the end of a chat turn
+        among the eos ids (as Meta's Llama 3 releases have it), so a chat reply ends at <|eot_id|>."""
+        generation: dict[str, Any] = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        eos = generation.get("eos_token_id")
+        if self.end_of_turn_id is not None and isinstance(eos, int) and eos != self.end_of_turn_id:
+            generation["eos_token_id"] = [eos, self.end_of_turn_id]
+        return generation
+
+    def write(self, out: Path) -> None:
+        if self.converted is not None:
+            for name, text in self.converted.items():
+                (out / name).write_text(text + "\n", encoding="utf-8")
+        elif self.path is not None:
+            _copy_tokenizer(self.path, out)
+
+
 def special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
-    """bos/eos ids of the shipped tokenizer. None is written as null on purpose: a missing key makes transformers
-    fill in its per-family defaults (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here."""
-    if tokenizer is None:
-        return {"bos_token_id": None, "eos_token_id": None}
-    try:
-        tok = load_tokenizer(str(tokenizer))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"tokenizer {tokenizer} cannot be read: {e}") from None
-    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id}
+    """bos/eos ids of a tokenizer (None for each without one: see ShippedTokenizer), for importers' configs."""
+    return ShippedTokenizer(tokenizer).token_ids
 
 
 def export_hf(
@@ -233,6 +267,7 @@ def export_hf(
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
     tok = find_tokenizer(step_dir, meta, tokenizer)  # before writing anything: a missing one is an error
+    shipped = ShippedTokenizer(tok)  # converted (Llama 3's tiktoken) before any weight is written
     vocab = min(cfg.vocab_size, (base or {}).get("vocab_size") or cfg.vocab_size)
     source = open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
     rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
@@ -249,11 +284,10 @@ def export_hf(
             specs.append((name, dtype or part.dtype, tuple(part.shape)))
     out_dtype = dtype or specs[0][1]
     hf = config_to_hf(cfg, base, out_dtype, vocab_size=vocab)
-    if base is None:  # trained here: the token ids are the tokenizer's (an import keeps its source's)
-        hf = dict(sorted({**hf, **special_token_ids(tok)}.items()))
-    generation = hf_meta.get("generation_config") or {
-        k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf
-    }
+    # Trained here (or from Meta's params.json, which has none): the token ids are the tokenizer's; an imported
+    # config.json keeps its own.
+    hf = dict(sorted({**hf, **{k: v for k, v in shipped.token_ids.items() if k not in (base or {})}}.items()))
+    generation = hf_meta.get("generation_config") or shipped.generation_config(hf)
     # Written into a temporary directory beside OUT and renamed into place once complete: a failure half-way
     # (a truncated checkpoint, a full disk) leaves no unreadable model.safetensors behind.
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -263,8 +297,7 @@ def export_hf(
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         if generation:
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if tok is not None:
-            _copy_tokenizer(tok, tmp)
+        shipped.write(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)

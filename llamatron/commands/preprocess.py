@@ -33,7 +33,11 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         required=True,
         help="writes PREFIX_{key}_document.bin/.idx (with --sft: PREFIX_sft and PREFIX_sft_mask)",
     )
-    parser.add_argument("--tokenizer", required=True, help="Hugging Face directory, tokenizer.json or tokenizer.model")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="Hugging Face directory, tokenizer.json, or tokenizer.model (SentencePiece, or Llama 3's tiktoken ranks)",
+    )
     parser.add_argument(
         "--json-keys",
         nargs="+",
@@ -53,7 +57,16 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         help="skip and count unusable records (malformed JSON, missing key, empty document) instead of failing",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    sft = parser.add_argument_group("instruction tuning (--sft)")
+    sft = parser.add_argument_group(
+        "instruction tuning (--sft)",
+        description="Each conversation is rendered with the tokenizer's chat template when its directory has one "
+        "(tokenizer_config.json chat_template, chat_template.jinja); else in Llama 3's format when the tokenizer "
+        "has Llama 3's chat tokens (Meta's tokenizer.model, a Hugging Face Llama 3 tokenizer): <|begin_of_text|>, "
+        "then per message <|start_header_id|>ROLE<|end_header_id|>\\n\\nCONTENT<|eot_id|>; else as ChatML, per "
+        "message <|im_start|>ROLE\\nCONTENT<|im_end|>\\n (a warning says when <|im_start|>/<|im_end|> are not "
+        "special tokens of the tokenizer and so are split into ordinary tokens). The loss mask covers each "
+        "assistant reply and its end-of-turn marker.",
+    )
     sft.add_argument(
         "--sft", action="store_true", help="records are conversations: store tokens and an assistant-only loss mask"
     )

@@ -4,11 +4,15 @@ A record is a conversation: a ``messages`` list of ``{"role", "content"}``
 (roles system, user, assistant; any number of turns), or a prompt/response
 pair (``--prompt-key/--response-key``, optional ``--system-key``).
 
-It is rendered with the tokenizer's chat template when the tokenizer
-directory has one (through transformers' ``apply_chat_template``), else as
-ChatML. The rendering is cut into segments that are trained (an assistant
-reply and its end-of-turn marker) or not (everything else), each segment is
-tokenized, and the loss mask is 1 exactly on the tokens of trained segments.
+It is rendered (``ChatRenderer``) with the tokenizer's chat template when the
+tokenizer directory has one (through transformers' ``apply_chat_template``),
+else in Llama 3's format when the tokenizer has Llama 3's chat tokens
+(``<|begin_of_text|>``, then per message
+``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>``), else as
+ChatML (per message ``<|im_start|>{role}\\n{content}<|im_end|>\\n``). The
+rendering is cut into segments that are trained (an assistant reply and its
+end-of-turn marker) or not (everything else), each segment is tokenized, and
+the loss mask is 1 exactly on the tokens of trained segments.
 
 Stored layout (``preprocess --sft --output-prefix OUT``):
 
@@ -22,14 +26,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from llamatron.data.indexed import best_token_dtype, data_path
 from llamatron.data.preprocess import RecordError, run_encoder
-from llamatron.data.tokenizer import CONFIG_FILE, load_tokenizer
+from llamatron.data.tokenizer import CONFIG_FILE, Tokenizer, load_tokenizer
 from llamatron.errors import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -73,7 +79,11 @@ def conversation_from_record(
             messages.append({"role": role, "content": record[key]})
     else:
         if messages_key not in record:
-            raise RecordError("missing key", f"missing key {messages_key!r}")
+            raise RecordError(
+                "missing key",
+                f"missing key {messages_key!r} (records of a prompt and a response: name their keys with "
+                "--prompt-key/--response-key; a list of messages under another key: --messages-key)",
+            )
         raw = record[messages_key]
         if not isinstance(raw, list) or not raw:
             raise RecordError("bad conversation", f"key {messages_key!r} must be a non-empty list of messages")
@@ -95,16 +105,64 @@ def conversation_from_record(
 # --- Rendering ---
 
 
-def chatml_segments(messages: Sequence[Message]) -> list[Segment]:
-    """ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n``; trained: assistant content and its <|im_end|>."""
-    segments: list[Segment] = []
+@dataclass(frozen=True)
+class ChatFormat:
+    """A chat format llamatron renders itself: the text around each message.
+
+    A conversation is ``begin``, then per message ``header`` (``{role}`` filled in), the content,
+    ``end_of_turn`` and ``after_turn``; the generation prompt is the assistant's header. ``markers`` are the
+    texts the format expects to be special tokens of the tokenizer.
+    """
+
+    name: str
+    begin: str
+    header: str
+    end_of_turn: str
+    after_turn: str
+    markers: tuple[str, ...]
+
+    def role_header(self, role: str) -> str:
+        return self.header.replace("{role}", role)
+
+
+CHATML = ChatFormat("chatml", "", CHATML_START + "{role}\n", CHATML_END, "\n", (CHATML_START, CHATML_END))
+# Meta's Llama 3 (3.1, 3.2, 3.3) dialog format, as its reference chat_format encodes it (content as it is).
+LLAMA3 = ChatFormat(
+    "llama3",
+    "<|begin_of_text|>",
+    "<|start_header_id|>{role}<|end_header_id|>\n\n",
+    "<|eot_id|>",
+    "",
+    ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+)
+CHAT_FORMATS = {f.name: f for f in (CHATML, LLAMA3)}
+
+
+def format_segments(fmt: ChatFormat, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[Segment]:
+    """Segments of ``messages`` in ``fmt``: trained are each assistant content and its end-of-turn marker;
+    ``add_generation_prompt`` ends with the assistant's header (untrained), for the model to continue."""
+    segments: list[Segment] = [(fmt.begin, False)]
     for message in messages:
-        header = f"{CHATML_START}{message['role']}\n"
+        header = fmt.role_header(message["role"])
         if message["role"] == "assistant":
-            segments += [(header, False), (message["content"] + CHATML_END, True), ("\n", False)]
+            segments += [(header, False), (message["content"] + fmt.end_of_turn, True), (fmt.after_turn, False)]
         else:
-            segments.append((header + message["content"] + CHATML_END + "\n", False))
+            segments.append((header + message["content"] + fmt.end_of_turn + fmt.after_turn, False))
+    if add_generation_prompt:
+        segments.append((fmt.role_header("assistant"), False))
     return merge_segments(segments)
+
+
+def chat_template(fmt: ChatFormat) -> str:
+    """``fmt`` as a Jinja chat template (tokenizer_config.json): transformers' apply_chat_template then renders
+    exactly the text of ``format_segments``."""
+    q = json.dumps  # a JSON string is a Jinja string literal
+    prefix, _, suffix = fmt.header.partition("{role}")
+    turn = f"{q(prefix)} + message['role'] + {q(suffix)} + message['content'] + {q(fmt.end_of_turn + fmt.after_turn)}"
+    return (
+        f"{{{{ {q(fmt.begin)} }}}}{{% for message in messages %}}{{{{ {turn} }}}}{{% endfor %}}"
+        f"{{% if add_generation_prompt %}}{{{{ {q(fmt.role_header('assistant'))} }}}}{{% endif %}}"
+    )
 
 
 def template_segments(render: Callable[[list[Message], bool], str], messages: Sequence[Message]) -> list[Segment]:
@@ -137,7 +195,8 @@ def _check_prefix(prefix: str, text: str, index: int) -> None:
         raise DataError(
             f"the tokenizer's chat template renders message {index} in a way that changes the text of earlier "
             "messages, so assistant tokens cannot be located; remove chat_template from the tokenizer directory "
-            "to use ChatML, or use a template whose renderings of successive turns extend each other"
+            "to use llamatron's own format (Llama 3's or ChatML), or use a template whose renderings of "
+            "successive turns extend each other"
         )
 
 
@@ -172,12 +231,44 @@ def has_chat_template(tokenizer_path: str) -> bool:
     return False
 
 
-class ChatRenderer:
-    """Renders conversations as segments with the tokenizer's chat template, else ChatML."""
+def single_token_id(tokenizer: Tokenizer, text: str) -> int | None:
+    """The id of ``text`` when the tokenizer encodes it as one token (a special token), else None."""
+    ids = tokenizer.encode(text)
+    return ids[0] if len(ids) == 1 else None
 
-    def __init__(self, tokenizer_path: str) -> None:
-        self.format = "chatml"
+
+def builtin_format(tokenizer: Tokenizer) -> ChatFormat:
+    """Llama 3's format for a tokenizer with Llama 3's chat tokens (Meta's tokenizer.model, or a Hugging Face
+    Llama 3 tokenizer without a template), else ChatML."""
+    llama3 = all(single_token_id(tokenizer, marker) is not None for marker in LLAMA3.markers)
+    return LLAMA3 if llama3 else CHATML
+
+
+class ChatRenderer:
+    """How conversations become text for one tokenizer; ``format`` says which way:
+
+    - ``"chat template"``: the tokenizer directory's own template (transformers' ``apply_chat_template``);
+    - ``"llama3"``: Llama 3's format, for a tokenizer with its chat tokens (<|start_header_id|>, <|eot_id|>...);
+    - ``"chatml"``: ChatML, the fallback; ``missing_markers`` lists those of its markers the tokenizer
+      lacks as special tokens (they are then tokenized as ordinary text).
+
+    API (SFT preprocessing and ``generate --chat`` use the same renderer):
+
+    - ``segments(messages, add_generation_prompt=False)``: ``[(text, trained)]`` whose texts joined are the
+      rendering; trained are the assistant replies and their end-of-turn marker. With
+      ``add_generation_prompt`` it ends with the opening of an assistant turn.
+    - ``prompt(messages)``: the text for a model to continue as the assistant (messages ending with a user
+      turn): the rendering followed by the generation prompt.
+    - ``end_of_turn``: the text that closes an assistant turn (``<|eot_id|>``, ``<|im_end|>``; a template's:
+      the tokenizer's EOS token), where sampling a reply stops; ``end_of_turn_id``: its token id (a
+      template's: the EOS id), None when the tokenizer does not have it as one token (ChatML's markers on a
+      plain BPE: then stop when the decoded text ends with ``end_of_turn``).
+    """
+
+    def __init__(self, tokenizer_path: str, tokenizer: Tokenizer | None = None) -> None:
+        tokenizer = tokenizer or load_tokenizer(tokenizer_path)
         self._hf = None
+        self._builtin: ChatFormat | None = None
         if has_chat_template(tokenizer_path):
             try:
                 import transformers
@@ -187,20 +278,48 @@ class ChatRenderer:
                 ) from err
             self._hf = transformers.AutoTokenizer.from_pretrained(_tokenizer_directory(tokenizer_path))
             self.format = "chat template"
+            self.end_of_turn: str = str(self._hf.eos_token or "")
+            self.end_of_turn_id: int | None = self._hf.eos_token_id
+        else:
+            self._builtin = builtin_format(tokenizer)
+            self.format = self._builtin.name
+            self.end_of_turn = self._builtin.end_of_turn
+            self.end_of_turn_id = single_token_id(tokenizer, self.end_of_turn)
+        markers = self._builtin.markers if self._builtin is not None else ()
+        self.missing_markers = [m for m in markers if single_token_id(tokenizer, m) is None]
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         assert self._hf is not None  # set by __init__ for the chat-template format, the only one rendering here
         return str(self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
 
-    def segments(self, messages: Sequence[Message]) -> list[Segment]:
-        if self._hf is None:
-            return chatml_segments(messages)
+    def segments(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[Segment]:
+        if self._builtin is not None:
+            return format_segments(self._builtin, messages, add_generation_prompt)
         try:
-            return template_segments(self._render, messages)
+            segments = template_segments(self._render, messages)
+            if add_generation_prompt:
+                full, prompt = self._render(list(messages), False), self._render(list(messages), True)
+                _check_prefix(full, prompt, len(messages))
+                segments = merge_segments([*segments, (prompt[len(full) :], False)])
+            return segments
         except DataError:
             raise
         except Exception as err:  # jinja's TemplateError, or raise_exception() inside a template
             raise RecordError("chat template error", f"the chat template rejected this conversation: {err}") from err
+
+    def prompt(self, messages: Sequence[Message]) -> str:
+        return "".join(text for text, _ in self.segments(messages, add_generation_prompt=True))
+
+    def missing_markers_warning(self, tokenizer_path: str) -> str | None:
+        """One line saying that the format's markers are no special tokens of the tokenizer, and the fix."""
+        if not self.missing_markers:
+            return None
+        return (
+            f"warning: tokenizer {tokenizer_path} has no special tokens for {self.format}'s "
+            f"{', '.join(self.missing_markers)}: they are split into ordinary tokens (the model learns them as "
+            "text); to avoid it, use a tokenizer with a chat template (tokenizer_config.json chat_template) or "
+            "one that has these markers as special tokens, within the model's vocabulary"
+        )
 
 
 # --- Encoding records (runs in preprocess workers) ---
@@ -220,7 +339,7 @@ class ConversationEncoder:
         if (prompt_key is None) != (response_key is None):
             raise ValueError("--prompt-key and --response-key go together")
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.renderer = ChatRenderer(tokenizer_path)
+        self.renderer = ChatRenderer(tokenizer_path, self.tokenizer)
         self.keys = (messages_key, prompt_key, response_key, system_key)
         self.dtype = best_token_dtype(self.tokenizer.vocab_size)
         self.token_outputs = ("tokens",)
@@ -266,11 +385,15 @@ def preprocess_conversations(
 ) -> dict[str, Any]:
     """Tokenize conversations into ``{output_prefix}_sft`` (+ ``_mask``); return the preprocess summary
     with ``trained_tokens`` (tokens under the loss mask) and ``chat_format`` added."""
+    renderer = ChatRenderer(tokenizer_path)  # in this process: the workers' would warn once each
+    warning = renderer.missing_markers_warning(tokenizer_path)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     make_encoder = (ConversationEncoder, (tokenizer_path, messages_key, prompt_key, response_key, system_key))
     summary = run_encoder(inputs, output_prefix, make_encoder, workers, skip_bad_lines, progress)
     mask_file = data_path(summary["outputs"]["mask"])
     summary["trained_tokens"] = _count_ones(mask_file)
-    summary["chat_format"] = "chat template" if has_chat_template(tokenizer_path) else "chatml"
+    summary["chat_format"] = renderer.format
     summary["notes"] = {
         "chat format": summary["chat_format"],
         "assistant (trained) tokens": f"{summary['trained_tokens']} of {summary['tokens']}",

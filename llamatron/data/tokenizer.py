@@ -1,16 +1,23 @@
-"""Tokenizers: load Hugging Face / SentencePiece ones, train a small byte-level BPE.
+"""Tokenizers: load Hugging Face / SentencePiece / Llama 3 tiktoken ones, train a small byte-level BPE.
 
 ``load_tokenizer`` returns a ``Tokenizer`` with one small interface whatever the
 file format underneath. It never adds special tokens on its own: callers that
 want BOS or EOD tokens add them explicitly, so the token stream written to
 disk is exactly what the code asked for.
+
+A ``tokenizer.model`` is one of two formats, told apart by its content: a
+SentencePiece model (a protobuf: Llama 1/2, Mistral) or tiktoken BPE ranks
+(lines of ``base64(token bytes) rank``: Meta's Llama 3, 3.1, 3.2 and 3.3), which
+``TiktokenTokenizer`` loads with Llama 3's special tokens and pre-tokenizer.
 """
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -23,13 +30,41 @@ EOD_TOKEN = "<|endoftext|>"
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 CONFIG_FILE = "tokenizer_config.json"
 
+# Llama 3's tokenizer, as Meta's llama-models defines it: this pre-tokenizer split, and 256 special tokens
+# numbered after the BPE ranks (128000..128255 for the 128000 ranks of its tokenizer.model): these named ones
+# first, then <|reserved_special_token_2|> onwards for the rest.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+LLAMA3_NAMED_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+)
+LLAMA3_SPECIAL_TOKEN_COUNT = 256
+# tiktoken's regex runs out of backtracking stack on a whitespace run of about a million characters: longer
+# texts are encoded in pieces of at most this many, cut before a space that follows a non-space (where the
+# split above cuts anyway), as Meta's own tokenizer also cuts long texts.
+TIKTOKEN_MAX_PIECE_CHARS = 400_000
+_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+\r?\n?")
+
 
 class Tokenizer:
     """A loaded tokenizer: ``encode``, ``decode``, ``vocab_size``, ``eod_id``, ``bos_id``, ``save``."""
 
     def __init__(self, backend: Any, kind: str, source: str, config: dict | None) -> None:
         self._backend = backend
-        self.kind = kind  # "huggingface" or "sentencepiece"
+        self.kind = kind  # "huggingface", "sentencepiece" or "tiktoken"
         self.source = source
         self._config = config
         self.eod_id: int | None = self._find_eod_id()
@@ -111,6 +146,139 @@ class Tokenizer:
         )
 
 
+class TiktokenTokenizer(Tokenizer):
+    """Meta's Llama 3 ``tokenizer.model``: tiktoken BPE ranks, with Llama 3's special tokens and split.
+
+    ``ranks`` (token bytes -> id), ``special_tokens`` (text -> id) and ``pattern`` are what it is made of;
+    export-hf builds the equivalent Hugging Face tokenizer.json from them. Special-token text in the input is
+    encoded as the special token, as Hugging Face tokenizers do.
+    """
+
+    def __init__(self, ranks: dict[bytes, int], source: str, config: dict | None) -> None:
+        try:
+            import tiktoken
+        except ImportError as err:
+            raise ImportError(
+                f"{source} is a Llama 3 (tiktoken) tokenizer.model; reading it needs the tiktoken package: "
+                "pip install tiktoken"
+            ) from err
+        self.ranks = ranks
+        self.pattern = LLAMA3_PATTERN
+        self.special_tokens = llama3_special_tokens(len(ranks))
+        name = os.path.basename(source)
+        specials = self.special_tokens
+        backend = tiktoken.Encoding(name, pat_str=self.pattern, mergeable_ranks=ranks, special_tokens=specials)
+        super().__init__(backend, "tiktoken", source, config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.n_vocab
+
+    @property
+    def eod_token(self) -> str | None:
+        return None if self.eod_id is None else self._token_text(self.eod_id)
+
+    def encode(self, text: str) -> list[int]:
+        return [i for piece in _tiktoken_pieces(text) for i in self._backend.encode(piece, allowed_special="all")]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One text at a time: preprocess's --workers parallelise, tiktoken's thread pool would oversubscribe them.
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Ids past the vocabulary (a model's padded rows) are dropped, as Hugging Face tokenizers do.
+        return self._backend.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+    def save(self, directory: str) -> None:
+        """Write ``tokenizer.model`` (the ranks, as Meta ships them); export-hf writes the transformers files."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
+            for token, rank in sorted(self.ranks.items(), key=lambda item: item[1]):
+                f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+        if self._config is not None:
+            with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+                json.dump(self._config, f, indent=2, ensure_ascii=False)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._backend.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _special_id(self, token: str | None) -> int | None:
+        return self.special_tokens.get(token) if token else None
+
+    def _find_eod_id(self) -> int | None:
+        named = _token_content((self._config or {}).get("eos_token"))
+        for token in ([named] if named else []) + list(KNOWN_EOS_TOKENS):
+            if self._special_id(token) is not None:
+                return self._special_id(token)
+        return None
+
+    def _find_bos_id(self) -> int | None:
+        named = _token_content((self._config or {}).get("bos_token"))
+        return self._special_id(named or "<|begin_of_text|>")
+
+
+def llama3_special_tokens(num_ranks: int) -> dict[str, int]:
+    """Llama 3's special tokens and their ids, after ``num_ranks`` BPE ranks."""
+    reserved = LLAMA3_SPECIAL_TOKEN_COUNT - len(LLAMA3_NAMED_SPECIAL_TOKENS)
+    names = list(LLAMA3_NAMED_SPECIAL_TOKENS) + [f"<|reserved_special_token_{2 + i}|>" for i in range(reserved)]
+    return {name: num_ranks + i for i, name in enumerate(names)}
+
+
+def _tiktoken_pieces(text: str) -> Iterator[str]:
+    """``text`` in pieces of at most TIKTOKEN_MAX_PIECE_CHARS characters (almost every text is one piece)."""
+    start = 0
+    while len(text) - start > TIKTOKEN_MAX_PIECE_CHARS:
+        end = start + TIKTOKEN_MAX_PIECE_CHARS
+        cut = text.rfind(" ", start + 1, end)
+        while cut > start and text[cut - 1].isspace():
+            cut = text.rfind(" ", start + 1, cut)
+        cut = cut if cut > start else end  # no such space: a hard cut
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def is_tiktoken_file(path: str) -> bool:
+    """Whether ``path`` holds tiktoken BPE ranks (text lines of ``base64 rank``) rather than a SentencePiece
+    protobuf, whose first byte (field 1's tag, 0x0a) already ends a first line this cannot match."""
+    with open(path, "rb") as f:
+        first = f.readline(4096)
+    return _TIKTOKEN_LINE.fullmatch(first) is not None
+
+
+def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """The BPE ranks of a tiktoken file, checked: ids 0..n-1 once each, and every single byte among them.
+
+    Read here rather than by tiktoken's load_tiktoken_bpe, which caches a local file under its path in a
+    temporary directory and would keep serving the old ranks after the file is replaced.
+    """
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError as err:  # also binascii.Error
+                raise DataError(
+                    f"{path}:{number}: not a 'base64-token rank' line of a tiktoken BPE file ({line[:60]!r}); "
+                    "re-download the tokenizer (a truncated or corrupted file reads like this)"
+                ) from err
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise DataError(
+            f"{path}: the ranks of this tiktoken BPE file are not 0..{len(ranks) - 1} once each (repeated tokens or "
+            "ids); re-download the tokenizer"
+        )
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise DataError(
+            f"{path}: this tiktoken BPE file lacks {len(missing)} of the 256 single-byte tokens (first: byte "
+            f"{missing[0]}), so it cannot encode every text; re-download the tokenizer"
+        )
+    return ranks
+
+
 def _token_content(token: Any) -> str | None:
     """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
     if isinstance(token, dict):
@@ -170,8 +338,15 @@ def _load_sentencepiece(model_file: str, config: dict | None) -> Tokenizer:
     return Tokenizer(processor, "sentencepiece", model_file, config)
 
 
+def _load_model_file(model_file: str, config: dict | None) -> Tokenizer:
+    """A ``.model`` file: Llama 3's tiktoken ranks or a SentencePiece model, told apart by the content."""
+    if is_tiktoken_file(model_file):
+        return TiktokenTokenizer(read_tiktoken_ranks(model_file), model_file, config)
+    return _load_sentencepiece(model_file, config)
+
+
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load a Hugging Face directory, a ``tokenizer.json`` or a SentencePiece ``.model``."""
+    """Load a Hugging Face directory, a ``tokenizer.json``, or a ``.model`` (SentencePiece or Llama 3 tiktoken)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         json_file = os.path.join(path, "tokenizer.json")
@@ -180,7 +355,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         if os.path.isfile(json_file):  # preferred: fast, and needs no extra package
             return _load_json_tokenizer(json_file, path, config)
         if os.path.isfile(model_file):
-            return _load_sentencepiece(model_file, config)
+            return _load_model_file(model_file, config)
         raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: tokenizer not found (expected a directory, tokenizer.json or .model file)")
@@ -188,7 +363,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     if path.endswith(".json"):
         return _load_json_tokenizer(path, path, config)
     if path.endswith(".model"):
-        return _load_sentencepiece(path, config)
+        return _load_model_file(path, config)
     raise DataError(f"{path}: unknown tokenizer format (expected a directory, a .json or a .model file)")
 
 
