@@ -526,15 +526,19 @@ def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
         raise ConfigError("--finetune needs --load CHECKPOINT")
 
 
-def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
-    """(device, dtype name): auto resolved, and the settings that depend on them."""
-    p, t = cfg.parallel, cfg.train
-    device = t.device
+def resolve_device(device: str, precision: str, cuda_available: bool) -> tuple[str, str]:
+    """(device, dtype name) of --device and --precision: auto is cuda when available, bf16 on cuda, fp32 elsewhere."""
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
         raise ConfigError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    dtype_name = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return device, precision if precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+
+
+def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
+    """(device, dtype name): auto resolved, and the settings that depend on them."""
+    p, t = cfg.parallel, cfg.train
+    device, dtype_name = resolve_device(t.device, t.precision, cuda_available)
     if dtype_name == "fp16" and p.grad_reduce_dtype == "bf16":
         raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")
     if p.dp_comm_max_ctas is not None and device != "cuda":
