@@ -53,7 +53,9 @@ def test_empty_prompt_starts_from_bos_and_edge_values_sample(trained, monkeypatc
     ckpt, with_bos = trained
     prompts = []
     real_sample = generate.sample
-    monkeypatch.setattr(generate, "sample", lambda model, ids, *a: prompts.append(ids) or real_sample(model, ids, *a))
+    monkeypatch.setattr(
+        generate, "sample", lambda model, ids, *a, **k: prompts.append(ids) or real_sample(model, ids, *a, **k)
+    )
     assert run("--load", ckpt, "--tokenizer", with_bos, "--max-new-tokens", "3") == 0
     assert prompts == [[0]]  # <|endoftext|>
     assert run("--load", ckpt, "--prompt", "def", "--max-new-tokens", "3", "--top-k", "1", "--temperature", "0") == 0

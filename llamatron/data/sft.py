@@ -202,6 +202,23 @@ class ChatRenderer:
         except Exception as err:  # jinja's TemplateError, or raise_exception() inside a template
             raise RecordError("chat template error", f"the chat template rejected this conversation: {err}") from err
 
+    def prompt_text(self, messages: Sequence[Message]) -> str:
+        """The conversation rendered up to where the assistant's reply begins (with the generation prompt)."""
+        if self._hf is None:
+            return "".join(text for text, _ in chatml_segments(messages)) + f"{CHATML_START}assistant\n"
+        return self._render(list(messages), True)
+
+    @property
+    def end_of_turn(self) -> str | None:
+        """The text that ends an assistant reply (ChatML: <|im_end|>; a template: what it renders after a reply's
+        content, None if nothing)."""
+        if self._hf is None:
+            return CHATML_END
+        probe = "llamatron reply"
+        segments = self.segments([{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}])
+        reply = next((text for text, trained in segments if trained), "")
+        return reply.rsplit(probe, 1)[-1].strip() or None
+
 
 # --- Encoding records (runs in preprocess workers) ---
 
