@@ -207,3 +207,14 @@ def test_tensor_parallel_generation_matches_one_process(reference, tmp_path, cap
     assert ranks[0]["printed"] == single and ranks[1]["printed"] == ""
     # llama-test: 4 query heads of 16 dims, 2 KV heads; each rank holds 2 query heads and 1 KV head (and its cache)
     assert [(r["qkv_rows"], r["kv_heads"]) for r in ranks] == [((2 + 2 * 1) * 16, 1)] * 2
+
+
+def test_a_chat_template_that_rejects_the_conversation_is_one_line(reference, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    ckpt, tok_dir, _ = reference
+    monkeypatch.setattr(generate, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
+    rejecting = copy_tokenizer(tok_dir, tmp_path / "t", chat_template="{{ raise_exception('no system role here') }}")
+    assert run("--load", ckpt, "--chat", "--prompt", "hi", "--tokenizer", rejecting) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llamatron generate: data error: --chat with tokenizer") and "no system role here" in err
+    assert len(err.splitlines()) == 1

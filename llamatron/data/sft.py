@@ -172,6 +172,15 @@ def has_chat_template(tokenizer_path: str) -> bool:
     return False
 
 
+def _template_call(fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except DataError:
+        raise
+    except Exception as err:  # jinja's TemplateError, or raise_exception() inside a template
+        raise RecordError("chat template error", f"the chat template rejected this conversation: {err}") from err
+
+
 class ChatRenderer:
     """Renders conversations as segments with the tokenizer's chat template, else ChatML."""
 
@@ -195,18 +204,13 @@ class ChatRenderer:
     def segments(self, messages: Sequence[Message]) -> list[Segment]:
         if self._hf is None:
             return chatml_segments(messages)
-        try:
-            return template_segments(self._render, messages)
-        except DataError:
-            raise
-        except Exception as err:  # jinja's TemplateError, or raise_exception() inside a template
-            raise RecordError("chat template error", f"the chat template rejected this conversation: {err}") from err
+        return _template_call(template_segments, self._render, messages)
 
     def prompt_text(self, messages: Sequence[Message]) -> str:
         """The conversation rendered up to where the assistant's reply begins (with the generation prompt)."""
         if self._hf is None:
             return "".join(text for text, _ in chatml_segments(messages)) + f"{CHATML_START}assistant\n"
-        return self._render(list(messages), True)
+        return _template_call(self._render, list(messages), True)
 
     @property
     def end_of_turn(self) -> str | None:
