@@ -13,10 +13,11 @@ import torch.distributed as dist
 from ..checkpoint import read_meta
 from ..config import resolve_device
 from ..config_ranges import SEED, number_arg
+from ..data.preprocess import RecordError
 from ..data.sft import ChatRenderer
 from ..data.tokenizer import Tokenizer, load_tokenizer
 from ..dtypes import DTYPES
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..generate import StopStrings, load_for_generation, sample
 from ..parallel.mesh import Mesh, build_mesh, init_distributed
 
@@ -127,8 +128,11 @@ def _prompt_and_stops(args: argparse.Namespace, tok: Tokenizer, path: str) -> tu
     if args.chat:
         renderer = ChatRenderer(path)
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt_ids = tok.encode(renderer.prompt_text([*messages, {"role": "user", "content": args.prompt}]))
-        end = renderer.end_of_turn
+        try:
+            prompt_ids = tok.encode(renderer.prompt_text([*messages, {"role": "user", "content": args.prompt}]))
+            end = renderer.end_of_turn
+        except RecordError as err:
+            raise DataError(f"--chat with tokenizer {path}: {err}") from None
         if end is not None:
             end_ids = tok.encode(end)
             if len(end_ids) == 1:
