@@ -19,7 +19,7 @@ import yaml
 
 from .config_ranges import Range, above, at_least, problem
 from .data.cache import KEEP_PER_KIND
-from .data.samples import parse_data_argument, split_documents
+from .data.samples import data_settings_problems
 from .errors import ConfigError
 from .evaluation import resolve_eval_metrics
 from .fp8 import FP8_RECIPES, check_fp8
@@ -465,32 +465,6 @@ class Derived:
     compile: bool  # --compile, defaulting to on for cuda
 
 
-def _validate_data(d: DataConfig) -> None:
-    try:  # the same parsing the data loading does, here before anything is built
-        if d.data is not None:
-            parse_data_argument(d.data)
-        split_documents(0, d.split)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    boundaries = [
-        f"--{n.replace('_', '-')}"
-        for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
-        if getattr(d, n)
-    ]
-    if d.sft_data is not None and (d.data is not None or d.mock_data):
-        raise ConfigError("--sft-data replaces --data / --mock-data; give only one of them")
-    if boundaries and (d.mock_data or d.sft_data is not None):
-        raise ConfigError(
-            f"{', '.join(boundaries)} apply to --data corpora with EOD tokens; --mock-data has none and "
-            "--sft-data already keeps attention and positions inside each conversation"
-        )
-    if boundaries and d.data is not None and d.tokenizer is None:
-        raise ConfigError(
-            f"{', '.join(boundaries)} need the end-of-document token id: pass --tokenizer (the one "
-            "the data was preprocessed with)"
-        )
-
-
 def _validate_ops(cfg: RunConfig) -> None:
     """Evaluation metrics, logging packages and where records go (their modules hold the details)."""
     t = cfg.train
@@ -549,15 +523,19 @@ def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
         raise ConfigError("--finetune needs --load CHECKPOINT")
 
 
-def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
-    """(device, dtype name): auto resolved, and the settings that depend on them."""
-    p, t = cfg.parallel, cfg.train
-    device = t.device
+def resolve_device(device: str, precision: str, cuda_available: bool) -> tuple[str, str]:
+    """(device, dtype name) of --device and --precision: auto is cuda when available, bf16 on cuda, fp32 elsewhere."""
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     if device == "cuda" and not cuda_available:
         raise ConfigError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    dtype_name = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return device, precision if precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+
+
+def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
+    """(device, dtype name): auto resolved, and the settings that depend on them."""
+    p, t = cfg.parallel, cfg.train
+    device, dtype_name = resolve_device(t.device, t.precision, cuda_available)
     if dtype_name == "fp16" and p.grad_reduce_dtype == "bf16":
         raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")
     if p.dp_comm_max_ctas is not None and device != "cuda":
@@ -586,7 +564,7 @@ def validate(
     p = cfg.parallel
     tokens = cfg.train.micro_batch_size * cfg.data.seq_length // p.cp
     check_fp8(cfg.train, device, dtype_name, model, p.tp, tokens)
-    _validate_data(cfg.data)
+    _raise_if(data_settings_problems(cfg.data))
     _validate_ops(cfg)
     t = cfg.train
     compile_layers = t.compile if t.compile is not None else device == "cuda"

@@ -321,6 +321,16 @@ def test_pipeline_resume_with_tied_embeddings_is_exact(workdir):
     }
     resumed = run_train(["--pp", "2", "--train-steps", "4", "--load", "ck-pp2/step-2"], 2, workdir, model="falcon-test")
     assert _losses(resumed, (3, 4)) == _losses(full, (3, 4))
+    # a pipeline's checkpoint generates in one process: every weight of the single-device model is the saved one
+    from llamatron.generate import load_for_generation, sample
+
+    model, meta = load_for_generation(str(workdir / "ck-pp2"))
+    assert meta["layout"]["pp"] == 2
+    saved = load_full_tensors(workdir / "ck-pp2")
+    assert all(torch.equal(p, saved[name]) for name, p in model.named_parameters()) and len(saved) == len(
+        list(model.parameters())
+    )
+    assert len(sample(model, [1, 2, 3], max_new_tokens=4)) == 4
 
 
 def test_resume_across_layouts_tp2_pp2_vpp2_to_dp4_and_back(workdir):

@@ -1,15 +1,25 @@
-"""`llamatron generate`: its arguments are checked before the model loads; an empty prompt starts from BOS."""
+"""`llamatron generate`: its arguments are checked before the model loads; an empty prompt starts from BOS; it
+stops at EOS, --stop strings and the chat format's end of turn; --tp 2 under gloo gives the one-process tokens."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+from dist_utils import spawn
 from hf_fixtures import train_with_bpe_tokenizer
+from tokenizers import Tokenizer as RawTokenizer
 
 from llamatron.cli import main
 from llamatron.commands import generate
+from llamatron.data.tokenizer import load_tokenizer
+from llamatron.generate import load_for_generation, sample
+
+PROMPT, NEW = "def f(x):", 24
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +50,9 @@ def run(*args) -> int:
         (["--prompt", "x", "--top-k", "0"], "--top-k 0: must be >= 1"),
         (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0 (0: greedy)"),
         (["--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens -5: must be >= 1"),
+        (["--prompt", "x", "--system", "s"], "--system is a chat message: add --chat"),
+        (["--prompt", "x", "--stop", ""], "--stop '': an empty stop string"),
+        (["--prompt", "x", "--tp", "2"], "--tp 2 with 1 process(es): generate runs one process per tensor-parallel"),
     ],
 )
 def test_bad_arguments_fail_before_the_model_loads(trained, monkeypatch, capsys, args, message):
@@ -53,7 +66,9 @@ def test_empty_prompt_starts_from_bos_and_edge_values_sample(trained, monkeypatc
     ckpt, with_bos = trained
     prompts = []
     real_sample = generate.sample
-    monkeypatch.setattr(generate, "sample", lambda model, ids, *a: prompts.append(ids) or real_sample(model, ids, *a))
+    monkeypatch.setattr(
+        generate, "sample", lambda model, ids, *a, **k: prompts.append(ids) or real_sample(model, ids, *a, **k)
+    )
     assert run("--load", ckpt, "--tokenizer", with_bos, "--max-new-tokens", "3") == 0
     assert prompts == [[0]]  # <|endoftext|>
     assert run("--load", ckpt, "--prompt", "def", "--max-new-tokens", "3", "--top-k", "1", "--temperature", "0") == 0
@@ -62,3 +77,144 @@ def test_empty_prompt_starts_from_bos_and_edge_values_sample(trained, monkeypatc
         real_sample(None, [])
     with pytest.raises(ValueError, match="top_k=0: must be >= 1"):
         real_sample(None, [1], top_k=0)
+
+
+@pytest.fixture(scope="module")
+def reference(trained):
+    """The greedy continuation of PROMPT with no stopping rule: (checkpoint, tokenizer dir, its token ids)."""
+    ckpt = trained[0]
+    tok_dir = ckpt.parent / "tok"
+    model, _ = load_for_generation(str(ckpt))
+    ids = sample(model, load_tokenizer(str(tok_dir)).encode(PROMPT), NEW, temperature=0)
+    assert len(set(ids)) > NEW // 2, ids  # a continuation that depends on its context
+    assert 0 not in ids  # <|endoftext|>, the tokenizer's EOS: the command would stop there
+    return ckpt, tok_dir, ids
+
+
+def greedy(*args) -> int:
+    return run(*args, "--temperature", "0", "--max-new-tokens", NEW)
+
+
+def first_word_token(tok, ids: list[int], start: int) -> int:
+    """The first index k >= start whose token is a word (letters and digits) first seen in the text at token k."""
+    for k in range(start, len(ids)):
+        word, before = tok.decode(ids[k : k + 1]), tok.decode(ids[:k])
+        if word.isalnum() and tok.encode(word) == [ids[k]] and word not in before + word[:-1]:
+            return k
+    raise AssertionError(f"no word token in {ids}")
+
+
+def copy_tokenizer(tok_dir: Path, to: Path, **config) -> Path:
+    shutil.copytree(tok_dir, to)
+    path = to / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return to
+
+
+def test_stops_at_the_tokenizers_eos(reference, tmp_path, capsys):
+    ckpt, tok_dir, ids = reference
+    tok = load_tokenizer(str(tok_dir))
+    k = first_word_token(tok, ids, 2)
+    eos = RawTokenizer.from_file(str(tok_dir / "tokenizer.json")).id_to_token(ids[k])
+    assert (
+        greedy(
+            "--load", ckpt, "--prompt", PROMPT, "--tokenizer", copy_tokenizer(tok_dir, tmp_path / "t", eos_token=eos)
+        )
+        == 0
+    )
+    assert capsys.readouterr().out == PROMPT + tok.decode(ids[:k]) + "\n"
+
+
+def test_stop_strings_end_sampling_and_cut_the_output(reference, monkeypatch, capsys):
+    ckpt, tok_dir, ids = reference
+    tok = load_tokenizer(str(tok_dir))
+    k = first_word_token(tok, ids, 4)
+    stop, text = tok.decode(ids[k : k + 1]), tok.decode(ids)
+    lengths = []
+    monkeypatch.setattr(generate, "sample", lambda *a, **kw: lengths.append(len(out := sample(*a, **kw))) or out)
+    assert greedy("--load", ckpt, "--prompt", PROMPT, "--stop", "never in it", "--stop", stop) == 0
+    assert capsys.readouterr().out == PROMPT + text[: text.index(stop)] + "\n"
+    assert lengths == [k + 1]  # no token sampled after the one that completed the stop string
+
+
+def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monkeypatch):
+    ckpt, tok_dir, _ = reference
+    calls = []
+    monkeypatch.setattr(generate, "sample", lambda model, ids, *a, **kw: calls.append((ids, kw)) or [])
+    assert run("--load", ckpt, "--chat", "--system", "be brief", "--prompt", "hi") == 0
+    ids, kwargs = calls[-1]
+    tok = load_tokenizer(str(tok_dir))
+    assert tok.decode(ids) == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert kwargs["stop_ids"] == {0} and kwargs["stop"].strings == ["<|im_end|>"]  # several tokens here
+    # a tokenizer where <|im_end|> is one token stops at its id
+    raw = RawTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    raw.add_special_tokens(["<|im_end|>"])
+    shutil.copytree(tok_dir, tmp_path / "t")
+    raw.save(str(tmp_path / "t" / "tokenizer.json"))
+    assert run("--load", ckpt, "--chat", "--prompt", "hi", "--tokenizer", tmp_path / "t") == 0
+    assert calls[-1][1]["stop_ids"] == {0, raw.token_to_id("<|im_end|>")} and calls[-1][1]["stop"] is None
+
+
+def test_chat_stops_at_the_templates_end_of_turn(reference, tmp_path, capsys):
+    """A chat template whose end of turn is a word the model says: the reply ends before it."""
+    pytest.importorskip("transformers")
+    ckpt, tok_dir, _ = reference
+    tok = load_tokenizer(str(tok_dir))
+    model, _ = load_for_generation(str(ckpt))
+    ids = sample(model, tok.encode("user: hi\nassistant:"), NEW, temperature=0)  # the template's rendering
+    k = first_word_token(tok, ids, 1)
+    end = tok.decode(ids[k : k + 1])
+    template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% if m['role'] == 'assistant' %}"
+        + end
+        + "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    chat_tok = copy_tokenizer(tok_dir, tmp_path / "t", chat_template=template)
+    assert greedy("--load", ckpt, "--chat", "--prompt", "hi", "--tokenizer", chat_tok) == 0
+    assert capsys.readouterr().out == tok.decode(ids[:k]) + "\n"
+
+
+def _generate_on_rank(rank: int, world: int, argv: list[str], out_dir: Path) -> None:
+    """`llamatron generate --tp 2` on this gloo rank; writes what it printed and the shard it held."""
+    real_load = generate.load_for_generation
+    held = {}
+
+    def load(*args):
+        model, meta = real_load(*args)
+        attn = model.layers["0"].attn
+        held.update(qkv_rows=attn.qkv.weight.shape[0], kv_heads=attn.num_kv_heads)
+        return model, meta
+
+    generate.load_for_generation = load
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert not e.code, e.code
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps({"printed": printed.getvalue(), **held}))
+
+
+def test_tensor_parallel_generation_matches_one_process(reference, tmp_path, capsys):
+    ckpt, _, _ = reference
+    args = ["generate", "--load", str(ckpt), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW)]
+    assert greedy("--load", ckpt, "--prompt", PROMPT) == 0
+    single = capsys.readouterr().out
+    spawn(_generate_on_rank, 2, [*args, "--tp", "2", "--device", "cpu"], tmp_path)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["printed"] == single and ranks[1]["printed"] == ""
+    # llama-test: 4 query heads of 16 dims, 2 KV heads; each rank holds 2 query heads and 1 KV head (and its cache)
+    assert [(r["qkv_rows"], r["kv_heads"]) for r in ranks] == [((2 + 2 * 1) * 16, 1)] * 2
+
+
+def test_a_chat_template_that_rejects_the_conversation_is_one_line(reference, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    ckpt, tok_dir, _ = reference
+    monkeypatch.setattr(generate, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
+    rejecting = copy_tokenizer(tok_dir, tmp_path / "t", chat_template="{{ raise_exception('no system role here') }}")
+    assert run("--load", ckpt, "--chat", "--prompt", "hi", "--tokenizer", rejecting) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llamatron generate: data error: --chat with tokenizer") and "no system role here" in err
+    assert len(err.splitlines()) == 1

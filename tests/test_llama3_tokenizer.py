@@ -116,7 +116,9 @@ def test_generate_with_the_tiktoken_tokenizer(trained, tok_dir, monkeypatch, cap
 
     prompts = []
     real_sample = generate.sample
-    monkeypatch.setattr(generate, "sample", lambda model, ids, *a: prompts.append(ids) or real_sample(model, ids, *a))
+    monkeypatch.setattr(
+        generate, "sample", lambda model, ids, *a, **kw: prompts.append(ids) or real_sample(model, ids, *a, **kw)
+    )
     for prompt in ("The quick <|eot_id|>", ""):  # an empty prompt starts from <|begin_of_text|>
         with pytest.raises(SystemExit) as done:
             main(["generate", "--load", str(trained), "--prompt", prompt, "--max-new-tokens", "3", "--top-k", "1"])

@@ -589,3 +589,18 @@ def test_preprocess_help_documents_the_chat_formats():
         "<|im_start|>ROLE\\nCONTENT<|im_end|>\\n",
     ):
         assert fragment in text, fragment
+
+
+def test_chat_prompt_and_end_of_turn(tokenizer_dir, template_tokenizer_dir):
+    """What `generate --chat` continues and where it stops: ChatML's, and a chat template's (through transformers)."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    chatml = ChatRenderer(tokenizer_dir)
+    assert chatml.prompt(messages) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert chatml.end_of_turn == "<|im_end|>"
+    pytest.importorskip("transformers")
+    template = ChatRenderer(template_tokenizer_dir)
+    assert template.prompt(messages) == "<<SYS>> You are terse. <</SYS>> [INST] Name a colour. [/INST]"
+    assert template.end_of_turn == load_tokenizer(template_tokenizer_dir).eod_token  # the template's eos_token

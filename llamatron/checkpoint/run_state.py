@@ -18,6 +18,7 @@ schedule is a function of the step, so restoring the step restores it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ from ..config import TrainConfig
 from ..engine import Engine
 from ..errors import CheckpointError, TrainingAborted
 from ..faults import NO_FAULTS, FaultInjection
-from ..models import ModelConfig, build_model
+from ..models import ModelConfig, Transformer, build_model
 from ..parallel.optimizer import lr_at
-from ..parallel.param_spec import ParamSpec
+from ..parallel.param_spec import ParamSpec, ParamSpecs
 from .pieces import local_pieces
 from .reader import CheckpointReader, read_meta, rng_file
 from .rng import restore_rng
@@ -228,6 +229,25 @@ def _read_into(reader: CheckpointReader, kind: str, spec: ParamSpec, dst: torch.
 
 
 @torch.no_grad()
+def read_weights(
+    reader: CheckpointReader, params: Iterable[tuple[torch.Tensor, ParamSpec]], kind: str = "model"
+) -> None:
+    """Each parameter's part of its full tensor (as its spec says: a tensor-parallel shard, or all of it)."""
+    for p, spec in params:
+        _read_into(reader, kind, spec, p.detach().view(-1), 0)
+
+
+def load_model_weights(path: str, model: Transformer, specs: ParamSpecs) -> dict[str, Any]:
+    """The weights of the checkpoint at `path`, saved under any layout, into `model` (materialised; its
+    parameters' specs by local name, e.g. tensor-parallel shards); returns its meta.json. For models built from
+    the checkpoint's own config (`read_model_config`): generation."""
+    reader = CheckpointReader(path)
+    _check_architecture(reader, model.cfg, "its own model_config")
+    read_weights(reader, ((p, specs[name]) for name, p in model.named_parameters()))
+    return reader.run_meta
+
+
+@torch.no_grad()
 def _fill_master(reader: CheckpointReader, opt, i: int) -> None:
     """Separate fp32 master weights: the stored ones, else the weights (a checkpoint saved in fp32, or imported)."""
     seg = opt.segments[i]
@@ -247,9 +267,7 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
     weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
-    with torch.no_grad():
-        for p, spec in engine_params(engine):
-            _read_into(reader, weights_kind, spec, p.detach().view(-1), 0)
+    read_weights(reader, engine_params(engine), weights_kind)
     if weights_only:
         if not opt.master_is_param:  # a fresh optimizer, whose master weights start from the loaded ones
             for i in range(len(opt.segments)):
@@ -287,6 +305,7 @@ __all__ = [
     "check_checkpoint_fits",
     "finish_pending_save",
     "load_checkpoint",
+    "load_model_weights",
     "meta_to_inherit",
     "read_model_config",
     "save_checkpoint",

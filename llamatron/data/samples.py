@@ -17,12 +17,16 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key, file_signature
 from llamatron.data.indexed import IndexedDataset, data_path, index_path
 from llamatron.errors import DataError
+
+if TYPE_CHECKING:  # config imports this module to validate: the type only
+    from llamatron.config import DataConfig
 
 
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
@@ -406,3 +410,32 @@ def build_datasets(
         raise DataError(f"data={data!r} split={split!r}: the train split has no tokens (or train_samples=0)")
     valid = _build_split([(w, ds, v) for w, ds, _, v in sources], "valid", seq_length, valid_samples, seed, cache_path)
     return train, valid
+
+
+def data_settings_problems(d: DataConfig) -> list[str]:
+    """What is wrong with the data flags (config.validate calls this before anything is built): the same
+    parsing the data loading does, and the flags that do not go together."""
+    try:
+        if d.data is not None:
+            parse_data_argument(d.data)
+        split_documents(0, d.split)
+    except ValueError as e:
+        return [str(e)]
+    boundaries = [
+        f"--{n.replace('_', '-')}"
+        for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+        if getattr(d, n)
+    ]
+    if d.sft_data is not None and (d.data is not None or d.mock_data):
+        return ["--sft-data replaces --data / --mock-data; give only one of them"]
+    if boundaries and (d.mock_data or d.sft_data is not None):
+        return [
+            f"{', '.join(boundaries)} apply to --data corpora with EOD tokens; --mock-data has none and "
+            "--sft-data already keeps attention and positions inside each conversation"
+        ]
+    if boundaries and d.data is not None and d.tokenizer is None:
+        return [
+            f"{', '.join(boundaries)} need the end-of-document token id: pass --tokenizer (the one "
+            "the data was preprocessed with)"
+        ]
+    return []

@@ -260,8 +260,8 @@ class ChatRenderer:
     - ``prompt(messages)``: the text for a model to continue as the assistant (messages ending with a user
       turn): the rendering followed by the generation prompt.
     - ``end_of_turn``: the text that closes an assistant turn (``<|eot_id|>``, ``<|im_end|>``; a template's:
-      the tokenizer's EOS token), where sampling a reply stops; ``end_of_turn_id``: its token id (a
-      template's: the EOS id), None when the tokenizer does not have it as one token (ChatML's markers on a
+      what it writes after a reply, else the tokenizer's EOS token), where sampling a reply stops;
+      ``end_of_turn_id``: its token id, None when the tokenizer does not have it as one token (ChatML's markers on a
       plain BPE: then stop when the decoded text ends with ``end_of_turn``).
     """
 
@@ -278,8 +278,8 @@ class ChatRenderer:
                 ) from err
             self._hf = transformers.AutoTokenizer.from_pretrained(_tokenizer_directory(tokenizer_path))
             self.format = "chat template"
-            self.end_of_turn: str = str(self._hf.eos_token or "")
-            self.end_of_turn_id: int | None = self._hf.eos_token_id
+            self.end_of_turn: str = self._template_end_of_turn() or str(self._hf.eos_token or "")
+            self.end_of_turn_id: int | None = single_token_id(tokenizer, self.end_of_turn) if self.end_of_turn else None
         else:
             self._builtin = builtin_format(tokenizer)
             self.format = self._builtin.name
@@ -287,6 +287,17 @@ class ChatRenderer:
             self.end_of_turn_id = single_token_id(tokenizer, self.end_of_turn)
         markers = self._builtin.markers if self._builtin is not None else ()
         self.missing_markers = [m for m in markers if single_token_id(tokenizer, m) is None]
+
+    def _template_end_of_turn(self) -> str | None:
+        """What the template writes after an assistant reply's content (Llama 3 Instruct's <|eot_id|>, Llama 2's
+        </s>), found by rendering a probe reply; None if nothing or the template rejects the probe."""
+        probe = "llamatron reply"
+        try:
+            segments = self.segments([{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}])
+        except (DataError, RecordError):
+            return None
+        reply = next((text for text, trained in segments if trained), "")
+        return reply.rsplit(probe, 1)[-1].strip() or None
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         assert self._hf is not None  # set by __init__ for the chat-template format, the only one rendering here

@@ -6,10 +6,12 @@ and within the sliding window when there is one. It is applied three ways:
 - no mask at all for plain causal attention over the local sequence (the fastest kernels: cuDNN, FA4);
 - on CUDA a flex-attention BlockMask, whose kernel skips the blocks the rule masks out; without document ids it
   depends only on the shape, so it is cached across steps (FA4 runs a plain window natively instead, when chosen);
-- off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against.
+- off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against;
+- a slice of the keys for one query decoding after a KV cache (models/kv_cache.py): it sees a contiguous range.
 
 Context parallelism (parallel/context.py) gives each rank two chunks of every sequence (`load_balanced_index`)
-and the whole sequence's keys; the rule then reads each query's index in the whole sequence.
+and the whole sequence's keys; the rule then reads each query's index in the whole sequence. Queries after a KV cache
+of `offset` tokens are at positions offset, offset + 1, ... and see the cached keys as a prefix, read the same way.
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ def load_balanced_index(seq_len: int, size: int, rank: int, device: torch.device
 class AttentionMask:
     """Which keys each query sees, in the form the kernel of this device runs: `block` (flex attention) on CUDA,
     `dense` (a boolean (batch or 1, 1, queries, keys) tensor) elsewhere. `window` is set when the mask is nothing
-    but a sliding window over the local sequence, which FA4 runs without either."""
+    but a sliding window over the local sequence, which FA4 runs without either. `first_key` is set for a single
+    query (decoding after a KV cache), which sees the keys from that index on: a slice, no mask."""
 
     block: BlockMask | None = None
     dense: torch.Tensor | None = None
     window: int | None = None
+    first_key: int | None = None
 
 
 def _keep(query_index: torch.Tensor | None, documents: torch.Tensor | None, window: int | None) -> Callable:
@@ -84,12 +88,18 @@ def attention_mask(
     device: torch.device,
     context: tuple[int, int] = (1, 0),
     flex: bool | None = None,
+    offset: int = 0,
 ) -> AttentionMask | None:
     """The mask of one forward over `seq_len` local queries (None: plain causal attention, no mask needed).
 
     document_ids: (batch, whole sequence) ids, equal within a document; under context parallelism they cover the
     whole sequence (the keys), not only this rank's queries. context: (cp size, cp rank). flex: build a BlockMask
-    (default: on CUDA), else a dense mask."""
+    (default: on CUDA), else a dense mask. offset: tokens in a KV cache before these queries (none with document
+    ids or context parallelism)."""
+    if offset:
+        if document_ids is not None or context != (1, 0):
+            raise ValueError("a KV cache offset works without document ids and context parallelism only")
+        return _mask_after_cache(seq_len, offset, window, device, flex)
     size, rank = context
     keys = seq_len * size
     if window is not None and window >= keys:
@@ -116,6 +126,19 @@ def attention_mask(
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = mask
     return mask
+
+
+def _mask_after_cache(
+    seq_len: int, offset: int, window: int | None, device: torch.device, flex: bool | None
+) -> AttentionMask:
+    """Queries at positions [offset, offset + seq_len) over the keys [0, offset + seq_len)."""
+    keys = offset + seq_len
+    if seq_len == 1:  # the rule for one query: every key up to it, within the window
+        return AttentionMask(first_key=0 if window is None else max(0, keys - window))
+    rule = _keep(torch.arange(offset, keys, device=device), None, window)
+    if device.type == "cuda" if flex is None else flex:
+        return AttentionMask(block=create_block_mask(rule, None, None, seq_len, keys, device=device))
+    return AttentionMask(dense=create_mask(rule, 1, 1, seq_len, keys, device=device))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, **kwargs: Any) -> torch.Tensor:
@@ -154,12 +177,14 @@ def attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Attention over (batch, heads, queries, head_dim) with the keys `mask` allows (None: causal); k/v may have
-    fewer heads (GQA/MQA) and, under context parallelism, more positions than q. backend: one of
+    fewer heads (GQA/MQA) and, under context parallelism or after a KV cache, more positions than q. backend: one of
     ATTENTION_BACKENDS (the layer's choice)."""
     gqa = q.shape[1] != k.shape[1]
     if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         gqa = False
+    if mask is not None and mask.first_key is not None:
+        return _sdpa(q, k[:, :, mask.first_key :], v[:, :, mask.first_key :], backend, enable_gqa=gqa)
     if mask is None or (mask.window is not None and _fa4_runs(q, backend)):
         if _fa4_runs(q, backend):
             # FA4 works on (batch, seq, heads, dim): the transposes below are views of the projection's layout.

@@ -12,6 +12,7 @@ from torch import nn
 
 from .attention import AttentionMask
 from .config import ModelConfig
+from .kv_cache import LayerKVCache
 from .layers import Attention
 
 
@@ -34,8 +35,13 @@ class FalconBlock(nn.Module):
         self.mlp = GeluMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | None = None,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         attn_in = self.attn_norm(x)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
-        return x + self.attn(attn_in, cos, sin, mask) + self.mlp(mlp_in)
+        return x + self.attn(attn_in, cos, sin, mask, cache) + self.mlp(mlp_in)

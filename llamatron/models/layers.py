@@ -17,6 +17,7 @@ from .. import triton_check
 from . import rmsnorm_op, rope_op
 from .attention import AttentionMask, attention_core
 from .config import ModelConfig, RopeScaling
+from .kv_cache import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +71,13 @@ def rope_inv_freq(
     raise ValueError(f"unknown rope scaling kind {scaling.kind!r}; use linear, dynamic or llama3")
 
 
+def rope_depends_on_length(cfg: ModelConfig, seq_len: int) -> bool:
+    """Whether the rotary frequencies at `seq_len` tokens differ from those at fewer (dynamic NTK scaling past the
+    trained context): keys cached while the sequence was shorter are then not what the whole sequence computes."""
+    r = cfg.rope_scaling
+    return r is not None and r.kind == "dynamic" and seq_len > r.original_max_position
+
+
 def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (batch, seq, head_dim) for the given positions."""
     seq_len = int(position_ids.max()) + 1 if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic" else 0
@@ -109,8 +117,15 @@ class Attention(nn.Module):
         self.rope_backend = "auto"
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | None = None,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
+        """cache: this layer's KV cache; the new keys and values join the cached ones, and the queries see them all
+        (as `mask` says)."""
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
@@ -125,5 +140,7 @@ class Attention(nn.Module):
             k = k.view(batch, seq, -1, d).transpose(1, 2)
             v = v.view(batch, seq, -1, d).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
         out = self.core(q, k, v, mask, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -7,6 +7,7 @@ from torch import nn
 
 from .attention import AttentionMask
 from .config import ModelConfig
+from .kv_cache import LayerKVCache
 from .layers import Attention, RMSNorm
 from .swiglu_op import swiglu
 
@@ -43,7 +44,12 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | None = None,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, mask))
+        x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, mask, cache))
         return self.mlp(normed, residual=x)

@@ -20,6 +20,7 @@ from .attention import attention_mask, load_balanced_index
 from .config import ModelConfig
 from .cross_entropy_op import IGNORE_INDEX, CrossEntropy, cross_entropy_per_token
 from .falcon import FalconBlock
+from .kv_cache import KVCache
 from .layers import RMSNorm, rope_cos_sin
 from .llama import LlamaBlock
 
@@ -92,27 +93,37 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
 
         document_ids (batch, seq), when given, confine attention to tokens of the same
         document (packed sequences); under context parallelism they are the whole sequence's.
-        Returns the per-token loss when labels are given, else logits; a stage without the
-        head returns its hidden states.
+        cache: the inputs follow the tokens it holds (their positions start at its length) and
+        join them (models/kv_cache.py). Returns the per-token loss when labels are given, else
+        logits; a stage without the head returns its hidden states.
         """
         h = self.embed(inputs) if self.embed is not None else inputs
         batch, seq = h.shape[0], self.full_seq_length(h)
+        offset = 0
+        if cache is not None:
+            if self.context[0] > 1 or self.seq_shards > 1:
+                raise ValueError("a KV cache runs without context and sequence parallelism")
+            cache.check_room(seq)
+            offset = cache.length
         if position_ids is None:
             size, rank = self.context
             if size > 1:
                 index = load_balanced_index(seq * size, size, rank, h.device)
             else:
-                index = torch.arange(seq, device=h.device)
+                index = torch.arange(offset, offset + seq, device=h.device)
             position_ids = index.expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
-        mask = attention_mask(seq, self.cfg.sliding_window, document_ids, h.device, self.context)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+        mask = attention_mask(seq, self.cfg.sliding_window, document_ids, h.device, self.context, offset=offset)
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache.layer(name))
+        if cache is not None:
+            cache.advance(seq)
         if self.norm is None:
             return h
         if labels is None:

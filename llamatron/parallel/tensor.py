@@ -10,6 +10,7 @@ and swaps layers for their parallel versions (tensor_layers.py):
     embed               vocabulary-parallel embedding
     lm_head             column-parallel over the vocabulary; tied (Falcon): the embedding shard is the head
     loss_fn, argmax_fn  vocabulary-parallel cross-entropy and argmax: full logits never exist on a rank
+    gather_logits_fn    the whole vocabulary's logits on every rank (generation samples from them)
 
 It returns the chunk's parameter specs (param_spec.py): each sharded
 parameter's spec holds its `tp_layout` and `full_shape` (the unpadded shape of
@@ -70,6 +71,7 @@ from .tensor_layers import (
     VocabParallelArgmax,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
+    VocabParallelGather,
     contiguous_layout,
     to_parallel_input,
     tp_size,
@@ -195,6 +197,7 @@ def apply_tensor_parallel(
     vocab_start, num_real = rank * vocab.local_size, int((vocab.local_index >= 0).sum())
     model.loss_fn = VocabParallelCrossEntropy(vocab_start, num_real, group)
     model.argmax_fn = VocabParallelArgmax(vocab_start, num_real, group)
+    model.gather_logits_fn = VocabParallelGather(cfg.vocab_size, group)
     if sp:
         model.seq_shards = tp
     for module in model.modules():

@@ -454,3 +454,20 @@ class VocabParallelArgmax:
         dist.all_gather(indices, index.contiguous(), group=self.group)
         best = torch.stack(values, -1).argmax(-1, keepdim=True)  # first maximum: the lowest rank, lowest id
         return torch.stack(indices, -1).gather(-1, best).squeeze(-1)
+
+
+class VocabParallelGather:
+    """`model.gather_logits_fn`: the logits of the whole (unpadded) vocabulary on every rank, from each rank's
+    shard (generation samples from them; the ranks' shards are contiguous ranges, padding last)."""
+
+    def __init__(self, vocab_size: int, group: dist.ProcessGroup | None):
+        self.vocab_size, self.group = vocab_size, group
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        n = tp_size(self.group)
+        if n > 1:
+            parts = [torch.empty_like(logits) for _ in range(n)]
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
+            logits = torch.cat(parts, -1)
+        return logits[..., : self.vocab_size]
