@@ -51,7 +51,10 @@ Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see 
   data parallelism: the gradient reduction (and the distributed optimizer's all-gather) over the dp x cp
     replicas overlaps the last micro-batch's backward (forward); the rest is exposed, never less than one
     bucket;
-  optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter.
+  optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter;
+  --fp8: the decoder's linear FLOPs (6 x layer parameters per token, 2 more with full recompute) run
+    SpeedAssumptions.fp8_gemm_speedup times faster (fitted to RESULTS.md run 9); memory is the bf16 figure (the
+    measured FP8 peaks were 2-5 GiB below bf16's: a margin, not modelled).
   Calibrated against llamatron's own compiled bf16 runs on H200s (benchmarks/h200_peak_memory.json: 21
   runs of llama-1b and Llama 2 7B on one and two GPUs, each within 10%, tested); eager runs are ~27% slower
   than it says. It models the layout, not the kernel choices (FA4, the Triton kernels).
@@ -144,6 +147,7 @@ class Precision:
     fused_rope: bool = True  # QKV split + rotary as Triton kernels (models/rope_op.py), the default on CUDA
     fused_swiglu: bool = True  # SwiGLU as Triton kernels (models/swiglu_op.py), the default on CUDA
     fused_loss: bool = True  # the cross-entropy as Triton kernels (models/cross_entropy_op.py), the default on CUDA
+    fp8: str = "none"  # --fp8: the decoder's linears in FP8 (speed: SpeedAssumptions.fp8_gemm_speedup)
 
     @property
     def act_bytes(self) -> int:
@@ -203,6 +207,10 @@ class SpeedAssumptions:
     gemm_tokens_half: float = 256.0
     gemm_width_half: float = 64.0
     bucket_size: int = 40_000_000
+    # --fp8: how much faster the decoder's linear layers run (their share of the FLOPs divided by it, the rest as
+    # in bf16), fitted to RESULTS.md run 9 (Llama 2 7B and llama-1b on one H200: this model then predicts each
+    # measured FP8/bf16 step ratio within 2%; a probe of the linears alone gave 1.45 / 1.17, docs/gpu_facts.md).
+    fp8_gemm_speedup: tuple[tuple[str, float], ...] = (("none", 1.0), ("tensorwise", 1.37), ("rowwise", 1.05))
 
 
 @dataclass
@@ -478,6 +486,7 @@ def estimate_speed(
     gpus_per_node: int,
     hw: SpeedAssumptions = SpeedAssumptions(),
     precision: str = "bf16",
+    fp8: str = "none",
 ) -> Speed:
     """Expected step time and throughput of a layout (see the module docstring)."""
     a = 4 if precision == "fp32" else 2
@@ -490,6 +499,9 @@ def estimate_speed(
     per_chunk = L / (lay.pp * lay.vpp)
     share = 1.0 if lay.recompute_layers is None else min(lay.recompute_layers, per_chunk) / per_chunk
     extra = share * {"none": 0.0, "selective": attention_fwd, "full": layers_fwd}[lay.recompute]
+    # FP8 runs the decoder's linears (forward, backward and a full recompute's forward) that much faster.
+    linear = 2.0 * L * layer_params(model) * (3 + (share if lay.recompute == "full" else 0))
+    extra -= linear * (1 - 1 / dict(hw.fp8_gemm_speedup)[fp8])
     width = h / lay.tp
     efficiency = hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half)
     compute = tokens * (model_flops + extra) / (lay.tp * lay.pp) / (hw.peak_flops * efficiency)

@@ -192,7 +192,7 @@ def _evaluate(
     for lay in layouts:
         mem = layout_memory(model, lay, seq_length, precision)
         if mem.total <= gpu_memory:
-            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node)))
+            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, fp8=precision.fp8)))
         else:
             rejected.append((lay, mem))
     fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
@@ -222,7 +222,9 @@ class _ContextFilter:
         if self.to_beat == 0:
             return True
         fastest = replace(lay, recompute="none", recompute_layers=None)
-        speed = estimate_speed(self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node)
+        speed = estimate_speed(
+            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, fp8=self.precision.fp8
+        )
         return speed.tokens_per_sec_per_gpu > self.to_beat
 
     def _fits_statically(self, lay: Layout) -> bool:
@@ -265,7 +267,9 @@ def _partial_recompute(
         if lo < per_chunk:
             partial = replace(lay, recompute_layers=lo)
             mem = layout_memory(model, partial, seq_length, precision)
-            out.append(Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node)))
+            out.append(
+                Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node, fp8=precision.fp8))
+            )
     return out
 
 

@@ -183,3 +183,30 @@ def test_checkpoints_switch_fp8_on_and_off_at_a_resume(tmp_path):
     for reference, switched in ((fp8_run[2:], switched_off), (bf16_run[2:], switched_on)):
         assert_matches(reference, switched, rtol=2e-3, keys=("loss",))
         assert [r["loss"] for r in reference] != [r["loss"] for r in switched]
+
+
+def test_the_planners_fp8_speed_up_matches_every_measured_pair():
+    """plan's FP8 assumption against RESULTS.md run 9: each FP8 row's tokens/s over the bf16 row of the same
+    call, predicted within 2.5% (the assumption was fitted to these rows; the test keeps the two together)."""
+    import json
+    from pathlib import Path
+
+    from llamatron.plan import Layout, estimate_speed
+
+    rows = [
+        json.loads(line) for line in (Path(__file__).parents[1] / "benchmarks/results-2026-12-01-run9-fp8.jsonl").open()
+    ]
+    plain = [r for r in rows if r["_tag"] in (f"--fp8 {r['fp8']}", f"fp8-{r['fp8']}")]  # default kernels
+    bf16 = {(r["_call"], r["model"]): r for r in plain if r["fp8"] == "none"}
+    checked = 0
+    for r in plain:
+        base = bf16.get((r["_call"], r["model"]))
+        if r["fp8"] == "none" or base is None:
+            continue
+        lay = Layout(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
+        model = get_preset(r["model"])
+        speeds = [estimate_speed(model, lay, r["seq"], 1, 8, fp8=f).tokens_per_sec_per_gpu for f in ("none", r["fp8"])]
+        measured = r["tokens_per_sec"] / base["tokens_per_sec"]
+        assert abs(speeds[1] / speeds[0] / measured - 1) < 0.025, (r["_call"], r["model"], r["fp8"], measured)
+        checked += 1
+    assert checked == 7  # calls C, D, F, G
