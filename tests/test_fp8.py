@@ -152,8 +152,8 @@ def test_an_fp8_matmul_is_within_fp8s_error_of_bf16(recipe):
 
 def test_fp8_trains_close_to_bf16_and_its_layouts_match_the_single_process(tmp_path):
     """Both recipes train within FP8's error of bf16 and are not bf16. Data and pipeline parallelism, and a full
-    recompute, compute the same FP8 matmuls as one process (the same scales): equal up to summation order. Tensor parallelism scales
-    each shard by its own amax: within FP8's error."""
+    recompute, compute the same FP8 matmuls as one process (the same scales): equal up to summation order.
+    Tensor parallelism scales each shard by its own amax: within FP8's error."""
     bf16 = run_train(["--precision", "bf16", "--lr", "3e-3", "--train-steps", "4"], 1, tmp_path)
     tensorwise = run_train(FP8_ARGS + ["--fp8", "tensorwise"], 1, tmp_path)
     rowwise = run_train(FP8_ARGS + ["--fp8", "rowwise"], 1, tmp_path)
