@@ -84,13 +84,16 @@ class DistributedAdamW:
             part for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm for part in _norm_parts(g, seg)
         ]
         device = self.buffers[0].grad_data.device
-        sq = torch.zeros((), device=device, dtype=torch.float32)
+        # Accumulated in float64: torch's CPU fp32 norm adds the squares one after another in fp32 (relative error
+        # 1.7e-4 on llama-test's 524k-element head gradient), a different error for each way a layout shards a
+        # gradient. On CUDA float64 costs nothing (8.2 vs 8.1 ms for Llama 2 7B's gradients on an H200).
+        sq = torch.zeros((), device=device, dtype=torch.float64)
         if counted:
-            sq = torch.stack(torch._foreach_norm([g.float() for g in counted])).pow(2).sum()
+            sq = torch.stack(torch._foreach_norm([g.float() for g in counted], 2, dtype=torch.float64)).pow(2).sum()
         if self.distributed:
             all_reduce(sq, self.mesh.replica_group)
         all_reduce(sq, self.mesh.mp_group)
-        return sq.sqrt()
+        return sq.sqrt().float()
 
     @torch.no_grad()
     def step(self, lr: float, loss_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
