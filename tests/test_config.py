@@ -8,6 +8,7 @@ import yaml
 from llamatron.config import add_config_arguments, config_from_values, load_config, validate
 from llamatron.errors import ConfigError
 from llamatron.kernel_settings import kernel_choices
+from llamatron.models import flash4_op
 
 
 def parse(argv):
@@ -220,7 +221,7 @@ def test_fa4_attention_is_refused_for_head_dims_and_dtypes_it_has_no_kernels_for
         validate(cfg, world_size=1, cuda_available=True)
 
 
-def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypatch):
+def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypatch, request):
     """An installed but broken flash_attn says why, not only "pip install" (the check runs before CUDA calls)."""
     package = tmp_path / "flash_attn"
     (package / "cute").mkdir(parents=True)
@@ -228,6 +229,8 @@ def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypat
     (package / "cute" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    flash4_op.unavailable_reason.cache_clear()  # found once per process: ask again with the broken package
+    request.addfinalizer(flash4_op.unavailable_reason.cache_clear)
     cfg = config_from_values({"model": "llama-1b", "attention_backend": "fa4"})
     with pytest.raises(
         ConfigError,
