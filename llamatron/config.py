@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from .config_ranges import Range, above, at_least, problem
+from .data.batch_rampup import BatchSizes, rampup_problems
 from .data.cache import KEEP_PER_KIND
 from .data.samples import data_settings_problems
 from .errors import ConfigError
@@ -136,6 +137,9 @@ class TrainConfig:
     micro_batch_size: int = _f(4, "samples per forward/backward on one rank", allowed=at_least(1))
     global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks", allowed=at_least(1))
     train_steps: int = _f(100, "optimizer steps", allowed=at_least(0))
+    rampup_batch_size: list[int] | None = _f(
+        None, "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over the first SAMPLES samples"
+    )
     # numpy seeds the data order: it takes 0..2**32-1
     seed: int = _f(1234, "seed of initialisation, data order and dropout", allowed=Range(0, 2**32 - 1))
     precision: str = _f(
@@ -506,8 +510,10 @@ def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tup
             f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
         )
     accum = t.global_batch_size // (t.micro_batch_size * dp)
+    _raise_if(rampup_problems(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size * dp))
     if p.pp > 1:
-        _raise_if(schedule_problems(accum, p.pp, p.vpp))
+        for size in BatchSizes.of(t.global_batch_size, t.rampup_batch_size).sizes():
+            _raise_if(schedule_problems(size // (t.micro_batch_size * dp), p.pp, p.vpp))
     return dp, accum
 
 

@@ -125,7 +125,6 @@ class MetricsLog:
     def __init__(self, engine: Engine, start_step: int, extra_sinks: list | None = None):
         cfg, t = engine.cfg, engine.cfg.train
         self.engine, self.interval, self.total_steps = engine, t.log_interval, t.train_steps
-        self.global_batch = t.global_batch_size
         self.logging_rank = engine.mesh.is_logging_rank
         self.sink = MetricsSink(t.metrics_file if self.logging_rank else None, extra_sinks)
         # A bar only on a terminal: redirected to a file (batch jobs, CI) it would be a stream of \r-updates.
@@ -134,25 +133,26 @@ class MetricsLog:
         self.progress = _progress_bar(t.train_steps, start_step) if bar else None
         self.flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
         self.peak = peak_tflops(engine.device)
-        self.tokens_per_step = t.global_batch_size * cfg.data.seq_length
         self.timer = Timer(engine.device)
         self.train_seconds = 0.0  # training time of the pending steps before the timer's last reset
-        self.pending: list[tuple[int, dict]] = []  # (1-based step, train_step's output) not yet logged
+        self.seq_length = cfg.data.seq_length
+        self.pending: list[tuple[int, dict, int]] = []  # (1-based step, train_step's output, samples) not logged
 
     def start_clock(self) -> None:
         """Training starts now: the first record's speed counts from here."""
         self.timer.reset()
         self.train_seconds = 0.0
 
-    def add_step(self, step: int, out: dict) -> None:
-        self.pending.append((step, out))
+    def add_step(self, step: int, out: dict, samples: int) -> None:
+        """A step's output and its global batch size (--rampup-batch-size varies it)."""
+        self.pending.append((step, out, samples))
 
     def due(self, step: int, stopping: bool) -> bool:
         return step % self.interval == 0 or step == self.total_steps or stopping
 
     def pending_skipped(self) -> int:
         """Skipped steps among those not yet logged."""
-        return sum(bool(o["found_inf"] > 0) for _, o in self.pending)
+        return sum(bool(o["found_inf"] > 0) for _, o, _ in self.pending)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -164,8 +164,8 @@ class MetricsLog:
     def step_records(self, consumed: int) -> list[dict]:
         """A record of each step since the last log, with its global loss (a collective: every rank calls it)."""
         self.train_seconds += self.timer.elapsed()
-        losses = sum_from_last_stage(torch.stack([o["loss"] for _, o in self.pending]).float(), self.engine.mesh)
-        last = self.pending[-1][0]
+        losses = sum_from_last_stage(torch.stack([o["loss"] for _, o, _ in self.pending]).float(), self.engine.mesh)
+        after = [consumed - sum(n for *_, n in self.pending[i + 1 :]) for i in range(len(self.pending))]
         return [
             {
                 "step": s,
@@ -174,16 +174,17 @@ class MetricsLog:
                 "grad_norm": float(o["grad_norm"]),
                 "skipped": bool(o["found_inf"] > 0),
                 **_loss_scale(o),
-                "consumed_samples": consumed - (last - s) * self.global_batch,
+                "consumed_samples": done,
+                "samples": n,
             }
-            for (s, o), loss in zip(self.pending, losses.tolist())
+            for (s, o, n), loss, done in zip(self.pending, losses.tolist(), after)
         ]
 
     def write_steps(self, steps: list[dict], skipped_total: int, consumed: int) -> None:
         """The record of the logged step, steps[-1]: the loss averaged over `steps` (their number in
         `steps_in_record`, skipped ones left out), the rest as of the logged step; then a new interval."""
         speed = throughput(
-            self.tokens_per_step * len(steps),
+            self.seq_length * sum(r["samples"] for r in steps),
             self.train_seconds,
             self.flops_per_token,
             self.engine.mesh.world_size,
@@ -202,6 +203,7 @@ class MetricsLog:
             **_loss_scale(last),
             **speed,
             "peak_mem_gib": peak_memory_gib(self.engine.device),
+            "global_batch_size": last["samples"],  # the logged step's (--rampup-batch-size grows it)
             "consumed_samples": consumed,
         }
         self.sink.write(record)

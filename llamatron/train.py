@@ -24,6 +24,7 @@ from .checkpoint import (
 from .checkpoint.save_lock import SaveDirLock
 from .config import Derived, RunConfig, validate
 from .data import samples
+from .data.batch_rampup import BatchSizes
 from .data.batches import Samples, micro_batches_for_rank, to_device
 from .data.boundaries import DocumentBoundaries
 from .data.mock import MockDataset
@@ -66,7 +67,7 @@ class TrainResult:
 
 def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datasets:
     d, t = cfg.data, cfg.train
-    train_samples = max(1, t.train_steps * t.global_batch_size)
+    train_samples = max(1, BatchSizes.of(t.global_batch_size, t.rampup_batch_size).samples_for(t.train_steps))
     # Every evaluation reads the same first --eval-iters global batches (evaluation.evaluate starts at sample 0),
     # so the validation samples are a function of the data, split, seed, sequence length and these two flags
     # alone: evaluations of runs of any length on the same data are comparable.
@@ -272,6 +273,8 @@ class Trainer:
         """extra_sinks: TensorBoard, W&B (logging rank only), given every record."""
         self.engine, self.train_data, self.saves = engine, datasets.train, saves
         self.start_step, self.consumed = start.step, start.consumed_samples
+        t = engine.cfg.train
+        self.batch_sizes = BatchSizes.of(t.global_batch_size, t.rampup_batch_size)
         self.result = TrainResult(steps=start.step, consumed_samples=start.consumed_samples)
         self.log = MetricsLog(engine, start.step, extra_sinks)
         self.guard = FaultGuard(engine, faults, echo=self.log.echo)
@@ -303,11 +306,12 @@ class Trainer:
 
     def _train(self, step: int) -> None:
         t, mesh = self.engine.cfg.train, self.engine.mesh
-        mbs = micro_batches_for_rank(self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size, mesh)
+        size = self.batch_sizes.at(self.consumed)
+        mbs = micro_batches_for_rank(self.train_data, self.consumed, size, t.micro_batch_size, mesh)
         self.guard.start_step(step)
         out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
-        self.consumed += t.global_batch_size
-        self.log.add_step(step, out)
+        self.consumed += size
+        self.log.add_step(step, out, size)
 
     def _log(self) -> None:
         steps = self.log.step_records(self.consumed)
@@ -398,7 +402,7 @@ _SCHEDULE_SETTINGS = (
     "adam_beta1",
     "adam_beta2",
 )
-_DATA_SETTINGS = ("seq_length", "global_batch_size", "seed", "data", "sft_data", "split")
+_DATA_SETTINGS = ("seq_length", "global_batch_size", "rampup_batch_size", "seed", "data", "sft_data", "split")
 
 
 def _say_what_changed_on_resume(cfg: RunConfig, meta: dict, start_step: int) -> None:

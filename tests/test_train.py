@@ -89,6 +89,7 @@ def test_issue_command_writes_30_records_and_loss_falls(tmp_path):
             "tflops_per_gpu",
             "mfu",
             "peak_mem_gib",
+            "global_batch_size",
             "consumed_samples",
         } <= set(r)
         assert r["mfu"] is None  # CPU: unknown peak, never a guess
