@@ -58,6 +58,10 @@ class CommStats:
     param_gathers: int = 0
     wait_seconds: float = 0.0
     per_step: list[int] = field(default_factory=list)
+    # This step's collectives in the order they happened (cleared by zero_grad): ("reduce", bucket, "backward" or
+    # "after backward"): where a bucket's gradient reduction was issued; ("gather wait", bucket, where): where
+    # forward waited for a bucket's parameter all-gather (a layer's name, or "after forward").
+    events: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 class GradBuffer:
@@ -167,7 +171,7 @@ class GradBuffer:
         # A weight shared across pipeline stages (tied embedding) is summed over them first: finish_grad_sync
         # reduces it.
         if bucket.pending == 0 and self.overlap_grad_reduce and not bucket.deferred:
-            self._start_reduce(bucket)
+            self._start_reduce(bucket, "backward")
 
     def shard_range(self, bucket: Bucket, dp_rank: int) -> tuple[int, int]:
         """Element range of the bucket owned by dp_rank (the whole bucket without the distributed optimizer)."""
@@ -176,9 +180,10 @@ class GradBuffer:
         size = bucket.numel // self.dp
         return bucket.start + dp_rank * size, bucket.start + (dp_rank + 1) * size
 
-    def _start_reduce(self, bucket: Bucket) -> None:
+    def _start_reduce(self, bucket: Bucket, when: str) -> None:
         if self.dp == 1 or bucket.reduce_handle is not None:
             return
+        self.stats.events.append(("reduce", bucket.index, when))
         data = self.grad_data[bucket.start : bucket.end]
         if self.reduce_dtype is not None and self.reduce_dtype != data.dtype:
             bucket.reduce_staging = data.to(self.reduce_dtype)
@@ -197,7 +202,7 @@ class GradBuffer:
         """Reduce what backward did not start, then wait for every bucket. Call after the last backward."""
         self._zero_unwritten()
         for bucket in self.buckets:
-            self._start_reduce(bucket)
+            self._start_reduce(bucket, "after backward")
         for bucket in self.buckets:
             if bucket.reduce_handle is not None:
                 bucket.reduce_handle.wait()
@@ -213,6 +218,7 @@ class GradBuffer:
         """Mark every gradient stale; the next backward overwrites it (padding between buckets stays 0)."""
         self._unwritten = set(self._grads)
         self.reset_pending()
+        self.stats.events.clear()
 
     def _zero_unwritten(self) -> None:
         """Zero the gradients of parameters that backward did not reach since zero_grad (unused this step)."""
@@ -251,6 +257,7 @@ class GradBuffer:
         runs just before.
         """
         head, norm = getattr(self.module, "lm_head", None), getattr(self.module, "norm", None)
+        names = {id(m): n for n, m in self.module.named_modules()}
         for unit in _forward_units(self.module):
             if unit is head and norm is not None:
                 continue
@@ -259,19 +266,19 @@ class GradBuffer:
                 own += [p for p in head.parameters() if p in self.bucket_of]
             if own:
                 buckets = sorted({self.bucket_of[p].index for p in own})
-                self._gather_hooks.append(
-                    unit.register_forward_pre_hook(lambda _m, _args, idx=buckets: self._wait_gather(idx))
-                )
+                wait = lambda _m, _args, idx=buckets, name=names[id(unit)]: self._wait_gather(idx, name)
+                self._gather_hooks.append(unit.register_forward_pre_hook(wait))
 
-    def _wait_gather(self, bucket_indices: list[int]) -> None:
+    def _wait_gather(self, bucket_indices: list[int], where: str) -> None:
         for i in bucket_indices:
             handle = self.buckets[i].gather_handle
             if handle is not None:
                 handle.wait()
                 self.buckets[i].gather_handle = None
+                self.stats.events.append(("gather wait", i, where))
 
     def finish_param_gather(self) -> None:
-        self._wait_gather(list(range(len(self.buckets))))
+        self._wait_gather(list(range(len(self.buckets))), "after forward")
 
 
 def _forward_units(module: nn.Module) -> list[nn.Module]:
