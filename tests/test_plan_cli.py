@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from llamatron.cli import main
 from llamatron.config import add_config_arguments, load_config, validate
 
@@ -58,3 +60,45 @@ def main_code(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     return 0
+
+
+def test_plan_evaluates_the_layout_of_a_train_config_or_of_flags(tmp_path, capsys):
+    """`plan --config X.yaml` reads the run's model, shape and layout and evaluates that layout (issue 21, item 3);
+    flags change it; the numbers are the planner's own for that layout."""
+    from llamatron.config import config_from_values
+    from llamatron.plan import Layout, estimate_speed
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: llama-1b\nmodel_overrides: {num_layers: 8, hidden_size: 1536, num_heads: 24}\n"
+        "seq_length: 2048\ntp: 2\nmicro_batch_size: 2\nglobal_batch_size: 64\nrecompute: full\nsave: runs/x\n"
+    )
+    assert main_code(["plan", "--config", str(config), "--gpus", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["tp"], got["pp"], got["dp"], got["micro_batch_size"], got["recompute"]) == (2, 1, 4, 2, "full")
+    model = config_from_values(yaml_values(config)).model_config()
+    assert model.hidden_size == 1536  # the overrides' shape, not the preset's
+    expected = estimate_speed(model, Layout(2, 1, 1, 4, True, True, "full", 2, 64), 2048, 8, 8)
+    assert got["tokens_per_sec_per_gpu"] == expected.tokens_per_sec_per_gpu
+    assert got["tflops_per_gpu"] == pytest.approx(expected.mfu * 989) and got["fits"] is True
+    assert got["train_flags"].startswith("--tp 2 --pp 1")
+    assert main_code(["plan", "--config", str(config), "--gpus", "8", "--json", "--pp", "2", "--tp", "1"]) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    assert (flagged["tp"], flagged["pp"], flagged["dp"]) == (1, 2, 4)
+    assert main_code(["plan", "--config", str(config), "--gpus", "8", "--search", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["layouts"]) > 1  # the shape searched, not the layout
+
+
+def test_a_fixed_layout_that_cannot_run_or_fit_says_so(capsys):
+    assert main_code(["plan", "--model", "llama2-7b", "--gpus", "8", "--tp", "3"]) == 2
+    assert "not divisible by tp" in capsys.readouterr().err
+    assert main_code(["plan", "--model", "llama2-70b", "--gpus", "8", "--tp", "8", "--micro-batch-size", "1"]) == 1
+    assert "does NOT fit in 80 GB" in capsys.readouterr().out
+    assert main_code(["plan", "--gpus", "8"]) == 2
+    assert "plan needs a model" in capsys.readouterr().err
+
+
+def yaml_values(path):
+    import yaml
+
+    return {k: v for k, v in yaml.safe_load(path.read_text()).items() if k in ("model", "model_overrides")}

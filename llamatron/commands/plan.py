@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Any
 
 from ..config_ranges import Range, at_least, number_arg
 from ..errors import ConfigError
 from ..fp8 import FP8_RECIPES
 from ..models import get_preset
-from ..plan import GB, GiB, Plan, Precision
+from ..plan import GB, GiB, Plan, Precision, SpeedAssumptions
 from ..plan_search import PlanResult, plan
+from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
 
 
 def parse_memory(text: str) -> float:
@@ -34,7 +36,12 @@ def register(sub) -> None:
         "--gpu-memory 139.8GiB. Speeds assume H100/H200-class GPUs and the measured kernel efficiencies of "
         "benchmarks/RESULTS.md.",
     )
-    p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b")
+    p.add_argument("--model", default=None, help="model preset, e.g. llama2-70b (or `model:` in --config)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a train YAML: its model and model_overrides (any shape), and its layout if it gives one",
+    )
     p.add_argument("--gpus", type=number_arg(int, at_least(1)), required=True, help="number of GPUs")
     p.add_argument(
         "--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB (H100, the default) or 139.8GiB (H200)"
@@ -70,24 +77,40 @@ def register(sub) -> None:
         default="none",
         help="the run's --fp8 recipe: its decoder linears' speed-up, measured on an H200 (memory as bf16)",
     )
+    fixed = p.add_argument_group("a fixed layout: evaluate it instead of searching (unset: the --config's, else 1)")
+    for flag, kind, what in _LAYOUT_FLAGS:
+        fixed.add_argument(f"--{flag}", type=kind, default=None, help=what)
+    fixed.add_argument(
+        "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None, help="shard optimizer state"
+    )
+    fixed.add_argument("--search", action="store_true", help="search layouts even when --config gives one")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     memory = parse_memory(args.gpu_memory)
+    settings = planned_settings(args)
+    if settings.get("model") is None:
+        raise ConfigError("plan needs a model: --model PRESET, or --config FILE with `model:`")
     try:
-        seq_length = args.seq_length or get_preset(args.model).max_seq_length
+        model = get_preset(settings["model"])
+        seq_length = settings.get("seq_length") or model.max_seq_length
     except ValueError as e:  # an unknown preset: its message lists the known ones
         raise ConfigError(str(e)) from None
+    fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
+    precision = Precision(compiled=args.compile, fp8=fp8)
+    if not args.search and any(k in settings for k, *_ in _LAYOUT_KEYS):
+        return print_fixed_layout(settings, args.gpus, memory, seq_length, args.gpus_per_node, precision, args.json)
     result = plan(
-        args.model,
+        settings["model"],
         args.gpus,
         memory,
         seq_length,
-        args.global_batch_size,
+        settings.get("global_batch_size"),
         args.gpus_per_node,
-        precision=Precision(compiled=args.compile, fp8=args.fp8),
+        settings.get("model_overrides"),
+        precision=precision,
     )
     shown = result.fits[: max(args.top, 0)]
     if args.json:
@@ -99,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "gpu_memory_gb": memory / GB,
                     "seq_length": result.seq_length,
                     "fits": len(result.fits),
-                    "layouts": [{**p.to_dict(), "train_flags": _train_flags(p, seq_length, args.fp8)} for p in shown],
+                    "layouts": [{**p.to_dict(), "train_flags": _train_flags(p, seq_length, fp8)} for p in shown],
                     "explanation": result.explanation or None,
                 },
                 indent=2,
@@ -108,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_table(result, shown))
         if shown:
-            print(f"\n#1 as `llamatron train` flags: {_train_flags(shown[0], seq_length, args.fp8)}")
+            print(f"\n#1 as `llamatron train` flags: {_train_flags(shown[0], seq_length, fp8)}")
     return 0 if result.fits else 1
 
 
@@ -172,3 +195,29 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
         "llamatron.plan`)"
     )
     return "\n".join([head, *lines, note])
+
+
+def print_fixed_layout(
+    settings: dict[str, Any],
+    gpus: int,
+    gpu_memory: float,
+    seq_length: int,
+    gpus_per_node: int,
+    precision: Precision,
+    as_json: bool,
+) -> int:
+    """Print the layout's plan (a table row, or JSON with tokens_per_sec_per_gpu and tflops_per_gpu); exit
+    status 1 when it does not fit in `gpu_memory`."""
+    p = evaluate_layout(settings, gpus, seq_length, gpus_per_node, precision)
+    fits = p.memory.total <= gpu_memory
+    tflops = p.speed.mfu * SpeedAssumptions().peak_flops / 1e12
+    if as_json:
+        record = {"model": settings["model"], "gpus": gpus, "gpu_memory_gb": gpu_memory / GB, "seq_length": seq_length}
+        record.update({**p.to_dict(), "tflops_per_gpu": tflops, "fits": fits, "parts_seconds": p.speed.parts})
+        record["train_flags"] = _train_flags(p, seq_length, precision.fp8)
+        print(json.dumps(record, indent=2))
+    else:
+        print(format_table(PlanResult(settings["model"], gpus, gpu_memory, seq_length, [p]), [p]))
+        verdict = "fits" if fits else f"does NOT fit in {gpu_memory / GB:.0f} GB"
+        print(f"\nthis layout {verdict}; {tflops:.0f} TFLOP/s per GPU expected")
+    return 0 if fits else 1

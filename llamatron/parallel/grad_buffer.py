@@ -266,7 +266,8 @@ class GradBuffer:
                 own += [p for p in head.parameters() if p in self.bucket_of]
             if own:
                 buckets = sorted({self.bucket_of[p].index for p in own})
-                wait = lambda _m, _args, idx=buckets, name=names[id(unit)]: self._wait_gather(idx, name)
+                where = names[id(unit)]
+                wait = lambda _m, _args, idx=buckets, name=where: self._wait_gather(idx, name)
                 self._gather_hooks.append(unit.register_forward_pre_hook(wait))
 
     def _wait_gather(self, bucket_indices: list[int], where: str) -> None:

@@ -1,0 +1,68 @@
+"""`llamatron plan` with a given layout (flags, or a train YAML's): its memory and expected speed, not a search.
+
+The layout is checked by the same rules `train` applies (config.validate), so a plan that evaluates is a run
+that starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import config_from_values, validate
+from ..errors import ConfigError
+from ..plan import Plan, Precision, estimate_speed, layout_memory, run_layout
+
+# (flag, type, help) of the layout flags plan takes; their config keys are the flags with underscores.
+_LAYOUT_FLAGS: list[tuple[str, type, str]] = [
+    ("tp", int, "tensor-parallel size"),
+    ("pp", int, "pipeline stages"),
+    ("vpp", int, "virtual pipeline chunks per stage"),
+    ("cp", int, "context-parallel size"),
+    ("micro-batch-size", int, "samples per micro-batch"),
+    ("recompute", str, "none, selective or full"),
+    ("recompute-layers", int, "recompute only the first N layers of each chunk"),
+]
+_LAYOUT_KEYS = [(f.replace("-", "_"), f) for f, *_ in _LAYOUT_FLAGS] + [("distributed_optimizer", "")]
+# What plan reads of a train YAML: the model, its shape and the layout (data, checkpoints and logging are the run's).
+_PLANNED = {"model", "model_overrides", "seq_length", "global_batch_size", "sequence_parallel", "pp_layers", "fp8"}
+
+
+def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The --config YAML's model, shape and layout, with the command's flags over them."""
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        path = Path(args.config)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"--config {path}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path} must hold a mapping of settings (as for `llamatron train`)")
+        keys = _PLANNED | {k for k, _ in _LAYOUT_KEYS}
+        values = {k: v for k, v in loaded.items() if k in keys}
+    given = {"model": args.model, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size}
+    given.update({k: getattr(args, k) for k, _ in _LAYOUT_KEYS})
+    values.update({k: v for k, v in given.items() if v is not None})
+    return values
+
+
+def evaluate_layout(
+    settings: dict[str, Any], gpus: int, seq_length: int, gpus_per_node: int, precision: Precision
+) -> Plan:
+    """Memory and speed of the layout `settings` give on `gpus` GPUs (raises ConfigError as train would)."""
+    values = {k: v for k, v in settings.items() if k != "fp8"}  # the recipe's GPU check needs the GPU: not here
+    values.setdefault("global_batch_size", max(1, 2**22 // seq_length))  # about 4M tokens, as the search
+    if "distributed_optimizer" not in values:
+        values["distributed_optimizer"] = gpus > 1
+    if values.get("tp", 1) > 1:
+        values.setdefault("sequence_parallel", True)
+    cfg = config_from_values({**values, "seq_length": seq_length, "device": "cuda", "mock_data": True})
+    derived = validate(cfg, gpus, cuda_available=True)
+    model = cfg.model_config()
+    lay = run_layout(cfg, derived.dp)
+    memory = layout_memory(model, lay, seq_length, precision, cfg.parallel.pp_layers)
+    return Plan(lay, memory, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, fp8=precision.fp8))
