@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -43,9 +44,20 @@ BASE_ARGS = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768 and up by default), in a block of its own for each
+    pytest-xdist worker. A port the kernel hands out (bind to 0) comes from the range every outgoing connection
+    draws from, so under parallel tests another job's gloo connection could take it before torchrun binds it
+    (seen as EADDRINUSE); here only our own servers use these ports, and never two workers the same one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    low = 20000 + 600 * (int(worker) % 20 if worker.isdigit() else 0)
+    for port in random.sample(range(low, low + 600), 600):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}-{low + 599}")
 
 
 def run_train(

@@ -3,7 +3,6 @@ the launch scripts parse and, run as two local "nodes" on CPU, train."""
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from layout import free_port
 
 from llamatron.config import config_from_values, validate
 from llamatron.plan import predict_peak_memory
@@ -75,12 +75,6 @@ def test_script_parses_and_launches_llamatron(script):
     assert script.stat().st_mode & stat.S_IXUSR
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 TINY_RUN = [
     "--model",
     "llama-test",
@@ -115,7 +109,7 @@ def _env(**extra) -> dict:
 
 
 def test_multinode_torchrun_script_trains_on_two_local_nodes(tmp_path):
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="2")
     cmd = [
         "bash",
         str(SCRIPTS[1]),
@@ -156,7 +150,7 @@ def test_slurm_script_trains_with_srun_and_scontrol_stand_ins(tmp_path):
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
     env = _env(
-        SLURM_JOB_NODELIST="localhost,node2", SLURM_NNODES="2", SLURM_JOB_ID="4242", MASTER_PORT=str(_free_port())
+        SLURM_JOB_NODELIST="localhost,node2", SLURM_NNODES="2", SLURM_JOB_ID="4242", MASTER_PORT=str(free_port())
     )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     proc = subprocess.run(
@@ -224,7 +218,7 @@ def test_overlap_ab_benchmark_runs_and_reports_both_modes():
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             str(ROOT / "benchmarks" / "overlap_ab.py"),
             "--model",
             "llama-test",
