@@ -59,6 +59,7 @@ WRONG_TYPES: dict[Any, list[Any]] = {
     float: ["fast", True, [1.0], {"a": 1}],
     str: [5, 2.5, True, ["a"], {"a": 1}],
     list[str]: [5, [1], {"a": 1}],
+    list[int]: [5, ["a"], [1.5], {"a": 1}, [True]],
 }
 
 
