@@ -100,7 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
     precision = Precision(compiled=args.compile, fp8=fp8)
-    if not args.search and any(k in settings for k, *_ in _LAYOUT_KEYS):
+    if not args.search and any(k in settings for k in _LAYOUT_KEYS):
         return print_fixed_layout(settings, args.gpus, memory, seq_length, args.gpus_per_node, precision, args.json)
     result = plan(
         settings["model"],

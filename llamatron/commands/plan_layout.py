@@ -26,7 +26,7 @@ _LAYOUT_FLAGS: list[tuple[str, type, str]] = [
     ("recompute", str, "none, selective or full"),
     ("recompute-layers", int, "recompute only the first N layers of each chunk"),
 ]
-_LAYOUT_KEYS = [(f.replace("-", "_"), f) for f, *_ in _LAYOUT_FLAGS] + [("distributed_optimizer", "")]
+_LAYOUT_KEYS = [f.replace("-", "_") for f, *_ in _LAYOUT_FLAGS] + ["distributed_optimizer"]
 # What plan reads of a train YAML: the model, its shape and the layout (data, checkpoints and logging are the run's).
 _PLANNED = {"model", "model_overrides", "seq_length", "global_batch_size", "sequence_parallel", "pp_layers", "fp8"}
 
@@ -42,10 +42,10 @@ def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--config {path}: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path} must hold a mapping of settings (as for `llamatron train`)")
-        keys = _PLANNED | {k for k, _ in _LAYOUT_KEYS}
+        keys = _PLANNED | set(_LAYOUT_KEYS)
         values = {k: v for k, v in loaded.items() if k in keys}
     given = {"model": args.model, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size}
-    given.update({k: getattr(args, k) for k, _ in _LAYOUT_KEYS})
+    given.update({k: getattr(args, k) for k in _LAYOUT_KEYS})
     values.update({k: v for k, v in given.items() if v is not None})
     return values
 
