@@ -45,6 +45,12 @@ class ModelConfig:
     separate_mlp_norm: bool = False  # Falcon 40B/180B: ln_attn and ln_mlp; 7B: one input_layernorm
     bias: bool = False  # biases on the linear layers
     init_std: float = 0.02
+    # Mixture of experts (Mixtral; models/moe.py): 0 for a dense MLP, else each layer's MLP is this many SwiGLU
+    # experts of ffn_hidden_size, of which a router picks experts_per_token for each token
+    num_experts: int = 0
+    experts_per_token: int = 2
+    router_aux_loss_coef: float = 0.02  # weight of the load-balancing loss (Mixtral's 0.02)
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE); 0: off
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -65,6 +71,7 @@ class ModelConfig:
             return out
         if not self.init_std >= 0:
             out.append(f"init_std {self.init_std} must be >= 0")
+        out += self._moe_problems()
         out += [
             f"{name} {getattr(self, name)} must be >= 1"
             for name in (
@@ -102,6 +109,25 @@ class ModelConfig:
                 out.append("rope_scaling llama3 needs 0 < low_freq_factor < high_freq_factor")
         return out
 
+    def _moe_problems(self) -> list[str]:
+        if self.num_experts == 0:
+            return []
+        out = []
+        if self.num_experts < 0:
+            out.append(f"num_experts {self.num_experts} must be >= 0 (0: a dense MLP)")
+        elif not 1 <= self.experts_per_token <= self.num_experts:
+            out.append(f"experts_per_token {self.experts_per_token} must be in 1..num_experts ({self.num_experts})")
+        if self.family != "llama":
+            out.append(f"num_experts {self.num_experts}: experts are for the llama family (Mixtral), not {self.family}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                out.append(f"{name} {getattr(self, name)} must be >= 0")
+        return out
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
@@ -118,7 +144,19 @@ class ModelConfig:
         return cls(**d)
 
     def num_params(self) -> int:
-        """All parameters, embeddings included (a tied table once)."""
+        """All parameters, embeddings included (a tied table once); every expert of a mixture of experts."""
+        return self._params(self.num_experts)
+
+    def active_params(self) -> int:
+        """The parameters one token is computed with: num_params with experts_per_token experts per layer (the
+        router included). Equal to num_params for a dense model."""
+        return self._params(self.experts_per_token if self.is_moe else 0)
+
+    def expert_params(self) -> int:
+        """The parameters of all experts of all layers (0 for a dense model): what expert parallelism splits."""
+        return self.num_layers * self.num_experts * 3 * self.hidden_size * self.ffn_hidden_size
+
+    def _params(self, experts: int) -> int:
         h, d = self.hidden_size, self.head_dim
         kv = self.num_kv_heads * d
         attn = h * (h + 2 * kv) + h * h
@@ -127,6 +165,8 @@ class ModelConfig:
             norms = (4 if self.separate_mlp_norm else 2) * h
         else:
             mlp = 3 * h * self.ffn_hidden_size
+            if experts:  # each expert a SwiGLU; the router a (num_experts, h) matrix
+                mlp = experts * mlp + self.num_experts * h
             norms = 2 * h
         bias = (h + 2 * kv + h + (self.ffn_hidden_size * (1 if self.family == "falcon" else 2)) + h) if self.bias else 0
         per_layer = attn + mlp + norms + bias
@@ -143,9 +183,10 @@ class ModelConfig:
         """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
         6·(N - input-embedding params) + 12·L·h·S, as PaLM and torchtitan count them (docs/design.md). S is the
         keys a query attends to: the sequence length, or the sliding window when it is shorter (else windowed
-        models report MFU above 100%)."""
+        models report MFU above 100%). N of a mixture of experts is its active parameters (experts_per_token
+        experts per layer, as Megatron-core and torchtitan count MoE FLOPs)."""
         keys = min(seq_length, self.sliding_window) if self.sliding_window is not None else seq_length
-        matmul_params = self.num_params() - self.input_embedding_params()
+        matmul_params = self.active_params() - self.input_embedding_params()
         return 6.0 * matmul_params + 12.0 * self.num_layers * self.hidden_size * keys
 
 

@@ -58,6 +58,15 @@ _PRESETS = {
     ),
     # Mistral 7B v0.1: GQA + sliding window 4096
     "mistral-7b": lambda: _llama(4096, 32, 32, 14336, kv=8, seq=32768, eps=1e-5, sliding_window=4096),
+    # Mixtral: Mistral's attention (no window) with 8 SwiGLU experts per layer, 2 per token; theta 1e6
+    "mixtral-8x7b": lambda: _llama(
+        4096, 32, 32, 14336, kv=8, seq=32768, theta=1e6, eps=1e-5, num_experts=8, experts_per_token=2
+    ),
+    "mixtral-8x22b": lambda: _llama(
+        6144, 56, 48, 16384, kv=8, vocab=32768, seq=65536, theta=1e6, eps=1e-5, num_experts=8, experts_per_token=2
+    ),
+    # The MoE benchmark shape (issue 20): llama-1b's attention, 8 experts of 5632, top-2
+    "mixtral-1b": lambda: _llama(2048, 16, 32, 5632, kv=8, seq=4096, eps=1e-5, num_experts=8, experts_per_token=2),
     # Falcon: parallel attention/MLP, LayerNorm, GELU MLP, tied embeddings
     "falcon-7b": lambda: ModelConfig(
         family="falcon",
@@ -101,6 +110,12 @@ _PRESETS = {
         eps=1e-5,
         rope_scaling=RopeScaling("llama3", 8.0, 32, 1.0, 4.0),
     ),
+    "mixtral-test": lambda: _llama(
+        64, 2, 4, 96, kv=2, vocab=256, seq=128, eps=1e-5, num_experts=4, experts_per_token=2
+    ),
+    "mixtral-test4": lambda: _llama(
+        64, 4, 4, 96, kv=2, vocab=256, seq=128, eps=1e-5, num_experts=4, experts_per_token=2
+    ),  # pipeline tests: 4 layers
     "llama-test4": lambda: _llama(64, 4, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5),  # pipeline tests: 4 layers
     "falcon-test4": lambda: ModelConfig(
         family="falcon",
