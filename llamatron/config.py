@@ -69,6 +69,11 @@ class ParallelConfig:
     cp: int = _f(
         1, "context-parallel size (ranks that split every sequence and share the weights)", allowed=at_least(1)
     )
+    ep: int = _f(
+        1,
+        "expert-parallel size: a mixture of experts' experts split over this many of the data-parallel ranks",
+        allowed=at_least(1),
+    )
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
