@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # only the annotation: the model code does not depend on para
     from ..parallel.param_spec import ParamSpec
 
 # Output projections of each residual branch get std / sqrt(2 * layers) (GPT-2 / Megatron scaled init).
-_RESIDUAL_OUTPUTS = ("attn.o.weight", "mlp.down.weight")
+_RESIDUAL_OUTPUTS = ("attn.o.weight", "mlp.down.weight", "mlp.experts.down")
 
 
 def init_full_tensor(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, device: torch.device) -> torch.Tensor:

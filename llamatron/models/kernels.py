@@ -17,6 +17,7 @@ from .attention import ATTENTION_BACKENDS
 from .cross_entropy_op import CrossEntropy
 from .layers import Attention, RMSNorm
 from .llama import SwiGLU
+from .moe import Experts
 from .transformer import Transformer
 
 
@@ -55,5 +56,7 @@ def apply_kernels(model: nn.Module, choices: KernelChoices) -> None:
             module.backend, module.rope_backend = choices.attention, choices.rope
         elif isinstance(module, SwiGLU):
             module.backend = choices.swiglu
+        elif isinstance(module, Experts):
+            module.swiglu_backend = choices.swiglu
     if isinstance(model, Transformer) and isinstance(model.loss_fn, CrossEntropy):  # TP's loss has no kernels
         model.loss_fn = CrossEntropy(choices.cross_entropy)

@@ -1,4 +1,5 @@
-"""Llama 1/2/3, Code Llama and Mistral decoder layers: pre-norm, RMSNorm, SwiGLU."""
+"""Llama 1/2/3, Code Llama, Mistral and Mixtral decoder layers: pre-norm, RMSNorm, SwiGLU (Mixtral: a mixture of
+SwiGLU experts, models/moe.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from .attention import AttentionMask
 from .config import ModelConfig
 from .kv_cache import LayerKVCache
 from .layers import Attention, RMSNorm
+from .moe import MoE
 from .swiglu_op import swiglu
 
 
@@ -41,7 +43,7 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp: SwiGLU | MoE = MoE(cfg) if cfg.is_moe else SwiGLU(cfg)
 
     def forward(
         self,

@@ -1,0 +1,208 @@
+"""A sparse mixture-of-experts MLP (Mixtral): a router sends each token to k of E SwiGLU experts.
+
+Routing is Mixtral's: softmax over all experts, the top k, their weights renormalised to sum to 1. It is
+dropless: every token reaches its k experts, however unevenly they are chosen. The tokens are sorted by
+expert so that each expert's tokens are one contiguous run, and the experts run as two grouped GEMMs over
+the runs (`torch._grouped_mm`, on CUDA in bf16) or, as the reference, a loop over the experts.
+
+The router is trained by two losses besides the language-model loss, both computed per sequence, so that what
+a step trains on does not depend on how the global batch is cut into micro-batches and ranks:
+- load balancing (Switch Transformer, Mixtral): E · Σ_e f_e · P_e, with f_e the share of the sequence's
+  tokens routed to expert e (summed over the k choices, so a balanced router scores k) and P_e the mean router
+  probability of e over the sequence;
+- the z-loss (ST-MoE): the mean over the sequence's tokens of logsumexp(router logits)².
+Each is averaged over sequences and MoE layers and weighted by `router_aux_loss_coef` / `router_z_loss_coef`.
+Their gradient is attached to the layer's output (`_RouterLossGrad`), so they need no path of their own through
+a pipeline; the engine sets `router_loss_weight` (1 / (sequences per step · MoE layers), per chunk).
+
+Parallelism plugs in through attributes, as in the rest of models/: tensor parallelism sets `gather_input`,
+`reduce_output` and `router_loss_share` and splits the experts' ffn; expert parallelism
+(parallel/expert.py) replaces `dispatch`, which moves the tokens to the ranks holding their experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .swiglu_op import swiglu
+
+
+@dataclass
+class Routing:
+    """Where a micro-batch's token choices go: the (token, choice) pairs sorted by expert."""
+
+    order: torch.Tensor  # (tokens · k,) index into the flattened choices, sorted by expert (stable)
+    counts: torch.Tensor  # (experts,) how many choices each expert got
+    top_k: int
+
+    @property
+    def source_tokens(self) -> torch.Tensor:
+        """For each sorted choice, the token it came from."""
+        return self.order // self.top_k
+
+
+def route(chosen: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the (tokens, k) expert choices by expert; ties keep token order (the same on every layout)."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return Routing(order, torch.bincount(flat, minlength=num_experts), chosen.shape[1])
+
+
+def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
+    """(tokens, hidden): each token's k expert outputs, back in token order, weighted and summed."""
+    unsorted = torch.empty_like(sorted_out)
+    unsorted[routing.order] = sorted_out  # a permutation: each row written once
+    tokens = weights.shape[0]
+    return (unsorted.view(tokens, routing.top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs as two stacked weights: gate_up (E, 2·ffn, hidden) laid out [gate; up] per expert, as the
+    dense SwiGLU's, and down (E, hidden, ffn). Expert parallelism keeps a contiguous range of the experts;
+    tensor parallelism a slice of every expert's ffn."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.swiglu_backend = "auto"  # models/kernels.py
+        # auto: grouped GEMMs where torch has them (CUDA, bf16), else the loop; "loop": always the reference
+        self.backend = "auto"
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (rows, hidden) sorted by expert, `counts[e]` rows for local expert e; returns (rows, hidden)."""
+        if self.backend == "auto" and x.is_cuda and x.dtype == torch.bfloat16:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            act = swiglu(torch._grouped_mm(x, self.gate_up.transpose(-2, -1), offs=offsets), self.swiglu_backend)
+            return torch._grouped_mm(act, self.down.transpose(-2, -1), offs=offsets)
+        return self._loop(x, counts)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The reference: each expert's rows through its own matmuls (reads the counts on the host)."""
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            rows = x[start : start + n]
+            outs.append(F.linear(swiglu(F.linear(rows, self.gate_up[e]), self.swiglu_backend), self.down[e]))
+            start += n
+        return torch.cat(outs) if outs else x.new_zeros((0, x.shape[1]))
+
+
+# (tokens, chosen experts, routing, experts) -> the experts' outputs for the sorted choices; see MoE.dispatch
+Dispatch = Callable[[torch.Tensor, Routing, Experts], torch.Tensor]
+
+
+def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+    """Every expert on this rank: gather the sorted choices' tokens and run them."""
+    return experts(tokens[routing.source_tokens], routing.counts)
+
+
+@dataclass
+class MoEStats:
+    """One step's router statistics, summed over MoE layers and this rank's sequences (device tensors)."""
+
+    aux: torch.Tensor  # load-balancing loss, unweighted, summed over (sequence, layer)
+    z: torch.Tensor  # z-loss, likewise
+    choices: torch.Tensor  # (experts,) token choices each expert got, summed over layers
+
+    @staticmethod
+    def zeros(num_experts: int, device: torch.device) -> MoEStats:
+        return MoEStats(
+            torch.zeros((), device=device),
+            torch.zeros((), device=device),
+            torch.zeros(num_experts, device=device),
+        )
+
+    def zero_(self) -> None:
+        for t in (self.aux, self.z, self.choices):
+            t.zero_()
+
+
+class _RouterLossGrad(torch.autograd.Function):
+    """Identity on the layer's output whose backward also gives the router losses their gradient, `weight`
+    (Megatron-core attaches its aux loss the same way): no second output to carry through a pipeline."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, router_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad, weight.expand(()), None
+
+
+class MoE(nn.Module):
+    """router -> top-k experts -> weighted sum; the block's MLP when cfg.num_experts > 0."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
+        self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
+        self.dispatch: Dispatch = local_dispatch
+        # Tensor parallelism: the whole sequence in, this rank's partial sum out (identities on one rank), and
+        # each tp rank's share of the router losses' gradient (every one of them computes the whole loss).
+        self.gather_input: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.router_loss_share = 1.0
+        # Set by the engine for training (None: no router losses, no statistics, as in evaluation and generation).
+        self.router_loss_weight: torch.Tensor | None = None
+        self.stats: MoEStats | None = None
+        self.recomputing = False  # full recompute's second forward: the statistics were counted the first time
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' weighted sum for each token of x (batch, seq, hidden), plus `residual` when given."""
+        full = self.gather_input(x)
+        batch, seq, hidden = full.shape
+        tokens = full.reshape(-1, hidden)
+        logits = self.router(tokens)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (top / top.sum(-1, keepdim=True)).to(full.dtype)
+        routing = route(chosen, self.num_experts)
+        out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
+        if self.router_loss_weight is not None and torch.is_grad_enabled():
+            out = self._attach_router_losses(out, logits, probs, chosen, batch)
+        out = self.reduce_output(out.view(batch, seq, hidden))
+        return out if residual is None else residual + out
+
+    def _attach_router_losses(
+        self, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, batch: int
+    ) -> torch.Tensor:
+        aux, z = router_losses(logits, probs, chosen, batch, self.num_experts)
+        if self.stats is not None and not self.recomputing:
+            self.stats.aux.add_(aux.detach().sum())
+            self.stats.z.add_(z.detach().sum())
+            self.stats.choices.add_(torch.bincount(chosen.reshape(-1), minlength=self.num_experts))
+        loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()
+        assert self.router_loss_weight is not None
+        return _RouterLossGrad.apply(out, loss, self.router_loss_weight * self.router_loss_share)
+
+
+def router_losses(
+    logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, batch: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of each of the `batch` sequences (fp32): see the module docstring."""
+    seq = probs.shape[0] // batch
+    mean_prob = probs.view(batch, seq, num_experts).mean(1)
+    share = torch.zeros_like(mean_prob).scatter_add_(
+        1, chosen.reshape(batch, -1), torch.ones(chosen.shape, device=probs.device).view(batch, -1)
+    )
+    aux = num_experts * (share / seq * mean_prob).sum(-1)
+    z = torch.logsumexp(logits.float(), dim=-1).pow(2).view(batch, seq).mean(1)
+    return aux, z
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+__all__ = ["MoE", "MoEStats", "Experts", "Routing", "combine", "local_dispatch", "route", "router_losses"]
