@@ -36,7 +36,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device, cfg.train.dist_timeout)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp)
+    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp, cfg.parallel.ep)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)

@@ -30,6 +30,7 @@ from .megatron_flags import add_model_aliases, add_setting_aliases, model_overri
 from .models import ModelConfig, get_preset
 from .models.presets import PRESET_NAMES
 from .parallel.context import context_problems
+from .parallel.expert import expert_parallel_problems
 from .parallel.mesh import mesh_problems
 from .parallel.pipeline import pipeline_problems, split_layers
 from .parallel.schedules import schedule_problems
@@ -493,9 +494,9 @@ def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tup
     """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step).
     Each rule belongs to the module that applies it (its `*_problems`); each flag's own range, by range_problems."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp))
+    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep))
     dp = world_size // (p.tp * p.pp * p.cp)
-    _raise_if(tensor_parallel_problems(model, p.tp))
+    _raise_if(tensor_parallel_problems(model, p.tp) + expert_parallel_problems(model, p.ep, p.cp))
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("--sequence-parallel needs --tp > 1")
     _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))

@@ -1,15 +1,16 @@
 """Builds a trainable model for a config and a mesh, and runs one optimizer step.
 
 Order: plain model (or this rank's pipeline stage chunks) on meta, with their
-parameter specs -> tensor parallelism -> FP8 matmuls (--fp8) -> materialise (layout-independent init)
--> recompute -> compile -> gradient buffers -> optimizer. Nothing touches
-device memory before the config is validated.
+parameter specs -> tensor parallelism -> expert parallelism (MoE layers) -> FP8 matmuls (--fp8)
+-> materialise (layout-independent init) -> recompute -> compile -> gradient buffers (the experts' own
+under --ep) -> optimizer. Nothing touches device memory before the config is validated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -22,13 +23,15 @@ from .fp8 import apply_fp8
 from .kernel_settings import kernel_choices
 from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from .models.layers import Attention
+from .models.moe import MoE, MoEStats
 from .models.transformer import IGNORE_INDEX, CrossEntropy
 from .parallel.context import apply_context_parallel
-from .parallel.grad_buffer import GradBuffer
+from .parallel.expert import apply_expert_parallel
+from .parallel.grad_buffer import GradBuffer, mark_last_microbatch
 from .parallel.loss_scale import DynamicLossScaler
 from .parallel.mesh import Mesh, all_reduce
 from .parallel.optimizer import DistributedAdamW, lr_at
-from .parallel.param_spec import param_specs
+from .parallel.param_spec import ParamSpec, param_specs
 from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 
@@ -59,6 +62,50 @@ class Engine:
     dtype: torch.dtype
     forward_backward: ForwardBackward
     loss_scaler: DynamicLossScaler | None = None  # fp16 only
+    router: RouterTraining | None = None  # mixture of experts only
+
+
+@dataclass(slots=True)
+class RouterTraining:
+    """What a mixture of experts' routers train with: the weight of their losses' gradient (one device tensor every
+    MoE layer of this rank reads) and the step's router statistics (summed by every MoE layer of this rank)."""
+
+    loss_weight: torch.Tensor
+    stats: MoEStats
+    num_layers: int  # MoE layers in the whole model
+
+    @staticmethod
+    def attach(chunks: list[Transformer], model_cfg: ModelConfig, device: torch.device) -> RouterTraining | None:
+        if not model_cfg.is_moe:
+            return None
+        run = RouterTraining(torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), 0)
+        run.num_layers = model_cfg.num_layers
+        for chunk in chunks:
+            for m in chunk.modules():
+                if isinstance(m, MoE):
+                    m.router_loss_weight, m.stats = run.loss_weight, run.stats
+        return run
+
+    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
+        """Weigh the router losses as a mean over the step's sequences and the MoE layers; restart the counts."""
+        weight = 1.0 / (sequences * self.num_layers)
+        if loss_scale is None:
+            self.loss_weight.fill_(weight)
+        else:  # fp16: like the language-model loss, the gradient is the scaled one
+            self.loss_weight.copy_(loss_scale * weight)
+        self.stats.zero_()
+
+    def step_stats(self, sequences: int, mesh: Mesh) -> torch.Tensor:
+        """[load-balancing loss, z-loss, each expert's share of the token choices] of the whole step: a collective
+        over every rank (pipeline stages hold different layers, data-parallel ranks different sequences; the
+        tensor-parallel ranks of a layer count the same tokens)."""
+        s = self.stats
+        flat = torch.cat([s.aux.reshape(1), s.z.reshape(1), s.choices]).float()
+        if mesh.world_size > 1:
+            torch.distributed.all_reduce(flat)
+        flat = flat / mesh.tp
+        total = flat[2:].sum().clamp_min(1.0)
+        return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:] / total])
 
 
 class _Checkpointed:
@@ -68,11 +115,35 @@ class _Checkpointed:
     pre-hooks (the gradient buffer's parameter-gather waits) run once, outside the checkpoint.
     """
 
-    def __init__(self, forward: Callable):
+    def __init__(self, forward: Callable, contexts: Callable | None = None):
         self.forward = forward  # the layer's own forward (apply_compile compiles it, inside the checkpoint)
+        self.contexts = contexts  # checkpoint's context_fn: (first forward's, recompute's) context managers
 
     def __call__(self, *args):
-        return checkpoint(self.forward, *args, use_reentrant=False)
+        if self.contexts is None:
+            return checkpoint(self.forward, *args, use_reentrant=False)
+        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self.contexts)
+
+
+def _recompute_contexts(layer: torch.nn.Module) -> tuple[_Recomputing, _Recomputing]:
+    return _Recomputing(layer, False), _Recomputing(layer, True)
+
+
+class _Recomputing:
+    """Marks a layer's MoE modules as recomputing during full recompute's second forward (they counted their
+    router statistics in the first)."""
+
+    def __init__(self, layer: torch.nn.Module, value: bool):
+        self.moes = [m for m in layer.modules() if isinstance(m, MoE)]
+        self.value = value
+
+    def __enter__(self) -> None:
+        for m in self.moes:
+            m.recomputing = self.value
+
+    def __exit__(self, *exc) -> None:
+        for m in self.moes:
+            m.recomputing = False
 
 
 def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> None:
@@ -81,7 +152,7 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
         if num_layers is not None and i >= num_layers:
             break
         if mode == "full":
-            layer.forward = _Checkpointed(layer.forward)
+            layer.forward = _Checkpointed(layer.forward, lambda _layer=layer: _recompute_contexts(_layer))
         elif mode == "selective":
             attn = cast(Attention, layer.get_submodule("attn"))
             core = attn.core
@@ -119,6 +190,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             specs[i] = apply_tensor_parallel(
                 chunk, mesh, sequence_parallel=p.sequence_parallel, comm_overlap=p.tp_comm_overlap, specs=specs[i]
             )
+        if model_cfg.is_moe:
+            specs[i] = apply_expert_parallel(chunk, mesh, p.sequence_parallel, specs[i])
         apply_fp8(
             chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
         )  # keeps the parameters: specs and init unchanged
@@ -131,20 +204,30 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             apply_compile(chunk)
     grad_dtype = torch.float32
     reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
-    buffers = [
-        GradBuffer(
+
+    def buffer(chunk: Transformer, chunk_specs, experts: bool | None) -> GradBuffer:
+        """experts None: every parameter; False / True: the dense ones / the experts (reduced over their replicas)."""
+        group, replicas = (
+            (mesh.expert_replica_group, mesh.expert_replicas) if experts else (mesh.replica_group, mesh.replicas)
+        )
+        return GradBuffer(
             chunk,
-            mesh.replica_group,
-            mesh.replicas,
+            group,
+            replicas,
             grad_dtype=grad_dtype,
             bucket_size=p.bucket_size,
             distributed=p.distributed_optimizer,
             overlap_grad_reduce=p.overlap_grad_reduce,
             reduce_dtype=reduce_dtype,
             specs=chunk_specs,
+            select=None if experts is None else partial(_is_expert, experts),
         )
-        for chunk, chunk_specs in zip(chunks, specs)
-    ]
+
+    # One buffer per chunk, in chunk order (the pipeline's tied-embedding sum pairs them); the experts' after them.
+    split = mesh.ep > 1
+    buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
+    if split:
+        buffers += [buffer(chunk, chunk_specs, True) for chunk, chunk_specs in zip(chunks, specs)]
     o = cfg.optim
     # auto: the Triton pass on CUDA, measured 2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)
     adamw_kernel = resolved["adamw"]
@@ -160,15 +243,22 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         kernel=adamw_kernel,
     )
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
-    return Engine(cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler)
+    router = RouterTraining.attach(chunks, model_cfg, device)
+    return Engine(
+        cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler, router
+    )
+
+
+def _is_expert(experts: bool, spec: ParamSpec) -> bool:
+    return spec.is_expert == experts
 
 
 def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
     """Gradient accumulation over micro-batches; the loss is the mean over all tokens of the global batch."""
-    model, buffer = engine.chunks[0], engine.buffers[0]
+    model = engine.chunks[0]
     loss_sum = torch.zeros((), device=engine.device)
     for i, mb in enumerate(micro_batches):
-        buffer.is_last_microbatch = i == len(micro_batches) - 1
+        mark_last_microbatch(engine.buffers, model, i == len(micro_batches) - 1)
         per_token = model(mb["input_ids"], **model_kwargs(mb, with_labels=True))
         loss = per_token.sum() / total_tokens
         loss.backward()
@@ -193,6 +283,9 @@ def train_step(
     for buf in engine.buffers:
         buf.zero_grad()
     scaler = engine.loss_scaler
+    sequences = sum(int(mb["input_ids"].shape[0]) for mb in micro_batches) * engine.mesh.dp  # the step's samples
+    if engine.router is not None:
+        engine.router.begin_step(sequences, None if scaler is None else scaler.scale)
     if scaler is None:
         loss = engine.forward_backward(engine, micro_batches, total)
     else:  # fp16: dividing by total/scale multiplies every gradient by the scale
@@ -220,4 +313,5 @@ def train_step(
         "found_inf": found_inf,
         "lr": lr,
         "loss_scale": None if scaler is None else scaler.scale,
+        "router": None if engine.router is None else engine.router.step_stats(sequences, engine.mesh),
     }

@@ -164,8 +164,10 @@ class FP8Matmul:
 
 
 def _decoder_linear(module: nn.Module, name: str) -> bool:
-    """The linears torchao converts: those inside decoder layers (not the head), exactly nn.Linear."""
-    return type(module) is nn.Linear and name.startswith("layers.")
+    """The linears torchao converts: those inside decoder layers (not the head), exactly nn.Linear; not a MoE
+    router (num_experts outputs, a small matmul whose logits pick the experts: kept in bf16). A MoE layer's
+    experts are grouped GEMMs, not linears: they stay bf16 too."""
+    return type(module) is nn.Linear and name.startswith("layers.") and not name.endswith(".router")
 
 
 def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool = False) -> list[str]:

@@ -174,6 +174,7 @@ class MetricsLog:
                 "grad_norm": float(o["grad_norm"]),
                 "skipped": bool(o["found_inf"] > 0),
                 **_loss_scale(o),
+                **_router(o),
                 "consumed_samples": done,
                 "samples": n,
             }
@@ -201,6 +202,7 @@ class MetricsLog:
             "skipped_steps": skipped_total,
             "steps_in_record": len(steps),
             **_loss_scale(last),
+            **{k: last[k] for k in _ROUTER_KEYS if k in last},
             **speed,
             "peak_mem_gib": peak_memory_gib(self.engine.device),
             "global_batch_size": last["samples"],  # the logged step's (--rampup-batch-size grows it)
@@ -253,6 +255,19 @@ class MetricsLog:
 def _loss_scale(step_out: dict) -> dict:
     scale = step_out.get("loss_scale")
     return {} if scale is None else {"loss_scale": float(scale)}
+
+
+_ROUTER_KEYS = ("moe_aux_loss", "moe_z_loss", "expert_token_share")
+
+
+def _router(step_out: dict) -> dict:
+    """A mixture of experts' router statistics of the step (engine.RouterTraining.step_stats): the load-balancing
+    and z-losses, unweighted, averaged over sequences and layers, and each expert's share of the token choices."""
+    stats = step_out.get("router")
+    if stats is None:
+        return {}
+    values = stats.tolist()
+    return dict(zip(_ROUTER_KEYS, (values[0], values[1], values[2:])))
 
 
 def _progress_bar(total: int, initial: int):

@@ -126,12 +126,14 @@ def local_pieces(spec: ParamSpec, start: int, end: int, owned_only: bool) -> lis
         if owned_only and len(layout.not_owned_positions):
             index[layout.not_owned_positions] = -1
     pieces = []
-    for flat, offsets, sizes in contiguous_blocks(shape, start, end):
+    first_expert = spec.expert_shard[0] if spec.expert_shard is not None else 0  # local expert 0 in the full tensor
+    for flat, local_offsets, sizes in contiguous_blocks(shape, start, end):
+        offsets = (local_offsets[0] + first_expert, *local_offsets[1:])
         if index is None or layout is None:
             pieces.append(LocalPiece(Box(offsets, sizes), flat - start, sizes, 0, 0, sizes[0]))
             continue
         d = layout.dim
-        for local, length, full in _runs(index[offsets[d] : offsets[d] + sizes[d]]):
+        for local, length, full in _runs(index[local_offsets[d] : local_offsets[d] + sizes[d]]):
             box = Box(
                 tuple(full if i == d else o for i, o in enumerate(offsets)),
                 tuple(length if i == d else s for i, s in enumerate(sizes)),

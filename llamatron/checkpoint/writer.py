@@ -115,8 +115,8 @@ def rank_pieces(engine) -> list[PieceToWrite]:
     out: list[PieceToWrite] = []
     for buf in engine.buffers:
         for bucket in buf.buckets:
-            share = bucket.numel // mesh.replicas  # every replica (dp x cp) writes its share
-            lo = bucket.start + mesh.replica_rank * share
+            share = bucket.numel // buf.dp  # every replica (dp x cp, experts: their own) writes its share
+            lo = bucket.start + buf.replica_rank * share
             for p in bucket.params:
                 spec = buf.spec_of[p]
                 start, end = buf.param_range[p]

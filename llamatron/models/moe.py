@@ -51,7 +51,14 @@ def route(chosen: torch.Tensor, num_experts: int) -> Routing:
     """Sort the (tokens, k) expert choices by expert; ties keep token order (the same on every layout)."""
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return Routing(order, torch.bincount(flat, minlength=num_experts), chosen.shape[1])
+    return Routing(order, expert_counts(flat, num_experts), chosen.shape[1])
+
+
+def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How often each expert occurs in `chosen` (a scatter, not bincount: its output size is fixed, so it
+    compiles without a graph break)."""
+    flat = chosen.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
@@ -181,7 +188,7 @@ class MoE(nn.Module):
         if self.stats is not None and not self.recomputing:
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
-            self.stats.choices.add_(torch.bincount(chosen.reshape(-1), minlength=self.num_experts))
+            self.stats.choices.add_(expert_counts(chosen, self.num_experts))
         loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()
         assert self.router_loss_weight is not None
         return _RouterLossGrad.apply(out, loss, self.router_loss_weight * self.router_loss_share)

@@ -18,6 +18,7 @@ bucket, and each bucket is waited on just before the first module that uses it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,18 +79,24 @@ class GradBuffer:
         overlap_grad_reduce: bool = True,
         reduce_dtype: torch.dtype | None = None,
         specs: ParamSpecs | None = None,
+        select: Callable[[ParamSpec], bool] | None = None,
     ):
         """specs: the chunk's parameter specs by local name (default: the plain ones), resolved here to the
-        materialised parameters."""
+        materialised parameters. select: which of the chunk's parameters this buffer holds (default: all; expert
+        parallelism gives the experts a buffer of their own, reduced over their own replicas)."""
         self.module = module
         self.dp_group, self.dp = dp_group, dp
+        # This rank's place among the replicas: which shard it owns and writes to checkpoints.
+        self.replica_rank = dist.get_rank(dp_group) if dp_group is not None and dp > 1 else 0
         self.distributed = distributed
         self.overlap_grad_reduce = overlap_grad_reduce and dp > 1
         self.reduce_dtype = reduce_dtype
         self.stats = CommStats()
         specs = param_specs(module) if specs is None else specs
         self.spec_of: dict[nn.Parameter, ParamSpec] = {
-            p: specs[n] for n, p in module.named_parameters() if p.requires_grad
+            p: specs[n]
+            for n, p in module.named_parameters()
+            if p.requires_grad and (select is None or select(specs[n]))
         }
         wrong = [s.global_name for p, s in self.spec_of.items() if s.local_shape != tuple(p.shape)]
         if wrong:
@@ -280,6 +287,14 @@ class GradBuffer:
 
     def finish_param_gather(self) -> None:
         self._wait_gather(list(range(len(self.buckets))), "after forward")
+
+
+def mark_last_microbatch(buffers: Sequence[GradBuffer], chunk: nn.Module, last: bool) -> None:
+    """Tell the buffers of `chunk` whether the coming backward is the step's last micro-batch's (their buckets
+    reduce during it)."""
+    for buf in buffers:
+        if buf.module is chunk:
+            buf.is_last_microbatch = last
 
 
 def _forward_units(module: nn.Module) -> list[nn.Module]:

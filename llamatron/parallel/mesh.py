@@ -14,6 +14,13 @@ parallelism splits each sequence, not the weights, so gradients are reduced,
 and the distributed optimizer shards, over all of them (`replica_group`).
 Data loading follows `dp` alone: the cp ranks of one data-parallel slot read
 the same samples and each keeps its part of every sequence.
+
+Expert parallelism (`ep`, parallel/expert.py) is carved out of the data-parallel
+ranks: dp rank d holds experts group d % ep, so ep adjacent dp ranks (an
+`ep_group`) together hold every expert and exchange tokens all-to-all. Dense
+weights stay replicated over all dp x cp ranks; an expert's weights over the
+(dp / ep) x cp ranks holding the same experts (`expert_replica_group`), where
+its gradients are reduced and its optimizer state sharded.
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ class Mesh:
     pp_rank: int = 0
     dp_rank: int = 0
     cp_rank: int = 0
+    ep: int = 1
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     replica_group: dist.ProcessGroup | None = None  # dp x cp: the ranks holding the same weights
     mp_group: dist.ProcessGroup | None = None  # tp x pp: one model replica
+    ep_group: dist.ProcessGroup | None = None  # the ep dp ranks that together hold every expert
+    expert_replica_group: dist.ProcessGroup | None = None  # (dp / ep) x cp: the ranks holding the same experts
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -58,6 +68,16 @@ class Mesh:
     @property
     def replica_rank(self) -> int:
         return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        """Which experts this rank holds: the ep_rank-th num_experts / ep of every MoE layer."""
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: (dp / ep) x cp."""
+        return self.dp // self.ep * self.cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -86,21 +106,28 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_problems(world_size: int, tp: int, pp: int, cp: int = 1) -> list[str]:
-    """Why `world_size` processes cannot form a tp x cp x dp x pp mesh (empty when they can)."""
-    out = [f"--{name} must be >= 1" for name, size in (("tp", tp), ("pp", pp), ("cp", cp)) if size < 1]
+def mesh_problems(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> list[str]:
+    """Why `world_size` processes cannot form a tp x cp x dp x pp mesh with ep | dp (empty when they can)."""
+    sizes_given = (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
+    out = [f"--{name} must be >= 1" for name, size in sizes_given if size < 1]
     if not out and world_size % (tp * pp * cp):
         names, sizes = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
         out.append(
             f"world size {world_size} is not divisible by {names} = {sizes}; launch a multiple of "
             f"{tp * cp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--cp/--pp"
         )
+    elif not out and (world_size // (tp * pp * cp)) % ep:
+        dp = world_size // (tp * pp * cp)
+        out.append(
+            f"--ep {ep} must divide the data-parallel size {dp} (experts are split over data-parallel ranks); "
+            f"use --ep in {divisors(dp)} or launch {ep * tp * pp * cp}·k processes"
+        )
     return out
 
 
-def check_sizes(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+def check_sizes(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> int:
     """The data-parallel size; raises ConfigError before any group is built if the sizes cannot work."""
-    problems = mesh_problems(world_size, tp, pp, cp)
+    problems = mesh_problems(world_size, tp, pp, cp, ep)
     if problems:
         raise ConfigError("; ".join(problems))
     return world_size // (tp * pp * cp)
@@ -126,7 +153,7 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp: int = 1) -> Mesh:
+def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp: int = 1, ep: int = 1) -> Mesh:
     """Groups for the current job (a single process gets a mesh of size 1 with no groups).
 
     dp_comm_max_ctas caps the thread blocks NCCL gives the gradient reduction's collectives (the replica group):
@@ -134,9 +161,9 @@ def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dp = check_sizes(world_size, tp, pp, cp)
+    dp = check_sizes(world_size, tp, pp, cp, ep)
     tp_rank, dp_rank, pp_rank, cp_rank = coordinates(rank, tp, dp, cp)
-    mesh = Mesh(world_size, rank, tp, pp, dp, cp, tp_rank, pp_rank, dp_rank, cp_rank)
+    mesh = Mesh(world_size, rank, tp, pp, dp, cp, tp_rank, pp_rank, dp_rank, cp_rank, ep)
     if world_size == 1:
         return mesh
     # Every rank must create every group, in the same order, even those it is not in.
@@ -144,9 +171,13 @@ def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp
 
     def groups(varying: str, **options) -> tuple[dist.ProcessGroup, list[int]]:
         """My group of the ranks that differ only in the dimensions named in `varying` (of "tdpc")."""
+        return groups_by(lambda coord: tuple(x for x, name in zip(coord, "tdpc") if name not in varying), **options)
+
+    def groups_by(key_of, **options) -> tuple[dist.ProcessGroup, list[int]]:
+        """My group of the ranks whose (tp, dp, pp, cp) coordinates have the same key."""
         members: dict[tuple[int, ...], list[int]] = {}
         for coord in every:
-            key = tuple(x for x, name in zip(coord, "tdpc") if name not in varying)
+            key = key_of(coord)
             members.setdefault(key, []).append(mesh.rank_of(*coord))
         mine = None
         for ranks in members.values():  # insertion order: the same on every rank
@@ -165,6 +196,10 @@ def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp
         mesh.replica_group = groups("dc", max_ctas=dp_comm_max_ctas)[0]
     else:
         mesh.replica_group = mesh.dp_group
+    mesh.ep_group, mesh.expert_replica_group = None, mesh.replica_group
+    if ep > 1:  # (t, d, p, c): the ep group shares t, p, c and d // ep; expert replicas share t, p and d % ep
+        mesh.ep_group = groups_by(lambda c: (c[0], c[1] // ep, c[2], c[3]))[0]
+        mesh.expert_replica_group = groups_by(lambda c: (c[0], c[1] % ep, c[2]), max_ctas=dp_comm_max_ctas)[0]
     return mesh
 
 

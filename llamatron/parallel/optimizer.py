@@ -54,7 +54,7 @@ class DistributedAdamW:
         self.segments: list[Segment] = []
         for buf in buffers:
             for bucket in buf.buckets:
-                lo, hi = buf.shard_range(bucket, mesh.replica_rank)
+                lo, hi = buf.shard_range(bucket, buf.replica_rank)
                 for p in bucket.params:
                     start, end = buf.param_range[p]
                     s, e = max(start, lo), min(end, hi)
@@ -80,20 +80,29 @@ class DistributedAdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all data-, tensor- and pipeline-parallel shards, replicas counted once."""
+        dense = self._squares(False)
+        experts = self._squares(True)  # each expert-parallel rank holds other experts: summed over the ep group
+        if self.distributed:  # every element is one replica's (dp x cp): experts' shards and ep ranks alike
+            sq = all_reduce(dense + experts, self.mesh.replica_group)
+        else:
+            sq = dense + all_reduce(experts, self.mesh.ep_group)
+        all_reduce(sq, self.mesh.mp_group)
+        return sq.sqrt().float()
+
+    def _squares(self, experts: bool) -> torch.Tensor:
+        """The sum of squares of this rank's counted gradients of expert (or dense) parameters."""
         counted = [
-            part for g, seg in zip(self.grads(), self.segments) if seg.count_in_norm for part in _norm_parts(g, seg)
+            part
+            for g, seg in zip(self.grads(), self.segments)
+            if seg.count_in_norm and seg.spec.is_expert == experts
+            for part in _norm_parts(g, seg)
         ]
-        device = self.buffers[0].grad_data.device
         # Accumulated in float64: torch's CPU fp32 norm adds the squares one after another in fp32 (relative error
         # 1.7e-4 on llama-test's 524k-element head gradient), a different error for each way a layout shards a
         # gradient. On CUDA float64 costs nothing (8.2 vs 8.1 ms for Llama 2 7B's gradients on an H200).
-        sq = torch.zeros((), device=device, dtype=torch.float64)
-        if counted:
-            sq = torch.stack(torch._foreach_norm([g.float() for g in counted], 2, dtype=torch.float64)).pow(2).sum()
-        if self.distributed:
-            all_reduce(sq, self.mesh.replica_group)
-        all_reduce(sq, self.mesh.mp_group)
-        return sq.sqrt().float()
+        if not counted:
+            return torch.zeros((), device=self.buffers[0].grad_data.device, dtype=torch.float64)
+        return torch.stack(torch._foreach_norm([g.float() for g in counted], 2, dtype=torch.float64)).pow(2).sum()
 
     @torch.no_grad()
     def step(self, lr: float, loss_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,13 @@ class ParamSpec:
     defer_grad_reduce: bool = False  # summed over pipeline stages first (tied embedding): no overlapped reduction
     # Flat element ranges of the local tensor that another tp rank counts in the grad norm (replicated KV rows).
     norm_exclude: tuple[tuple[int, int], ...] = ()
+    # Expert parallelism (parallel/expert.py): (first, count) of the experts (dim 0) this rank holds; None: all
+    expert_shard: tuple[int, int] | None = None
+
+    @property
+    def is_expert(self) -> bool:
+        """Split over the expert-parallel ranks: reduced over the expert replicas only (dp / ep)."""
+        return self.expert_shard is not None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -47,7 +54,8 @@ class ParamSpec:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return self.full_shape if self.tp_layout is None else self.tp_layout.local_shape(self.full_shape)
+        shape = self.full_shape if self.tp_layout is None else self.tp_layout.local_shape(self.full_shape)
+        return shape if self.expert_shard is None else (self.expert_shard[1], *shape[1:])
 
     @property
     def tp_partial_grad(self) -> bool:
@@ -63,10 +71,15 @@ class ParamSpec:
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor (init, checkpoint load)."""
+        if self.expert_shard is not None:
+            first, count = self.expert_shard
+            full = full[first : first + count]
         return full if self.tp_layout is None else self.tp_layout.shard(full)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The full tensor from every tp rank's part: a collective over the tp group for a sharded parameter."""
+        if self.expert_shard is not None:
+            raise ValueError(f"{self.global_name}: an expert-parallel shard is not gathered (read the checkpoint)")
         return local if self.tp_layout is None else self.tp_layout.gather(local)
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from ..data.batches import model_kwargs
 from ..errors import ConfigError
 from ..models import ModelConfig, Transformer, build_model
-from .grad_buffer import GradBuffer
+from .grad_buffer import GradBuffer, mark_last_microbatch
 from .mesh import Mesh, new_group
 from .param_spec import ParamSpecs, param_specs
 from .schedules import Action, Message, Step, build_program, input_message, output_message
@@ -318,7 +318,7 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
     def backward(a: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
         x, out = runner.saved.pop((a.chunk, a.micro_batch))
         # Buckets of this chunk reduce during the backward of its last micro-batch, once per step.
-        engine.buffers[a.chunk // runner.pp].is_last_microbatch = a.micro_batch == last_mb
+        mark_last_microbatch(engine.buffers, engine.chunks[a.chunk // runner.pp], a.micro_batch == last_mb)
         torch.autograd.backward(out, grad_tensors=grad)
         return x.grad if a.chunk > 0 else None
 

@@ -142,13 +142,14 @@ def qkv_layout(cfg: ModelConfig, tp: int, tp_rank: int, group: dist.ProcessGroup
     return ShardLayout(0, (nh + 2 * kv) * d, indices, tp_rank, group)
 
 
-def gate_up_layout(ffn: int, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> ShardLayout:
-    """Rows of the fused [gate; up]: each rank keeps [gate slice; up slice] so SwiGLU's chunk(2) still splits them."""
+def gate_up_layout(ffn: int, tp: int, tp_rank: int, group: dist.ProcessGroup | None, dim: int = 0) -> ShardLayout:
+    """Rows of the fused [gate; up]: each rank keeps [gate slice; up slice] so SwiGLU's chunk(2) still splits them.
+    dim: where the rows are (1 for the experts' stacked gate_up)."""
     n = ffn // tp
     indices = [
         torch.cat([torch.arange(r * n, (r + 1) * n), torch.arange(ffn + r * n, ffn + (r + 1) * n)]) for r in range(tp)
     ]
-    return ShardLayout(0, 2 * ffn, indices, tp_rank, group)
+    return ShardLayout(dim, 2 * ffn, indices, tp_rank, group)
 
 
 # ---- applying it to the model ------------------------------------------------------------------
@@ -244,8 +245,13 @@ def _row(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> RowParallel
 
 
 def _check_all_sharded(model: nn.Module) -> None:
-    """A plain Linear/Embedding left behind would silently be replicated: fail instead."""
-    left = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    """A plain Linear/Embedding left behind would silently be replicated: fail instead. A MoE router is replicated
+    on purpose (parallel/expert.py splits its layer)."""
+    left = [
+        name
+        for name, m in model.named_modules()
+        if type(m) in (nn.Linear, nn.Embedding) and not name.endswith(".router")
+    ]
     if left:
         raise ValueError(f"tensor parallelism does not know how to split {left}")
 

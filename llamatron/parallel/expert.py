@@ -1,0 +1,149 @@
+"""Mixture-of-experts layers split over ranks: experts over the expert-parallel group, every expert's ffn over the
+tensor-parallel group.
+
+Expert parallelism (`--ep N`, carved out of the data-parallel ranks: parallel/mesh.py) gives each of the N ranks
+of an `ep_group` num_experts / N of every MoE layer's experts, a contiguous range. A layer's tokens then travel:
+each rank routes its own tokens, sorts their choices by expert (so they are grouped by the rank that holds the
+expert), sends each rank its part with one all-to-all, runs its experts on what it received and sends the
+results back with a second; backward runs the same two in reverse. The split sizes depend on the routing, so
+each layer first exchanges its per-expert counts (a host read: dropless routing has no fixed size).
+
+Tensor parallelism splits every expert's ffn as it splits the dense MLP (gate and up by rows, down by columns):
+each tp rank takes the whole sequence (gathered under sequence parallelism), routes it as every other tp rank
+does, computes its slice of each expert and contributes a partial sum (reduce-scattered or all-reduced). Each
+tp rank's router gradient is then a partial sum too (summed by sync_tensor_parallel_grads), and each carries
+1/tp of the router losses' gradient, which every tp rank computes whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Function
+
+from ..models.config import ModelConfig
+from ..models.moe import MoE, Routing
+from .mesh import Mesh
+from .param_spec import ParamSpecs, param_specs
+from .tensor import gate_up_layout
+from .tensor_layers import contiguous_layout, from_parallel_output, to_parallel_input
+
+
+def expert_parallel_problems(model: ModelConfig, ep: int, cp: int) -> list[str]:
+    """Why a model cannot be split `ep` ways over its experts (empty when it can)."""
+    if not model.is_moe:
+        return [f"--ep {ep} needs a mixture-of-experts model (num_experts > 0); use --ep 1"] if ep > 1 else []
+    out = []
+    if model.num_experts % ep:
+        choices = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
+        out.append(f"num_experts {model.num_experts} is not divisible by --ep {ep}; use --ep in {choices}")
+    if cp > 1:
+        out.append(
+            f"--cp {cp} with a mixture of experts: its router losses are per sequence and context parallelism "
+            "splits each sequence; use --cp 1"
+        )
+    return out
+
+
+class _AllToAll(Function):
+    """Rows of `x` in blocks by destination rank -> rows received, in blocks by source rank; backward reverses."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup):
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _all_to_all(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=receive, input_split_sizes=send, group=group)
+    return out
+
+
+class ExpertParallelDispatch:
+    """MoE.dispatch over an ep group: the sorted choices to the ranks holding their experts, and back."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, local_experts: int):
+        self.group, self.ep, self.local = group, ep, local_experts
+
+    @torch.compiler.disable  # split sizes read on the host: the compiled layer runs around it
+    def __call__(self, tokens: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
+        ep, local = self.ep, self.local
+        counts = routing.counts  # by global expert: blocks of `local` per destination rank
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)  # (source, local expert) counts
+        send = counts.view(ep, local).sum(1).tolist()
+        grid = received_counts.view(ep, local)
+        receive = grid.sum(1).tolist()
+        received = _AllToAll.apply(tokens[routing.source_tokens], send, receive, self.group)
+        # Received rows are by source, then by expert; the experts want them by expert, then source.
+        by_expert = _source_major_to_expert_major(grid.tolist(), tokens.device)
+        out = torch.empty_like(received)
+        out[by_expert] = experts(received[by_expert], grid.sum(0))
+        return _AllToAll.apply(out, receive, send, self.group)
+
+
+def _source_major_to_expert_major(grid: list[list[int]], device: torch.device) -> torch.Tensor:
+    """The row order that regroups rows laid out by (source, expert) blocks of sizes grid[s][e] by (expert,
+    source)."""
+    starts: list[list[int]] = []
+    position = 0
+    for row in grid:
+        starts.append([])
+        for n in row:
+            starts[-1].append(position)
+            position += n
+    pieces = [
+        torch.arange(starts[s][e], starts[s][e] + grid[s][e], device=device)
+        for e in range(len(grid[0]))
+        for s in range(len(grid))
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, specs: ParamSpecs) -> ParamSpecs:
+    """Split every MoE layer of `model` (on meta, after apply_tensor_parallel) over mesh.ep (experts) and mesh.tp
+    (each expert's ffn), in place; returns the specs with the experts' shards."""
+    specs = dict(specs or param_specs(model))
+    for prefix, moe in [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]:
+        experts = moe.experts
+        num, ffn2, hidden = experts.gate_up.shape
+        ffn = ffn2 // 2
+        gate_up_full, down_full = (num, 2 * ffn, hidden), (num, hidden, ffn)
+        names = {leaf: f"{prefix}.experts.{leaf}" for leaf in ("gate_up", "down")}
+        router = f"{prefix}.router.weight"
+        if mesh.tp > 1:
+            group, rank = mesh.tp_group, mesh.tp_rank
+            gu = gate_up_layout(ffn, mesh.tp, rank, group, dim=1)
+            dn = contiguous_layout(2, ffn, mesh.tp, rank, group)
+            specs[names["gate_up"]] = replace(specs[names["gate_up"]], sequence_parallel_grad=False).sharded(
+                gu, gate_up_full
+            )
+            specs[names["down"]] = replace(specs[names["down"]], sequence_parallel_grad=False).sharded(dn, down_full)
+            specs[router] = replace(specs[router], sequence_parallel_grad=True)  # partial on each tp rank
+            moe.gather_input = partial(to_parallel_input, group=group, sequence_parallel=sequence_parallel)
+            moe.reduce_output = partial(from_parallel_output, group=group, sequence_parallel=sequence_parallel)
+            moe.router_loss_share = 1.0 / mesh.tp
+        if mesh.ep > 1:
+            local = num // mesh.ep
+            shard = (mesh.ep_rank * local, local)
+            for leaf in names.values():
+                specs[leaf] = replace(specs[leaf], expert_shard=shard)
+            assert mesh.ep_group is not None
+            moe.dispatch = ExpertParallelDispatch(mesh.ep_group, mesh.ep, local)
+        for leaf, name in names.items():
+            spec = specs[name]
+            setattr(experts, leaf, nn.Parameter(torch.empty(spec.local_shape, device="meta")))
+    return specs
+
+
+__all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "expert_parallel_problems"]

@@ -1,0 +1,150 @@
+"""The mixture-of-experts layer (models/moe.py) and its expert-parallel dispatch (parallel/expert.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import spawn
+
+from llamatron.errors import ConfigError
+from llamatron.models import build_model, get_preset, materialize
+from llamatron.models.moe import MoE, router_losses
+
+
+def _moe(seed: int = 0) -> MoE:
+    cfg = get_preset("mixtral-test")
+    torch.manual_seed(seed)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return moe
+
+
+def _mixtral_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Mixtral's block written out token by token: softmax, top-k, renormalise, the chosen experts' weighted sum."""
+    probs = torch.softmax(moe.router(x), -1)
+    top, chosen = probs.topk(moe.top_k, -1)
+    top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    e = moe.experts
+    for t in range(x.shape[0]):
+        for w, i in zip(top[t], chosen[t]):
+            gate, up = F.linear(x[t], e.gate_up[i]).chunk(2)
+            out[t] += w * F.linear(F.silu(gate) * up, e.down[i])
+    return out
+
+
+def test_moe_is_mixtral_routing_token_by_token():
+    moe = _moe()
+    x = torch.randn(1, 24, 64)
+    assert torch.allclose(moe(x)[0], _mixtral_reference(moe, x[0]), atol=1e-5)
+
+
+def test_router_losses_per_sequence():
+    """Balanced routing scores k (= Mixtral's concatenated formula on one sequence); a router that sends every token
+    to the same k experts scores E · k · (its mean probability of them); the z-loss is the mean squared logsumexp."""
+    E, k, S = 4, 2, 8
+    logits = torch.zeros(2 * S, E)  # uniform probabilities
+    probs = torch.softmax(logits, -1)
+    balanced = torch.tensor([[0, 1], [2, 3]] * S)  # every expert chosen S/2·... equally often
+    aux, z = router_losses(logits, probs, balanced, 2, E)
+    assert torch.allclose(aux, torch.full((2,), float(k)))
+    assert torch.allclose(z, torch.full((2,), torch.logsumexp(torch.zeros(E), 0).item() ** 2))
+    skewed = torch.tensor([[0, 1]] * (2 * S))
+    aux, _ = router_losses(logits, probs, skewed, 2, E)
+    assert torch.allclose(aux, torch.full((2,), E * (1 / E + 1 / E)))  # share 1 each for two experts of prob 1/E
+    # per sequence: a sequence's score does not change with the other sequences of its micro-batch
+    one, _ = router_losses(logits[:S], probs[:S], skewed[:S], 1, E)
+    assert torch.allclose(one, aux[:1])
+
+
+def test_moe_model_counts_its_parameters_and_active_flops():
+    cfg = get_preset("mixtral-test")
+    model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    dense_mlp = 3 * cfg.hidden_size * cfg.ffn_hidden_size
+    per_layer_inactive = (cfg.num_experts - cfg.experts_per_token) * dense_mlp
+    assert cfg.num_params() - cfg.active_params() == cfg.num_layers * per_layer_inactive
+    assert cfg.expert_params() == cfg.num_layers * cfg.num_experts * dense_mlp
+    keys = 6 * cfg.active_params() - 6 * cfg.vocab_size * cfg.hidden_size
+    assert cfg.flops_per_token(32) == keys + 12 * cfg.num_layers * cfg.hidden_size * 32
+    big = get_preset("mixtral-8x7b")  # Mistral AI: 46.7B parameters, 12.9B active
+    assert round(big.num_params() / 1e9, 1) == 46.7 and round(big.active_params() / 1e9, 1) == 12.9
+
+
+def _skewed_dispatch(rank: int, world: int) -> None:
+    """Expert parallelism over 2 gloo ranks against one process, with one expert taking every token's first
+    choice and another none: outputs, input gradients and every weight gradient agree."""
+    from llamatron.parallel.expert import ExpertParallelDispatch
+
+    moe = _moe(seed=1)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 3.0  # x · 3·1: expert 0 wins for every token with a positive sum ...
+        moe.router.weight[3] = -3.0  # ... and expert 3 loses for all of them
+    gen = torch.Generator().manual_seed(7)
+    x_all = (torch.randn(world, 2, 16, 64, generator=gen) + 0.5).requires_grad_()
+    ref = torch.cat([moe(x_all[r]) for r in range(world)])
+    (ref * torch.arange(ref.numel()).view_as(ref).sin()).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    ref_x_grad = x_all.grad[rank].clone()
+    chosen = torch.softmax(moe.router(x_all.detach().reshape(-1, 64)), -1).topk(2, -1).indices
+    counts = torch.bincount(chosen.reshape(-1), minlength=4)
+    assert counts[0] == chosen.shape[0] and counts[3] == 0  # the skew the test is about
+
+    local = 4 // world
+    mine = slice(rank * local, (rank + 1) * local)
+    moe.zero_grad()
+    with torch.no_grad():
+        gate_up, down = moe.experts.gate_up[mine].clone(), moe.experts.down[mine].clone()
+    moe.experts.gate_up, moe.experts.down = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
+    moe.dispatch = ExpertParallelDispatch(torch.distributed.group.WORLD, world, local)
+    x = x_all.detach()[rank].clone().requires_grad_()
+    out = moe(x)
+    assert torch.allclose(out, ref[2 * rank : 2 * rank + 2], atol=1e-6)
+    weights = torch.arange(ref.numel()).view_as(ref).sin()[2 * rank : 2 * rank + 2]
+    (out * weights).sum().backward()
+    assert torch.allclose(x.grad, ref_x_grad, atol=1e-6)
+    assert torch.allclose(moe.experts.gate_up.grad, ref_grads["experts.gate_up"][mine], atol=1e-6)
+    assert torch.allclose(moe.experts.down.grad, ref_grads["experts.down"][mine], atol=1e-6)
+    router_grad = moe.router.weight.grad.clone()
+    torch.distributed.all_reduce(router_grad)  # each rank's share comes from its own tokens
+    assert torch.allclose(router_grad, ref_grads["router.weight"], atol=1e-6)
+
+
+def test_expert_parallel_dispatch_is_exact_under_skewed_routing():
+    spawn(_skewed_dispatch, 2)
+
+
+def test_moe_trains_without_router_losses_outside_training():
+    """A model built without the engine has no router-loss weight: its forward and backward are the plain MoE's."""
+    cfg = get_preset("mixtral-test")
+    model = materialize(build_model(cfg), cfg, 0, "cpu", torch.float32)
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"model": "llama-test", "ep": 2}, "--ep 2 needs a mixture-of-experts model"),
+        ({"ep": 3}, "num_experts 4 is not divisible by --ep 3"),
+        ({"cp": 2}, "router losses are per sequence"),
+        ({"model_overrides": {"experts_per_token": 5}}, "experts_per_token 5 must be in 1..num_experts"),
+    ],
+)
+def test_bad_moe_settings_are_one_line_errors(values, message):
+    from llamatron.config import config_from_values, validate
+
+    cfg = config_from_values({"model": "mixtral-test", "mock_data": True, "device": "cpu", **values})
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg, world_size=12)
+    assert "\n" not in str(err.value)
+
+
+def test_ep_must_divide_the_data_parallel_size():
+    from llamatron.parallel.mesh import mesh_problems
+
+    assert "--ep 4 must divide the data-parallel size 2" in mesh_problems(4, 2, 1, 1, 4)[0]
+    assert mesh_problems(8, 2, 1, 1, 4) == []
