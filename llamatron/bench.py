@@ -25,7 +25,8 @@ from .data.mock import MockDataset
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
 from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
-from .parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
+from .models import ModelConfig
+from .parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
 from .plan import bytes_per_param
 from .train import build_datasets
 
@@ -98,9 +99,27 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         **breakdown,
         "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0,
         "loss": loss,
+        **_moe_fields(model_cfg, mesh, out),
         "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+    }
+
+
+def _moe_fields(model_cfg: ModelConfig, mesh: Mesh, out: dict) -> dict:
+    """A mixture of experts' row also says its parameters against the active ones (MFU counts the active: the
+    FLOPs contract), its expert-parallel size and the last step's router statistics."""
+    if not model_cfg.is_moe:
+        return {}
+    router = out["router"]
+    assert isinstance(router, torch.Tensor)
+    stats = router.tolist()
+    return {
+        "params": model_cfg.num_params(),
+        "active_params": model_cfg.active_params(),
+        "ep": mesh.ep,
+        "moe_aux_loss": stats[0],
+        "expert_token_share": stats[2:],
     }
 
 

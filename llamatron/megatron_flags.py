@@ -16,6 +16,7 @@ SETTING_ALIASES: dict[str, tuple[str, ...]] = {
     "tp": ("--tensor-model-parallel-size",),
     "pp": ("--pipeline-model-parallel-size",),
     "cp": ("--context-parallel-size",),
+    "ep": ("--expert-model-parallel-size",),
     "train_steps": ("--train-iters",),
     "warmup_steps": ("--lr-warmup-iters",),
     "distributed_optimizer": ("--use-distributed-optimizer",),
@@ -30,7 +31,13 @@ MODEL_ALIASES: dict[str, str] = {
     "--num-query-groups": "num_kv_heads",
     "--ffn-hidden-size": "ffn_hidden_size",
     "--max-position-embeddings": "max_seq_length",
+    "--num-experts": "num_experts",
+    "--moe-router-topk": "experts_per_token",
+    "--moe-aux-loss-coeff": "router_aux_loss_coef",
+    "--moe-z-loss-coeff": "router_z_loss_coef",
 }
+# The model-shape flags that take a number with a fraction (the others are integers)
+_FLOAT_FIELDS = {"router_aux_loss_coef", "router_z_loss_coef"}
 
 # Megatron-LM's precision switches -> --precision
 PRECISION_ALIASES = {"--bf16": "bf16", "--fp16": "fp16"}
@@ -62,13 +69,14 @@ def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
 def add_model_aliases(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Megatron-LM model-shape flags (set model_overrides)")
     for flag, field in MODEL_ALIASES.items():
+        kind = float if field in _FLOAT_FIELDS else int
         group.add_argument(
             flag,
-            type=int,
+            type=kind,
             dest=f"megatron_{field}",
             default=argparse.SUPPRESS,
-            metavar="N",
-            help=f"= model_overrides: {field}: N",
+            metavar="X" if kind is float else "N",
+            help=f"= model_overrides: {field}: {'X' if kind is float else 'N'}",
         )
     for flag, precision in PRECISION_ALIASES.items():
         group.add_argument(
@@ -81,6 +89,6 @@ def add_model_aliases(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def model_overrides_from_flags(given: dict[str, Any]) -> dict[str, int]:
+def model_overrides_from_flags(given: dict[str, Any]) -> dict[str, int | float]:
     """The model_overrides the Megatron model-shape flags in parsed `given` set (popped from it)."""
     return {key.removeprefix("megatron_"): given.pop(key) for key in list(given) if key.startswith("megatron_")}

@@ -148,3 +148,14 @@ def test_ep_must_divide_the_data_parallel_size():
 
     assert "--ep 4 must divide the data-parallel size 2" in mesh_problems(4, 2, 1, 1, 4)[0]
     assert mesh_problems(8, 2, 1, 1, 4) == []
+
+
+def test_fp8_converts_the_attention_and_leaves_router_and_experts_in_bf16():
+    pytest.importorskip("torchao")  # the test extra installs it
+    from llamatron.fp8 import apply_fp8
+
+    model = build_model(get_preset("mixtral-test"))
+    apply_fp8(model, "tensorwise", emulate=True)
+    layer = model.layers["0"]
+    assert type(layer.attn.qkv).__name__ == "Float8Linear"
+    assert type(layer.mlp.router) is torch.nn.Linear  # its 4 outputs pick the experts
