@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import MIXTRAL, make_mixtral, mixtral_hub_state, random_tokens
+from hf_fixtures import MIXTRAL, VOCAB, make_mixtral, mixtral_hub_state, random_tokens
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_hf_interop import read_hf_weights, run_cli, write_tokenizer
@@ -188,11 +188,26 @@ def test_transformers_reads_every_exported_field_as_meant(changes):
     import transformers
 
     cfg = dataclasses.replace(get_preset("mixtral-test"), **changes)
-    hf = config_to_hf(cfg)
+    hf = config_to_hf(cfg, base={"model_type": "mixtral", "router_z_loss_coef": 0.5})  # an imported config's
     assert hf["architectures"] == ["MixtralForCausalLM"]
     read = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
     assert type(read).__name__ == "MixtralConfig"
     assert config_from_hf(read.to_dict()) == cfg
+
+
+def test_keys_a_config_json_leaves_out_take_transformers_defaults():
+    """A bare config.json means what transformers' MixtralConfig makes of it (rope theta 1e6, 8 KV heads, 131072
+    positions, eps 1e-5, 8 experts, top-2, aux coefficient 0.001), not Llama's defaults."""
+    import transformers
+
+    bare = {"model_type": "mixtral", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96}
+    bare.update(num_hidden_layers=2, num_attention_heads=8)
+    ours = config_from_hf(bare)
+    theirs = transformers.MixtralConfig(**{k: v for k, v in bare.items() if k != "model_type"}).to_dict()
+    assert ours == config_from_hf(theirs)
+    assert (ours.rope_theta, ours.num_kv_heads, ours.max_seq_length, ours.norm_eps) == (1e6, 8, 131072, 1e-5)
+    assert (ours.num_experts, ours.experts_per_token, ours.router_aux_loss_coef) == (8, 2, 1e-3)
+    assert not config_from_hf({**bare, "attention_bias": True}).bias  # transformers' Mixtral has no biases
 
 
 def _hub_config(**changes) -> dict:

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import HFConversionError
 from ..models import ModelConfig, RopeScaling
-from .hf_mixtral import default_rope_theta, expert_tensors, has_stacked_experts, moe_config_from_hf, moe_config_to_hf
+from .hf_mixtral import MIXTRAL_DEFAULTS, expert_tensors, has_stacked_experts, moe_config_from_hf, moe_config_to_hf
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -38,7 +38,15 @@ ARCHITECTURES = {
     "falcon": "FalconForCausalLM",
 }
 # Keys rewritten on export (rope in the form every transformers >= 4.45 reads; dtype under both names).
-_REWRITTEN_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
+_REWRITTEN_KEYS = (
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "router_z_loss_coef",  # written only when set (hf_mixtral.py): a stale one must not survive
+)
 # Hugging Face tensors that carry nothing a llamatron model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -56,8 +64,7 @@ def _get(hf: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 def _rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
     """Rope theta and scaling from either form: 4.x (`rope_theta`, `rope_scaling`) or 5.x (`rope_parameters`)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    default_theta = default_rope_theta(hf.get("model_type")) or 10000.0  # transformers' per-family default
-    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -106,8 +113,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type in ("llama", "mistral"):
         return _llama_config_from_hf(hf)
-    if model_type == "mixtral":  # Mistral's attention, a mixture of experts for the MLP
-        return dataclasses.replace(_llama_config_from_hf(hf), **moe_config_from_hf(hf))
+    if model_type == "mixtral":  # Mistral's attention (with Mixtral's defaults), a mixture of experts for the MLP
+        # transformers' Mixtral has no biases, whatever attention_bias says
+        attention = {**MIXTRAL_DEFAULTS, **hf, "attention_bias": False, "mlp_bias": False}
+        return dataclasses.replace(_llama_config_from_hf(attention), **moe_config_from_hf(hf))
     if model_type == "falcon":
         return _falcon_config_from_hf(hf)
     raise HFConversionError(

@@ -23,8 +23,15 @@ import torch
 from ..errors import HFConversionError
 from ..models import ModelConfig
 
-# transformers' MixtralConfig defaults for keys a config.json may leave out (4.x and 5.x agree on these).
-_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "rope_theta": 1e6}
+# transformers' MixtralConfig defaults for keys a config.json may leave out (4.x and 5.x agree on these); those
+# of the attention differ from Llama's (kv heads = heads, 2048 positions, eps 1e-6, theta 10000).
+MIXTRAL_DEFAULTS = {
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+}
+_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
 # Keys of other MoE families that would change the model if a config.json under model_type mixtral meant them:
 # transformers' Mixtral ignores them, so such a checkpoint is not what its config says. Refused unless they hold
 # the value Mixtral's math has.
@@ -73,13 +80,7 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", _DEFAULTS["router_aux_loss_coef"])),
         # not a transformers key: llamatron's own, written by export-hf only when set (see moe_config_to_hf)
         "router_z_loss_coef": float(hf.get("router_z_loss_coef", 0.0)),
-        "bias": False,  # transformers' Mixtral has no biases, whatever attention_bias says
     }
-
-
-def default_rope_theta(model_type: str | None) -> float | None:
-    """transformers' rope theta for a config.json that gives none (None: the 10000 of Llama and Mistral)."""
-    return _DEFAULTS["rope_theta"] if model_type == "mixtral" else None
 
 
 def moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -158,8 +159,8 @@ def _itself(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 __all__ = [
+    "MIXTRAL_DEFAULTS",
     "ExpertTensor",
-    "default_rope_theta",
     "expert_tensors",
     "has_stacked_experts",
     "moe_config_from_hf",
