@@ -78,6 +78,59 @@ FAMILIES: dict[str, tuple[str, dict, int]] = {
     ),
 }
 
+# Mixtral (tests/test_hf_mixtral.py): name -> (config kwargs, sequence length of the equivalence check). Apart
+# from FAMILIES: the dense tests' parametrisations stay as they were.
+MIXTRAL: dict[str, tuple[dict, int]] = {
+    # the Hub's 8x7B in small: top-2 routing, GQA, Mixtral's aux coefficient; a window shorter than the sequence
+    "mixtral": (
+        dict(
+            _LLAMA,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+            sliding_window=8,
+        ),
+        40,
+    ),
+    "mixtral-top1-tied": (
+        dict(
+            _LLAMA,
+            num_key_value_heads=1,
+            num_local_experts=3,
+            num_experts_per_tok=1,
+            tie_word_embeddings=True,
+            rope_theta=5e5,
+        ),
+        24,
+    ),
+}
+
+
+def make_mixtral(variant: str = "mixtral", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random transformers MixtralForCausalLM (see make_hf_model)."""
+    return make_random_model("Mixtral", MIXTRAL[variant][0], seed, dtype)
+
+
+def mixtral_hub_state(model) -> dict[str, torch.Tensor]:
+    """The Hub's tensor names (block_sparse_moe.gate, per-expert w1/w2/w3) of a transformers Mixtral, built by
+    hand from its state dict: transformers 5 holds the experts stacked, gate_up_proj rows [w1 (gate); w3 (up)]."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".mlp.experts.gate_up_proj" in name:
+            prefix = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts")
+            ffn = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.w1.weight"] = t[e, :ffn].clone()
+                out[f"{prefix}.{e}.w3.weight"] = t[e, ffn:].clone()
+        elif ".mlp.experts.down_proj" in name:
+            prefix = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.w2.weight"] = t[e].clone()
+        else:  # transformers 4.x holds the Hub's names already
+            out[name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = t.clone()
+    return out
+
 
 def make_hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random transformers causal LM; norms and biases get random values too, so a swapped one shows."""

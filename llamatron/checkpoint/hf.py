@@ -6,8 +6,9 @@ it back (export). Splitting only slices, and fusing only concatenates or
 reorders rows, so import -> export gives back bitwise-identical tensors.
 
 Llamatron fuses what Hugging Face keeps apart:
-  attn.qkv   rows [Q heads; K heads; V heads]  <- q_proj, k_proj, v_proj (Llama, Mistral)
+  attn.qkv   rows [Q heads; K heads; V heads]  <- q_proj, k_proj, v_proj (Llama, Mistral, Mixtral)
   mlp.gate_up rows [gate; up]                  <- gate_proj, up_proj
+Mixtral's experts are stacked per layer (hf_mixtral.py).
 Falcon already fuses QKV, in one of three row layouts (`falcon_qkv_layout`):
   "multi_query" (7B):   [all Q heads; K; V]                      = llamatron's order
   "grouped" (40B/180B, new_decoder_architecture): per KV head g, [q_g1 .. q_gn, k_g, v_g]
@@ -19,7 +20,8 @@ Hugging Face config (which decides Falcon's layout and norm names).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +29,24 @@ import torch
 
 from ..errors import HFConversionError
 from ..models import ModelConfig, RopeScaling
+from .hf_mixtral import MIXTRAL_DEFAULTS, expert_tensors, has_stacked_experts, moe_config_from_hf, moe_config_to_hf
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "falcon": "FalconForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "falcon": "FalconForCausalLM",
+}
 # Keys rewritten on export (rope in the form every transformers >= 4.45 reads; dtype under both names).
-_REWRITTEN_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
+_REWRITTEN_KEYS = (
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "router_z_loss_coef",  # written only when set (hf_mixtral.py): a stale one must not survive
+)
 # Hugging Face tensors that carry nothing a llamatron model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -97,11 +113,15 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type in ("llama", "mistral"):
         return _llama_config_from_hf(hf)
+    if model_type == "mixtral":  # Mistral's attention (with Mixtral's defaults), a mixture of experts for the MLP
+        # transformers' Mixtral has no biases, whatever attention_bias says
+        attention = {**MIXTRAL_DEFAULTS, **hf, "attention_bias": False, "mlp_bias": False}
+        return dataclasses.replace(_llama_config_from_hf(attention), **moe_config_from_hf(hf))
     if model_type == "falcon":
         return _falcon_config_from_hf(hf)
     raise HFConversionError(
-        f"model_type {model_type!r} is not supported; llamatron converts llama, mistral "
-        f"and falcon (Llama 1/2/3, Code Llama, Mistral, Falcon)"
+        f"model_type {model_type!r} is not supported; llamatron converts llama, mistral, mixtral "
+        f"and falcon (Llama 1/2/3, Code Llama, Mistral, Mixtral, Falcon)"
     )
 
 
@@ -131,7 +151,7 @@ def _llama_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
+        sliding_window=hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral") else None,
         bias=attention_bias,
         init_std=float(hf.get("initializer_range", 0.02)),
     )
@@ -218,6 +238,7 @@ def config_to_hf(
 
 def _llama_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
     model_type = "mistral" if cfg.sliding_window is not None or base.get("model_type") == "mistral" else "llama"
+    model_type = "mixtral" if cfg.is_moe else model_type
     if model_type == "mistral" and cfg.bias:
         raise HFConversionError("Mistral has no biases in transformers; this model has bias=True")
     out = {
@@ -232,7 +253,9 @@ def _llama_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
     }
-    if model_type == "mistral":
+    if model_type == "mixtral":
+        out.update(moe_config_to_hf(cfg))
+    elif model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     else:
         out.update({"attention_bias": cfg.bias, "mlp_bias": cfg.bias})
@@ -350,14 +373,15 @@ def _linear(name: str, hf_name: str, bias: bool, **fns) -> list[TensorRule]:
     return [TensorRule(f"{name}.{s}", tuple(f"{h}.{s}" for h in hf_name.split("|")), **fns) for s in suffixes]
 
 
-def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any]) -> list[TensorRule]:
-    """Every llamatron tensor of `cfg`, in checkpoint order, with its Hugging Face counterparts."""
+def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
+    """Every llamatron tensor of `cfg`, in checkpoint order, with its Hugging Face counterparts. `names`: the
+    Hugging Face tensors at hand (import), which decide the layout of Mixtral's experts (export: the Hub's)."""
     if cfg.family == "falcon":
         return _falcon_rules(cfg, hf)
-    return _llama_rules(cfg)
+    return _llama_rules(cfg, stacked_experts=has_stacked_experts(names))
 
 
-def _llama_rules(cfg: ModelConfig) -> list[TensorRule]:
+def _llama_rules(cfg: ModelConfig, stacked_experts: bool = False) -> list[TensorRule]:
     d, b = cfg.head_dim, cfg.bias
     qkv = _split_rows([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
     gate_up = _split_rows([cfg.ffn_hidden_size, cfg.ffn_hidden_size])
@@ -370,6 +394,9 @@ def _llama_rules(cfg: ModelConfig) -> list[TensorRule]:
         )
         rules += _linear(f"{L}.attn.o", f"{h}.self_attn.o_proj", b)
         rules.append(TensorRule(f"{L}.mlp_norm.weight", (f"{h}.post_attention_layernorm.weight",)))
+        if cfg.is_moe:
+            rules += [TensorRule(*t) for t in expert_tensors(cfg, i, stacked_experts)]
+            continue
         rules += _linear(f"{L}.mlp.gate_up", f"{h}.mlp.gate_proj|{h}.mlp.up_proj", b, fuse=_cat, split=gate_up)
         rules += _linear(f"{L}.mlp.down", f"{h}.mlp.down_proj", b)
     rules.append(TensorRule("norm.weight", ("model.norm.weight",)))
@@ -415,9 +442,12 @@ def check_hf_names(rules: list[TensorRule], available: set[str], cfg: ModelConfi
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
     extra = sorted(n for n in available - needed - ignorable if not n.endswith(_IGNORED_SUFFIXES))
     if missing or extra:
-        lines = [f"missing {n}" for n in missing[:20]] + [f"unexpected {n}" for n in extra[:20]]
+        shape = f"{cfg.num_layers} layers" + (f" of {cfg.num_experts} experts" if cfg.is_moe else "")
+        problems = [f"missing {n}" for n in missing] + [f"unexpected {n}" for n in extra]
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
         raise HFConversionError(
-            f"{where} does not match its config.json ({cfg.family}, {cfg.num_layers} layers):\n  " + "\n  ".join(lines)
+            f"{where} does not match its config.json ({cfg.family}, {shape}): {', '.join(problems[:8])}{more}; "
+            f"the weights must be those of the model config.json describes (re-download an incomplete one)"
         )
 
 
@@ -425,7 +455,7 @@ def hf_to_llamatron(
     hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, hf: Mapping[str, Any]
 ) -> dict[str, torch.Tensor]:
     """In-memory conversion of a Hugging Face state dict (for tests and `verify`; import-hf streams)."""
-    rules = weight_rules(cfg, hf)
+    rules = weight_rules(cfg, hf, hf_state.keys())
     check_hf_names(rules, set(hf_state), cfg, "state dict")
     return {r.name: r.fuse([hf_state[n] for n in r.hf_names]).contiguous() for r in rules}
 

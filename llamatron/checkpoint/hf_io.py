@@ -116,7 +116,7 @@ def write_imported(
     `hf` (a config.json) describes; `origin` (source, format) goes into meta.json beside the config, and the
     tokenizer files of `tokenizer` (a directory or one file) into OUT/tokenizer. The importers' one writer."""
     cfg = config_from_hf(hf)
-    rules = weight_rules(cfg, hf)
+    rules = weight_rules(cfg, hf, source.keys())
     check_hf_names(rules, source.keys(), cfg, origin["source"])
     specs: list[TensorSpec] = []
     for rule in rules:  # shapes and dtypes from the file headers; no data read yet
