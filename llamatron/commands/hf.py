@@ -96,7 +96,9 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     print(
         f"imported {args.hf_dir} ({meta['hf']['format']}) -> {step_dir}\n"
         f"  {c['family']}: {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']} "
-        f"(kv {c['num_kv_heads']}), vocab {c['vocab_size']}\n"
+        f"(kv {c['num_kv_heads']}), vocab {c['vocab_size']}"
+        + (f", {c['num_experts']} experts (top-{c['experts_per_token']})" if c.get("num_experts") else "")
+        + "\n"
         f"  tokenizer: {meta['tokenizer'] or 'none found'}\n"
         f"  weights only: train with `llamatron train --load {args.out} --finetune ...`"
     )
