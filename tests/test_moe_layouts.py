@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from layout import assert_matches, run_train
 
+from llamatron.checkpoint.reader import load_full_tensors
+
 KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")
 Z_LOSS = ["--config", "z.yaml"]  # turns the z-loss on, so its gradient is checked too
 
@@ -71,5 +73,10 @@ def test_resume_across_expert_layouts(workdir, reference):
     resumed = run_train(Z_LOSS + ["--load", "ep2"], 1, workdir, model="mixtral-test")
     _assert_same_routing(reference[2:], resumed)
     run_train(Z_LOSS + ["--train-steps", "2", "--save", "ep1"], 1, workdir, model="mixtral-test")
+    # the ep 2 checkpoint's full tensors (the experts written in boxes by two ranks) are the single process's
+    sharded, whole = load_full_tensors(workdir / "ep2" / "step-2"), load_full_tensors(workdir / "ep1" / "step-2")
+    assert sharded.keys() == whole.keys() and "layers.0.mlp.experts.gate_up" in whole
+    for name, tensor in whole.items():
+        assert (sharded[name] - tensor).abs().max() <= 1e-5, name
     resumed = run_train(Z_LOSS + ["--load", "ep1", "--ep", "2", "--tp", "2"], 4, workdir, model="mixtral-test")
     _assert_same_routing(reference[2:], resumed)
