@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 import yaml
 
@@ -53,6 +54,7 @@ class Calibration:
     tp_backward_exposed: int
     tp_backward_overlapped: int
     tp_slowdown: float
+    planner: dict[str, Any]
 
     def attention(self, gpu: str, backend: str, seq: int) -> float:
         """In-model attention efficiency of a backend at a sequence length ('auto' is cuDNN, flex for masks:
@@ -66,6 +68,15 @@ class Calibration:
 
 def _curve(entry: dict) -> Curve:
     return Curve(float(entry["efficiency"]), float(entry["half_mib"]) * MiB)
+
+
+def _planner(d: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {k: float(v) for k, v in d.items() if k not in ("fp8_gemm_speedup", "source")}
+    out["peak_flops"] = out.pop("peak_tflops") * 1e12
+    for key in ("nvlink", "internode", "hbm"):
+        out[f"{key}_bw"] = out.pop(f"{key}_gbps") * 1e9
+    out["fp8_gemm_speedup"] = {k: float(v) for k, v in d["fp8_gemm_speedup"].items()}
+    return out
 
 
 @lru_cache(maxsize=1)
@@ -108,4 +119,5 @@ def load_calibration() -> Calibration:
         tp_backward_exposed=int(t["backward_exposed"]),
         tp_backward_overlapped=int(t["backward_overlapped"]),
         tp_slowdown=float(t["slowdown"]),
+        planner=_planner(d["planner"]),
     )
