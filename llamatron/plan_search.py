@@ -25,6 +25,7 @@ from .plan import (
     Memory,
     Plan,
     Precision,
+    SpeedAssumptions,
     estimate_speed,
     layout_memory,
     runtime_memory,
@@ -135,6 +136,7 @@ def plan(
     model_overrides: dict | None = None,
     precision: Precision = Precision(),
     explain: bool = True,
+    speed: SpeedAssumptions = SpeedAssumptions(),
 ) -> PlanResult:
     """All layouts that fit, fastest first; when none does, an explanation of why."""
     _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
@@ -144,7 +146,7 @@ def plan(
         layouts = candidate_layouts(
             model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides, context, worth
         )
-        return _evaluate(model, layouts, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+        return _evaluate(model, layouts, seq_length, gpu_memory, precision, gpus, gpus_per_node, speed)
 
     fits, rejected = evaluate((1,))
     context = [c for c in context_sizes(gpus, seq_length) if c > 1]
@@ -154,7 +156,7 @@ def plan(
         # Without any valid layout to explain a failure by, cp layouts are modelled in full even when their
         # weights alone cannot fit (the explanation names the smallest).
         worth = _ContextFilter(
-            model, seq_length, gpu_memory, precision, gpus, gpus_per_node, to_beat, bool(fits or rejected)
+            model, seq_length, gpu_memory, precision, gpus, gpus_per_node, to_beat, speed, bool(fits or rejected)
         )
         cp_fits, cp_rejected = evaluate(context, worth)
         fits += [p for p in cp_fits if p.speed.tokens_per_sec_per_gpu > to_beat]
@@ -186,16 +188,19 @@ def _evaluate(
     precision: Precision,
     gpus: int,
     gpus_per_node: int,
+    speed: SpeedAssumptions,
 ) -> tuple[list[Plan], list[tuple[Layout, Memory]]]:
     """(the layouts that fit, with their partial-recompute variants; those that do not, with their memory)."""
     fits, rejected = [], []
     for lay in layouts:
         mem = layout_memory(model, lay, seq_length, precision)
         if mem.total <= gpu_memory:
-            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, fp8=precision.fp8)))
+            fits.append(
+                Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8))
+            )
         else:
             rejected.append((lay, mem))
-    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node, speed)
     return fits, rejected
 
 
@@ -213,6 +218,7 @@ class _ContextFilter:
     gpus: int
     gpus_per_node: int
     to_beat: float  # tokens/s per GPU; 0 when no layout without cp fits
+    speed: SpeedAssumptions = field(default_factory=SpeedAssumptions)
     static_bound: bool = True  # skip the layouts whose weights, gradients, optimizer state and runtime overflow
     _static_fits: dict[tuple, bool] = field(default_factory=dict)  # by what the lower bound depends on
 
@@ -223,7 +229,7 @@ class _ContextFilter:
             return True
         fastest = replace(lay, recompute="none", recompute_layers=None)
         speed = estimate_speed(
-            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, fp8=self.precision.fp8
+            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, self.speed, fp8=self.precision.fp8
         )
         return speed.tokens_per_sec_per_gpu > self.to_beat
 
@@ -247,6 +253,7 @@ def _partial_recompute(
     precision: Precision,
     gpus: int,
     gpus_per_node: int,
+    speed: SpeedAssumptions,
 ) -> list[Plan]:
     """Where full recompute fits and no recompute does not, the fewest recomputed layers per chunk that fit
     (--recompute-layers N): each layer not recomputed saves a layer's forward."""
@@ -268,7 +275,11 @@ def _partial_recompute(
             partial = replace(lay, recompute_layers=lo)
             mem = layout_memory(model, partial, seq_length, precision)
             out.append(
-                Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node, fp8=precision.fp8))
+                Plan(
+                    partial,
+                    mem,
+                    estimate_speed(model, partial, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8),
+                )
             )
     return out
 

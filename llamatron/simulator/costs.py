@@ -191,6 +191,11 @@ class Costs:
         size = s.micro_batch_size * s.seq_length * 2 * local_kv_heads(m.num_kv_heads, s.tp) * m.head_dim * s.act_bytes
         return self.collective("all_gather", size, s.cp, self._group_per_node(s.tp, s.cp))
 
+    def all_to_all_bytes(self) -> float:
+        """Bytes one MoE dispatch (or combine) sends off this rank."""
+        m, s = self.model, self.s
+        return s.tokens * m.experts_per_token * m.hidden_size * s.act_bytes * (s.ep - 1) / s.ep
+
     def all_to_all(self) -> float:
         """One MoE dispatch (or combine) over the ep ranks: T x k x hidden values, (ep-1)/ep off the rank."""
         m, s, hw, c = self.model, self.s, self.hw, self.cal
