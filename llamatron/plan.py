@@ -78,12 +78,13 @@ from .plan_activations import (
 )
 from .plan_params import (
     active_layer_params,
-    bytes_per_param,
     expert_layer_params,
     local_vocab,
     stage_layers,
     stage_params,
 )
+from .plan_params import bytes_per_param as bytes_per_param  # re-exported: the planner's public names
+from .plan_params import layer_params as layer_params
 from .simulator.calibration import load_calibration
 from .simulator.hardware import Hardware
 

@@ -35,6 +35,7 @@ from .plan import (
 RECOMPUTE_MODES = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
+MAX_EP = 8  # expert-parallel sizes searched (a node's worth of all-to-all)
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
 # A cp layout is listed beside layouts without cp only when expected this much faster than all of them: the
 # speed model is calibrated to ~10%, and under cp attention runs flex attention over a mask of this rank's
@@ -49,6 +50,7 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
         "model": model_name,
         "tp": lay.tp,
         "cp": lay.cp,
+        "ep": lay.ep,
         "pp": lay.pp,
         "vpp": lay.vpp,
         "sequence_parallel": lay.sequence_parallel,
@@ -89,6 +91,10 @@ def candidate_layouts(
     of micro-batch x dp (x pp when interleaved) closest to ~4M tokens. `worth`: a cheap test a layout must pass
     before the (costlier) validation."""
     model = _model(model_name, model_overrides)
+
+    def eps(dp: int) -> list[int]:  # expert parallelism: sizes dividing dp and the experts (MoE models only)
+        return [e for e in divisors(dp) if e <= MAX_EP and model.num_experts % e == 0] if model.is_moe else [1]
+
     sizes = [
         (tp, cp, pp)
         for tp in divisors(gpus)
@@ -105,8 +111,8 @@ def candidate_layouts(
             if gbs is None:
                 step = mb * dp * (pp if vpp > 1 else 1)
                 gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
-            for dist_opt in (False, True) if dp * cp > 1 else (False,):
-                lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs, cp=cp)
+            for dist_opt, ep in ((d, e) for d in ((False, True) if dp * cp > 1 else (False,)) for e in eps(dp)):
+                lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs, cp=cp, ep=ep)
                 if worth is not None and not worth(lay):
                     continue
                 try:
