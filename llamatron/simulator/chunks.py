@@ -80,7 +80,8 @@ def buckets(chunk: Chunk, c: int, bucket_size: int) -> list[Bucket]:
         items = [(chunk.last_params, 0.0, -1)] if not expert else []
         n = chunk.layers
         per_layer = chunk.expert_params if expert else chunk.dense_params
-        items += [(per_layer[j], (n - j) / max(n, 1), j) for j in reversed(range(n))]
+        # layer j's gradients arrive as its backward ends; the embedding's scatter-add runs last, just after
+        items += [(per_layer[j], 0.999 * (n - j) / max(n, 1), j) for j in reversed(range(n))]
         if not expert:
             items.append((chunk.first_params, 1.0, 0))
         size, frac, first = 0.0, 0.0, n

@@ -152,7 +152,7 @@ class DataParallel:
                 continue
             start = max(ready, free)
             free = end = start + seconds
-            out.append(Event(r, "dp-rs", c, -1, start, end))
+            out.append(Event(r, "dp-rs", c, -1, start, end, ready))
             comm[r] += seconds
             moved[r] += size * _overlap(start, end, busy) / seconds
         return end

@@ -5,7 +5,7 @@ input has arrived (the neighbour's output plus the point-to-point transfer).
 ZB-H1 (zero bubble, Qi et al. 2023, arXiv 2401.10241): the backward is split into B (input gradients, which
 the previous stage waits for) and W (weight gradients, which nobody waits for). A rank runs its F and B in the
 1F1B order and a pending W whenever it would otherwise wait, or before a forward that would hold more
-micro-batches than 1F1B does (ZB-H1 keeps 1F1B's activation memory); the Ws left at the end drain. Not built
+micro-batches than 1F1B's first rank does (ZB-H1's peak activation memory is 1F1B's); the Ws left drain. Not built
 in the trainer: the simulator predicts what it would gain.
 """
 
@@ -26,6 +26,11 @@ class Event:
     micro_batch: int
     start: float
     end: float
+    issued: float = -1.0  # collectives: when issued (they may wait for the stream); -1: at start
+
+    @property
+    def issue_time(self) -> float:
+        return self.start if self.issued < 0 else self.issued
 
 
 @dataclass
@@ -47,7 +52,8 @@ def run_pipeline(
     """Every rank's actions with their start and end times. first_forward(chunk, start) -> end: the first
     forward of each chunk, which waits layer by layer for its parameters' all-gather."""
     orders = [deque(rank_order(pp, vpp, r, micro_batches)) for r in range(pp)]
-    caps = [max_alive(pp, vpp, r, micro_batches) for r in range(pp)]
+    # ZB-H1 lets every rank hold as many micro-batches as 1F1B's first rank (its peak memory): later ranks defer Ws
+    caps = [max_alive(pp, vpp, 0 if zero_bubble else r, micro_batches) for r in range(pp)]
     free, held = [0.0] * pp, [0] * pp
     pending: list[deque[Action]] = [deque() for _ in range(pp)]
     end: dict[tuple[bool, int, int], float] = {}
