@@ -34,7 +34,9 @@ Buffers:
                 per communicator in use: tp, pp, cp and the replicas' (dp x cp; dp's own without cp)
 `allocated` (everything but fragmentation and runtime) is what torch.cuda.max_memory_allocated() should read.
 
-Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see SpeedAssumptions)
+Speed model (ranks a search's layouts; a fixed layout, and a search's best with --simulate, go through the
+step simulator of llamatron/simulator/, docs/simulator.md; both take their numbers from
+llamatron/simulator/calibration.yaml, this one from its `planner:` section, see SpeedAssumptions)
 ---------------------------------------------------------------------------------------------------
   compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency),
     tokens = micro-batch x seq / cp (the load-balanced split gives every cp rank 1/cp of the attention work);
