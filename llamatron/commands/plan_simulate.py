@@ -77,7 +77,16 @@ def record(args: argparse.Namespace, sim: Simulation) -> dict[str, Any]:
 
 
 def print_extras(args: argparse.Namespace, sim: Simulation) -> None:
-    """What --explain, --explain-png and --train-tokens add to the text output."""
+    """What --explain, --explain-png and --train-tokens add to the text output (and a mixture of experts' line)."""
+    if sim.model.is_moe:
+        moe = sim.to_dict()["moe"]
+        print(
+            f"\nmixture of experts: {sim.model.num_params() / 1e9:.1f}B parameters, "
+            f"{sim.model.active_params() / 1e9:.1f}B active per token (FLOPs and MFU count these); "
+            f"{moe['experts_per_rank']} experts per rank ({moe['expert_weights_gb_per_rank']:.1f} GB of expert "
+            f"weights), all-to-all {moe['all_to_all_gb_per_rank_and_step']:.1f} GB per rank and step "
+            f"({moe['all_to_all_seconds_exposed'] * 1e3:,.0f} ms exposed)"
+        )
     if args.explain:
         print("\n" + explain_text(sim))
     if args.explain_png:
