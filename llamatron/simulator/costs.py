@@ -105,9 +105,8 @@ class Costs:
 
     def __init__(self, model: ModelConfig, shape: Shape, hw: Hardware, cal: Calibration):
         self.model, self.s, self.hw, self.cal = model, shape, hw, cal
-        self.peak = hw.gpu.peak_flops
-        scale = hw.gpu.peak_flops  # efficiencies are fractions of each GPU's own peak
-        self._gemm_rate = scale * cal.gemm_efficiency
+        self.peak = hw.gpu.peak_flops  # efficiencies are fractions of each GPU's own datasheet peak
+        self._gemm_rate = self.peak * cal.gemm_efficiency
 
     # ---- compute ------------------------------------------------------------------------------------------
 

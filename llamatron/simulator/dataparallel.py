@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..models import ModelConfig
 from .chunks import Bucket, Chunk, buckets
 from .costs import Costs, Shape
 from .hardware import Hardware
 from .timeline import Event
+
+if TYPE_CHECKING:  # step.py builds this class: its options only as a type here
+    from .step import StepOptions
 
 
 @dataclass
@@ -28,7 +32,7 @@ def _overlap(start: float, end: float, busy: list[tuple[float, float]]) -> float
 
 
 class DataParallel:
-    def __init__(self, model: ModelConfig, s: Shape, hw: Hardware, opt, costs: Costs, chunks: list[Chunk]):
+    def __init__(self, model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, costs: Costs, chunks: list[Chunk]):
         self.model, self.s, self.hw, self.opt, self.costs, self.chunks = model, s, hw, opt, costs, chunks
         self.buckets = [buckets(ch, c, opt.bucket_size) for c, ch in enumerate(chunks)]
         self.dense_replicas = s.dp * s.cp
@@ -122,9 +126,7 @@ class DataParallel:
         step = opt_start + optimizer + blocking + contention
         for r in ranks:
             dp_events.append(Event(r, "opt", -1, -1, opt_start, opt_start + self.costs.optimizer(owned[r])))
-        exposed = parts["dp_exposed"] + waited + blocking
-        if not opt.overlap_grad_reduce or not opt.overlap_param_gather:
-            exposed = max(exposed, 0.0)
+        exposed = max(0.0, parts["dp_exposed"] + waited + blocking)
         return Finished(step, parts, max(comm) + blocking, exposed, events + dp_events)
 
     def _reduce(
