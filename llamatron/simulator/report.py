@@ -90,17 +90,16 @@ def explain_png(sim: Simulation, path: str | Path) -> None:
         "opt": "tab:gray",
     }
     pp = sim.layout.pp
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * pp))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * pp))
     for e in sim.result.events:
         y = 2 * (pp - 1 - e.rank) + (0 if e.kind in ("dp-ag", "dp-rs") else 1)
-        ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3)], (y, 0.8), color=colours[e.kind])
+        ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3)], (y, 0.8), color=colours[e.kind], ec="white", lw=0.3)
     ax.set_yticks([2 * (pp - 1 - r) + o + 0.4 for r in range(pp) for o in (1, 0)])
     ax.set_yticklabels([f"pp {r} {w}" for r in range(pp) for w in ("compute", "data-parallel")])
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(
-        handles, ["forward", "backward", "weight grad", "all-gather", "reduce", "optimizer"], ncol=6, loc="upper right"
-    )
+    names = ["forward", "backward", "weight grad", "all-gather", "reduce", "optimizer"]
+    ax.legend(handles, names, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     ax.set_title(
         f"{sim.layout.label}, {sim.result.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, MFU {sim.result.mfu:.1%}"
     )
