@@ -265,7 +265,7 @@ def print_fixed_layout(
     tflops_per_gpu: the simulator's); exit status 1 when it does not fit in `gpu_memory`."""
     gpus = args.gpus
     p, model = evaluate_layout(settings, gpus, seq_length, hw.gpus_per_node, precision, _ranking_speed(args, hw))
-    sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision)
+    sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision, settings.get("pp_layers"))
     r = sim.result
     simulated = Plan(
         p.layout, p.memory, Speed(r.step_seconds, r.tokens_per_sec_per_gpu, r.mfu, p.speed.bubble, r.parts)

@@ -54,22 +54,29 @@ def hardware_of(args: argparse.Namespace) -> Hardware:
     )
 
 
-def settings_of(args: argparse.Namespace) -> SimSettings:
+def settings_of(args: argparse.Namespace, pp_layers: str | None = None) -> SimSettings:
     return SimSettings(
         overlap=args.overlap,
         schedule=args.pipeline_schedule,
         attention=args.attention_backend,
         bucket_size=args.bucket_size,
         grad_reduce_dtype=args.grad_reduce_dtype,
+        pp_layers=pp_layers,
     )
 
 
 def simulate(
-    args: argparse.Namespace, model: ModelConfig, p: Plan, seq: int, hw: Hardware, prec: Precision
+    args: argparse.Namespace,
+    model: ModelConfig,
+    p: Plan,
+    seq: int,
+    hw: Hardware,
+    prec: Precision,
+    pp_layers: str | None = None,
 ) -> Simulation:
     if args.pipeline_schedule == "zb-h1" and p.layout.vpp > 1:
         raise ConfigError("--pipeline-schedule zb-h1 is modelled for vpp 1; drop --vpp")
-    return simulate_layout(model, p.layout, seq, hw, prec, settings_of(args))
+    return simulate_layout(model, p.layout, seq, hw, prec, settings_of(args, pp_layers))
 
 
 def record(args: argparse.Namespace, sim: Simulation) -> dict[str, Any]:

@@ -26,6 +26,7 @@ class SimSettings:
     bucket_size: int = 40_000_000
     grad_reduce_dtype: str = "fp32"
     tp_comm_overlap: bool = True
+    pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
 
 
 @dataclass
@@ -134,6 +135,7 @@ def _options(lay: Layout, settings: SimSettings, overlap: bool) -> StepOptions:
         grad_reduce_bytes=2 if settings.grad_reduce_dtype == "bf16" else 4,
         bucket_size=settings.bucket_size,
         schedule=settings.schedule,
+        pp_layers=settings.pp_layers,
     )
 
 
