@@ -34,7 +34,9 @@ Buffers:
                 per communicator in use: tp, pp, cp and the replicas' (dp x cp; dp's own without cp)
 `allocated` (everything but fragmentation and runtime) is what torch.cuda.max_memory_allocated() should read.
 
-Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see SpeedAssumptions)
+Speed model (ranks a search's layouts; a fixed layout, and a search's best with --simulate, go through the
+step simulator of llamatron/simulator/, docs/simulator.md; both take their numbers from
+llamatron/simulator/calibration.yaml, this one from its `planner:` section, see SpeedAssumptions)
 ---------------------------------------------------------------------------------------------------
   compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency),
     tokens = micro-batch x seq / cp (the load-balanced split gives every cp rank 1/cp of the attention work);
@@ -62,14 +64,13 @@ Speed model (ranks layouts; absolute numbers assume an H100/H200-class GPU, see 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .config import RunConfig, validate
 from .kernel_settings import kernel_choices
 from .models import ModelConfig
 from .models.rope_op import supports_head_dim as rope_supports_head_dim
-from .parallel.pipeline import split_layers
-from .parallel.tensor import local_kv_heads, padded_vocab_size
+from .parallel.tensor import padded_vocab_size
 from .plan_activations import (
     LayerKernels,
     chunk_activation_bytes,
@@ -77,6 +78,17 @@ from .plan_activations import (
     gathered_kv_bytes,
     layer_activation_bytes,
 )
+from .plan_params import (
+    active_layer_params,
+    expert_layer_params,
+    local_vocab,
+    stage_layers,
+    stage_params,
+)
+from .plan_params import bytes_per_param as bytes_per_param  # re-exported: the planner's public names
+from .plan_params import layer_params as layer_params
+from .simulator.calibration import load_calibration
+from .simulator.hardware import Hardware
 
 GB = 1e9
 GiB = 2**30
@@ -97,6 +109,12 @@ class Layout:
     global_batch_size: int
     recompute_layers: int | None = None  # --recompute-layers: only the first N layers of each chunk
     cp: int = 1  # --cp: ranks that split every sequence (world = tp x cp x dp x pp)
+    ep: int = 1  # --ep: a mixture of experts' experts split over this many of the dp ranks
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: their gradients are reduced, and the optimizer sharded, over these."""
+        return max(1, self.replicas // self.ep)
 
     @property
     def micro_batches(self) -> int:
@@ -111,7 +129,7 @@ class Layout:
     @property
     def label(self) -> str:
         """The parallel sizes in words, for messages: 'tp 8 x cp 2 x pp 1, dp 1'."""
-        return f"tp {self.tp} x cp {self.cp} x pp {self.pp}, dp {self.dp}"
+        return f"tp {self.tp} x cp {self.cp} x pp {self.pp}, dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
 
     @property
     def recompute_label(self) -> str:
@@ -122,6 +140,7 @@ class Layout:
         """The `llamatron train` flags that run this layout (launched on tp x cp x pp x dp processes)."""
         flags = [f"--tp {self.tp}", f"--pp {self.pp}"]
         flags += [f"--cp {self.cp}"] if self.cp > 1 else []
+        flags += [f"--ep {self.ep}"] if self.ep > 1 else []
         flags += [f"--vpp {self.vpp}"] if self.vpp > 1 else []
         flags += ["--sequence-parallel"] if self.sequence_parallel else []
         flags += ["--distributed-optimizer"] if self.distributed_optimizer else []
@@ -195,22 +214,36 @@ class Memory:
         return self.total - self.buffers["fragmentation"] - self.buffers["runtime"]
 
 
+_PLANNER = load_calibration().planner  # the ranking model's numbers: llamatron/simulator/calibration.yaml
+
+
 @dataclass(frozen=True)
 class SpeedAssumptions:
-    peak_flops: float = 989e12  # dense bf16, H100/H200
-    # A large GEMM-bound step: fitted to llamatron's own compiled runs on H200 (RESULTS.md, run 2; refitted to
-    # benchmarks/h200_peak_memory.json's rows, 0.645 -> 0.635, when the input embedding left the FLOP count).
-    base_mfu: float = 0.635
-    nvlink_bw: float = 200e9  # bus bandwidth, 32-64 MiB collectives in a node (docs/gpu_facts.md: all-gather 212 GB/s)
-    internode_bw: float = 40e9  # per GPU across nodes (400 Gb/s NIC, ~80% achieved)
-    hbm_bw: float = 3.0e12
-    gemm_tokens_half: float = 256.0
-    gemm_width_half: float = 64.0
-    bucket_size: int = 40_000_000
-    # --fp8: how much faster the decoder's linear layers run (their share of the FLOPs divided by it, the rest as
-    # in bf16), fitted to RESULTS.md run 9 (Llama 2 7B and llama-1b on one H200: this model then predicts each
-    # measured FP8/bf16 step ratio within 2%; a probe of the linears alone gave 1.45 / 1.17, docs/gpu_facts.md).
-    fp8_gemm_speedup: tuple[tuple[str, float], ...] = (("none", 1.0), ("tensorwise", 1.37), ("rowwise", 1.05))
+    """The closed-form ranking model's numbers (calibration.yaml, `planner:`, with the runs they come from);
+    `for_hardware` scales them to a GPU and network of llamatron/simulator/hardware.yaml."""
+
+    peak_flops: float = _PLANNER["peak_flops"]
+    base_mfu: float = _PLANNER["base_mfu"]
+    nvlink_bw: float = _PLANNER["nvlink_bw"]
+    internode_bw: float = _PLANNER["internode_bw"]
+    hbm_bw: float = _PLANNER["hbm_bw"]
+    gemm_tokens_half: float = _PLANNER["gemm_tokens_half"]
+    gemm_width_half: float = _PLANNER["gemm_width_half"]
+    bucket_size: int = int(_PLANNER["bucket_size"])
+    fp8_gemm_speedup: tuple[tuple[str, float], ...] = tuple(_PLANNER["fp8_gemm_speedup"].items())
+
+    @classmethod
+    def for_hardware(cls, hw: Hardware) -> SpeedAssumptions:
+        """The same model on another GPU: its peak and HBM, its link (by bandwidth against NVLink 4's 450 GB/s)
+        and its share of the node's network at the calibrated efficiency."""
+        base = cls()
+        return replace(
+            base,
+            peak_flops=hw.gpu.peak_flops,
+            hbm_bw=base.hbm_bw * hw.gpu.hbm_bw / 4.8e12,
+            nvlink_bw=base.nvlink_bw * hw.link.bandwidth / 450e9,
+            internode_bw=hw.nic_bandwidth_per_gpu() * load_calibration().network.efficiency,
+        )
 
 
 @dataclass
@@ -250,57 +283,6 @@ class Plan:
         }
 
 
-# ---- parameters ---------------------------------------------------------------------------------------------
-
-
-def local_vocab(model: ModelConfig, tp: int) -> int:
-    """Vocabulary rows of the embedding/head on one tensor-parallel rank."""
-    return model.vocab_size if tp == 1 else padded_vocab_size(model.vocab_size, tp) // tp
-
-
-def layer_params(model: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one tensor-parallel rank."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size // tp
-    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
-    falcon = model.family == "falcon"
-    count = h * (q + 2 * kv) * d + q * d * h + (2 if falcon else 3) * h * f
-    count += ((4 if model.separate_mlp_norm else 2) if falcon else 2) * h  # LayerNorm weight+bias / RMSNorm weight
-    if model.bias:
-        count += (q + 2 * kv) * d + f * (1 if falcon else 2) + 2 * h  # row-parallel biases are replicated
-    return count
-
-
-def stage_layers(model: ModelConfig, pp: int, vpp: int, pp_layers: str | None = None) -> list[list[int]]:
-    """Decoder layers of each chunk of each pipeline rank; chunk c (model order) lives on rank c % pp."""
-    counts = split_layers(model.num_layers, pp, vpp, pp_layers)
-    return [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
-
-
-def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int) -> tuple[int, int]:
-    """(parameters on pipeline rank `rank`, the largest single parameter there)."""
-    h, vocab = model.hidden_size, local_vocab(model, tp)
-    count = layers * layer_params(model, tp)
-    largest = h * model.ffn_hidden_size // tp * (1 if model.family == "falcon" else 2) if layers else 0
-    if rank == 0:
-        count += vocab * h
-        largest = max(largest, vocab * h)
-    if rank == pp - 1:
-        count += (2 if model.family == "falcon" else 1) * h  # final norm
-        if not model.tie_embeddings or pp > 1:  # tied: the last stage keeps a copy of the embedding
-            count += vocab * h
-            largest = max(largest, vocab * h)
-    return count, largest
-
-
-def bytes_per_param(dtype: str, distributed_optimizer: bool, replicas: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter held, as parallel/optimizer.py allocates them
-    (replicas: dp x cp, over which the distributed optimizer shards)."""
-    shards = replicas if distributed_optimizer else 1
-    if dtype == "fp32":
-        return 4.0, 4.0, 8.0 / shards
-    return 2.0, 4.0, 12.0 / shards
-
-
 def loss_bytes_per_token(
     model: ModelConfig, tp: int, compiled: bool = False, act_bytes: int = 2, fused: bool = False
 ) -> float:
@@ -322,9 +304,20 @@ def static_memory(
 ) -> float:
     """Weights + gradients + optimizer state on the busiest pipeline rank, which context parallelism does not
     shrink (cp splits the sequence, not the weights): with runtime_memory, a lower bound of layout_memory."""
-    w, g, o = bytes_per_param(precision.dtype, lay.distributed_optimizer, lay.replicas)
     chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)
-    return max((w + g + o) * stage_params(model, lay.tp, lay.pp, r, sum(chunks[r]))[0] for r in range(lay.pp))
+    return max(sum(_state_bytes(model, lay, precision, sum(chunks[r]), r)) for r in range(lay.pp))
+
+
+def _state_bytes(
+    model: ModelConfig, lay: Layout, prec: Precision, layers: int, rank: int
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes on pipeline rank `rank`: expert weights' optimizer state is
+    sharded over the dp/ep ranks holding the same experts, the rest over dp x cp."""
+    params = stage_params(model, lay.tp, lay.pp, rank, layers, lay.ep)[0]
+    experts = layers * expert_layer_params(model, lay.tp, lay.ep)
+    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.replicas)
+    o_expert = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.expert_replicas)[2]
+    return w * params, g * params, o * (params - experts) + o_expert * experts
 
 
 def runtime_memory(lay: Layout) -> float:
@@ -361,8 +354,8 @@ def _rank_memory(
 ) -> Memory:
     a = prec.act_bytes
     chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)[rank]
-    params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks))
-    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.replicas)
+    params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks), lay.ep)
+    weights, gradients, optimizer = _state_bytes(model, lay, prec, sum(chunks), rank)
     tokens = lay.micro_batch_size * seq_length // lay.cp  # this rank's part of each micro-batch
     kernels = prec.layer_kernels(model)
     per_chunk = [
@@ -407,9 +400,9 @@ def _rank_memory(
     buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest)
     buffers["runtime"] = runtime_memory(lay)
     return Memory(
-        weights=w * params,
-        gradients=g * params,
-        optimizer=o * params,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
         activations=activations,
         buffers=buffers,
         stage=rank,
@@ -432,6 +425,7 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
         t.global_batch_size,
         t.recompute_layers,
         p.cp,
+        p.ep,
     )
 
 
@@ -494,13 +488,13 @@ def estimate_speed(
     tokens = lay.micro_batch_size * seq_length / lay.cp  # this rank's part of a micro-batch
     model_flops = model.flops_per_token(seq_length)
     attention_fwd = 4.0 * L * h * seq_length
-    layers_fwd = 2.0 * L * layer_params(model) + attention_fwd
+    layers_fwd = 2.0 * L * active_layer_params(model) + attention_fwd
     # Partial recompute (--recompute-layers N) re-runs N of each chunk's layers (even splits assumed).
     per_chunk = L / (lay.pp * lay.vpp)
     share = 1.0 if lay.recompute_layers is None else min(lay.recompute_layers, per_chunk) / per_chunk
     extra = share * {"none": 0.0, "selective": attention_fwd, "full": layers_fwd}[lay.recompute]
     # FP8 runs the decoder's linears (forward, backward and a full recompute's forward) that much faster.
-    linear = 2.0 * L * layer_params(model) * (3 + (share if lay.recompute == "full" else 0))
+    linear = 2.0 * L * active_layer_params(model) * (3 + (share if lay.recompute == "full" else 0))
     extra -= linear * (1 - 1 / dict(hw.fp8_gemm_speedup)[fp8])
     width = h / lay.tp
     efficiency = hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half)
@@ -519,7 +513,7 @@ def estimate_speed(
     m = lay.micro_batches
     bubble = (lay.pp - 1) / (m * lay.vpp)
     pipeline = per_micro_batch * m * (1 + bubble)
-    params = max(stage_params(model, lay.tp, lay.pp, r, L // lay.pp)[0] for r in range(lay.pp))
+    params = max(stage_params(model, lay.tp, lay.pp, r, L // lay.pp, lay.ep)[0] for r in range(lay.pp))
     reduce_exposed, gather_exposed = _replica_comm_exposed(lay, params, per_micro_batch, gpus_per_node, hw, a)
     owned = params / (lay.replicas if lay.distributed_optimizer else 1)
     optimizer = (30 * owned + 8 * params) / hw.hbm_bw

@@ -16,7 +16,9 @@ num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the def
   attn_output   the input of the output projection a*h | plus the kernel's own output: 2 a*h
   mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f; with the Triton SwiGLU
                 (kernels.swiglu, the CUDA default) gate|up and the product: 3a*f | silu re-derived: 3a*f
-                Falcon GELU: its input and output 2a*f
+                Falcon GELU: its input and output 2a*f; a mixture of experts: experts_per_token times that
+  moe_dispatch  a mixture of experts: the token's k dispatched copies and their combined outputs 2a*k*h, the
+                router's fp32 scores 4*num_experts (an estimate until the MoE layer is measured)
 With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
 too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
 Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
@@ -80,6 +82,10 @@ def layer_activation_terms(
         norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if kernels.norms else 2 * (4 * h + a * h + 4)
         norm_outputs = 2 * a * h
         mlp = (3 if compiled or kernels.swiglu else 4) * a * f
+    moe = 0.0
+    if model.is_moe:  # each token through experts_per_token experts, plus its dispatched copies and router scores
+        mlp *= model.experts_per_token
+        moe = 2 * a * model.experts_per_token * h + 4 * model.num_experts
     qkv, rope = a * (q + 2 * kv) * d, 0 if kernels.rope else a * (q + kv) * d
     if cp > 1:  # the kernel holds the gathered K/V, not this rank's: of the local tensors only q stays
         qkv, rope = (a * q * d, 0) if kernels.rope else (0, a * q * d)
@@ -92,6 +98,7 @@ def layer_activation_terms(
         "softmax_stats": 4 * q,
         "attn_output": (2 if compiled else 1) * a * q * d,
         "mlp": mlp,
+        "moe_dispatch": moe,
     }
 
 

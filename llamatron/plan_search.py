@@ -25,6 +25,7 @@ from .plan import (
     Memory,
     Plan,
     Precision,
+    SpeedAssumptions,
     estimate_speed,
     layout_memory,
     runtime_memory,
@@ -34,6 +35,7 @@ from .plan import (
 RECOMPUTE_MODES = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
+MAX_EP = 8  # expert-parallel sizes searched (a node's worth of all-to-all)
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
 # A cp layout is listed beside layouts without cp only when expected this much faster than all of them: the
 # speed model is calibrated to ~10%, and under cp attention runs flex attention over a mask of this rank's
@@ -48,6 +50,7 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
         "model": model_name,
         "tp": lay.tp,
         "cp": lay.cp,
+        "ep": lay.ep,
         "pp": lay.pp,
         "vpp": lay.vpp,
         "sequence_parallel": lay.sequence_parallel,
@@ -88,6 +91,10 @@ def candidate_layouts(
     of micro-batch x dp (x pp when interleaved) closest to ~4M tokens. `worth`: a cheap test a layout must pass
     before the (costlier) validation."""
     model = _model(model_name, model_overrides)
+
+    def eps(dp: int) -> list[int]:  # expert parallelism: sizes dividing dp and the experts (MoE models only)
+        return [e for e in divisors(dp) if e <= MAX_EP and model.num_experts % e == 0] if model.is_moe else [1]
+
     sizes = [
         (tp, cp, pp)
         for tp in divisors(gpus)
@@ -104,8 +111,8 @@ def candidate_layouts(
             if gbs is None:
                 step = mb * dp * (pp if vpp > 1 else 1)
                 gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
-            for dist_opt in (False, True) if dp * cp > 1 else (False,):
-                lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs, cp=cp)
+            for dist_opt, ep in ((d, e) for d in ((False, True) if dp * cp > 1 else (False,)) for e in eps(dp)):
+                lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs, cp=cp, ep=ep)
                 if worth is not None and not worth(lay):
                     continue
                 try:
@@ -135,6 +142,7 @@ def plan(
     model_overrides: dict | None = None,
     precision: Precision = Precision(),
     explain: bool = True,
+    speed: SpeedAssumptions = SpeedAssumptions(),
 ) -> PlanResult:
     """All layouts that fit, fastest first; when none does, an explanation of why."""
     _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
@@ -144,7 +152,7 @@ def plan(
         layouts = candidate_layouts(
             model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides, context, worth
         )
-        return _evaluate(model, layouts, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+        return _evaluate(model, layouts, seq_length, gpu_memory, precision, gpus, gpus_per_node, speed)
 
     fits, rejected = evaluate((1,))
     context = [c for c in context_sizes(gpus, seq_length) if c > 1]
@@ -154,7 +162,7 @@ def plan(
         # Without any valid layout to explain a failure by, cp layouts are modelled in full even when their
         # weights alone cannot fit (the explanation names the smallest).
         worth = _ContextFilter(
-            model, seq_length, gpu_memory, precision, gpus, gpus_per_node, to_beat, bool(fits or rejected)
+            model, seq_length, gpu_memory, precision, gpus, gpus_per_node, to_beat, speed, bool(fits or rejected)
         )
         cp_fits, cp_rejected = evaluate(context, worth)
         fits += [p for p in cp_fits if p.speed.tokens_per_sec_per_gpu > to_beat]
@@ -186,16 +194,19 @@ def _evaluate(
     precision: Precision,
     gpus: int,
     gpus_per_node: int,
+    speed: SpeedAssumptions,
 ) -> tuple[list[Plan], list[tuple[Layout, Memory]]]:
     """(the layouts that fit, with their partial-recompute variants; those that do not, with their memory)."""
     fits, rejected = [], []
     for lay in layouts:
         mem = layout_memory(model, lay, seq_length, precision)
         if mem.total <= gpu_memory:
-            fits.append(Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, fp8=precision.fp8)))
+            fits.append(
+                Plan(lay, mem, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8))
+            )
         else:
             rejected.append((lay, mem))
-    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node)
+    fits += _partial_recompute(model, fits, rejected, seq_length, gpu_memory, precision, gpus, gpus_per_node, speed)
     return fits, rejected
 
 
@@ -213,6 +224,7 @@ class _ContextFilter:
     gpus: int
     gpus_per_node: int
     to_beat: float  # tokens/s per GPU; 0 when no layout without cp fits
+    speed: SpeedAssumptions = field(default_factory=SpeedAssumptions)
     static_bound: bool = True  # skip the layouts whose weights, gradients, optimizer state and runtime overflow
     _static_fits: dict[tuple, bool] = field(default_factory=dict)  # by what the lower bound depends on
 
@@ -223,7 +235,7 @@ class _ContextFilter:
             return True
         fastest = replace(lay, recompute="none", recompute_layers=None)
         speed = estimate_speed(
-            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, fp8=self.precision.fp8
+            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, self.speed, fp8=self.precision.fp8
         )
         return speed.tokens_per_sec_per_gpu > self.to_beat
 
@@ -247,6 +259,7 @@ def _partial_recompute(
     precision: Precision,
     gpus: int,
     gpus_per_node: int,
+    speed: SpeedAssumptions,
 ) -> list[Plan]:
     """Where full recompute fits and no recompute does not, the fewest recomputed layers per chunk that fit
     (--recompute-layers N): each layer not recomputed saves a layer's forward."""
@@ -268,7 +281,11 @@ def _partial_recompute(
             partial = replace(lay, recompute_layers=lo)
             mem = layout_memory(model, partial, seq_length, precision)
             out.append(
-                Plan(partial, mem, estimate_speed(model, partial, seq_length, gpus, gpus_per_node, fp8=precision.fp8))
+                Plan(
+                    partial,
+                    mem,
+                    estimate_speed(model, partial, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8),
+                )
             )
     return out
 

@@ -64,9 +64,12 @@ def main_code(argv: list[str]) -> int:
 
 def test_plan_evaluates_the_layout_of_a_train_config_or_of_flags(tmp_path, capsys):
     """`plan --config X.yaml` reads the run's model, shape and layout and evaluates that layout (issue 21, item 3);
-    flags change it; the numbers are the planner's own for that layout."""
+    flags change it; the speed is the step simulator's for that layout (on the default H100 profile), beside the
+    ranking model's."""
     from llamatron.config import config_from_values
     from llamatron.plan import Layout, estimate_speed
+    from llamatron.simulator.evaluate import simulate_layout
+    from llamatron.simulator.hardware import resolve_hardware
 
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -78,9 +81,12 @@ def test_plan_evaluates_the_layout_of_a_train_config_or_of_flags(tmp_path, capsy
     assert (got["tp"], got["pp"], got["dp"], got["micro_batch_size"], got["recompute"]) == (2, 1, 4, 2, "full")
     model = config_from_values(yaml_values(config)).model_config()
     assert model.hidden_size == 1536  # the overrides' shape, not the preset's
-    expected = estimate_speed(model, Layout(2, 1, 1, 4, True, True, "full", 2, 64), 2048, 8, 8)
+    layout = Layout(2, 1, 1, 4, True, True, "full", 2, 64)
+    expected = simulate_layout(model, layout, 2048, resolve_hardware("h100-sxm")).result
     assert got["tokens_per_sec_per_gpu"] == expected.tokens_per_sec_per_gpu
-    assert got["tflops_per_gpu"] == pytest.approx(expected.mfu * 989) and got["fits"] is True
+    assert got["tflops_per_gpu"] == pytest.approx(expected.mfu * 989.4) and got["fits"] is True
+    ranking = estimate_speed(model, layout, 2048, 8, 8)
+    assert got["ranking_model_tokens_per_sec_per_gpu"] == ranking.tokens_per_sec_per_gpu
     assert got["train_flags"].startswith("--tp 2 --pp 1")
     assert main_code(["plan", "--config", str(config), "--gpus", "8", "--json", "--pp", "2", "--tp", "1"]) == 0
     flagged = json.loads(capsys.readouterr().out)

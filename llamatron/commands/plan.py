@@ -7,12 +7,15 @@ import json
 import re
 from typing import Any
 
+from ..config import RunConfig
 from ..config_ranges import Range, at_least, number_arg
 from ..errors import ConfigError
 from ..fp8 import FP8_RECIPES
-from ..models import get_preset
-from ..plan import GB, GiB, Plan, Precision, SpeedAssumptions
+from ..models import ModelConfig, get_preset
+from ..plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
 from ..plan_search import PlanResult, plan
+from ..simulator.hardware import Hardware
+from . import plan_simulate
 from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
 
 
@@ -44,7 +47,9 @@ def register(sub) -> None:
     )
     p.add_argument("--gpus", type=number_arg(int, at_least(1)), required=True, help="number of GPUs")
     p.add_argument(
-        "--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB (H100, the default) or 139.8GiB (H200)"
+        "--gpu-memory",
+        default=None,
+        help="memory of one GPU, e.g. 80GB or 139.8GiB (default: the --gpu profile's, else 80GB: an H100)",
     )
     p.add_argument(
         "--seq-length",
@@ -61,8 +66,8 @@ def register(sub) -> None:
     p.add_argument(
         "--gpus-per-node",
         type=number_arg(int, at_least(1)),
-        default=8,
-        help="GPUs per node; tensor parallelism stays inside one",
+        default=None,
+        help="GPUs per node; tensor parallelism stays inside one (default: the --gpu profile's, 8)",
     )
     p.add_argument("--top", type=number_arg(int, at_least(1)), default=10, help="show the K fastest layouts")
     p.add_argument(
@@ -85,11 +90,14 @@ def register(sub) -> None:
     )
     fixed.add_argument("--search", action="store_true", help="search layouts even when --config gives one")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan_simulate.add_arguments(p)
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    memory = parse_memory(args.gpu_memory)
+    hw = plan_simulate.hardware_of(args)
+    args.gpus_per_node = hw.gpus_per_node
+    memory = parse_memory(args.gpu_memory) if args.gpu_memory else (hw.gpu.memory if args.gpu else 80 * GB)
     settings = planned_settings(args)
     if settings.get("model") is None:
         raise ConfigError("plan needs a model: --model PRESET, or --config FILE with `model:`")
@@ -101,7 +109,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
     precision = Precision(compiled=args.compile, fp8=fp8)
     if not args.search and any(k in settings for k in _LAYOUT_KEYS):
-        return print_fixed_layout(settings, args.gpus, memory, seq_length, args.gpus_per_node, precision, args.json)
+        return print_fixed_layout(args, settings, memory, seq_length, hw, precision)
     result = plan(
         settings["model"],
         args.gpus,
@@ -111,7 +119,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.gpus_per_node,
         settings.get("model_overrides"),
         precision=precision,
+        speed=_ranking_speed(args, hw),
     )
+    sims: dict[int, Any] = {}
+    if args.simulate and result.fits:
+        result.fits, sims = _rank_by_simulation(args, result, seq_length, hw, precision)
     shown = result.fits[: max(args.top, 0)]
     if args.json:
         print(
@@ -122,7 +134,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "gpu_memory_gb": memory / GB,
                     "seq_length": result.seq_length,
                     "fits": len(result.fits),
-                    "layouts": [{**p.to_dict(), "train_flags": _train_flags(p, seq_length, fp8)} for p in shown],
+                    "hardware": hw.describe(),
+                    "layouts": [
+                        {
+                            **p.to_dict(),
+                            "train_flags": _train_flags(p, seq_length, fp8),
+                            **({"simulation": plan_simulate.record(args, sims[id(p)])} if id(p) in sims else {}),
+                        }
+                        for p in shown
+                    ],
                     "explanation": result.explanation or None,
                 },
                 indent=2,
@@ -132,7 +152,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(format_table(result, shown))
         if shown:
             print(f"\n#1 as `llamatron train` flags: {_train_flags(shown[0], seq_length, fp8)}")
+            if sims:
+                print(f"(simulated on {hw.describe()})")
+                plan_simulate.print_extras(args, sims[id(shown[0])])
     return 0 if result.fits else 1
+
+
+def _ranking_speed(args: argparse.Namespace, hw: Hardware) -> SpeedAssumptions:
+    """The ranking model's numbers: scaled to the hardware when it is named, else as calibrated."""
+    named = args.gpu or args.network or args.inter_node_bandwidth or args.hardware
+    return SpeedAssumptions.for_hardware(hw) if named else SpeedAssumptions()
+
+
+def _rank_by_simulation(
+    args: argparse.Namespace, result: PlanResult, seq_length: int, hw: Hardware, precision: Precision
+) -> tuple[list[Plan], dict[int, Any]]:
+    """The ranking model's best layouts (3 x --top, at least 20) simulated, and ranked by the simulation."""
+    model = _model_of(result.model, planned_settings(args).get("model_overrides"))
+    sims = {}
+    out = []
+    for p in result.fits[: max(3 * args.top, 20)]:
+        if args.pipeline_schedule == "zb-h1" and p.layout.vpp > 1:
+            continue
+        sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision)
+        r = sim.result
+        q = Plan(p.layout, p.memory, Speed(r.step_seconds, r.tokens_per_sec_per_gpu, r.mfu, p.speed.bubble, r.parts))
+        sims[id(q)] = sim
+        out.append(q)
+    out.sort(key=lambda q: -q.speed.tokens_per_sec_per_gpu)
+    return out, sims
+
+
+def _model_of(name: str, overrides: dict | None) -> ModelConfig:
+    cfg = RunConfig(model_overrides=dict(overrides or {}))
+    cfg.train.model = name
+    return cfg.model_config()
 
 
 def _train_flags(p: Plan, seq_length: int, fp8: str) -> str:
@@ -153,6 +207,7 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
         "pp",
         "vpp",
         "dp",
+        "ep",
         "dist-opt",
         "recompute",
         "mb",
@@ -177,6 +232,7 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
                 str(lay.pp),
                 str(lay.vpp),
                 str(lay.dp),
+                str(lay.ep),
                 "yes" if lay.distributed_optimizer else "no",
                 lay.recompute_label,
                 str(lay.micro_batch_size),
@@ -198,26 +254,34 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
 
 
 def print_fixed_layout(
+    args: argparse.Namespace,
     settings: dict[str, Any],
-    gpus: int,
     gpu_memory: float,
     seq_length: int,
-    gpus_per_node: int,
+    hw: Hardware,
     precision: Precision,
-    as_json: bool,
 ) -> int:
-    """Print the layout's plan (a table row, or JSON with tokens_per_sec_per_gpu and tflops_per_gpu); exit
-    status 1 when it does not fit in `gpu_memory`."""
-    p = evaluate_layout(settings, gpus, seq_length, gpus_per_node, precision)
+    """Print the layout's plan and its simulated step (a table row, or JSON with tokens_per_sec_per_gpu and
+    tflops_per_gpu: the simulator's); exit status 1 when it does not fit in `gpu_memory`."""
+    gpus = args.gpus
+    p, model = evaluate_layout(settings, gpus, seq_length, hw.gpus_per_node, precision, _ranking_speed(args, hw))
+    sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision, settings.get("pp_layers"))
+    r = sim.result
+    simulated = Plan(
+        p.layout, p.memory, Speed(r.step_seconds, r.tokens_per_sec_per_gpu, r.mfu, p.speed.bubble, r.parts)
+    )
     fits = p.memory.total <= gpu_memory
-    tflops = p.speed.mfu * SpeedAssumptions().peak_flops / 1e12
-    if as_json:
+    tflops = r.mfu * r.peak_flops / 1e12
+    if args.json:
         record = {"model": settings["model"], "gpus": gpus, "gpu_memory_gb": gpu_memory / GB, "seq_length": seq_length}
-        record.update({**p.to_dict(), "tflops_per_gpu": tflops, "fits": fits, "parts_seconds": p.speed.parts})
+        record.update({**simulated.to_dict(), "tflops_per_gpu": tflops, "fits": fits, "parts_seconds": r.parts})
+        record["ranking_model_tokens_per_sec_per_gpu"] = p.speed.tokens_per_sec_per_gpu
         record["train_flags"] = _train_flags(p, seq_length, precision.fp8)
+        record["simulation"] = plan_simulate.record(args, sim)
         print(json.dumps(record, indent=2))
     else:
-        print(format_table(PlanResult(settings["model"], gpus, gpu_memory, seq_length, [p]), [p]))
+        print(format_table(PlanResult(settings["model"], gpus, gpu_memory, seq_length, [simulated]), [simulated]))
         verdict = "fits" if fits else f"does NOT fit in {gpu_memory / GB:.0f} GB"
-        print(f"\nthis layout {verdict}; {tflops:.0f} TFLOP/s per GPU expected")
+        print(f"\nthis layout {verdict}; {tflops:.0f} TFLOP/s per GPU simulated on {hw.describe()}")
+        plan_simulate.print_extras(args, sim)
     return 0 if fits else 1

@@ -14,7 +14,8 @@ import yaml
 
 from ..config import config_from_values, validate
 from ..errors import ConfigError
-from ..plan import Plan, Precision, estimate_speed, layout_memory, run_layout
+from ..models import ModelConfig
+from ..plan import Plan, Precision, SpeedAssumptions, estimate_speed, layout_memory, run_layout
 
 # (flag, type, help) of the layout flags plan takes; their config keys are the flags with underscores.
 _LAYOUT_FLAGS: list[tuple[str, type, str]] = [
@@ -22,6 +23,7 @@ _LAYOUT_FLAGS: list[tuple[str, type, str]] = [
     ("pp", int, "pipeline stages"),
     ("vpp", int, "virtual pipeline chunks per stage"),
     ("cp", int, "context-parallel size"),
+    ("ep", int, "expert-parallel size (a mixture of experts)"),
     ("micro-batch-size", int, "samples per micro-batch"),
     ("recompute", str, "none, selective or full"),
     ("recompute-layers", int, "recompute only the first N layers of each chunk"),
@@ -51,9 +53,15 @@ def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def evaluate_layout(
-    settings: dict[str, Any], gpus: int, seq_length: int, gpus_per_node: int, precision: Precision
-) -> Plan:
-    """Memory and speed of the layout `settings` give on `gpus` GPUs (raises ConfigError as train would)."""
+    settings: dict[str, Any],
+    gpus: int,
+    seq_length: int,
+    gpus_per_node: int,
+    precision: Precision,
+    speed: SpeedAssumptions = SpeedAssumptions(),
+) -> tuple[Plan, ModelConfig]:
+    """Memory and (ranking-model) speed of the layout `settings` give on `gpus` GPUs, and the model (raises
+    ConfigError as train would)."""
     values = {k: v for k, v in settings.items() if k != "fp8"}  # the recipe's GPU check needs the GPU: not here
     values.setdefault("global_batch_size", max(1, 2**22 // seq_length))  # about 4M tokens, as the search
     if "distributed_optimizer" not in values:
@@ -64,5 +72,20 @@ def evaluate_layout(
     derived = validate(cfg, gpus, cuda_available=True)
     model = cfg.model_config()
     lay = run_layout(cfg, derived.dp)
+    _check_experts(model, lay.ep, lay.dp)
     memory = layout_memory(model, lay, seq_length, precision, cfg.parallel.pp_layers)
-    return Plan(lay, memory, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, fp8=precision.fp8))
+    plan = Plan(lay, memory, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8))
+    return plan, model
+
+
+def _check_experts(model: ModelConfig, ep: int, dp: int) -> None:
+    """Expert parallelism's rules: a mixture of experts, ep dividing the data-parallel size and the experts."""
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise ConfigError(f"--ep {ep} needs a mixture of experts (num_experts > 0); this model is dense: use --ep 1")
+    if dp % ep or model.num_experts % ep:
+        raise ConfigError(
+            f"--ep {ep} must divide the data-parallel size {dp} and num_experts {model.num_experts}; "
+            f"use one of {[e for e in range(1, dp + 1) if dp % e == 0 and model.num_experts % e == 0]}"
+        )

@@ -1,0 +1,123 @@
+"""The speed assumptions of the planner and the step simulator, read from calibration.yaml (shipped in the
+package; each number there names the measured run it comes from, or says it is assumed and why)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Curve:
+    """NCCL bus bandwidth of one collective kind: link x efficiency x size/(size + half)."""
+
+    efficiency: float
+    half_bytes: float
+
+    def bus_bandwidth(self, link_bandwidth: float, size: float) -> float:
+        return link_bandwidth * self.efficiency * size / (size + self.half_bytes)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    reference_gpu: str
+    gemm_efficiency: float
+    gemm_tokens_half: float
+    gemm_width_half: float
+    grouped_gemm_efficiency: float
+    attention_efficiency: dict[str, float]
+    attention_forward_share: float
+    attention_long_half: float
+    attention_window_factor: float
+    attention_other_gpus: dict[str, float]
+    elementwise_per_hidden: float
+    elementwise_per_ffn: float
+    elementwise_per_qkv: float
+    elementwise_hbm_efficiency: float
+    eager_factor: float
+    loss_bytes_per_logit: float
+    grad_accumulate_bytes: float
+    optimizer_bytes_per_owned_param: float
+    optimizer_hbm_efficiency: float
+    fp8_gemm_speedup: dict[str, float]
+    nvlink: dict[str, Curve]
+    network: Curve
+    network_all_to_all_efficiency: float
+    contention_bandwidth: float
+    tp_forward: int
+    tp_backward_exposed: int
+    tp_backward_overlapped: int
+    tp_slowdown: float
+    planner: dict[str, Any]
+
+    def attention(self, gpu: str, backend: str, seq: int) -> float:
+        """In-model attention efficiency of a backend at a sequence length ('auto' is cuDNN, flex for masks:
+        FA4 runs only where installed); measured at 4096, longer sequences amortise more of each tile."""
+        base = self.attention_other_gpus.get(gpu) or self.attention_efficiency.get(
+            backend, self.attention_efficiency["cudnn"]
+        )
+        h = self.attention_long_half
+        return base * (seq / (seq + h)) / (4096 / (4096 + h))
+
+
+def _curve(entry: dict) -> Curve:
+    return Curve(float(entry["efficiency"]), float(entry["half_mib"]) * MiB)
+
+
+def _planner(d: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {k: float(v) for k, v in d.items() if k not in ("fp8_gemm_speedup", "source")}
+    out["peak_flops"] = out.pop("peak_tflops") * 1e12
+    for key in ("nvlink", "internode", "hbm"):
+        out[f"{key}_bw"] = out.pop(f"{key}_gbps") * 1e9
+    out["fp8_gemm_speedup"] = {k: float(v) for k, v in d["fp8_gemm_speedup"].items()}
+    return out
+
+
+@lru_cache(maxsize=1)
+def load_calibration() -> Calibration:
+    d = yaml.safe_load(resources.files(__package__).joinpath("calibration.yaml").read_text())
+    g, a, e, o, c, t = (
+        d["gemm"],
+        d["attention"],
+        d["elementwise"],
+        d["optimizer"],
+        d["collectives"],
+        d["tensor_parallel"],
+    )
+    return Calibration(
+        reference_gpu=d["reference_gpu"],
+        gemm_efficiency=float(g["efficiency"]),
+        gemm_tokens_half=float(g["tokens_half"]),
+        gemm_width_half=float(g["width_half"]),
+        grouped_gemm_efficiency=float(g["grouped_efficiency"]),
+        attention_efficiency={k: float(v) for k, v in a["efficiency"].items()},
+        attention_forward_share=float(a["forward_share"]),
+        attention_long_half=float(a["long_sequence_half"]),
+        attention_window_factor=float(a["window_factor"]),
+        attention_other_gpus={k: float(v) for k, v in a["other_gpus"].items()},
+        elementwise_per_hidden=float(e["per_hidden"]),
+        elementwise_per_ffn=float(e["per_ffn"]),
+        elementwise_per_qkv=float(e["per_qkv"]),
+        elementwise_hbm_efficiency=float(e["hbm_efficiency"]),
+        eager_factor=float(e["eager_factor"]),
+        loss_bytes_per_logit=float(e["loss_bytes_per_logit"]),
+        grad_accumulate_bytes=float(e["grad_accumulate_bytes"]),
+        optimizer_bytes_per_owned_param=float(o["bytes_per_owned_param"]),
+        optimizer_hbm_efficiency=float(o["hbm_efficiency"]),
+        fp8_gemm_speedup={k: float(v) for k, v in d["fp8"]["gemm_speedup"].items()},
+        nvlink={k: _curve(v) for k, v in c["nvlink"].items()},
+        network=Curve(float(c["network"]["efficiency"]), float(c["network"]["half_mib"]) * MiB),
+        network_all_to_all_efficiency=float(c["network"]["all_to_all_efficiency"]),
+        contention_bandwidth=float(c["contention_gbps"]) * 1e9,
+        tp_forward=int(t["forward"]),
+        tp_backward_exposed=int(t["backward_exposed"]),
+        tp_backward_overlapped=int(t["backward_overlapped"]),
+        tp_slowdown=float(t["slowdown"]),
+        planner=_planner(d["planner"]),
+    )

@@ -1,0 +1,97 @@
+"""A step's model chunks as the simulator sees them: their pieces of work for one micro-batch, the parameters
+each rank holds per layer, and the gradient buckets those fill (parallel/grad_buffer.py's order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models import ModelConfig
+from ..parallel.pipeline import split_layers
+from ..parallel.tensor import local_kv_heads, padded_vocab_size
+from .costs import Costs, LayerCost, Piece, Shape
+
+
+@dataclass
+class Chunk:
+    layers: int
+    forward: Piece
+    backward: Piece
+    weight: Piece
+    layer_forward: list[float]
+    dense_params: list[float]  # per layer, this rank's shard (reverse order of use is done by the buckets)
+    expert_params: list[float]
+    first_params: float = 0.0  # embedding
+    last_params: float = 0.0  # head and final norm
+
+
+def layer_shards(model: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
+    """(dense parameters, expert parameters) of one decoder layer on one rank."""
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
+    attn = h * (q + 2 * kv) * d + q * d * h + 2 * h
+    mlp = (2 if model.family == "falcon" else 3) * h * model.ffn_hidden_size / tp
+    if model.is_moe:
+        return attn + model.num_experts * h, model.num_experts / ep * mlp
+    return attn + mlp, 0.0
+
+
+def build_chunks(model: ModelConfig, s: Shape, costs: Costs, vpp: int, pp_layers: str | None) -> list[Chunk]:
+    counts = split_layers(model.num_layers, s.pp, vpp, pp_layers)
+    vocab = model.vocab_size if s.tp == 1 else padded_vocab_size(model.vocab_size, s.tp) // s.tp
+    dense, expert = layer_shards(model, s.tp, s.ep)
+    full, bare = costs.layer(True), costs.layer(False)
+    head_f, head_b, head_w = costs.head()
+    out = []
+    for c, n in enumerate(counts):
+        done = n if s.recompute == "none" or s.recompute_layers is None else min(n, s.recompute_layers)
+        layers: list[LayerCost] = [full] * done + [bare] * (n - done)
+        fwd, back, weight = Piece(), Piece(), Piece()
+        for lc in layers:
+            fwd, back, weight = (
+                fwd.plus(lc.forward),
+                back.plus(lc.recompute).plus(lc.backward_input),
+                weight.plus(lc.backward_weight),
+            )
+        chunk = Chunk(n, fwd, back, weight, [lc.forward.seconds for lc in layers], [dense] * n, [expert] * n)
+        if c == 0:
+            chunk.first_params = vocab * model.hidden_size
+        if c == len(counts) - 1:
+            chunk.forward, chunk.backward, chunk.weight = fwd.plus(head_f), back.plus(head_b), weight.plus(head_w)
+            chunk.last_params = vocab * model.hidden_size + model.hidden_size
+        params = sum(chunk.dense_params) + sum(chunk.expert_params) + chunk.first_params + chunk.last_params
+        chunk.weight.add("compute", costs.grad_accumulate(params))
+        out.append(chunk)
+    return out
+
+
+@dataclass
+class Bucket:
+    chunk: int
+    numel: float
+    ready_fraction: float  # of the chunk's last backward (or W) when its last gradient arrives
+    expert: bool
+    first_layer: int  # the lowest layer of the chunk whose parameters it holds (forward waits there); -1: head
+
+
+def buckets(chunk: Chunk, c: int, bucket_size: int) -> list[Bucket]:
+    """The chunk's buckets in the order backward fills them: head, last layer ... first layer, embedding."""
+    out: list[Bucket] = []
+    for expert in (False, True):
+        items = [(chunk.last_params, 0.0, -1)] if not expert else []
+        n = chunk.layers
+        per_layer = chunk.expert_params if expert else chunk.dense_params
+        # layer j's gradients arrive as its backward ends; the embedding's scatter-add runs last, just after
+        items += [(per_layer[j], 0.999 * (n - j) / max(n, 1), j) for j in reversed(range(n))]
+        if not expert:
+            items.append((chunk.first_params, 1.0, 0))
+        size, frac, first = 0.0, 0.0, n
+        for numel, ready, layer in items:
+            if numel <= 0:
+                continue
+            size, frac, first = size + numel, ready, min(first, layer) if layer >= 0 else first
+            if size >= bucket_size:
+                out.append(Bucket(c, size, frac, expert, first if first < n else -1))
+                size, first = 0.0, n
+        if size:
+            out.append(Bucket(c, size, frac, expert, first if first < n else -1))
+    return out

@@ -1,0 +1,273 @@
+"""What one micro-batch costs on one GPU, piece by piece: the durations the step simulator (timeline.py) lays
+out. Every efficiency comes from calibration.yaml; the FLOPs and bytes are counted from the model's shape.
+
+Per decoder layer and micro-batch on one rank (T tokens: micro-batch x seq / cp; tp shards each GEMM):
+  GEMMs      2 x T x linear parameters / tp forward (MoE: the router and experts_per_token experts, as
+             grouped GEMMs), twice that backward (input and weight gradients, each a forward's worth);
+             at peak x gemm efficiency x tokens/(tokens + half) x width/(width + half); --fp8 divides the
+             decoder linears' time by its measured speed-up
+  attention  causal work 4 x (q heads x head_dim / tp) x keys per query x T forward, 3 x that in all
+  elementwise norms, SwiGLU, rotary, residuals as bytes at HBM bandwidth x efficiency
+  TP         all-gathers/reduce-scatters of T x hidden (4 forward, 2 backward exposed, 2 overlapped with the
+             weight-gradient GEMMs: llamatron's tensor_layers.py); all-reduces without sequence parallelism
+  CP         the whole sequence's K/V gathered in forward, their gradients reduce-scattered in backward
+  EP         MoE: all-to-all dispatch and combine of T x experts_per_token x hidden, twice each way
+The last chunk adds the head's GEMM and the loss, each micro-batch adds the bf16 -> fp32 gradient
+accumulation of every parameter the rank holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models import ModelConfig
+from ..parallel.tensor import local_kv_heads, padded_vocab_size
+from .calibration import Calibration
+from .hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The layout and run settings the costs depend on."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    micro_batch_size: int = 1
+    seq_length: int = 4096
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    act_bytes: int = 2
+    compiled: bool = True
+    fp8: str = "none"
+    attention: str = "auto"
+    tp_comm_overlap: bool = True
+
+    @property
+    def tokens(self) -> float:
+        return self.micro_batch_size * self.seq_length / self.cp
+
+
+@dataclass
+class Piece:
+    """Seconds of one action by kind (compute, tp, cp, ep: the exposed communication inside it)."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.parts[kind] = self.parts.get(kind, 0.0) + seconds
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+    def scaled(self, n: float) -> Piece:
+        return Piece({k: v * n for k, v in self.parts.items()})
+
+    def plus(self, other: Piece) -> Piece:
+        out = Piece(dict(self.parts))
+        for k, v in other.parts.items():
+            out.add(k, v)
+        return out
+
+
+@dataclass
+class LayerCost:
+    forward: Piece
+    backward_input: Piece  # everything of the backward but the weight gradients (ZB-H1's B)
+    backward_weight: Piece  # the weight-gradient GEMMs (ZB-H1's W)
+    recompute: Piece  # what recompute re-runs in backward (full: the forward; selective: attention)
+
+
+def linear_params(model: ModelConfig) -> tuple[float, float]:
+    """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts)."""
+    h, d = model.hidden_size, model.head_dim
+    attn = h * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * h
+    mlp = (2 if model.family == "falcon" else 3) * h * model.ffn_hidden_size
+    if model.is_moe:
+        return float(attn), float(model.experts_per_token * mlp + model.num_experts * h)
+    return float(attn + mlp), 0.0
+
+
+def keys_per_query(model: ModelConfig, seq: int) -> float:
+    """Mean keys a query attends to under the causal mask (and the sliding window, if any)."""
+    w = model.sliding_window
+    if w is None or w >= seq:
+        return (seq + 1) / 2
+    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+
+
+class Costs:
+    """Durations of the pieces of one micro-batch on one rank."""
+
+    def __init__(self, model: ModelConfig, shape: Shape, hw: Hardware, cal: Calibration):
+        self.model, self.s, self.hw, self.cal = model, shape, hw, cal
+        self.peak = hw.gpu.peak_flops  # efficiencies are fractions of each GPU's own datasheet peak
+        self._gemm_rate = self.peak * cal.gemm_efficiency
+
+    # ---- compute ------------------------------------------------------------------------------------------
+
+    def _shape_factor(self, tokens: float, width: float) -> float:
+        c = self.cal
+        return tokens / (tokens + c.gemm_tokens_half) * width / (width + c.gemm_width_half)
+
+    def gemm_forward(self) -> float:
+        """Seconds of one layer's forward GEMMs on this rank."""
+        m, s = self.model, self.s
+        dense, moe = linear_params(m)
+        width = m.hidden_size / s.tp
+        fp8 = self.cal.fp8_gemm_speedup.get(s.fp8, 1.0)
+        t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width))
+        if moe:
+            per_expert = s.tokens * m.experts_per_token * s.ep / m.num_experts
+            rate = self._gemm_rate * self.cal.grouped_gemm_efficiency * self._shape_factor(per_expert, width)
+            t += 2 * s.tokens * moe / s.tp / rate
+        return t / fp8
+
+    def attention_total(self) -> float:
+        m, s = self.model, self.s
+        flops = 3 * 4 * (m.num_heads * m.head_dim / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
+        efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length)
+        if m.sliding_window is not None and m.sliding_window < s.seq_length:  # flex's block mask or FA4's local kernel
+            efficiency *= self.cal.attention_window_factor
+        return flops / (self.peak * efficiency)
+
+    def elementwise_total(self) -> float:
+        m, s, c = self.model, self.s, self.cal
+        f = m.ffn_hidden_size * (m.experts_per_token if m.is_moe else 1)
+        qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        per_token = s.act_bytes * (
+            c.elementwise_per_hidden * m.hidden_size / (s.tp if s.sequence_parallel else 1)
+            + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
+        )
+        if m.is_moe:  # permuting tokens to their experts and back, forward and backward
+            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size
+        t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
+        return t * (1 if s.compiled else c.eager_factor)
+
+    # ---- communication ------------------------------------------------------------------------------------
+
+    def collective(self, kind: str, size: float, ranks: int, per_node: int) -> float:
+        """Seconds of one collective of `size` bytes (the whole buffer) over `ranks` ranks, `per_node` of them
+        in each node (ranks <= per_node: inside one node, over the GPU link)."""
+        if ranks <= 1 or size <= 0:
+            return 0.0
+        hw, c = self.hw, self.cal
+        curve = c.nvlink[kind]
+        bus = curve.bus_bandwidth(hw.link.bandwidth, size)
+        latency = (ranks - 1) * hw.link.latency
+        if ranks > per_node:  # a ring through per_node GPUs of each node: their NICs carry it together
+            net = c.network.bus_bandwidth(per_node * hw.nic_bandwidth_per_gpu(), size)
+            bus = min(bus, net)
+            latency = (ranks - 1) * hw.network.latency
+        volume = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
+        return latency + size * volume / bus
+
+    def _group_per_node(self, stride: int, size: int) -> int:
+        """Members of a group of `size` ranks `stride` apart that share one node."""
+        return max(1, min(size, self.hw.gpus_per_node // stride)) if stride <= self.hw.gpus_per_node else 1
+
+    def tp_collective(self) -> float:
+        s = self.s
+        size = s.tokens * self.model.hidden_size * s.act_bytes
+        if s.sequence_parallel:
+            pair = self.collective("all_gather", size, s.tp, s.tp) + self.collective("reduce_scatter", size, s.tp, s.tp)
+            return self.cal.tp_slowdown * pair / 2
+        return self.cal.tp_slowdown * self.collective("all_reduce", size, s.tp, s.tp)
+
+    def tp_bytes(self) -> float:
+        s = self.s
+        return s.tokens * self.model.hidden_size * s.act_bytes * (s.tp - 1) / s.tp
+
+    def cp_gather(self) -> float:
+        """One layer's K/V all-gather (or its gradients' reduce-scatter) over the cp ranks."""
+        m, s = self.model, self.s
+        if s.cp == 1:
+            return 0.0
+        size = s.micro_batch_size * s.seq_length * 2 * local_kv_heads(m.num_kv_heads, s.tp) * m.head_dim * s.act_bytes
+        return self.collective("all_gather", size, s.cp, self._group_per_node(s.tp, s.cp))
+
+    def all_to_all_bytes(self) -> float:
+        """Bytes one MoE dispatch (or combine) sends off this rank."""
+        m, s = self.model, self.s
+        return s.tokens * m.experts_per_token * m.hidden_size * s.act_bytes * (s.ep - 1) / s.ep
+
+    def all_to_all(self) -> float:
+        """One MoE dispatch (or combine) over the ep ranks: T x k x hidden values, (ep-1)/ep off the rank."""
+        m, s, hw, c = self.model, self.s, self.hw, self.cal
+        if not m.is_moe or s.ep == 1:
+            return 0.0
+        size = s.tokens * m.experts_per_token * m.hidden_size * s.act_bytes
+        local = self._group_per_node(s.tp * s.cp, s.ep)
+        inside = size * (local - 1) / s.ep / (hw.link.bandwidth * c.nvlink["all_to_all"].efficiency)
+        outside = 0.0
+        if local < s.ep:
+            outside = size * (s.ep - local) / s.ep / (hw.nic_bandwidth_per_gpu() * c.network_all_to_all_efficiency)
+        latency = hw.network.latency if local < s.ep else hw.link.latency
+        return latency + max(inside, outside)
+
+    def p2p(self, across_nodes: bool) -> float:
+        s = self.s
+        size = s.tokens * self.model.hidden_size * s.act_bytes / (s.tp if s.sequence_parallel else 1)
+        if across_nodes:
+            return self.hw.network.latency + size / (self.hw.nic_bandwidth_per_gpu() * self.cal.network.efficiency)
+        return self.hw.link.latency + size / (self.hw.link.bandwidth * self.cal.nvlink["p2p"].efficiency)
+
+    # ---- one layer ----------------------------------------------------------------------------------------
+
+    def layer(self, recomputed: bool = True) -> LayerCost:
+        """One decoder layer's pieces for one micro-batch (recomputed: this layer falls under --recompute)."""
+        s, c = self.s, self.cal
+        gemm, attn, elem = self.gemm_forward(), self.attention_total(), self.elementwise_total()
+        a_fwd = attn * c.attention_forward_share
+        tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
+        fwd = Piece()
+        fwd.add("compute", gemm + a_fwd + 0.4 * elem)
+        fwd.add("tp", (c.tp_forward if s.sequence_parallel else 2) * tp_one)
+        fwd.add("cp", cp_one)
+        fwd.add("ep", 2 * a2a)
+        back = Piece()
+        back.add("compute", gemm + attn - a_fwd + 0.6 * elem)
+        back.add("cp", cp_one)
+        back.add("ep", 2 * a2a)
+        weight = Piece({"compute": gemm})
+        exposed = c.tp_backward_exposed if s.sequence_parallel else 1
+        overlapped = c.tp_backward_overlapped if s.sequence_parallel else 1
+        back.add("tp", exposed * tp_one)
+        if s.tp > 1:
+            if s.tp_comm_overlap:  # hidden behind the weight-gradient GEMMs, as far as they last
+                back.add("tp", max(0.0, overlapped * tp_one - gemm))
+                back.add("contention", overlapped * self.tp_bytes() / c.contention_bandwidth)
+            else:
+                back.add("tp", overlapped * tp_one)
+        recompute = Piece()
+        if recomputed and s.recompute == "full":
+            recompute = fwd
+        elif recomputed and s.recompute == "selective":
+            recompute = Piece({"compute": a_fwd})
+        return LayerCost(fwd, back, weight, recompute)
+
+    def head(self) -> tuple[Piece, Piece, Piece]:
+        """(forward, backward input, backward weight) of the output head and the loss for one micro-batch."""
+        m, s = self.model, self.s
+        vocab = m.vocab_size if s.tp == 1 else padded_vocab_size(m.vocab_size, s.tp) // s.tp
+        gemm = 2 * s.tokens * m.hidden_size * vocab / (self._gemm_rate * self._shape_factor(s.tokens, m.hidden_size))
+        loss = (
+            s.tokens
+            * vocab
+            * self.cal.loss_bytes_per_logit
+            / (self.hw.gpu.hbm_bw * self.cal.elementwise_hbm_efficiency)
+        )
+        return Piece({"compute": gemm + 0.4 * loss}), Piece({"compute": gemm + 0.6 * loss}), Piece({"compute": gemm})
+
+    def grad_accumulate(self, params: float) -> float:
+        """Adding one micro-batch's bf16 gradients of `params` parameters into the fp32 buffers."""
+        return params * self.cal.grad_accumulate_bytes / (self.hw.gpu.hbm_bw * self.cal.elementwise_hbm_efficiency)
+
+    def optimizer(self, owned: float) -> float:
+        return (
+            owned * self.cal.optimizer_bytes_per_owned_param / (self.hw.gpu.hbm_bw * self.cal.optimizer_hbm_efficiency)
+        )

@@ -1,0 +1,159 @@
+"""A planner layout through the step simulator: the step with data-parallel overlap as asked and without it
+(how much traffic the overlap hides on this network), the MFU on the FLOPs contract of docs/design.md, and what
+training T tokens would take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..models import ModelConfig
+from ..plan import GB, Layout, Precision
+from ..plan_params import expert_layer_params, stage_layers
+from .calibration import load_calibration
+from .costs import Costs, Shape
+from .hardware import Hardware
+from .step import StepOptions, StepResult, simulate_step
+
+MFU_FORMULA = "tokens/s/GPU x ModelConfig.flops_per_token(seq) / dense bf16 peak (active parameters for MoE)"
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    overlap: bool = True  # gradient reduce-scatter during backward, parameter all-gather during forward
+    schedule: str = "1f1b"  # "zb-h1": the zero-bubble schedule (predicted, not in the trainer)
+    attention: str = "auto"  # the attention backend's measured efficiency: auto (cuDNN), fa4, flash
+    bucket_size: int = 40_000_000
+    grad_reduce_dtype: str = "fp32"
+    tp_comm_overlap: bool = True
+    pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
+
+
+@dataclass
+class Simulation:
+    model: ModelConfig
+    layout: Layout
+    seq_length: int
+    hardware: Hardware
+    settings: SimSettings
+    result: StepResult
+    other: StepResult  # the same step with the data-parallel overlap switched the other way
+    all_to_all_bytes: float  # per rank and step (MoE)
+
+    @property
+    def with_overlap(self) -> StepResult:
+        return self.result if self.settings.overlap else self.other
+
+    @property
+    def without_overlap(self) -> StepResult:
+        return self.other if self.settings.overlap else self.result
+
+    def train_cost(self, tokens: float, price_per_gpu_hour: float | None = None) -> dict[str, float | None]:
+        per_gpu = self.result.tokens_per_sec_per_gpu
+        gpu_hours = tokens / per_gpu / 3600
+        return {
+            "tokens": tokens,
+            "days": gpu_hours / self.result.gpus / 24,
+            "gpu_hours": gpu_hours,
+            "cost": gpu_hours * price_per_gpu_hour if price_per_gpu_hour is not None else None,
+        }
+
+    def to_dict(self, train_tokens: float | None = None, price: float | None = None) -> dict[str, Any]:
+        r, m = self.result, self.model
+        on, off = self.with_overlap, self.without_overlap
+        parts = r.parts
+        out: dict[str, Any] = {
+            "hardware": self.hardware.describe(),
+            "schedule": self.settings.schedule,
+            "overlap": self.settings.overlap,
+            "step_seconds": r.step_seconds,
+            "tokens_per_sec_per_gpu": r.tokens_per_sec_per_gpu,
+            "tflops_per_gpu": r.mfu * r.peak_flops / 1e12,
+            "mfu": r.mfu,
+            "mfu_formula": MFU_FORMULA,
+            "parameters": m.num_params(),
+            "active_parameters": m.active_params(),
+            "flops_per_token": r.model_flops_per_token,
+            "parts_seconds": dict(parts),
+            "exposed_comm_seconds": {
+                "tp": parts.get("tp", 0.0),
+                "cp": parts.get("cp", 0.0),
+                "ep": parts.get("ep", 0.0),
+                "dp": r.dp_exposed_seconds,
+                "pipeline_bubble_and_p2p": parts.get("bubble", 0.0),
+            },
+            "data_parallel": {
+                "comm_seconds": on.dp_comm_seconds,
+                "exposed_with_overlap": on.dp_exposed_seconds,
+                "exposed_without_overlap": off.dp_exposed_seconds,
+                "hidden_by_overlap": off.dp_exposed_seconds - on.dp_exposed_seconds,
+                "step_seconds_with_overlap": on.step_seconds,
+                "step_seconds_without_overlap": off.step_seconds,
+            },
+        }
+        if m.is_moe:
+            lay = self.layout
+            layers = max(sum(chunk) for chunk in stage_layers(m, lay.pp, lay.vpp))
+            out["moe"] = {
+                "experts_per_rank": m.num_experts // lay.ep,
+                "expert_weights_gb_per_rank": layers * expert_layer_params(m, lay.tp, lay.ep) * 2 / GB,
+                "all_to_all_gb_per_rank_and_step": self.all_to_all_bytes / GB,
+                "all_to_all_seconds_exposed": parts.get("ep", 0.0),
+            }
+        if train_tokens:
+            out["train"] = self.train_cost(train_tokens, price)
+        return out
+
+
+def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: SimSettings) -> Shape:
+    return Shape(
+        tp=lay.tp,
+        cp=lay.cp,
+        dp=lay.dp,
+        pp=lay.pp,
+        ep=lay.ep,
+        micro_batch_size=lay.micro_batch_size,
+        seq_length=seq_length,
+        sequence_parallel=lay.sequence_parallel,
+        recompute=lay.recompute,
+        recompute_layers=lay.recompute_layers,
+        act_bytes=precision.act_bytes,
+        compiled=precision.compiled,
+        fp8=precision.fp8,
+        attention=settings.attention,
+        tp_comm_overlap=settings.tp_comm_overlap,
+    )
+
+
+def _options(lay: Layout, settings: SimSettings, overlap: bool) -> StepOptions:
+    return StepOptions(
+        micro_batches=lay.micro_batches,
+        vpp=lay.vpp,
+        distributed_optimizer=lay.distributed_optimizer,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        grad_reduce_bytes=2 if settings.grad_reduce_dtype == "bf16" else 4,
+        bucket_size=settings.bucket_size,
+        schedule=settings.schedule,
+        pp_layers=settings.pp_layers,
+    )
+
+
+def simulate_layout(
+    model: ModelConfig,
+    lay: Layout,
+    seq_length: int,
+    hw: Hardware,
+    precision: Precision = Precision(),
+    settings: SimSettings = SimSettings(),
+) -> Simulation:
+    """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way."""
+    shape = layout_shape(lay, seq_length, precision, settings)
+    result = simulate_step(model, shape, hw, _options(lay, settings, settings.overlap))
+    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap))
+    a2a = 0.0
+    if model.is_moe and lay.ep > 1:
+        per_layer = Costs(model, shape, hw, load_calibration()).all_to_all_bytes()
+        layers = model.num_layers / lay.pp
+        a2a = per_layer * layers * lay.micro_batches * (4 + (2 if lay.recompute == "full" else 0))
+    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a)

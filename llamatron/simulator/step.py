@@ -1,0 +1,96 @@
+"""One optimizer step, simulated: the pipeline timeline of every stage (timeline.py) with the costs of
+costs.py, then the data-parallel collectives per gradient bucket and the optimizer.
+
+Data parallelism as llamatron does it (parallel/grad_buffer.py): each model chunk's parameters sit in
+buckets of ~bucket_size elements in reverse order of use; a bucket's reduce-scatter (all-reduce without the
+distributed optimizer) is issued once per step, when its last gradient of the step's last micro-batch has
+arrived (with --no-overlap-grad-reduce: all of them after the last backward); the collectives of a rank run
+one after another on its data-parallel stream. With the distributed optimizer the updated parameters are
+all-gathered bucket by bucket at the start of the next step, first layers first, and each layer's first
+forward waits for its bucket (with --no-overlap-param-gather: all of them after the optimizer, exposed).
+Expert weights of a mixture of experts are reduced over the dp/ep ranks holding the same experts. Every
+rank waits for the slowest before the optimizer (the global gradient norm). Overlapped collectives slow the
+compute beside them by their bytes / contention bandwidth (calibration.yaml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models import ModelConfig
+from .calibration import Calibration, load_calibration
+from .chunks import build_chunks
+from .costs import Costs, Shape
+from .dataparallel import DataParallel
+from .hardware import Hardware
+from .timeline import ChunkDurations, Event, run_pipeline
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    micro_batches: int = 1  # per data-parallel rank and step
+    vpp: int = 1
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    grad_reduce_bytes: int = 4  # fp32 (2: --grad-reduce-dtype bf16)
+    bucket_size: int = 40_000_000
+    schedule: str = "1f1b"  # or "zb-h1"
+    pp_layers: str | None = None
+
+
+@dataclass
+class StepResult:
+    step_seconds: float
+    tokens_per_step: float
+    gpus: int
+    model_flops_per_token: float
+    peak_flops: float
+    parts: dict[str, float]  # seconds on the critical rank; they add up to the step
+    dp_comm_seconds: float  # the data-parallel collectives' own time on the busiest rank
+    dp_exposed_seconds: float  # the part of it (and of the gather waits) not hidden behind compute
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def tokens_per_sec_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_seconds / self.gpus
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_sec_per_gpu * self.model_flops_per_token / self.peak_flops
+
+
+def simulate_step(
+    model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cal: Calibration | None = None
+) -> StepResult:
+    """Simulate one optimizer step of `model` laid out as `s` on `hw` (one data-parallel replica's pipeline:
+    every replica runs the same)."""
+    cal = cal or load_calibration()
+    costs = Costs(model, s, hw, cal)
+    chunks = build_chunks(model, s, costs, opt.vpp, opt.pp_layers)
+    zb = opt.schedule == "zb-h1"
+    durations = [
+        ChunkDurations(
+            ch.forward.seconds, ch.backward.seconds + (0 if zb else ch.weight.seconds), ch.weight.seconds if zb else 0.0
+        )
+        for ch in chunks
+    ]
+    stride = s.tp * s.cp * s.dp
+    p2p = costs.p2p(across_nodes=stride * s.pp > hw.gpus_per_node) if s.pp > 1 else 0.0
+    dp = DataParallel(model, s, hw, opt, costs, chunks)
+    gathers = dp.gathers() if opt.distributed_optimizer and opt.overlap_param_gather else {}
+    events = run_pipeline(
+        s.pp, opt.vpp, opt.micro_batches, durations, p2p, zb, dp.first_forward(gathers) if gathers else None
+    )
+    done = dp.finish(events, gathers, zb)
+    return StepResult(
+        done.step_seconds,
+        opt.micro_batches * s.micro_batch_size * s.seq_length * s.dp,
+        s.tp * s.cp * s.dp * s.pp,
+        model.flops_per_token(s.seq_length),
+        hw.gpu.peak_flops,
+        done.parts,
+        done.dp_comm_seconds,
+        done.dp_exposed_seconds,
+        done.events,
+    )
