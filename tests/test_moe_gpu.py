@@ -32,21 +32,41 @@ def _model(backend: str, compiled: bool):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_grouped_gemm_experts_match_the_loop(compiled):
-    cfg, grouped = _model("auto", compiled)
-    _, loop = _model("loop", compiled)
+    """The experts alone, on the same sorted rows (skewed counts, empty experts included), so that no routing
+    decision can differ: grouped GEMMs (eager or compiled) against the per-expert loop, forward and backward."""
+    from llamatron.models.moe import Experts
+
+    torch.manual_seed(0)
+    grouped = Experts(8, 256, 512).cuda().bfloat16()
+    for p in grouped.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    loop = Experts(8, 256, 512).cuda().bfloat16()
+    loop.load_state_dict(grouped.state_dict())
+    loop.backend = "loop"
+    counts = torch.tensor([0, 700, 100, 0, 50, 74, 0, 100], device="cuda")
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    forward = torch.compile(grouped.forward) if compiled else grouped.forward
+    outs = []
+    for run in (forward, loop.forward):
+        xi = x.clone().requires_grad_()
+        out = run(xi, counts)
+        (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+        outs.append((out.float(), xi.grad.float()))
+    for (a, b), name in zip(zip(outs[0], outs[1]), ("output", "input gradient")):
+        assert (a - b).norm() / b.norm() < 1e-2, name
+    for name, p in grouped.named_parameters():
+        q = dict(loop.named_parameters())[name]
+        assert (p.grad.float() - q.grad.float()).norm() / q.grad.float().norm() < 1e-2, name
+
+
+def test_compiled_moe_model_matches_the_loop_in_loss():
+    """Whole compiled models: the loss agrees (their gradients may not: a bf16 rounding can flip a near-tied
+    top-2 choice at initialisation, moving a token's whole contribution to another expert)."""
+    cfg, grouped = _model("auto", True)
+    _, loop = _model("loop", True)
     tokens = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
-    results = []
-    for model in (grouped, loop):
-        loss = model(tokens, labels=tokens).float().mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
-    (ref_loss, ref), (loss, grads) = results[1], results[0]
-    assert abs(float(loss - ref_loss)) < 2e-3 * float(ref_loss)
-    for name, g in ref.items():
-        err = (grads[name] - g).norm() / g.norm().clamp_min(1e-12)
-        # bf16 rounding in another order; a norm weight's gradient sums over every token, with cancellation
-        # (5% apart between a compiled grouped run and the eager loop, seen on an H200)
-        assert err < (3e-2 if g.ndim > 1 else 1e-1), (name, float(err))
+    losses = [float(m(tokens, labels=tokens).float().mean()) for m in (grouped, loop)]
+    assert abs(losses[0] - losses[1]) < 2e-3 * losses[1]
 
 
 def test_compiled_mixture_of_experts_trains_on_the_gpu(tmp_path):

@@ -33,12 +33,7 @@ EAGER = P.Precision(
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_parameter_counts_match_the_model(name):
     cfg = get_preset(name)
-    if cfg.is_moe:  # every expert, as ModelConfig counts them (the MoE layer of models/ follows: then as below)
-        assert P.stage_params(cfg, 1, 1, 0, cfg.num_layers)[0] == cfg.num_params()
-        per_layer = (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * 2 - cfg.hidden_size) // cfg.num_layers
-        assert P.layer_params(cfg) == per_layer
-        return
-    model = build_model(cfg)  # on meta: free
+    model = build_model(cfg)  # on meta: free (a mixture of experts: every expert)
     assert P.layer_params(cfg) == sum(p.numel() for p in model.layers["0"].parameters())
     assert P.stage_params(cfg, 1, 1, 0, cfg.num_layers)[0] == sum(p.numel() for p in model.parameters())
 

@@ -72,20 +72,6 @@ def evaluate_layout(
     derived = validate(cfg, gpus, cuda_available=True)
     model = cfg.model_config()
     lay = run_layout(cfg, derived.dp)
-    _check_experts(model, lay.ep, lay.dp)
     memory = layout_memory(model, lay, seq_length, precision, cfg.parallel.pp_layers)
     plan = Plan(lay, memory, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8))
     return plan, model
-
-
-def _check_experts(model: ModelConfig, ep: int, dp: int) -> None:
-    """Expert parallelism's rules: a mixture of experts, ep dividing the data-parallel size and the experts."""
-    if ep == 1:
-        return
-    if not model.is_moe:
-        raise ConfigError(f"--ep {ep} needs a mixture of experts (num_experts > 0); this model is dense: use --ep 1")
-    if dp % ep or model.num_experts % ep:
-        raise ConfigError(
-            f"--ep {ep} must divide the data-parallel size {dp} and num_experts {model.num_experts}; "
-            f"use one of {[e for e in range(1, dp + 1) if dp % e == 0 and model.num_experts % e == 0]}"
-        )
