@@ -79,7 +79,7 @@ def explain_png(sim: Simulation, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError(
-            "--explain-png needs matplotlib: pip install matplotlib (or use --explain for text)"
+            "--explain-png needs matplotlib: pip install -e '.[plot]' (or use --explain for text)"
         ) from None
     colours = {
         "F": "tab:blue",
