@@ -111,9 +111,12 @@ def _skewed_dispatch(rank: int, world: int) -> None:
     router_grad = moe.router.weight.grad.clone()
     torch.distributed.all_reduce(router_grad)  # each rank's share comes from its own tokens
     assert torch.allclose(router_grad, ref_grads["router.weight"], atol=1e-6)
+    # backward sent the tokens' gradient home before computing the gate_up weight gradient, and waited after it
+    assert moe.dispatch.events == ["input gradient sent", "weight gradient", "input gradient received"]
 
 
 def test_expert_parallel_dispatch_is_exact_under_skewed_routing():
+    """...and its backward overlaps the all-to-all of the tokens' gradient with the gate_up weight gradient."""
     spawn(_skewed_dispatch, 2)
 
 

@@ -84,20 +84,23 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, hidden) sorted by expert, `counts[e]` rows for local expert e; returns (rows, hidden)."""
+        return self.finish(self.project(x, self.gate_up, counts), counts)
+
+    def finish(self, gate_up_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The rest of each expert after its gate_up matmul: SwiGLU, then down."""
+        return self.project(swiglu(gate_up_out, self.swiglu_backend), self.down, counts)
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's rows times its matrix transposed (F.linear per expert): weight (experts, out, in)."""
         if self.backend == "auto" and x.is_cuda and x.dtype == torch.bfloat16:
             offsets = torch.cumsum(counts, 0).to(torch.int32)
-            act = swiglu(torch._grouped_mm(x, self.gate_up.transpose(-2, -1), offs=offsets), self.swiglu_backend)
-            return torch._grouped_mm(act, self.down.transpose(-2, -1), offs=offsets)
-        return self._loop(x, counts)
-
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The reference: each expert's rows through its own matmuls (reads the counts on the host)."""
+            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        # The reference: a matmul per expert (reads the counts on the host).
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
-            rows = x[start : start + n]
-            outs.append(F.linear(swiglu(F.linear(rows, self.gate_up[e]), self.swiglu_backend), self.down[e]))
+            outs.append(F.linear(x[start : start + n], weight[e]))
             start += n
-        return torch.cat(outs) if outs else x.new_zeros((0, x.shape[1]))
+        return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 
 
 # (tokens, chosen experts, routing, experts) -> the experts' outputs for the sorted choices; see MoE.dispatch

@@ -5,8 +5,9 @@ Expert parallelism (`--ep N`, carved out of the data-parallel ranks: parallel/me
 of an `ep_group` num_experts / N of every MoE layer's experts, a contiguous range. A layer's tokens then travel:
 each rank routes its own tokens, sorts their choices by expert (so they are grouped by the rank that holds the
 expert), sends each rank its part with one all-to-all, runs its experts on what it received and sends the
-results back with a second; backward runs the same two in reverse. The split sizes depend on the routing, so
-each layer first exchanges its per-expert counts (a host read: dropless routing has no fixed size).
+results back with a second; backward runs the same two in reverse, the second of them (the tokens' gradient
+going home) beside the experts' gate_up weight gradient. The split sizes depend on the routing, so each layer
+first exchanges its per-expert counts (a host read: dropless routing has no fixed size).
 
 Tensor parallelism splits every expert's ffn as it splits the dense MLP (gate and up by rows, down by columns):
 each tp rank takes the whole sequence (gathered under sequence parallelism), routes it as every other tp rank
@@ -17,7 +18,7 @@ tp rank's router gradient is then a partial sum too (summed by sync_tensor_paral
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.config import ModelConfig
-from ..models.moe import MoE, Routing
+from ..models.moe import Experts, MoE, Routing
 from .mesh import Mesh
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
@@ -69,27 +70,90 @@ def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: dis
     return out
 
 
-class ExpertParallelDispatch:
-    """MoE.dispatch over an ep group: the sorted choices to the ranks holding their experts, and back."""
+@dataclass
+class _Exchange:
+    """One layer call's token exchange: split sizes by rank, the regroup order, the local experts' counts."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, local_experts: int):
+    send: list[int]
+    receive: list[int]
+    by_expert: torch.Tensor
+    counts: torch.Tensor
+    group: dist.ProcessGroup
+    overlap: bool
+    events: list[str]
+
+
+class _DispatchAndGateUp(Function):
+    """The dispatch (all-to-all, regroup by local expert) and the experts' gate_up matmul, in one node so that its
+    backward can send the tokens' gradient back to their ranks while the gate_up weight gradient is computed: the
+    overlap expert parallelism has (forward has no work independent of the tokens it waits for)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, experts: Experts, ex: _Exchange) -> torch.Tensor:
+        regrouped = _all_to_all(x, ex.send, ex.receive, ex.group)[ex.by_expert]
+        ctx.save_for_backward(regrouped, gate_up)
+        ctx.experts, ctx.ex = experts, ex
+        return experts.project(regrouped, gate_up, ex.counts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        regrouped, gate_up = ctx.saved_tensors
+        ex: _Exchange = ctx.ex
+        grad_regrouped = ctx.experts.project(grad, gate_up.transpose(-2, -1), ex.counts)
+        grad_received = torch.empty_like(grad_regrouped)
+        grad_received[ex.by_expert] = grad_regrouped
+        grad_x = grad_received.new_empty((sum(ex.send), grad_received.shape[1]))
+        work = dist.all_to_all_single(
+            grad_x,
+            grad_received,
+            output_split_sizes=ex.send,
+            input_split_sizes=ex.receive,
+            group=ex.group,
+            async_op=True,
+        )
+        ex.events.append("input gradient sent")
+        if not ex.overlap:
+            work.wait()
+            ex.events.append("input gradient received")
+        grad_weight = torch.zeros_like(gate_up)  # an expert without tokens gets zeros
+        start = 0
+        for e, n in enumerate(ex.counts.tolist()):  # few local experts under ep: one matmul each
+            grad_weight[e] = grad[start : start + n].t() @ regrouped[start : start + n]
+            start += n
+        ex.events.append("weight gradient")
+        if ex.overlap:
+            work.wait()
+            ex.events.append("input gradient received")
+        return grad_x, grad_weight, None, None
+
+
+class ExpertParallelDispatch:
+    """MoE.dispatch over an ep group: the sorted choices to the ranks holding their experts, and back.
+
+    overlap: backward's first all-to-all runs beside the gate_up weight gradient (off: one after the other; for
+    tests). events: what each backward did, in order (tests read it)."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, local_experts: int, overlap: bool = True):
         self.group, self.ep, self.local = group, ep, local_experts
+        self.overlap = overlap
+        self.events: list[str] = []
 
     @torch.compiler.disable  # split sizes read on the host: the compiled layer runs around it
-    def __call__(self, tokens: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         ep, local = self.ep, self.local
         counts = routing.counts  # by global expert: blocks of `local` per destination rank
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source, local expert) counts
-        send = counts.view(ep, local).sum(1).tolist()
         grid = received_counts.view(ep, local)
-        receive = grid.sum(1).tolist()
-        received = _AllToAll.apply(tokens[routing.source_tokens], send, receive, self.group)
+        send, receive = counts.view(ep, local).sum(1).tolist(), grid.sum(1).tolist()
         # Received rows are by source, then by expert; the experts want them by expert, then source.
         by_expert = _source_major_to_expert_major(grid.tolist(), tokens.device)
-        out = torch.empty_like(received)
-        out[by_expert] = experts(received[by_expert], grid.sum(0))
-        return _AllToAll.apply(out, receive, send, self.group)
+        ex = _Exchange(send, receive, by_expert, grid.sum(0), self.group, self.overlap, self.events)
+        gate_up_out = _DispatchAndGateUp.apply(tokens[routing.source_tokens], experts.gate_up, experts, ex)
+        out = experts.finish(gate_up_out, ex.counts)
+        back = torch.empty_like(out)
+        back[by_expert] = out
+        return _AllToAll.apply(back, receive, send, self.group)
 
 
 def _source_major_to_expert_major(grid: list[list[int]], device: torch.device) -> torch.Tensor:
