@@ -21,6 +21,7 @@ from .checkpoint import load_model_weights, read_model_config
 from .models import Transformer, build_model
 from .models.kv_cache import KVCache
 from .models.layers import rope_depends_on_length
+from .parallel.expert import apply_expert_parallel
 from .parallel.mesh import Mesh
 from .parallel.param_spec import param_specs
 from .parallel.tensor import apply_tensor_parallel
@@ -113,6 +114,8 @@ def load_for_generation(
     specs = param_specs(model)
     if mesh is not None and mesh.tp > 1:
         specs = apply_tensor_parallel(model, mesh, specs=specs)
+        if model.cfg.is_moe:  # every expert split along its ffn too (parallel/expert.py)
+            specs = apply_expert_parallel(model, mesh, False, specs)
     model.to(dtype=dtype)  # still on meta: free
     model.to_empty(device=device)
     meta = load_model_weights(path, model, specs)

@@ -162,3 +162,24 @@ def test_fp8_converts_the_attention_and_leaves_router_and_experts_in_bf16():
     layer = model.layers["0"]
     assert type(layer.attn.qkv).__name__ == "Float8Linear"
     assert type(layer.mlp.router) is torch.nn.Linear  # its 4 outputs pick the experts
+
+
+def _tp_logits(rank: int, world: int, checkpoint: str) -> None:
+    from llamatron.generate import load_for_generation
+    from llamatron.parallel.mesh import build_mesh
+
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
+    sharded, _ = load_for_generation(checkpoint, mesh=build_mesh(tp=world))
+    whole, _ = load_for_generation(checkpoint)
+    # each rank holds its 1/tp of every expert's ffn (not a whole copy)
+    assert sharded.layers["0"].mlp.experts.gate_up.shape[1] == whole.layers["0"].mlp.experts.gate_up.shape[1] // world
+    with torch.no_grad():
+        assert (sharded.gather_logits_fn(sharded(ids)) - whole(ids)).abs().max() < 1e-5
+
+
+def test_tensor_parallel_generation_of_a_mixture_of_experts(tmp_path):
+    """generate --tp loads a MoE checkpoint with every expert split along its ffn: the one-process logits."""
+    from layout import run_train
+
+    run_train(["--train-steps", "1", "--save", "ck"], 1, tmp_path, model="mixtral-test")
+    spawn(_tp_logits, 2, str(tmp_path / "ck"))
