@@ -78,8 +78,9 @@ class RouterTraining:
     def attach(chunks: list[Transformer], model_cfg: ModelConfig, device: torch.device) -> RouterTraining | None:
         if not model_cfg.is_moe:
             return None
-        run = RouterTraining(torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), 0)
-        run.num_layers = model_cfg.num_layers
+        run = RouterTraining(
+            torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), model_cfg.num_layers
+        )
         for chunk in chunks:
             for m in chunk.modules():
                 if isinstance(m, MoE):
@@ -152,7 +153,7 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
         if num_layers is not None and i >= num_layers:
             break
         if mode == "full":
-            layer.forward = _Checkpointed(layer.forward, lambda _layer=layer: _recompute_contexts(_layer))
+            layer.forward = _Checkpointed(layer.forward, partial(_recompute_contexts, layer))
         elif mode == "selective":
             attn = cast(Attention, layer.get_submodule("attn"))
             core = attn.core

@@ -180,18 +180,25 @@ class MoE(nn.Module):
         routing = route(chosen, self.num_experts)
         out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
-            out = self._attach_router_losses(out, logits, probs, chosen, batch)
+            out = self._attach_router_losses(out, logits, probs, chosen, routing.counts, batch)
         out = self.reduce_output(out.view(batch, seq, hidden))
         return out if residual is None else residual + out
 
     def _attach_router_losses(
-        self, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, batch: int
+        self,
+        out: torch.Tensor,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        chosen: torch.Tensor,
+        counts: torch.Tensor,
+        batch: int,
     ) -> torch.Tensor:
+        """counts: each expert's token choices (the routing's)."""
         aux, z = router_losses(logits, probs, chosen, batch, self.num_experts)
         if self.stats is not None and not self.recomputing:
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
-            self.stats.choices.add_(expert_counts(chosen, self.num_experts))
+            self.stats.choices.add_(counts)
         loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()
         assert self.router_loss_weight is not None
         return _RouterLossGrad.apply(out, loss, self.router_loss_weight * self.router_loss_share)
