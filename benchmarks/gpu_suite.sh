@@ -3,7 +3,7 @@
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
-#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, longctx, fp8_7b, fp8_1b, fp8_parity
+#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -171,6 +171,14 @@ for group in ${@:-single dp tests}; do
       ROW_TAG=causal-8k-cudnn one 0 $S8 --attention-backend cudnn
       ROW_TAG=window-8k-fa4 one 0 --config "$OUT/window.yaml" $S8
       ROW_TAG=window-8k-flex one 0 --config "$OUT/window.yaml" $S8 --attention-backend cudnn ;;
+    window_pair)  # issue 18: plain causal against the 1024 window at seq 8192, WINDOW_GBS sequences a step
+      # (default 4: one micro-batch; 32 spreads the optimizer step over 8 as a real run does); WINDOW_ARGS: flags
+      # for both rows (e.g. --fp8 tensorwise)
+      G=${WINDOW_GBS:-4}
+      SA="--model llama-1b --seq-length 8192 --global-batch-size $G --micro-batch-size 4 --steps 8 --warmup 2"
+      printf 'model: llama-1b\nmodel_overrides:\n  sliding_window: 1024\n' >"$OUT/window.yaml"
+      ROW_TAG="causal-8k-gbs$G ${WINDOW_ARGS:-}" one 0 $SA ${WINDOW_ARGS:-}
+      ROW_TAG="window-8k-gbs$G ${WINDOW_ARGS:-}" one 0 --config "$OUT/window.yaml" $SA ${WINDOW_ARGS:-} ;;
     longctx)  # issue 18: the longest sequences one GPU trains at, full recompute, micro-batch 1 (LONG_1B, LONG_7B)
       for s in ${LONG_1B:-32768 65536 131072}; do
         ROW_TAG=llama-1b-$s one 0 --model llama-1b --seq-length $s --global-batch-size 1 --micro-batch-size 1 \

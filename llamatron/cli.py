@@ -51,6 +51,25 @@ def _torch_version() -> str:
         return "not installed"
 
 
+def _is_out_of_memory(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # not imported: nothing ran on a GPU
+    return torch is not None and isinstance(e, torch.OutOfMemoryError)
+
+
+def out_of_memory_message(e: BaseException, recompute_on: bool = False) -> str:
+    """One line for a GPU that ran out of memory mid-run: torch's first sentences (what was asked for, what the
+    GPU holds) and the fixes. Nothing saved is touched: checkpoints are written whole or not at all."""
+    sentences = str(e).replace("\n", " ").split(". ")
+    what = ". ".join(s for s in sentences[:3] if not s.startswith(("If reserved", "See documentation", "Including")))
+    rank = os.environ.get("RANK")
+    recompute = "" if recompute_on else ", add --recompute full"
+    return (
+        f"out of GPU memory{f' on rank {rank}' if rank is not None else ''} ({what.rstrip('.')}). Lower "
+        f"--micro-batch-size or --seq-length{recompute}, or spread the model over more GPUs "
+        "(--tp, --pp, --cp, --distributed-optimizer); `llamatron plan` estimates each layout's memory"
+    )
+
+
 def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> None:
     """faults: what a test injects into a run (tests/inject_faults.py); none otherwise."""
     parser = build_parser()
@@ -86,6 +105,13 @@ def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> N
     except TrainingAborted as e:  # too many non-finite steps, a hung rank: the message says what to do
         if e.rank_specific or first_rank:
             print(f"llamatron {args.command}: stopped: {e}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:
+        if not _is_out_of_memory(e):
+            raise
+        # rank-specific (one rank's GPU fills first): every rank that hits it says so
+        recompute_on = getattr(args, "recompute", None) == "full"
+        print(f"llamatron {args.command}: {out_of_memory_message(e, recompute_on)}", file=sys.stderr)
         sys.exit(1)
     except BrokenPipeError:  # the reader went away (`llamatron plan --json | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again

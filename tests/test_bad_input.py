@@ -390,3 +390,36 @@ def test_metric_records_hold_null_for_non_finite_values(tmp_path):
     step, evaluation = (_strict_json(line) for line in (tmp_path / "m.jsonl").read_text().splitlines())
     assert step == {"step": 3, "loss": None, "grad_norm": None, "skipped": True, "lr": 1e-3, "mfu": None}
     assert evaluation == {"step": 3, "split": "valid", "loss": 2.5, "perplexity": None}
+
+
+def test_running_out_of_gpu_memory_ends_in_one_line_naming_the_fixes(monkeypatch, capsys):
+    """An out-of-memory error mid-run (here raised where the engine is built; on a GPU, inside a step) ends in
+    one line with torch's sizes and the flags that lower memory, exit 1, no traceback."""
+    import torch
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.69 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+            "1.80 GiB is free. Including non-PyTorch memory, this process has 138.00 GiB memory in use. If "
+            "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments"
+        )
+
+    monkeypatch.setattr(llamatron.train, "build_engine", out_of_memory)
+    code, err = _cli([*BASE_FLAGS, "--seq-length", "64"], capsys)
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("llamatron train: out of GPU memory (CUDA out of memory. Tried to allocate 2.69 GiB"), err
+    assert "--micro-batch-size" in err and "--recompute full" in err and "llamatron plan" in err, err
+    assert "expandable_segments" not in err, err  # torch's allocator advice is not the user's fix
+    code, err = _cli([*BASE_FLAGS, "--seq-length", "64", "--recompute", "full"], capsys)
+    assert code == 1 and "--recompute" not in err and "--micro-batch-size" in err, err  # it is on already
+
+
+def test_other_runtime_errors_still_raise(monkeypatch):
+    """Only the out-of-memory error becomes a line: any other failure keeps its traceback for the bug report."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(llamatron.train, "build_engine", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        llamatron_main([*BASE_FLAGS, "--seq-length", "64"])
