@@ -234,3 +234,17 @@ def test_zero_bubble_gains_on_a_pipeline_and_keeps_1f1b_memory(capsys):
             hw,
             Precision(),
         )
+
+
+def test_attention_at_head_dim_128_runs_at_its_measured_factor_and_an_assumed_gpu_keeps_its_figure():
+    """RESULTS.md run 11: wider heads do more work per tile. Measured on the H200 (it scales to the H100);
+    an A100's attention figure is an assumption that already covers head dims, so it is left alone."""
+    from llamatron.simulator.calibration import load_calibration
+
+    cal = load_calibration()
+    for backend, factor in (("cudnn", 1.25), ("fa4", 1.145), ("auto", 1.25)):
+        at64 = cal.attention("h200", backend, 8192, 64)
+        assert cal.attention("h200", backend, 8192, 128) == pytest.approx(at64 * factor)
+        assert cal.attention("h200", backend, 8192, 96) == pytest.approx(at64 * (1 + (factor - 1) / 2))
+        assert cal.attention("h200", backend, 8192, 256) == pytest.approx(at64 * factor)
+    assert cal.attention("a100-80gb", "cudnn", 4096, 128) == cal.attention("a100-80gb", "cudnn", 4096, 64)

@@ -35,6 +35,7 @@ class Calibration:
     attention_forward_share: float
     attention_long_half: float
     attention_window_factor: float
+    attention_head_dim_128: dict[str, float]
     attention_other_gpus: dict[str, float]
     elementwise_per_hidden: float
     elementwise_per_ffn: float
@@ -56,14 +57,16 @@ class Calibration:
     tp_slowdown: float
     planner: dict[str, Any]
 
-    def attention(self, gpu: str, backend: str, seq: int) -> float:
-        """In-model attention efficiency of a backend at a sequence length ('auto' is cuDNN, flex for masks:
-        FA4 runs only where installed); measured at 4096, longer sequences amortise more of each tile."""
-        base = self.attention_other_gpus.get(gpu) or self.attention_efficiency.get(
-            backend, self.attention_efficiency["cudnn"]
-        )
+    def attention(self, gpu: str, backend: str, seq: int, head_dim: int = 64) -> float:
+        """In-model attention efficiency of a backend at a sequence length and head dim ('auto' is cuDNN, flex
+        for masks: FA4 runs only where installed); measured at 4096 and head dim 64: longer sequences amortise
+        more of each tile, and wider heads do more work per tile (linear from 64 to 128, flat beyond)."""
+        assumed = self.attention_other_gpus.get(gpu)  # an assumed figure already covers the head dims
+        base = assumed or self.attention_efficiency.get(backend, self.attention_efficiency["cudnn"])
         h = self.attention_long_half
-        return base * (seq / (seq + h)) / (4096 / (4096 + h))
+        wider = 0.0 if assumed else min(max((head_dim - 64) / 64, 0.0), 1.0)
+        head = 1.0 + (self.attention_head_dim_128.get(backend, self.attention_head_dim_128["cudnn"]) - 1.0) * wider
+        return base * head * (seq / (seq + h)) / (4096 / (4096 + h))
 
 
 def _curve(entry: dict) -> Curve:
@@ -100,6 +103,7 @@ def load_calibration() -> Calibration:
         attention_forward_share=float(a["forward_share"]),
         attention_long_half=float(a["long_sequence_half"]),
         attention_window_factor=float(a["window_factor"]),
+        attention_head_dim_128={k: float(v) for k, v in a["head_dim_128"].items()},
         attention_other_gpus={k: float(v) for k, v in a["other_gpus"].items()},
         elementwise_per_hidden=float(e["per_hidden"]),
         elementwise_per_ffn=float(e["per_ffn"]),

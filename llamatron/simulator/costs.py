@@ -130,7 +130,7 @@ class Costs:
     def attention_total(self) -> float:
         m, s = self.model, self.s
         flops = 3 * 4 * (m.num_heads * m.head_dim / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
-        efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length)
+        efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length, m.head_dim)
         if m.sliding_window is not None and m.sliding_window < s.seq_length:  # flex's block mask or FA4's local kernel
             efficiency *= self.cal.attention_window_factor
         return flops / (self.peak * efficiency)
