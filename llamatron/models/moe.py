@@ -61,10 +61,16 @@ def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of `rows = x[order]` for a permutation `order`: row i goes back to position order[i]."""
+    out = torch.empty_like(rows)
+    out[order] = rows  # a permutation: each row written once
+    return out
+
+
 def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
     """(tokens, hidden): each token's k expert outputs, back in token order, weighted and summed."""
-    unsorted = torch.empty_like(sorted_out)
-    unsorted[routing.order] = sorted_out  # a permutation: each row written once
+    unsorted = unpermute(sorted_out, routing.order)
     tokens = weights.shape[0]
     return (unsorted.view(tokens, routing.top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
@@ -222,4 +228,4 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-__all__ = ["MoE", "MoEStats", "Experts", "Routing", "combine", "local_dispatch", "route", "router_losses"]
+__all__ = ["MoE", "MoEStats", "Experts", "Routing", "combine", "local_dispatch", "route", "router_losses", "unpermute"]

@@ -27,8 +27,8 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.config import ModelConfig
-from ..models.moe import Experts, MoE, Routing
-from .mesh import Mesh
+from ..models.moe import Experts, MoE, Routing, unpermute
+from .mesh import Mesh, divisors
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
 from .tensor_layers import contiguous_layout, from_parallel_output, to_parallel_input
@@ -40,8 +40,9 @@ def expert_parallel_problems(model: ModelConfig, ep: int, cp: int) -> list[str]:
         return [f"--ep {ep} needs a mixture-of-experts model (num_experts > 0); use --ep 1"] if ep > 1 else []
     out = []
     if model.num_experts % ep:
-        choices = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
-        out.append(f"num_experts {model.num_experts} is not divisible by --ep {ep}; use --ep in {choices}")
+        out.append(
+            f"num_experts {model.num_experts} is not divisible by --ep {ep}; use --ep in {divisors(model.num_experts)}"
+        )
     if cp > 1:
         out.append(
             f"--cp {cp} with a mixture of experts: its router losses are per sequence and context parallelism "
@@ -100,8 +101,7 @@ class _DispatchAndGateUp(Function):
         regrouped, gate_up = ctx.saved_tensors
         ex: _Exchange = ctx.ex
         grad_regrouped = ctx.experts.project(grad, gate_up.transpose(-2, -1), ex.counts)
-        grad_received = torch.empty_like(grad_regrouped)
-        grad_received[ex.by_expert] = grad_regrouped
+        grad_received = unpermute(grad_regrouped, ex.by_expert)
         grad_x = grad_received.new_empty((sum(ex.send), grad_received.shape[1]))
         work = dist.all_to_all_single(
             grad_x,
@@ -151,9 +151,7 @@ class ExpertParallelDispatch:
         ex = _Exchange(send, receive, by_expert, grid.sum(0), self.group, self.overlap, self.events)
         gate_up_out = _DispatchAndGateUp.apply(tokens[routing.source_tokens], experts.gate_up, experts, ex)
         out = experts.finish(gate_up_out, ex.counts)
-        back = torch.empty_like(out)
-        back[by_expert] = out
-        return _AllToAll.apply(back, receive, send, self.group)
+        return _AllToAll.apply(unpermute(out, by_expert), receive, send, self.group)
 
 
 def _source_major_to_expert_major(grid: list[list[int]], device: torch.device) -> torch.Tensor:
