@@ -14,7 +14,7 @@ from functools import partial
 from typing import cast
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from .config import Derived, RunConfig
 from .data.batches import model_kwargs
@@ -116,27 +116,24 @@ class _Checkpointed:
     pre-hooks (the gradient buffer's parameter-gather waits) run once, outside the checkpoint.
     """
 
-    def __init__(self, forward: Callable, contexts: Callable | None = None):
+    def __init__(self, forward: Callable, contexts: Callable = noop_context_fn):
         self.forward = forward  # the layer's own forward (apply_compile compiles it, inside the checkpoint)
         self.contexts = contexts  # checkpoint's context_fn: (first forward's, recompute's) context managers
 
     def __call__(self, *args):
-        if self.contexts is None:
-            return checkpoint(self.forward, *args, use_reentrant=False)
         return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self.contexts)
 
 
-def _recompute_contexts(layer: torch.nn.Module) -> tuple[_Recomputing, _Recomputing]:
-    return _Recomputing(layer, False), _Recomputing(layer, True)
+def _recompute_contexts(moes: list[MoE]) -> tuple[_Recomputing, _Recomputing]:
+    return _Recomputing(moes, False), _Recomputing(moes, True)
 
 
 class _Recomputing:
     """Marks a layer's MoE modules as recomputing during full recompute's second forward (they counted their
     router statistics in the first)."""
 
-    def __init__(self, layer: torch.nn.Module, value: bool):
-        self.moes = [m for m in layer.modules() if isinstance(m, MoE)]
-        self.value = value
+    def __init__(self, moes: list[MoE], value: bool):
+        self.moes, self.value = moes, value
 
     def __enter__(self) -> None:
         for m in self.moes:
@@ -153,7 +150,9 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
         if num_layers is not None and i >= num_layers:
             break
         if mode == "full":
-            layer.forward = _Checkpointed(layer.forward, partial(_recompute_contexts, layer))
+            moes = [m for m in layer.modules() if isinstance(m, MoE)]  # found once, not at every call
+            contexts = partial(_recompute_contexts, moes) if moes else noop_context_fn
+            layer.forward = _Checkpointed(layer.forward, contexts)
         elif mode == "selective":
             attn = cast(Attention, layer.get_submodule("attn"))
             core = attn.core
