@@ -24,7 +24,7 @@ from .data.batches import micro_batches_for_rank, to_device
 from .data.mock import MockDataset
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
-from .metrics import peak_memory_gib, peak_tflops, sync_device, throughput
+from .metrics import peak_memory_gib, peak_tflops, router_fields, sync_device, throughput
 from .models import ModelConfig
 from .parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
 from .plan import bytes_per_param
@@ -111,15 +111,11 @@ def _moe_fields(model_cfg: ModelConfig, mesh: Mesh, out: dict) -> dict:
     FLOPs contract), its expert-parallel size and the last step's router statistics."""
     if not model_cfg.is_moe:
         return {}
-    router = out["router"]
-    assert isinstance(router, torch.Tensor)
-    stats = router.tolist()
     return {
         "params": model_cfg.num_params(),
         "active_params": model_cfg.active_params(),
         "ep": mesh.ep,
-        "moe_aux_loss": stats[0],
-        "expert_token_share": stats[2:],
+        **router_fields(out),
     }
 
 

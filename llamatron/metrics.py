@@ -174,7 +174,7 @@ class MetricsLog:
                 "grad_norm": float(o["grad_norm"]),
                 "skipped": bool(o["found_inf"] > 0),
                 **_loss_scale(o),
-                **_router(o),
+                **router_fields(o),
                 "consumed_samples": done,
                 "samples": n,
             }
@@ -260,7 +260,7 @@ def _loss_scale(step_out: dict) -> dict:
 _ROUTER_KEYS = ("moe_aux_loss", "moe_z_loss", "expert_token_share")
 
 
-def _router(step_out: dict) -> dict:
+def router_fields(step_out: dict) -> dict:
     """A mixture of experts' router statistics of the step (engine.RouterTraining.step_stats): the load-balancing
     and z-losses, unweighted, averaged over sequences and layers, and each expert's share of the token choices."""
     stats = step_out.get("router")
