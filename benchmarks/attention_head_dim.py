@@ -11,29 +11,15 @@ usage: python benchmarks/attention_head_dim.py
 from __future__ import annotations
 
 import json
-import statistics
 
 import torch
+from mask_kernels import timed  # this script's folder is on sys.path
 
 from llamatron.models.attention import _sdpa
 from llamatron.models.flash4_op import available, fa4_causal_attention
 
 TOKENS = 32768
 SHAPES = {"head dim 64 (llama-1b)": (32, 8, 64), "head dim 128 (llama2-7b)": (32, 32, 128)}
-
-
-def timed(fn, q, k, v) -> float:
-    grad = torch.randn_like(q)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -50,7 +36,7 @@ def main() -> None:
                 shape_kv = (batch, seq, hkv, d) if bshd else (batch, hkv, seq, d)
                 q = torch.randn(shape_q, device=dev, dtype=torch.bfloat16, requires_grad=True)
                 k, v = (torch.randn(shape_kv, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
-                ms = timed(fn, q, k, v)
+                ms = timed(fn, q, k, v, warmup=3, reps=10)
                 flops = 3.5 * 4 * batch * hq * d * seq * seq / 2
                 row = {"seq": seq, "shape": name, "backend": backend, "ms": round(ms, 3)}
                 print(json.dumps({**row, "tflops": round(flops / ms / 1e9, 1)}), flush=True)

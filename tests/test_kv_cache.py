@@ -25,10 +25,8 @@ SHAPES = {
     "mistral-window": dict(_BASE, num_kv_heads=2, sliding_window=5),  # shorter than the generated length
     "falcon-7b-layout": dict(_BASE, family="falcon", num_kv_heads=1),
     "falcon-40b-layout": dict(_BASE, family="falcon", num_heads=8, num_kv_heads=2, separate_mlp_norm=True, bias=True),
-    "past-the-context": dict(_BASE, num_kv_heads=2, max_seq_length=12),
-    "mixtral-experts": dict(
-        _BASE, num_kv_heads=2, num_experts=4, experts_per_token=2
-    ),  # 4 + 24 tokens: cropped, positions shift
+    "past-the-context": dict(_BASE, num_kv_heads=2, max_seq_length=12),  # 4 + 24 tokens: cropped, positions shift
+    "mixtral-experts": dict(_BASE, num_kv_heads=2, num_experts=4, experts_per_token=2),
 }
 PROMPT, NEW = [5, 17, 99, 3], 24
 
