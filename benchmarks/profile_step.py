@@ -77,6 +77,25 @@ def gaps_by_neighbours(gaps: list[tuple[float, str, str]], top: int) -> list[tup
     return [(b, a, us, count[b, a]) for (b, a), us in sorted(total.items(), key=lambda kv: -kv[1])[:top]]
 
 
+def engine_and_batch(args: argparse.Namespace, steps: int, model_overrides: dict | None = None) -> tuple:
+    """The engine `llamatron train` would build from args (mock data), and step 0's micro-batches on its device;
+    model_overrides are added to the config's (as YAML `model_overrides:` would)."""
+    cfg = load_config(args)
+    cfg.model_overrides.update(model_overrides or {})
+    cfg.data.mock_data = True
+    cfg.train.train_steps = steps
+    derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+    init_distributed(derived.device)
+    engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas))
+    t = cfg.train
+    data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
+    batch = to_device(
+        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp, engine.mesh.dp_rank),
+        engine.device,
+    )
+    return engine, batch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser)
@@ -91,18 +110,7 @@ def main() -> None:
         help="after profiling, one step that reports each host-device synchronisation's stack",
     )
     args = parser.parse_args()
-    cfg = load_config(args)
-    cfg.data.mock_data = True
-    cfg.train.train_steps = args.warmup + 2 * args.steps + 1
-    derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
-    init_distributed(derived.device)
-    engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas))
-    t = cfg.train
-    data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
-    batch = to_device(
-        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp, engine.mesh.dp_rank),
-        engine.device,
-    )
+    engine, batch = engine_and_batch(args, args.warmup + 2 * args.steps + 1)
     for step in range(args.warmup):
         train_step(engine, batch, step)
     cuda = engine.device.type == "cuda"

@@ -285,6 +285,25 @@ def test_profile_step_reports_wall_and_kernel_time():
     assert result["idle_ms_per_step"] >= 0 and all(len(g) == 4 for g in result["idle_gaps"])
 
 
+def test_window_ab_alternates_a_causal_and_a_windowed_engine():
+    """benchmarks/window_ab.py (issue 18's ratio): both engines built from one set of flags, only the window
+    differs, and each round times a step of each."""
+    flags = ["--model", "llama-test", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "window_ab.py"), *flags, "--device", "cpu", "--window", "8"]
+        + ["--rounds", "2", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["sliding_window"] == {"causal": None, "window": 8}
+    assert len(row["ms"]["causal"]) == len(row["ms"]["window"]) == 2
+    assert row["ratio_of_medians"] == pytest.approx(row["median_ms"]["causal"] / row["median_ms"]["window"], rel=1e-3)
+
+
 def test_profile_step_finds_device_idle_gaps():
     import importlib.util
 
