@@ -280,6 +280,7 @@ def test_profile_step_reports_wall_and_kernel_time():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["wall_ms_per_step"] > 0 and result["kernel_ms_per_step"] > 0
+    assert result["profiled_wall_ms_per_step"] > 0
     assert abs(sum(result["share"].values()) - 1) < 1e-6
     assert all(len(k) == 3 and k[2] >= 1 for k in result["top_kernels"])  # (name, ms/step, calls/step)
     assert result["idle_ms_per_step"] >= 0 and all(len(g) == 4 for g in result["idle_gaps"])
