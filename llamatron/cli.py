@@ -4,6 +4,7 @@ user can fix into one line and an exit status."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import sys
@@ -13,6 +14,7 @@ from . import __version__
 from .commands import COMMANDS
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
 from .faults import NO_FAULTS, FaultInjection
+from .models.config import ModelConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,11 +38,19 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str | None, unknow
     sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     target = sub_action.choices.get(command, parser) if command else parser
     known = [opt for action in target._actions for opt in action.option_strings]
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     hints = []
     for arg in unknown:
-        close = difflib.get_close_matches(arg.split("=")[0], known, n=2, cutoff=0.6)
-        if arg.startswith("--") and close:
-            hints.append(f"{arg.split('=')[0]}: did you mean {' or '.join(close)}?")
+        flag = arg.split("=")[0]
+        close = difflib.get_close_matches(flag, known, n=2, cutoff=0.6)
+        field = flag.lstrip("-").replace("-", "_")
+        if arg.startswith("--") and field in model_fields:  # the model's shape is the preset's, changed in YAML
+            hints.append(
+                f"{flag}: {field} is a field of the model; set it in a YAML file given with --config, "
+                f"as `model_overrides: {{{field}: VALUE}}`"
+            )
+        elif arg.startswith("--") and close:
+            hints.append(f"{flag}: did you mean {' or '.join(close)}?")
     target.error(f"unrecognized arguments: {' '.join(unknown)}" + ("\n" + "\n".join(hints) if hints else ""))
 
 

@@ -490,11 +490,13 @@ def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
         raise ConfigError(before + "; ".join(problems) + after)
 
 
-def _validate_layout(cfg: RunConfig, world_size: int, model: ModelConfig) -> tuple[int, int]:
+def _validate_layout(
+    cfg: RunConfig, world_size: int, model: ModelConfig, world_flag: str | None = None
+) -> tuple[int, int]:
     """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step).
     Each rule belongs to the module that applies it (its `*_problems`); each flag's own range, by range_problems."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep))
+    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep, world_flag))
     dp = world_size // (p.tp * p.pp * p.cp)
     _raise_if(tensor_parallel_problems(model, p.tp) + expert_parallel_problems(model, p.ep, p.cp))
     if p.sequence_parallel and p.tp == 1:
@@ -527,8 +529,9 @@ def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
     """Rules between flags, and against the model, that no other module owns (each flag's own range is declared
     on its field: range_problems)."""
     t, o, d = cfg.train, cfg.optim, cfg.data
-    if d.seq_length > model.max_seq_length * 64:
-        raise ConfigError(f"--seq-length {d.seq_length} is out of range for {t.model}")
+    problem = model.seq_length_problem(d.seq_length, t.model)
+    if problem:
+        raise ConfigError(problem)
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
     if t.finetune and not t.load:
@@ -556,11 +559,16 @@ def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
 
 
 def validate(
-    cfg: RunConfig, world_size: int = 1, cuda_available: bool = False, model: ModelConfig | None = None
+    cfg: RunConfig,
+    world_size: int = 1,
+    cuda_available: bool = False,
+    model: ModelConfig | None = None,
+    world_flag: str | None = None,
 ) -> Derived:
     """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
 
-    `model` is the architecture to check against (default: the preset of --model).
+    `model` is the architecture to check against (default: the preset of --model); `world_flag` the flag that
+    gave the world size when it is not the processes launched (plan's --gpus).
     """
     _raise_if(range_problems(cfg))
     model = model or cfg.model_config()
@@ -569,7 +577,7 @@ def validate(
         "the model's shape cannot be trained: ",
         " (fix the YAML model_overrides, or the checkpoint's model config)",
     )
-    dp, accum = _validate_layout(cfg, world_size, model)
+    dp, accum = _validate_layout(cfg, world_size, model, world_flag)
     _validate_settings(cfg, model)
     device, dtype_name = _resolve_device(cfg, cuda_available)
     check_kernel_settings(cfg, model, device, dtype_name)

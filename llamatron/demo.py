@@ -171,15 +171,25 @@ def clear_previous_demo_checkpoint(cfg: RunConfig) -> bool:
     return True
 
 
+def validation_summary(valid: list[dict[str, Any]]) -> str | None:
+    """The validation loss from the first evaluation record to the last (None without any)."""
+    if not valid:
+        return None
+    first, last = valid[0], valid[-1]
+    if len(valid) == 1:  # e.g. stopped before the second evaluation: no progress to show
+        return f"validation loss {first['loss']:.3f} at step {first['step']}, the only evaluation of this run"
+    metrics = {k: v for k, v in last.items() if k not in ("step", "split", "consumed_samples")}
+    return (
+        f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step "
+        f"{last['step']} ({format_metrics(metrics)})"
+    )
+
+
 def print_demo_summary(valid: list[dict[str, Any]], checkpoint: str) -> None:
     """The validation loss from the first evaluation to the last, and a sample from the saved checkpoint."""
-    if valid:
-        first, last = valid[0], valid[-1]
-        metrics = {k: v for k, v in last.items() if k not in ("step", "split", "consumed_samples")}
-        print(
-            f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step "
-            f"{last['step']} ({format_metrics(metrics)})"
-        )
+    summary = validation_summary(valid)
+    if summary:
+        print(summary)
     model, _ = load_for_generation(checkpoint)
     tok = load_tokenizer(os.path.join(DEMO_DATA_DIR, "tokenizer"))
     ids = sample(model, tok.encode("def "), max_new_tokens=80, temperature=0.7, seed=0)

@@ -332,8 +332,9 @@ def _check_inputs(
         raise ConfigError(f"--gpus {gpus} spans nodes but is not a multiple of --gpus-per-node {gpus_per_node}")
     if gpu_memory <= 0:
         raise ConfigError("--gpu-memory must be positive")
-    if seq_length < 1 or seq_length > 64 * model.max_seq_length:
-        raise ConfigError(f"--seq-length {seq_length} is out of range for {model_name}")
+    problem = model.seq_length_problem(seq_length, model_name)
+    if problem:
+        raise ConfigError(problem)
     if global_batch_size is not None and global_batch_size < 1:
         raise ConfigError("--global-batch-size must be >= 1")
 

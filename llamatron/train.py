@@ -445,9 +445,10 @@ def _warn_if_metrics_file_has_another_run(cfg: RunConfig) -> None:
 
 
 def _warn_if_beyond_trained_context(cfg: RunConfig, model_cfg) -> None:
-    """Longer sequences than the model's context train, but pretrained weights need rope scaling for them."""
+    """Longer sequences than the model's context train, but pretrained weights need rope scaling for them. Said
+    only of a --seq-length the user gave: the default (512) is beyond only the tiny test models' contexts."""
     seq, limit = cfg.data.seq_length, model_cfg.max_seq_length
-    if seq > limit and model_cfg.rope_scaling is None:
+    if seq > limit and model_cfg.rope_scaling is None and "seq_length" in cfg.explicit:
         print(
             f"warning: --seq-length {seq} is beyond {model_label(cfg)}'s context of {limit} tokens and no rope "
             f"scaling is set; for pretrained weights set one in YAML (model_overrides: rope_scaling: "

@@ -239,6 +239,13 @@ def test_valid_model_overrides_still_apply():
     validate(config_from_values({**BASE, "model_overrides": {"rope_theta": 500000, "num_kv_heads": None}}))
 
 
+@pytest.mark.parametrize("command", [["train", "--device", "cpu", "--mock-data"], ["plan", "--gpus", "8"]])
+def test_a_sequence_too_long_for_the_model_names_the_longest_allowed(command, no_building, capsys):
+    code, err = _cli([*command, "--model", "llama-test", "--seq-length", "100000"], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "--seq-length 100000 is out of range for llama-test: give 1 to 8192" in err, err
+
+
 def test_a_config_file_that_is_not_utf8_is_named(tmp_path, no_building, capsys):
     config = _write(tmp_path / "c.yaml", b"lr: 0.1\n" + "# café\n".encode("latin-1"))
     code, err = _cli([*BASE_FLAGS, "--config", str(config)], capsys)
@@ -370,6 +377,24 @@ def test_import_hf_refuses_a_config_json_it_cannot_convert(change, message, hf_d
 def test_import_hf_of_a_sound_directory_still_works(hf_dir, tmp_path, capsys):
     assert _cli(["import-hf", str(hf_dir), str(tmp_path / "out")], capsys)[0] == 0
     assert (tmp_path / "out" / "tokenizer" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("hf", ["missing", "empty"])
+def test_verify_refuses_an_hf_directory_without_a_model_in_one_line(hf, hf_dir, tmp_path, capsys):
+    assert _cli(["import-hf", str(hf_dir), str(tmp_path / "ckpt")], capsys)[0] == 0
+    target = tmp_path / hf
+    if hf == "empty":
+        target.mkdir()
+    code, err = _cli(["verify", str(tmp_path / "ckpt"), "--hf", str(target)], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    want = "is not a directory" if hf == "missing" else "no config.json"
+    assert err.startswith("llamatron verify: checkpoint error: ") and str(target) in err and want in err, err
+
+
+def test_verify_of_a_missing_checkpoint_says_there_is_none(hf_dir, tmp_path, capsys):
+    code, err = _cli(["verify", str(tmp_path / "nothing"), "--hf", str(hf_dir)], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"no checkpoint at {tmp_path / 'nothing'}" in err and "meta.json is not" not in err, err
 
 
 # --- metric records ------------------------------------------------------------------------------------------

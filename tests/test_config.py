@@ -191,6 +191,19 @@ def test_unknown_flag_is_reported_by_the_command_with_a_suggestion(capsys):
     assert "did you mean --micro-batch-size" in err
 
 
+@pytest.mark.parametrize("flag", ["--sliding-window", "--rope-theta"])
+def test_a_flag_naming_a_model_field_points_to_model_overrides(flag, capsys):
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", "llama-test", flag, "16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    field = flag[2:].replace("-", "_")
+    assert f"{flag}: {field} is a field of the model" in err and f"model_overrides: {{{field}: VALUE}}" in err, err
+    assert "did you mean" not in err
+
+
 def test_a_bad_value_is_reported_in_two_lines_not_after_the_whole_usage(capsys):
     from llamatron.cli import main
 

@@ -55,3 +55,13 @@ def test_incomplete_build_is_redone(tmp_path):
     os.remove(result["prefix"] + ".bin")  # as if a crash lost it
     redone = prepare_demo_data(work_dir, vocab_size=300, max_bytes=100_000)
     assert np.array_equal(IndexedDataset(redone["prefix"])[0], IndexedDataset(result["prefix"])[0])
+
+
+def test_the_demo_summary_shows_progress_only_between_two_evaluations():
+    from llamatron.demo import validation_summary
+
+    first = {"step": 0, "split": "valid", "loss": 8.371, "consumed_samples": 0}
+    assert validation_summary([]) is None
+    assert validation_summary([first]) == "validation loss 8.371 at step 0, the only evaluation of this run"
+    later = {"step": 250, "split": "valid", "loss": 2.5, "consumed_samples": 2000}
+    assert validation_summary([first, later]).startswith("validation loss 8.371 at step 0 -> 2.500 at step 250 (")

@@ -114,6 +114,7 @@ def test_bad_config_fails_before_training(tmp_path):
     )
     assert proc.returncode == 2
     assert "world size 1 is not divisible by tp*pp = 3*1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "launch a multiple of 3 processes" in proc.stderr
     assert not (tmp_path / "m.jsonl").exists()
 
 
@@ -222,32 +223,20 @@ def test_user_mistakes_exit_2_with_a_message(tmp_path):
     assert proc.returncode == 2 and "records no tokenizer" in proc.stderr and "--tokenizer" in proc.stderr
 
 
-def test_sequence_beyond_the_models_context_warns(tmp_path, capsys):
+@pytest.mark.parametrize("seq_flags", [["--seq-length", "256"], []])
+def test_sequence_beyond_the_models_context_warns_when_the_user_asked_for_it(seq_flags, tmp_path, capsys):
+    """A --seq-length given beyond the context warns; the default (512, beyond llama-test's 128) does not."""
     from llamatron.cli import main
 
+    flags = ["--model", "llama-test", "--mock-data", "--device", "cpu", "--micro-batch-size", "1"]
     with pytest.raises(SystemExit) as exc:
-        main(
-            [
-                "train",
-                "--model",
-                "llama-test",
-                "--mock-data",
-                "--device",
-                "cpu",
-                "--seq-length",
-                "256",
-                "--micro-batch-size",
-                "1",
-                "--global-batch-size",
-                "1",
-                "--train-steps",
-                "1",
-                "--no-progress",
-            ]
-        )
+        main(["train", *flags, *seq_flags, "--global-batch-size", "1", "--train-steps", "1", "--no-progress"])
     assert exc.value.code in (0, None)
     err = capsys.readouterr().err
-    assert "--seq-length 256 is beyond llama-test's context of 128 tokens" in err and "factor: 2" in err
+    if seq_flags:
+        assert "--seq-length 256 is beyond llama-test's context of 128 tokens" in err and "factor: 2" in err
+    else:
+        assert "is beyond" not in err, err
 
 
 @pytest.mark.parametrize(

@@ -175,8 +175,9 @@ class Checkpointing:
 
 
 def read_model_config(path: str) -> ModelConfig:
+    meta = read_meta(path)  # outside the try: its own errors (no checkpoint there, say) say what is wrong
     try:
-        return ModelConfig.from_dict(read_meta(path)["model_config"])
+        return ModelConfig.from_dict(meta["model_config"])
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: the model_config in its meta.json is not a model's ({err})") from None
 

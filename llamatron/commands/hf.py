@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint.hf_files import check_hf_files
-from ..checkpoint.hf_io import export_hf, import_hf
+from ..checkpoint.hf_io import export_hf, import_hf, open_hf_dir
 from ..checkpoint.hf_verify import DEFAULT_TOLERANCE, compare_with_hf, push_to_hub
 from ..checkpoint.tensor_io import parse_size
 from ..config_ranges import SEED, at_least, number_arg
@@ -128,6 +128,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.dtype]
     check_hf_files(args.hf, tokenizer=False)
+    open_hf_dir(args.hf)  # a directory with config.json and weights, before transformers is asked to load it
     result = compare_with_hf(
         args.ckpt, args.hf, args.dtype, args.batches, args.batch_size, args.seq_length, args.seed, args.device
     )

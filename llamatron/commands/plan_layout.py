@@ -69,7 +69,7 @@ def evaluate_layout(
     if values.get("tp", 1) > 1:
         values.setdefault("sequence_parallel", True)
     cfg = config_from_values({**values, "seq_length": seq_length, "device": "cuda", "mock_data": True})
-    derived = validate(cfg, gpus, cuda_available=True)
+    derived = validate(cfg, gpus, cuda_available=True, world_flag="--gpus")
     model = cfg.model_config()
     lay = run_layout(cfg, derived.dp)
     memory = layout_memory(model, lay, seq_length, precision, cfg.parallel.pp_layers)

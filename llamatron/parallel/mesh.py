@@ -106,16 +106,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_problems(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> list[str]:
-    """Why `world_size` processes cannot form a tp x cp x dp x pp mesh with ep | dp (empty when they can)."""
+def mesh_problems(
+    world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1, world_flag: str | None = None
+) -> list[str]:
+    """Why `world_size` processes cannot form a tp x cp x dp x pp mesh with ep | dp (empty when they can).
+    world_flag: the flag the world size came from (plan's --gpus), named in the fix instead of the launcher."""
     sizes_given = (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
     out = [f"--{name} must be >= 1" for name, size in sizes_given if size < 1]
     if not out and world_size % (tp * pp * cp):
         names, sizes = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
-        out.append(
-            f"world size {world_size} is not divisible by {names} = {sizes}; launch a multiple of "
-            f"{tp * cp * pp} processes (--nproc-per-node N, torchrun or srun) or change --tp/--cp/--pp"
+        more = (
+            f"give {world_flag} a multiple of {tp * cp * pp}"
+            if world_flag
+            else f"launch a multiple of {tp * cp * pp} processes (--nproc-per-node N, torchrun or srun)"
         )
+        out.append(f"world size {world_size} is not divisible by {names} = {sizes}; {more} or change --tp/--cp/--pp")
     elif not out and (world_size // (tp * pp * cp)) % ep:
         dp = world_size // (tp * pp * cp)
         out.append(
