@@ -529,9 +529,7 @@ def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
     """Rules between flags, and against the model, that no other module owns (each flag's own range is declared
     on its field: range_problems)."""
     t, o, d = cfg.train, cfg.optim, cfg.data
-    problem = model.seq_length_problem(d.seq_length, t.model)
-    if problem:
-        raise ConfigError(problem)
+    _raise_if(model.seq_length_problems(d.seq_length, t.model))
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
     if t.finetune and not t.load:

@@ -332,9 +332,9 @@ def _check_inputs(
         raise ConfigError(f"--gpus {gpus} spans nodes but is not a multiple of --gpus-per-node {gpus_per_node}")
     if gpu_memory <= 0:
         raise ConfigError("--gpu-memory must be positive")
-    problem = model.seq_length_problem(seq_length, model_name)
-    if problem:
-        raise ConfigError(problem)
+    problems = model.seq_length_problems(seq_length, model_name)
+    if problems:
+        raise ConfigError("; ".join(problems))
     if global_batch_size is not None and global_batch_size < 1:
         raise ConfigError("--global-batch-size must be >= 1")
 

@@ -132,16 +132,16 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def seq_length_problem(self, seq_length: int, name: str) -> str | None:
-        """Why `seq_length` is no length to train or plan this model at (None when it is): a sanity bound of 64×
+    def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
+        """Why `seq_length` is no length to train or plan this model at (empty when it is): a sanity bound of 64×
         its context, past which rotary positions, even scaled, are not what the model learned."""
         longest = 64 * self.max_seq_length
         if 1 <= seq_length <= longest:
-            return None
-        return (
+            return []
+        return [
             f"--seq-length {seq_length} is out of range for {name}: give 1 to {longest} "
             f"(64 x its context of {self.max_seq_length} tokens)"
-        )
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
