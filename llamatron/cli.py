@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import errno
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TextIO
 
 from . import __version__
 from .commands import COMMANDS
@@ -80,8 +82,53 @@ def out_of_memory_message(e: BaseException, recompute_on: bool = False) -> str:
     )
 
 
+class Console:
+    """stdout or stderr that outlives its reader: once a write fails because the reader went away (a closed pipe,
+    `llamatron train ... | head`; a hung-up terminal's EIO), the stream's file descriptor is pointed at
+    /dev/null and the command goes on. A run is not its console: it keeps training, saving and writing its
+    metrics file, and its exit status says how it ended (a dead console used to end it early with status 0,
+    which a scheduler would have called a success)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.lost = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self._lose(e)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self._lose(e)
+
+    def _lose(self, error: OSError) -> None:
+        if error.errno not in (errno.EPIPE, errno.EIO):  # a full disk behind a redirect is the user's to hear of
+            raise error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # C-level writes (torch's warnings) and the exit's flush too
+        os.close(devnull)
+        self.lost = True
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+def guard_console() -> None:
+    """Make sys.stdout and sys.stderr Consoles (once)."""
+    if not isinstance(sys.stdout, Console):
+        sys.stdout = Console(sys.stdout)
+    if not isinstance(sys.stderr, Console):
+        sys.stderr = Console(sys.stderr)
+
+
 def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> None:
     """faults: what a test injects into a run (tests/inject_faults.py); none otherwise."""
+    guard_console()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     args.faults = faults
@@ -123,6 +170,3 @@ def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> N
         recompute_on = getattr(args, "recompute", None) == "full"
         print(f"llamatron {args.command}: {out_of_memory_message(e, recompute_on)}", file=sys.stderr)
         sys.exit(1)
-    except BrokenPipeError:  # the reader went away (`llamatron plan --json | head`): nothing left to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
-        sys.exit(0)
