@@ -1,5 +1,5 @@
 """Build the real-data corpora of the document-mask benchmarks (RESULTS.md run 8) from this interpreter's
-standard library source, the demo's corpus (llamatron/demo.py):
+standard library source, the demo's corpus (llamatron/data/demo_corpus.py):
 
 - `files`: one document per source file (long documents: thousands of tokens);
 - `defs`: each file cut before every top-level `def`/`class`/decorator (short documents, hundreds of tokens).
@@ -17,10 +17,10 @@ import sys
 
 import numpy as np
 
+from llamatron.data.demo_corpus import stdlib_source_files
 from llamatron.data.indexed import IndexedDataset
 from llamatron.data.preprocess import preprocess
 from llamatron.data.tokenizer import train_bpe_tokenizer
-from llamatron.demo import stdlib_source_files
 
 _TOP_LEVEL = re.compile(r"^(?=def |class |async def |@)", re.MULTILINE)
 

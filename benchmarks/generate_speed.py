@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from llamatron.config import resolve_device
+from llamatron.config.settings import resolve_device
 from llamatron.dtypes import DTYPES
-from llamatron.generate import load_for_generation, sample
+from llamatron.inference.generate import load_for_generation, sample
 from llamatron.models import build_model, get_preset, materialize
 
 

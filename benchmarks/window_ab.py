@@ -20,9 +20,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from profile_step import engine_and_batch  # noqa: E402
 
-from llamatron.config import add_config_arguments  # noqa: E402
-from llamatron.engine import train_step  # noqa: E402
-from llamatron.metrics import Timer, sync_device  # noqa: E402
+from llamatron.config.settings import add_config_arguments  # noqa: E402
+from llamatron.training.engine import train_step  # noqa: E402
+from llamatron.training.metrics import Timer, sync_device  # noqa: E402
 
 
 def main() -> None:

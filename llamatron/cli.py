@@ -15,8 +15,8 @@ from typing import Any, TextIO
 from . import __version__
 from .commands import COMMANDS
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
-from .faults import NO_FAULTS, FaultInjection
 from .models.config import ModelConfig
+from .training.faults import NO_FAULTS, FaultInjection
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,4 +1,4 @@
-"""Measured vs predicted peak GPU memory: a few synthetic training steps against `llamatron.plan`.
+"""Measured vs predicted peak GPU memory: a few synthetic training steps against `llamatron.planning.plan`.
 
     python scripts/check_plan_memory.py --model llama-1b --seq-length 4096 --micro-batch-size 4 \
         --global-batch-size 8 [--nproc-per-node 2 --tp 2 --sequence-parallel ...] [--dry-run]
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
 
-from llamatron.config import add_config_arguments, load_config  # noqa: E402
-from llamatron.plan import predict_peak_memory  # noqa: E402
+from llamatron.config.settings import add_config_arguments, load_config  # noqa: E402
+from llamatron.planning.plan import predict_peak_memory  # noqa: E402
 
 
 def _without(argv: list[str], drop: dict[str, int]) -> list[str]:

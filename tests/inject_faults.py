@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from llamatron import cli
-from llamatron.faults import FaultInjection
+from llamatron.training.faults import FaultInjection
 
 
 def _ints(text: str, sep: str) -> tuple[int, ...]:

@@ -28,14 +28,14 @@ import pytest
 from hf_fixtures import VOCAB, make_hf_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import llamatron.train
+import llamatron.training.trainer
 from llamatron.cli import main as llamatron_main
-from llamatron.config import SECTIONS, config_from_values, validate
-from llamatron.config_ranges import INT64_MAX, Range
+from llamatron.config.ranges import INT64_MAX, Range
+from llamatron.config.settings import SECTIONS, config_from_values, validate
 from llamatron.data import samples
 from llamatron.data.indexed import IndexedDatasetWriter
 from llamatron.errors import ConfigError
-from llamatron.metrics import MetricsSink
+from llamatron.training.metrics import MetricsSink
 
 REPO = str(Path(__file__).resolve().parents[1])
 BASE = {"model": "llama-test", "mock_data": True, "device": "cpu"}
@@ -119,8 +119,8 @@ def no_building(monkeypatch):
     def built(*args, **kwargs):
         raise AssertionError("bad input got past validation")
 
-    monkeypatch.setattr(llamatron.train, "init_distributed", built)
-    monkeypatch.setattr(llamatron.train, "build_engine", built)
+    monkeypatch.setattr(llamatron.training.trainer, "init_distributed", built)
+    monkeypatch.setattr(llamatron.training.trainer, "build_engine", built)
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -429,7 +429,7 @@ def test_running_out_of_gpu_memory_ends_in_one_line_naming_the_fixes(monkeypatch
             "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments"
         )
 
-    monkeypatch.setattr(llamatron.train, "build_engine", out_of_memory)
+    monkeypatch.setattr(llamatron.training.trainer, "build_engine", out_of_memory)
     code, err = _cli([*BASE_FLAGS, "--seq-length", "64"], capsys)
     assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("llamatron train: out of GPU memory (CUDA out of memory. Tried to allocate 2.69 GiB"), err
@@ -445,6 +445,6 @@ def test_other_runtime_errors_still_raise(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(llamatron.train, "build_engine", broken)
+    monkeypatch.setattr(llamatron.training.trainer, "build_engine", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         llamatron_main([*BASE_FLAGS, "--seq-length", "64"])

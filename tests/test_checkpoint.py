@@ -106,9 +106,9 @@ def test_pieces_of_every_rank_and_segment_cover_the_full_tensor_once(preset, tp)
 
 
 def _engine(**values):
-    from llamatron.config import config_from_values, validate
-    from llamatron.engine import build_engine
+    from llamatron.config.settings import config_from_values, validate
     from llamatron.parallel.mesh import build_mesh
+    from llamatron.training.engine import build_engine
 
     cfg = config_from_values(
         {
@@ -127,7 +127,7 @@ def _engine(**values):
 def _train_steps(engine, steps: range) -> None:
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
-    from llamatron.engine import train_step
+    from llamatron.training.engine import train_step
 
     data = MockDataset(engine.model_cfg.vocab_size, 16, 0)
     for step in steps:
@@ -256,7 +256,7 @@ def test_tp2_checkpoint_stores_unpadded_tensors_in_pieces_of_both_ranks(workdir,
 def test_export_hf_of_a_tp2_checkpoint_loads_in_transformers(workdir, tp2_resumed, tmp_path):
     transformers = pytest.importorskip("transformers")
     from llamatron.checkpoint.hf_io import export_hf
-    from llamatron.generate import load_for_generation
+    from llamatron.inference.generate import load_for_generation
 
     export_hf(workdir / "ck-tp2", tmp_path / "hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -322,7 +322,7 @@ def test_pipeline_resume_with_tied_embeddings_is_exact(workdir):
     resumed = run_train(["--pp", "2", "--train-steps", "4", "--load", "ck-pp2/step-2"], 2, workdir, model="falcon-test")
     assert _losses(resumed, (3, 4)) == _losses(full, (3, 4))
     # a pipeline's checkpoint generates in one process: every weight of the single-device model is the saved one
-    from llamatron.generate import load_for_generation, sample
+    from llamatron.inference.generate import load_for_generation, sample
 
     model, meta = load_for_generation(str(workdir / "ck-pp2"))
     assert meta["layout"]["pp"] == 2

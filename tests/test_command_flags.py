@@ -82,7 +82,7 @@ def test_megatron_flag_names_set_the_same_settings():
     model_overrides)."""
     import argparse
 
-    from llamatron.config import add_config_arguments, load_config
+    from llamatron.config.settings import add_config_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)

@@ -5,10 +5,10 @@ import pytest
 import torch
 import yaml
 
-from llamatron.config import add_config_arguments, config_from_values, load_config, validate
+from llamatron.config.settings import add_config_arguments, config_from_values, load_config, validate
 from llamatron.errors import ConfigError
-from llamatron.kernel_settings import kernel_choices
 from llamatron.models import flash4_op
+from llamatron.training.kernel_settings import kernel_choices
 
 
 def parse(argv):
@@ -255,7 +255,7 @@ def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypat
 
 def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
     """What `bench --json` records as "kernels" and the planner and engine use: auto resolved."""
-    import llamatron.kernel_settings as kernel_settings
+    import llamatron.training.kernel_settings as kernel_settings
 
     def run(values, device="cuda", has_triton=True):
         monkeypatch.setattr(kernel_settings, "HAS_TRITON", has_triton)
@@ -288,7 +288,7 @@ def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
 def test_auto_attention_takes_fa4_exactly_where_it_can_run(monkeypatch):
     """--attention-backend auto resolves to fa4 with FlashAttention 4 installed on Hopper in bf16 at a head dim it
     tunes; any one of those missing keeps SDPA's pick (auto)."""
-    import llamatron.kernel_settings as kernel_settings
+    import llamatron.training.kernel_settings as kernel_settings
 
     monkeypatch.setattr(kernel_settings, "unavailable_reason", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from layout import assert_matches, run_train
 
-from llamatron.config import config_from_values, validate
+from llamatron.config.settings import config_from_values, validate
 from llamatron.errors import ConfigError
 from llamatron.models.attention import attention_core, attention_mask, load_balanced_index
 from llamatron.parallel.context import split_for_context

@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 
+from llamatron.data.demo_corpus import prepare_demo_data, stdlib_source_files
 from llamatron.data.indexed import IndexedDataset
 from llamatron.data.samples import build_datasets
 from llamatron.data.tokenizer import load_tokenizer
-from llamatron.demo import prepare_demo_data, stdlib_source_files
 
 
 def test_demo_data_builds_reads_and_is_reused(tmp_path):
@@ -58,7 +58,7 @@ def test_incomplete_build_is_redone(tmp_path):
 
 
 def test_the_demo_summary_shows_progress_only_between_two_evaluations():
-    from llamatron.demo import validation_summary
+    from llamatron.commands.demo import validation_summary
 
     first = {"step": 0, "split": "valid", "loss": 8.371, "consumed_samples": 0}
     assert validation_summary([]) is None

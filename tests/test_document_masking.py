@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from llamatron.config import ConfigError, RunConfig, validate
+from llamatron.config.settings import ConfigError, RunConfig, validate
 from llamatron.data.batches import collate
 from llamatron.data.boundaries import DocumentBoundaries, document_ids_and_positions
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
@@ -178,7 +178,7 @@ def test_compiled_flex_attention_on_cuda():
     (also under selective recompute and per-layer compile), and new document layouts reuse the kernels."""
     from torch._dynamo.utils import counters
 
-    from llamatron.engine import apply_compile, apply_recompute
+    from llamatron.training.engine import apply_compile, apply_recompute
 
     torch.manual_seed(0)
     dev = torch.device("cuda")

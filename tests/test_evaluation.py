@@ -1,4 +1,4 @@
-"""Evaluation metrics by name (llamatron/evaluation.py), in one process."""
+"""Evaluation metrics by name (llamatron/training/evaluation.py), in one process."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from llamatron import evaluation
-from llamatron.config import ConfigError, config_from_values, validate
+from llamatron.config.settings import ConfigError, config_from_values, validate
 from llamatron.data.batches import micro_batches_for_step
 from llamatron.data.mock import MockDataset
-from llamatron.engine import build_engine
-from llamatron.evaluation import EvalBatch, evaluate, register_eval_metric, resolve_eval_metrics
 from llamatron.models import IGNORE_INDEX
 from llamatron.parallel.mesh import build_mesh
+from llamatron.training import evaluation
+from llamatron.training.engine import build_engine
+from llamatron.training.evaluation import EvalBatch, evaluate, register_eval_metric, resolve_eval_metrics
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_metric_names_are_checked_before_training(tmp_path, monkeypatch):
     assert resolve_eval_metrics("accuracy perplexity") == ["loss", "accuracy", "perplexity"]  # a YAML string
     # MODULE:NAME imports the module that registers the metric.
     (tmp_path / "my_metrics.py").write_text(
-        "from llamatron.evaluation import register_eval_metric\n"
+        "from llamatron.training.evaluation import register_eval_metric\n"
         "@register_eval_metric('test_label_is_even')\n"
         "def even(batch):\n    return batch.labels % 2 == 0\n"
     )
@@ -139,7 +139,7 @@ def test_metric_names_are_checked_before_training(tmp_path, monkeypatch):
 def test_eval_metrics_flag_takes_several_names():
     import argparse
 
-    from llamatron.config import add_config_arguments, load_config
+    from llamatron.config.settings import add_config_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -154,11 +154,11 @@ def test_validation_samples_do_not_depend_on_the_run_length(tmp_path):
 
     import numpy as np
 
-    from llamatron.config import config_from_values
+    from llamatron.config.settings import config_from_values
     from llamatron.data.preprocess import preprocess
     from llamatron.data.tokenizer import train_bpe_tokenizer
     from llamatron.parallel.mesh import Mesh
-    from llamatron.train import build_datasets
+    from llamatron.training.trainer import build_datasets
 
     texts = [f"doc {i}: " + " ".join(["ab", "cd", "ef"][j % 3] for j in range(i % 31 + 2)) for i in range(400)]
     train_bpe_tokenizer(texts, vocab_size=300, out_dir=str(tmp_path / "tok"))

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from llamatron import bench, cli, metrics
-from llamatron import plan as P
+from llamatron import cli
 from llamatron.models import get_preset
+from llamatron.planning import plan as P
+from llamatron.training import bench, metrics
 
 SEQ = 32
 

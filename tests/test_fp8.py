@@ -9,14 +9,14 @@ import torch
 from layout import assert_matches, run_train
 from torch import nn
 
-from llamatron import fp8
-from llamatron.config import config_from_values, validate
+from llamatron.config.settings import config_from_values, validate
 from llamatron.errors import ConfigError
-from llamatron.fp8 import FP8Matmul, apply_fp8, fp8_layers, fp8_problems
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks
 from llamatron.parallel.tensor import apply_tensor_parallel
+from llamatron.training import fp8
+from llamatron.training.fp8 import FP8Matmul, apply_fp8, fp8_layers, fp8_problems
 
 MODEL = get_preset("llama-test")
 LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -192,7 +192,7 @@ def test_the_planners_fp8_speed_up_matches_every_measured_pair():
     import json
     from pathlib import Path
 
-    from llamatron.plan import Layout, estimate_speed
+    from llamatron.planning.plan import Layout, estimate_speed
 
     rows = [
         json.loads(line) for line in (Path(__file__).parents[1] / "benchmarks/results-2026-12-01-run9-fp8.jsonl").open()

@@ -20,9 +20,9 @@ needs_fp8 = pytest.mark.skipif(not _fp8_hardware(), reason="needs FP8 tensor cor
 
 
 def _model(recipe: str, emulate: bool = False, compiled: bool = True):
-    from llamatron.engine import apply_compile
-    from llamatron.fp8 import apply_fp8
     from llamatron.models import build_model, get_preset, materialize
+    from llamatron.training.engine import apply_compile
+    from llamatron.training.fp8 import apply_fp8
 
     cfg = dataclasses.replace(get_preset("llama-test"), **SHAPE)
     model = build_model(cfg)
@@ -57,7 +57,7 @@ def test_compiled_fp8_model_is_within_fp8s_error_of_bf16(recipe):
 @needs_fp8
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_tensor_cores_compute_what_the_emulation_does(recipe):
-    from llamatron.fp8 import FP8Matmul
+    from llamatron.training.fp8 import FP8Matmul
 
     torch.manual_seed(0)
     x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from llamatron.cli import main
 from llamatron.commands import generate
 from llamatron.data.tokenizer import load_tokenizer
-from llamatron.generate import load_for_generation, sample
+from llamatron.inference.generate import load_for_generation, sample
 
 PROMPT, NEW = "def f(x):", 24
 

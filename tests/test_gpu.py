@@ -38,7 +38,7 @@ def _assert_same_loss_and_grads(cfg, reference, other) -> None:
 
 @pytest.mark.parametrize("name", ["llama-test", "falcon40b-test", "mistral-test"])  # mistral: a window mask
 def test_compiled_layers_match_eager(name):
-    from llamatron.engine import apply_compile
+    from llamatron.training.engine import apply_compile
 
     cfg, eager = _model(name)
     _, compiled = _model(name)
@@ -50,7 +50,7 @@ def test_compiled_layers_match_eager(name):
 def test_recomputed_compiled_layers_match_plain_layers(recompute):
     """Recompute (checkpointed compiled layers around the Triton SwiGLU op) gives the plain run's loss and
     gradients: the custom op's saved input is recomputed, not stale."""
-    from llamatron.engine import apply_compile, apply_recompute
+    from llamatron.training.engine import apply_compile, apply_recompute
 
     cfg, plain = _model()
     _, recomputed = _model()
@@ -72,8 +72,8 @@ needs_fa4 = pytest.mark.skipif(not _fa4_usable(), reason="needs flash-attn-4 and
 def test_compiled_layers_with_fa4_match_eager_sdpa():
     """--attention-backend fa4 inside compiled layers (one graph around the custom op) gives the eager SDPA
     model's loss and gradients. Head dim 64 (256 / 4 heads): FA4 has no kernels for llama-test's 16."""
-    from llamatron.engine import apply_compile
     from llamatron.models import KernelChoices
+    from llamatron.training.engine import apply_compile
 
     cfg, eager = _model(hidden_size=256)
     _, compiled = _model(hidden_size=256, kernels=KernelChoices(attention="fa4"))
@@ -272,8 +272,8 @@ def test_fused_kernels_in_the_model_match_the_torch_path(kernel, model, compiled
     """A model whose norms (with the residual add before them) or QKV split + rotary run as Triton kernels,
     against the plain expressions: same gradients, eager and with compiled layers. mistral-test runs two packed
     documents per row (positions restart, flex-attention document mask with its sliding window)."""
-    from llamatron.engine import apply_compile
     from llamatron.models import KernelChoices
+    from llamatron.training.engine import apply_compile
 
     cfg, reference = _model(model, kernels=KernelChoices(**{kernel: "torch"}))
     _, fused = _model(model)  # auto: the Triton kernels on CUDA

@@ -20,7 +20,7 @@ from llamatron.checkpoint import load_checkpoint
 from llamatron.checkpoint.hf import HFConversionError, config_from_hf
 from llamatron.cli import main as llamatron_main
 from llamatron.errors import CheckpointError
-from llamatron.generate import load_for_generation
+from llamatron.inference.generate import load_for_generation
 
 BF16_FAMILIES = {"llama3-rope-scaling", "falcon-7b-layout", "mistral-window"}  # stored and exported as bf16
 
@@ -158,9 +158,9 @@ def test_export_strips_padded_vocabulary_rows(tmp_path):
 
 
 def test_other_architecture_fails_with_mismatch_list(tmp_path):
-    from llamatron.config import RunConfig, validate
-    from llamatron.engine import build_engine
+    from llamatron.config.settings import RunConfig, validate
     from llamatron.parallel.mesh import build_mesh
+    from llamatron.training.engine import build_engine
 
     save_hf("llama2-gqa", tmp_path / "hf")
     run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from test_hf_interop import read_hf_weights, run_cli, write_tokenizer
 
 from llamatron.checkpoint.hf import HFConversionError, config_from_hf, config_to_hf, hf_to_llamatron
-from llamatron.generate import load_for_generation
+from llamatron.inference.generate import load_for_generation
 from llamatron.models import get_preset
 
 

@@ -13,9 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from llamatron import triton_check
-from llamatron.engine import apply_compile
 from llamatron.models import KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.layers import RMSNorm
+from llamatron.training.engine import apply_compile
 
 # The aten op each forced SDPA kernel shows as (math: eager only; compiled, it becomes the layer's own matmuls).
 SDPA_OPS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamatron.generate import next_token_logits, sample
+from llamatron.inference.generate import next_token_logits, sample
 from llamatron.models import ModelConfig, RopeScaling, build_model, materialize
 from llamatron.models.kv_cache import KVCache
 

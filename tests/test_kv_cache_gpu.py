@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_kv_cache import NEW, PROMPT, SHAPES
 
-from llamatron.generate import next_token_logits, sample
+from llamatron.inference.generate import next_token_logits, sample
 from llamatron.models import ModelConfig, build_model, materialize
 from llamatron.models.kv_cache import KVCache
 

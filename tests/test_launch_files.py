@@ -12,8 +12,8 @@ import pytest
 import yaml
 from layout import free_port
 
-from llamatron.config import config_from_values, validate
-from llamatron.plan import predict_peak_memory
+from llamatron.config.settings import config_from_values, validate
+from llamatron.planning.plan import predict_peak_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = [ROOT / "scripts" / "slurm_train.sbatch", ROOT / "scripts" / "multinode_torchrun.sh"]
@@ -52,7 +52,7 @@ def test_config_validates_for_its_world_size(name):
 
 
 def test_demo_config_holds_the_demos_settings():
-    from llamatron.demo import DEMO_DEFAULTS
+    from llamatron.commands.demo import DEMO_DEFAULTS
 
     values = yaml.safe_load((ROOT / "configs" / "demo-cpu.yaml").read_text())
     assert {
@@ -434,11 +434,11 @@ def test_bench_breakdown_is_the_training_step(monkeypatch):
     loss scaling), and its row has every phase."""
     import torch
 
-    from llamatron import bench
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
-    from llamatron.engine import build_engine, train_step
     from llamatron.parallel.mesh import build_mesh
+    from llamatron.training import bench
+    from llamatron.training.engine import build_engine, train_step
 
     def engine():
         cfg = config_from_values(
@@ -525,7 +525,7 @@ def test_version_names_llamatron_and_torch():
 
 
 def test_bench_table_names_what_it_measured_on_cpu_and_gpu():
-    from llamatron.bench import format_row
+    from llamatron.training.bench import format_row
 
     row = {
         "model": "m",
@@ -551,7 +551,7 @@ def test_bench_table_names_what_it_measured_on_cpu_and_gpu():
 
 
 def test_bench_table_shows_small_tflops_and_model_overrides():
-    from llamatron.bench import format_row
+    from llamatron.training.bench import format_row
 
     row = {
         "model": "llama-test",

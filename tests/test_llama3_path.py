@@ -15,7 +15,7 @@ from tiktoken_fixtures import write_tiktoken_model
 from llamatron.cli import main
 from llamatron.commands import generate
 from llamatron.data.tokenizer import load_tokenizer
-from llamatron.generate import load_for_generation
+from llamatron.inference.generate import load_for_generation
 
 transformers = pytest.importorskip("transformers")  # in the test extra; the path ends in transformers
 RANKS = 360

@@ -14,7 +14,7 @@ from megatron_fixtures import LLAMA, PADDED, megatron_args, write_megatron
 from safetensors.torch import load_file
 from test_hf_interop import run_cli
 
-from llamatron.generate import load_for_generation
+from llamatron.inference.generate import load_for_generation
 
 
 def hf_llama(**changes):

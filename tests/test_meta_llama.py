@@ -10,7 +10,7 @@ from hf_fixtures import FAMILIES, VOCAB, make_random_model, random_tokens, write
 from safetensors.torch import load_file
 from test_hf_interop import run_cli, save_hf, write_tokenizer
 
-from llamatron.generate import load_for_generation
+from llamatron.inference.generate import load_for_generation
 
 # A Llama 3.1-shaped model, tiny: GQA, rope theta 500000, Meta's 3.1 rope scaling (use_scaled_rope), and an
 # FFN width that Meta's rule gives from multiple_of and ffn_dim_multiplier (int(1.3 * 170) = 221 -> 224).

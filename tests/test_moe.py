@@ -138,7 +138,7 @@ def test_moe_trains_without_router_losses_outside_training():
     ],
 )
 def test_bad_moe_settings_are_one_line_errors(values, message):
-    from llamatron.config import config_from_values, validate
+    from llamatron.config.settings import config_from_values, validate
 
     cfg = config_from_values({"model": "mixtral-test", "mock_data": True, "device": "cpu", **values})
     with pytest.raises(ConfigError, match=message) as err:
@@ -155,7 +155,7 @@ def test_ep_must_divide_the_data_parallel_size():
 
 def test_fp8_converts_the_attention_and_leaves_router_and_experts_in_bf16():
     pytest.importorskip("torchao")  # the test extra installs it
-    from llamatron.fp8 import apply_fp8
+    from llamatron.training.fp8 import apply_fp8
 
     model = build_model(get_preset("mixtral-test"))
     apply_fp8(model, "tensorwise", emulate=True)
@@ -165,7 +165,7 @@ def test_fp8_converts_the_attention_and_leaves_router_and_experts_in_bf16():
 
 
 def _tp_logits(rank: int, world: int, checkpoint: str) -> None:
-    from llamatron.generate import load_for_generation
+    from llamatron.inference.generate import load_for_generation
     from llamatron.parallel.mesh import build_mesh
 
     ids = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])

@@ -16,9 +16,9 @@ SHAPE = dict(hidden_size=256, ffn_hidden_size=512, num_heads=4, num_kv_heads=2, 
 
 
 def _model(backend: str, compiled: bool):
-    from llamatron.engine import apply_compile
     from llamatron.models import build_model, get_preset, materialize
     from llamatron.models.moe import Experts
+    from llamatron.training.engine import apply_compile
 
     cfg = dataclasses.replace(get_preset("mixtral-test"), **SHAPE, num_experts=8)
     model = materialize(build_model(cfg), cfg, 0, "cuda", torch.bfloat16)

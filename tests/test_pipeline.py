@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from layout import assert_matches, free_port, run_train
 
-from llamatron.config import ConfigError, config_from_values, validate
+from llamatron.config.settings import ConfigError, config_from_values, validate
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks, split_layers
@@ -150,9 +150,9 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
-    from llamatron.engine import build_engine, train_step
-    from llamatron.evaluation import evaluate
     from llamatron.parallel.mesh import build_mesh
+    from llamatron.training.engine import build_engine, train_step
+    from llamatron.training.evaluation import evaluate
 
     results = []
     for model, pp, vpp in ALIVE_LAYOUTS:
@@ -271,7 +271,7 @@ def test_custom_eval_metrics_under_pipeline_parallelism_match_single_process(tmp
     """A metric registered by the user's module (MODULE:NAME) is computed on the last stage and reaches every
     rank: pp 2 x dp 2 gives the single process's values, the built-in ones too."""
     module = (
-        "from llamatron.evaluation import register_eval_metric\n"
+        "from llamatron.training.evaluation import register_eval_metric\n"
         "@register_eval_metric('label_is_even')\n"
         "def label_is_even(batch):\n    return batch.labels % 2 == 0\n"
         "@register_eval_metric('first_token_loss')\n"

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from llamatron import plan as P
-from llamatron import plan_activations as A
-from llamatron import plan_search as S
 from llamatron import triton_check
 from llamatron.cli import main
 from llamatron.commands.plan import parse_memory
-from llamatron.config import ConfigError, config_from_values
-from llamatron.engine import apply_recompute
+from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.models import PRESET_NAMES, KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.falcon import FalconBlock
 from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
+from llamatron.planning import activations as A
+from llamatron.planning import plan as P
+from llamatron.planning import search as S
+from llamatron.training.engine import apply_recompute
 
 GB = 1e9
 EAGER = P.Precision(
@@ -331,7 +331,7 @@ def _config_of(flags: str):
     """The run configuration of a command line's train flags."""
     import argparse
 
-    from llamatron.config import add_config_arguments, load_config
+    from llamatron.config.settings import add_config_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -352,7 +352,7 @@ SPEED_ROWS = [r for r in H200_ROWS if r["tokens_per_sec_per_gpu"]]
 @pytest.mark.parametrize("row", SPEED_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in SPEED_ROWS])
 def test_planner_speed_matches_h200_throughput(row):
     """The planner ranks layouts by its speed estimate: within 10% of compiled H200 runs of each kind."""
-    from llamatron.config import validate
+    from llamatron.config.settings import validate
 
     cfg = _config_of(row["flags"])
     layout = P.run_layout(cfg, validate(cfg, row["gpus"], cuda_available=True).dp)

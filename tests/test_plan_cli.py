@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llamatron.cli import main
-from llamatron.config import add_config_arguments, load_config, validate
+from llamatron.config.settings import add_config_arguments, load_config, validate
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -66,10 +66,10 @@ def test_plan_evaluates_the_layout_of_a_train_config_or_of_flags(tmp_path, capsy
     """`plan --config X.yaml` reads the run's model, shape and layout and evaluates that layout (issue 21, item 3);
     flags change it; the speed is the step simulator's for that layout (on the default H100 profile), beside the
     ranking model's."""
-    from llamatron.config import config_from_values
-    from llamatron.plan import Layout, estimate_speed
-    from llamatron.simulator.evaluate import simulate_layout
-    from llamatron.simulator.hardware import resolve_hardware
+    from llamatron.config.settings import config_from_values
+    from llamatron.planning.plan import Layout, estimate_speed
+    from llamatron.planning.simulator.evaluate import simulate_layout
+    from llamatron.planning.simulator.hardware import resolve_hardware
 
     config = tmp_path / "run.yaml"
     config.write_text(

@@ -8,19 +8,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamatron import plan as P
-from llamatron import plan_activations as A
-from llamatron import plan_search as S
 from llamatron import triton_check
 from llamatron.cli import main
 from llamatron.commands.plan import format_table
-from llamatron.config import config_from_values
-from llamatron.engine import apply_recompute
+from llamatron.config.settings import config_from_values
 from llamatron.models import KernelChoices, apply_kernels, get_preset
 from llamatron.models.falcon import FalconBlock
 from llamatron.models.layers import rope_cos_sin
 from llamatron.models.llama import LlamaBlock
 from llamatron.parallel import context
+from llamatron.planning import activations as A
+from llamatron.planning import plan as P
+from llamatron.planning import search as S
+from llamatron.training.engine import apply_recompute
 
 GB = 1e9
 LONG = 131072  # Llama 3.1's context

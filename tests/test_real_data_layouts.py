@@ -7,7 +7,7 @@ an fp32 sum of squares put the gradient norms of tp 2 and one process 2.5e-5 to 
 import pytest
 from layout import assert_matches, run_train
 
-from llamatron.demo import prepare_demo_data
+from llamatron.data.demo_corpus import prepare_demo_data
 
 LOSS_RTOL = 1e-6
 GRAD_NORM_RTOL = 5e-6

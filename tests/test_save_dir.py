@@ -108,9 +108,10 @@ def test_a_checkpoint_of_another_model_is_refused_before_the_model_is_built(tmp_
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was built before the checkpoint was checked")
 
-    # train's own name only: patching llamatron.engine first made a fresh `import llamatron.train` take the
-    # stand-in, which monkeypatch then "restored" there for every later test of the process
-    monkeypatch.setattr("llamatron.train.build_engine", no_engine)
+    # train's own name only: patching llamatron.training.engine first made a fresh
+    # `import llamatron.training.trainer` take the stand-in, which monkeypatch then "restored" there for every
+    # later test of the process
+    monkeypatch.setattr("llamatron.training.trainer.build_engine", no_engine)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", *ARGS[2:], "--model", "llama2-7b", "--load", "ck", "--finetune", "--train-steps", "1"])
@@ -124,7 +125,7 @@ def test_a_checkpoint_missing_a_rank_file_is_refused_before_the_model_is_built(t
     ck, _ = saved
     shard = next((ck / "step-2").glob("*.safetensors"))
     shard.unlink()
-    monkeypatch.setattr("llamatron.train.build_engine", lambda *a, **k: pytest.fail("engine built first"))
+    monkeypatch.setattr("llamatron.training.trainer.build_engine", lambda *a, **k: pytest.fail("engine built first"))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", *ARGS, "--load", "ck", "--save", "ck", "--train-steps", "3"])
@@ -165,9 +166,9 @@ def test_a_tokenizer_too_large_for_a_loaded_checkpoint_names_the_checkpoint(tmp_
 
 
 def test_the_demo_replaces_its_own_previous_checkpoints_only(tmp_path, monkeypatch):
-    from llamatron.config import config_from_values
-    from llamatron.demo import apply_demo_defaults as _apply_demo_defaults
-    from llamatron.demo import clear_previous_demo_checkpoint as _clear_previous_demo_checkpoint
+    from llamatron.commands.demo import apply_demo_defaults as _apply_demo_defaults
+    from llamatron.commands.demo import clear_previous_demo_checkpoint as _clear_previous_demo_checkpoint
+    from llamatron.config.settings import config_from_values
 
     monkeypatch.chdir(tmp_path)
     cfg = config_from_values({})

@@ -1,4 +1,4 @@
-"""The step simulator's mechanics (llamatron/simulator/): the pipeline schedules against their closed forms,
+"""The step simulator's mechanics (llamatron/planning/simulator/): the pipeline schedules against their closed forms,
 llamatron's data-parallel overlap per bucket, the hardware profiles and their checks, MoE, and `plan` using it."""
 
 import builtins
@@ -9,12 +9,12 @@ import pytest
 from llamatron.cli import main
 from llamatron.errors import ConfigError
 from llamatron.models import get_preset
-from llamatron.plan import Layout, Precision
-from llamatron.simulator.costs import Shape
-from llamatron.simulator.evaluate import SimSettings, simulate_layout
-from llamatron.simulator.hardware import resolve_hardware
-from llamatron.simulator.step import StepOptions, simulate_step
-from llamatron.simulator.timeline import ChunkDurations, run_pipeline
+from llamatron.planning.plan import Layout, Precision
+from llamatron.planning.simulator.costs import Shape
+from llamatron.planning.simulator.evaluate import SimSettings, simulate_layout
+from llamatron.planning.simulator.hardware import resolve_hardware
+from llamatron.planning.simulator.step import StepOptions, simulate_step
+from llamatron.planning.simulator.timeline import ChunkDurations, run_pipeline
 
 
 def _span(events):
@@ -239,7 +239,7 @@ def test_zero_bubble_gains_on_a_pipeline_and_keeps_1f1b_memory(capsys):
 def test_attention_at_head_dim_128_runs_at_its_measured_factor_and_an_assumed_gpu_keeps_its_figure():
     """RESULTS.md run 11: wider heads do more work per tile. Measured on the H200 (it scales to the H100);
     an A100's attention figure is an assumption that already covers head dims, so it is left alone."""
-    from llamatron.simulator.calibration import load_calibration
+    from llamatron.planning.simulator.calibration import load_calibration
 
     cal = load_calibration()
     for backend, factor in (("cudnn", 1.25), ("fa4", 1.145), ("auto", 1.25)):

@@ -1,5 +1,6 @@
-"""The step simulator against every throughput run llamatron has recorded (llamatron/simulator/measured_runs.yaml,
-each citing its row in benchmarks/results-*.jsonl): within 10%, and the list kept complete."""
+"""The step simulator against every throughput run llamatron has recorded
+(llamatron/planning/simulator/measured_runs.yaml, each citing its row in benchmarks/results-*.jsonl): within 10%,
+and the list kept complete."""
 
 import glob
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llamatron.simulator.runs import measured_runs, simulate_run
+from llamatron.planning.simulator.runs import measured_runs, simulate_run
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = measured_runs()

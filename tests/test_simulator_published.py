@@ -1,9 +1,9 @@
-"""The simulator against published at-scale training results (llamatron/simulator/published.yaml; the table in
+"""The simulator against published at-scale training results (llamatron/planning/simulator/published.yaml; the table in
 docs/simulator.md): Llama 2's pretraining GPU-hours on A100-80GB and Megatron-LM's 1T model on 3072 A100s."""
 
 import pytest
 
-from llamatron.simulator.published import published_cases, validate_case
+from llamatron.planning.simulator.published import published_cases, validate_case
 
 CASES = published_cases()
 

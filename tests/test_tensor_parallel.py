@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from layout import assert_matches, free_port, run_train
 from torch import nn
 
-from llamatron.config import ConfigError, config_from_values, validate
+from llamatron.config.settings import ConfigError, config_from_values, validate
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
 from llamatron.parallel.mesh import Mesh

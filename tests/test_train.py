@@ -143,7 +143,7 @@ def test_resume_is_exact(tmp_path):
 def test_keep_last_and_generate(tmp_path):
     run_train(["--train-steps", "4", "--save", "ck", "--save-interval", "1", "--keep-last", "2"], 1, tmp_path)
     assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-3", "step-4"]
-    from llamatron.generate import load_for_generation, sample
+    from llamatron.inference.generate import load_for_generation, sample
 
     model, meta = load_for_generation(str(tmp_path / "ck"))
     assert meta["step"] == 4
@@ -292,9 +292,11 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
     """--log-interval 4: one record per 4 steps, in step order with the evaluations, its loss the mean of its
     steps, its speed from the training time of its steps alone (a clock that moves 1 s per step, 50 s per
     evaluation and 70 s per save: every record must read exactly one step's tokens per second)."""
-    from llamatron import cli, metrics, train
+    from llamatron import cli
     from llamatron.checkpoint import Checkpointing
-    from llamatron.evaluation import Evaluation
+    from llamatron.training import metrics
+    from llamatron.training import trainer as train
+    from llamatron.training.evaluation import Evaluation
 
     clock = [0.0]
 

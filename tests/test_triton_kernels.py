@@ -77,10 +77,10 @@ def test_triton_adamw_matches_the_fused_torch_path(precision):
     fp16 also divides out the dynamic loss scale in the kernel."""
     _run_interpreted(f"""
         import torch
-        from llamatron.config import config_from_values, validate
+        from llamatron.config.settings import config_from_values, validate
         from llamatron.data.batches import micro_batches_for_step
         from llamatron.data.mock import MockDataset
-        from llamatron.engine import build_engine, train_step
+        from llamatron.training.engine import build_engine, train_step
         from llamatron.parallel.mesh import build_mesh
 
         cfg = config_from_values({{"model": "llama-test", "mock_data": True, "seq_length": 16, "micro_batch_size": 2,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
+from ..config.settings import RunConfig
 from ..data.sft import LLAMA3
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import TrainConfig
-from ..engine import Engine
+from ..config.settings import TrainConfig
 from ..errors import CheckpointError, TrainingAborted
-from ..faults import NO_FAULTS, FaultInjection
 from ..models import ModelConfig, Transformer, build_model
 from ..parallel.optimizer import lr_at
 from ..parallel.param_spec import ParamSpec, ParamSpecs
+from ..training.engine import Engine
+from ..training.faults import NO_FAULTS, FaultInjection
 from .pieces import local_pieces
 from .reader import CheckpointReader, read_meta, rng_file
 from .rng import restore_rng

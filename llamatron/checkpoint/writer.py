@@ -43,10 +43,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
-from ..engine import Engine
 from ..errors import CheckpointError
 from ..models import build_model
 from ..parallel.param_spec import ParamSpec
+from ..training.engine import Engine
 from .pieces import Box, local_pieces
 from .reader import (
     INDEX_FILE,

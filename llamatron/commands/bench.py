@@ -9,9 +9,9 @@ import sys
 
 import torch.distributed as dist
 
-from ..bench import format_row, run_bench
-from ..config import add_config_arguments, load_config
+from ..config.settings import add_config_arguments, load_config
 from ..errors import ConfigError
+from ..training.bench import format_row, run_bench
 from .launch import add_launch_argument, relaunch_if_asked
 
 # Settings of `train` that bench does not use: its --help leaves them out, and given anyway (a train command line

@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import read_meta
-from ..config import resolve_device
-from ..config_ranges import SEED, number_arg
+from ..config.ranges import SEED, number_arg
+from ..config.settings import resolve_device
 from ..data.preprocess import RecordError
 from ..data.sft import ChatRenderer
 from ..data.tokenizer import Tokenizer, load_tokenizer
 from ..dtypes import DTYPES
 from ..errors import ConfigError, DataError
-from ..generate import StopStrings, load_for_generation, sample
+from ..inference.generate import StopStrings, load_for_generation, sample
 from ..parallel.mesh import Mesh, build_mesh, init_distributed
 
 

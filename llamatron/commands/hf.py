@@ -8,10 +8,11 @@ from pathlib import Path
 
 from ..checkpoint.hf_files import check_hf_files
 from ..checkpoint.hf_io import export_hf, import_hf, open_hf_dir
-from ..checkpoint.hf_verify import DEFAULT_TOLERANCE, compare_with_hf, push_to_hub
+from ..checkpoint.hub import push_to_hub
 from ..checkpoint.tensor_io import parse_size
-from ..config_ranges import SEED, at_least, number_arg
+from ..config.ranges import SEED, at_least, number_arg
 from ..dtypes import DTYPES
+from ..inference.verify import DEFAULT_TOLERANCE, compare_with_hf
 
 
 def register(sub) -> None:

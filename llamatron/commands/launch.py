@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ..config import RunConfig, validate
+from ..config.settings import RunConfig, validate
 from ..models import ModelConfig
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ..checkpoint.megatron import import_megatron
-from ..config import load_config
-from ..config_ranges import at_least, number_arg
+from ..config.ranges import at_least, number_arg
+from ..config.settings import load_config
 from ..dtypes import DTYPES
 
 

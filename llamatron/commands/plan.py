@@ -1,4 +1,4 @@
-"""`llamatron plan`: arguments and the table (the model of memory and speed lives in llamatron/plan.py)."""
+"""`llamatron plan`: arguments and the table (the model of memory and speed lives in llamatron/planning/plan.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 import re
 from typing import Any
 
-from ..config import RunConfig
-from ..config_ranges import Range, at_least, number_arg
+from ..config.ranges import Range, at_least, number_arg
+from ..config.settings import RunConfig
 from ..errors import ConfigError
-from ..fp8 import FP8_RECIPES
 from ..models import ModelConfig, get_preset
-from ..plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
-from ..plan_search import PlanResult, plan
-from ..simulator.hardware import Hardware
+from ..planning.plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
+from ..planning.search import PlanResult, plan
+from ..planning.simulator.hardware import Hardware
+from ..training.fp8 import FP8_RECIPES
 from . import plan_simulate
 from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
 
@@ -248,7 +248,7 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
         "no layout without it fits or it is expected faster than all that do); recompute full:N = --recompute "
         "full --recompute-layers N (the fewest layers per chunk that fit); buffers = logits/loss or backward "
         "temporaries, staging, batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc "
-        "llamatron.plan`)"
+        "llamatron.planning.plan`)"
     )
     return "\n".join([head, *lines, note])
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import yaml
 
-from ..config import config_from_values, validate
+from ..config.settings import config_from_values, validate
 from ..errors import ConfigError
 from ..models import ModelConfig
-from ..plan import Plan, Precision, SpeedAssumptions, estimate_speed, layout_memory, run_layout
+from ..planning.plan import Plan, Precision, SpeedAssumptions, estimate_speed, layout_memory, run_layout
 
 # (flag, type, help) of the layout flags plan takes; their config keys are the flags with underscores.
 _LAYOUT_FLAGS: list[tuple[str, type, str]] = [

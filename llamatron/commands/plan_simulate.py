@@ -1,4 +1,4 @@
-"""`llamatron plan`'s hardware and simulator flags (llamatron/simulator/): which GPU, link and network, the
+"""`llamatron plan`'s hardware and simulator flags (llamatron/planning/simulator/): which GPU, link and network, the
 step simulator's settings, and what it prints (--explain, --explain-png, the cost of --train-tokens)."""
 
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config_ranges import at_least, number_arg
+from ..config.ranges import at_least, number_arg
 from ..errors import ConfigError
 from ..models import ModelConfig
-from ..plan import Plan, Precision
-from ..simulator.evaluate import SimSettings, Simulation, simulate_layout
-from ..simulator.hardware import Hardware, resolve_hardware
-from ..simulator.report import explain_png, explain_text
+from ..planning.plan import Plan, Precision
+from ..planning.simulator.evaluate import SimSettings, Simulation, simulate_layout
+from ..planning.simulator.hardware import Hardware, resolve_hardware
+from ..planning.simulator.report import explain_png, explain_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    hw = p.add_argument_group("hardware (llamatron/simulator/hardware.yaml; the step simulator's)")
+    hw = p.add_argument_group("hardware (llamatron/planning/simulator/hardware.yaml; the step simulator's)")
     hw.add_argument(
         "--gpu", default=None, help="GPU profile: h100-sxm (default), h200, a100-80gb, a100-40gb, h100-pcie"
     )

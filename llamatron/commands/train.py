@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from .. import demo
-from ..config import add_config_arguments, load_config
-from ..train import model_to_train, run_training
+from ..config.settings import add_config_arguments, load_config
+from ..training.trainer import model_to_train, run_training
+from . import demo
 from .launch import add_launch_argument, relaunch_if_asked
 
 

@@ -26,7 +26,7 @@ from llamatron.data.indexed import IndexedDataset, data_path, index_path
 from llamatron.errors import DataError
 
 if TYPE_CHECKING:  # config imports this module to validate: the type only
-    from llamatron.config import DataConfig
+    from llamatron.config.settings import DataConfig
 
 
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:

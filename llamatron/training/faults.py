@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import TrainingAborted
 from .engine import Engine
-from .errors import TrainingAborted
 
 PROCESS_START = time.monotonic()  # --exit-duration-mins counts from here (module import = start of `train`)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..models import ModelConfig
+from ...models import ModelConfig
 from .chunks import Bucket, Chunk, buckets
 from .costs import Costs, Shape
 from .hardware import Hardware

@@ -3,7 +3,7 @@
 Built in: `loss` (mean cross-entropy per token, always reported), `perplexity` (exp of the loss) and
 `accuracy` (next-token argmax accuracy). Further metrics register with a decorator:
 
-    from llamatron.evaluation import register_eval_metric
+    from llamatron.training.evaluation import register_eval_metric
 
     @register_eval_metric("top_token_is_space")
     def top_token_is_space(batch):            # a value per token, averaged over the tokens with a label
@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .data.batches import Samples, micro_batches_for_rank, model_kwargs, to_device
-from .errors import ConfigError
-from .models import IGNORE_INDEX
-from .parallel.mesh import sum_from_last_stage
-from .parallel.pipeline import pipeline_forward_each
+from ..data.batches import Samples, micro_batches_for_rank, model_kwargs, to_device
+from ..errors import ConfigError
+from ..models import IGNORE_INDEX
+from ..parallel.mesh import sum_from_last_stage
+from ..parallel.pipeline import pipeline_forward_each
 
 if TYPE_CHECKING:  # the annotation only: engine imports config, which imports this module (--eval-metrics)
     from .engine import Engine
@@ -123,7 +123,7 @@ def resolve_eval_metrics(names: Sequence[str] | str) -> list[str]:
         if name not in _METRICS:
             raise ConfigError(
                 f"--eval-metrics: unknown metric {name!r}; registered: {', '.join(_METRICS)} "
-                f"(add one with @llamatron.evaluation.register_eval_metric, give it as MODULE:NAME)"
+                f"(add one with @llamatron.training.evaluation.register_eval_metric, give it as MODULE:NAME)"
             )
         for needed in (_METRICS[name].derived_from, name):
             if needed is not None and needed not in out:

@@ -17,24 +17,24 @@ from typing import Any
 
 import yaml
 
-from .config_ranges import Range, above, at_least, problem
-from .data.batch_rampup import BatchSizes, rampup_problems
-from .data.cache import KEEP_PER_KIND
-from .data.samples import data_settings_problems
-from .errors import ConfigError
-from .evaluation import resolve_eval_metrics
-from .fp8 import FP8_RECIPES, check_fp8
-from .kernel_settings import check_kernel_settings
-from .logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
+from ..data.batch_rampup import BatchSizes, rampup_problems
+from ..data.cache import KEEP_PER_KIND
+from ..data.samples import data_settings_problems
+from ..errors import ConfigError
+from ..models import ModelConfig, get_preset
+from ..models.presets import PRESET_NAMES
+from ..parallel.context import context_problems
+from ..parallel.expert import expert_parallel_problems
+from ..parallel.mesh import mesh_problems
+from ..parallel.pipeline import pipeline_problems, split_layers
+from ..parallel.schedules import schedule_problems
+from ..parallel.tensor import tensor_parallel_problems
+from ..training.evaluation import resolve_eval_metrics
+from ..training.fp8 import FP8_RECIPES, check_fp8
+from ..training.kernel_settings import check_kernel_settings
+from ..training.logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
 from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
-from .models import ModelConfig, get_preset
-from .models.presets import PRESET_NAMES
-from .parallel.context import context_problems
-from .parallel.expert import expert_parallel_problems
-from .parallel.mesh import mesh_problems
-from .parallel.pipeline import pipeline_problems, split_layers
-from .parallel.schedules import schedule_problems
-from .parallel.tensor import tensor_parallel_problems
+from .ranges import Range, above, at_least, problem
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None) -> Any:
@@ -210,7 +210,7 @@ class TrainConfig:
     # Watching a run (logging_sinks.py, evaluation.py)
     eval_metrics: list[str] = _f(
         ["loss", "perplexity", "accuracy"],
-        "evaluation metrics by name (llamatron.evaluation; MODULE:NAME imports MODULE first)",
+        "evaluation metrics by name (llamatron.training.evaluation; MODULE:NAME imports MODULE first)",
     )
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files of the metric records here")
     wandb_project: str | None = _f(None, "log the metric records to this Weights & Biases project")
@@ -370,7 +370,7 @@ _FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
 _NUMERIC = [(name, f) for name, cls in SECTIONS.items() for f in fields(cls) if _field_type(f) in (int, float)]
 _UNRANGED = [f.name for _, f in _NUMERIC if "allowed" not in f.metadata]
 if _UNRANGED:  # fails at import, so a new numeric setting cannot go unchecked
-    raise TypeError(f"numeric settings {_UNRANGED} need a range: _f(..., allowed=...) (llamatron/config_ranges.py)")
+    raise TypeError(f"numeric settings {_UNRANGED} need a range: _f(..., allowed=...) (llamatron/config/ranges.py)")
 # (section, field, flag, range, is an integer) of every numeric setting, for range_problems.
 _RANGES: list[tuple[str, str, str, Range, bool]] = [
     (section_name, f.name, "--" + f.name.replace("_", "-"), f.metadata["allowed"], _field_type(f) is int)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .evaluate import Simulation
 from .timeline import Event
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 GB = 1e9
 _GPU_KEYS: dict[str, type] = {

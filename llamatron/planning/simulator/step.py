@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..models import ModelConfig
+from ...models import ModelConfig
 from .calibration import Calibration, load_calibration
 from .chunks import build_chunks
 from .costs import Costs, Shape

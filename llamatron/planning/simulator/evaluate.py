@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..models import ModelConfig
+from ...models import ModelConfig
+from ..params import expert_layer_params, stage_layers
 from ..plan import GB, Layout, Precision
-from ..plan_params import expert_layer_params, stage_layers
 from .calibration import load_calibration
 from .costs import Costs, Shape
 from .hardware import Hardware

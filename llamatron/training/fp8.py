@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .errors import ConfigError
-from .models.config import ModelConfig
-from .parallel.tensor import padded_vocab_size
-from .parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+from ..parallel.tensor import padded_vocab_size
+from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:  # config imports this module to validate: the type only
-    from .config import TrainConfig
+    from ..config.settings import TrainConfig
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 # H100/H200 (9.0), L4/L40S/RTX 4090 (8.9), Blackwell (10.0+) have FP8 tensor cores.

@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # (config field, flag, module to import, pip package)
 _OPTIONAL = (

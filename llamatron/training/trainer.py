@@ -11,8 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import demo
-from .checkpoint import (
+from ..checkpoint import (
     Checkpointing,
     check_checkpoint_fits,
     load_checkpoint,
@@ -21,23 +20,23 @@ from .checkpoint import (
     step_dirs,
     step_number,
 )
-from .checkpoint.save_lock import SaveDirLock
-from .config import Derived, RunConfig, validate
-from .data import samples
-from .data.batch_rampup import BatchSizes
-from .data.batches import Samples, micro_batches_for_rank, to_device
-from .data.boundaries import DocumentBoundaries
-from .data.mock import MockDataset
-from .data.sft_dataset import build_sft_datasets
-from .data.tokenizer import load_tokenizer
+from ..checkpoint.save_lock import SaveDirLock
+from ..config.settings import Derived, RunConfig, validate
+from ..data import demo_corpus, samples
+from ..data.batch_rampup import BatchSizes
+from ..data.batches import Samples, micro_batches_for_rank, to_device
+from ..data.boundaries import DocumentBoundaries
+from ..data.mock import MockDataset
+from ..data.sft_dataset import build_sft_datasets
+from ..data.tokenizer import load_tokenizer
+from ..errors import ConfigError
+from ..models import ModelConfig
+from ..parallel.mesh import Mesh, build_mesh, init_distributed
 from .engine import Engine, build_engine, train_step
-from .errors import ConfigError
 from .evaluation import Evaluation
 from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
-from .models import ModelConfig
-from .parallel.mesh import Mesh, build_mesh, init_distributed
 
 
 @dataclass
@@ -101,10 +100,10 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     prefix, tokenizer = d.data, d.tokenizer
     if prefix is None:  # the embedded demo corpus
         if mesh.rank == 0:
-            info = demo.prepare_demo_data(demo.DEMO_DATA_DIR)
+            info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR)
         if dist.is_initialized():
             dist.barrier()
-        info = demo.prepare_demo_data(demo.DEMO_DATA_DIR) if mesh.rank != 0 else info
+        info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR) if mesh.rank != 0 else info
         prefix, tokenizer = info["prefix"], os.path.abspath(info["tokenizer"])
         cfg.data.tokenizer = tokenizer  # recorded in checkpoints, so `generate` finds it from anywhere
     if tokenizer is not None:

@@ -19,16 +19,16 @@ import time
 import torch
 from torch import nn
 
-from .config import RunConfig, validate
-from .data.batches import micro_batches_for_rank, to_device
-from .data.mock import MockDataset
+from ..config.settings import RunConfig, validate
+from ..data.batches import micro_batches_for_rank, to_device
+from ..data.mock import MockDataset
+from ..models import ModelConfig
+from ..parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
+from ..planning.plan import bytes_per_param
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
 from .metrics import peak_memory_gib, peak_tflops, router_fields, sync_device, throughput
-from .models import ModelConfig
-from .parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
-from .plan import bytes_per_param
-from .train import build_datasets
+from .trainer import build_datasets
 
 
 def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:

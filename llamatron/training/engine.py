@@ -16,24 +16,24 @@ from typing import cast
 import torch
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from .config import Derived, RunConfig
-from .data.batches import model_kwargs
-from .dtypes import DTYPES
+from ..config.settings import Derived, RunConfig
+from ..data.batches import model_kwargs
+from ..dtypes import DTYPES
+from ..models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
+from ..models.layers import Attention
+from ..models.moe import MoE, MoEStats
+from ..models.transformer import IGNORE_INDEX, CrossEntropy
+from ..parallel.context import apply_context_parallel
+from ..parallel.expert import apply_expert_parallel
+from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
+from ..parallel.loss_scale import DynamicLossScaler
+from ..parallel.mesh import Mesh, all_reduce
+from ..parallel.optimizer import DistributedAdamW, lr_at
+from ..parallel.param_spec import ParamSpec, param_specs
+from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward
+from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 from .fp8 import apply_fp8
 from .kernel_settings import kernel_choices
-from .models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
-from .models.layers import Attention
-from .models.moe import MoE, MoEStats
-from .models.transformer import IGNORE_INDEX, CrossEntropy
-from .parallel.context import apply_context_parallel
-from .parallel.expert import apply_expert_parallel
-from .parallel.grad_buffer import GradBuffer, mark_last_microbatch
-from .parallel.loss_scale import DynamicLossScaler
-from .parallel.mesh import Mesh, all_reduce
-from .parallel.optimizer import DistributedAdamW, lr_at
-from .parallel.param_spec import ParamSpec, param_specs
-from .parallel.pipeline import build_stage_chunks, pipeline_forward_backward
-from .parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 
 # (engine, this rank's micro-batches, the global batch's label tokens) -> the summed loss on this rank (device)
 ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .models import ModelConfig
-from .parallel.schedules import max_alive
-from .parallel.tensor import local_kv_heads
+from ..models import ModelConfig
+from ..parallel.schedules import max_alive
+from ..parallel.tensor import local_kv_heads
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,18 @@
-"""The check that the Hugging Face round trip is exact (`llamatron verify`), and the Hub upload of `export-hf`."""
+"""The check that the Hugging Face round trip is exact (`llamatron verify`): a checkpoint's logits against
+transformers' own implementation on the same random batches."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..dtypes import DTYPES
-from ..errors import ConfigError
-from ..generate import load_for_generation
+from .generate import load_for_generation
 
 # Mean absolute logit difference allowed by `verify`, per precision. bf16: the seeds' documented bar.
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
-
-
-def push_to_hub(folder: Path, repo: str, private: bool = False) -> str:
-    try:
-        from huggingface_hub import HfApi
-    except ImportError:
-        raise ConfigError("--push-to-hub needs the huggingface_hub package: pip install huggingface_hub") from None
-    if repo.count("/") != 1:
-        raise ConfigError(f"--push-to-hub {repo!r}: give the repository as OWNER/NAME")
-    api = HfApi()
-    api.create_repo(repo_id=repo, private=private, exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload model exported by llamatron")
-    return f"https://huggingface.co/{repo}"
 
 
 def load_transformers_model(hf_dir: str, dtype: torch.dtype, device: str = "cpu"):
@@ -85,4 +71,4 @@ def compare_with_hf(
     }
 
 
-__all__ = ["DEFAULT_TOLERANCE", "compare_with_hf", "load_transformers_model", "push_to_hub"]
+__all__ = ["DEFAULT_TOLERANCE", "compare_with_hf", "load_transformers_model"]

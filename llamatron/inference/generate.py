@@ -17,14 +17,14 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from .checkpoint import load_model_weights, read_model_config
-from .models import Transformer, build_model
-from .models.kv_cache import KVCache
-from .models.layers import rope_depends_on_length
-from .parallel.expert import apply_expert_parallel
-from .parallel.mesh import Mesh
-from .parallel.param_spec import param_specs
-from .parallel.tensor import apply_tensor_parallel
+from ..checkpoint import load_model_weights, read_model_config
+from ..models import Transformer, build_model
+from ..models.kv_cache import KVCache
+from ..models.layers import rope_depends_on_length
+from ..parallel.expert import apply_expert_parallel
+from ..parallel.mesh import Mesh
+from ..parallel.param_spec import param_specs
+from ..parallel.tensor import apply_tensor_parallel
 
 
 class StopStrings:

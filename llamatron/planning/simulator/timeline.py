@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..parallel.schedules import Action, max_alive, rank_order
+from ...parallel.schedules import Action, max_alive, rank_order
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from ..parallel.mesh import sum_from_last_stage
 from .engine import Engine
 from .evaluation import format_metrics
-from .parallel.mesh import sum_from_last_stage
 
 # Dense bf16 peak per GPU, by name fragment (datasheet figures, as docs/design.md specifies).
 _PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import ModelConfig
-from ..parallel.pipeline import split_layers
-from ..parallel.tensor import local_kv_heads, padded_vocab_size
+from ...models import ModelConfig
+from ...parallel.pipeline import split_layers
+from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .costs import Costs, LayerCost, Piece, Shape
 
 

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import ConfigError
-from .models import ModelConfig
-from .models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
-from .models.rope_op import supports_head_dim
-from .triton_check import HAS_TRITON
+from ..errors import ConfigError
+from ..models import ModelConfig
+from ..models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
+from ..models.rope_op import supports_head_dim
+from ..triton_check import HAS_TRITON
 
 if TYPE_CHECKING:  # config imports this module to validate: the type only
-    from .config import RunConfig
+    from ..config.settings import RunConfig
 
 
 def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..models import ModelConfig
-from ..parallel.tensor import local_kv_heads, padded_vocab_size
+from ...models import ModelConfig
+from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .hardware import Hardware
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from ..config import RunConfig
-from ..models import ModelConfig
+from ...config.settings import RunConfig
+from ...models import ModelConfig
 from .calibration import Calibration
 from .costs import Shape
 from .hardware import resolve_hardware

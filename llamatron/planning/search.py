@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
-from .config import RunConfig, config_from_values, validate
-from .errors import ConfigError
-from .models import ModelConfig, get_preset
-from .parallel.mesh import divisors
+from ..config.settings import RunConfig, config_from_values, validate
+from ..errors import ConfigError
+from ..models import ModelConfig, get_preset
+from ..parallel.mesh import divisors
 from .plan import (
     GB,
     RUNTIME_BASE,

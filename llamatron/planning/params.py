@@ -3,9 +3,9 @@ of a mixture of experts, and the bytes each parameter costs (weights, gradients,
 
 from __future__ import annotations
 
-from .models import ModelConfig
-from .parallel.pipeline import split_layers
-from .parallel.tensor import local_kv_heads, padded_vocab_size
+from ..models import ModelConfig
+from ..parallel.pipeline import split_layers
+from ..parallel.tensor import local_kv_heads, padded_vocab_size
 
 
 def local_vocab(model: ModelConfig, tp: int) -> int:

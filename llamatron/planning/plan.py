@@ -35,8 +35,8 @@ Buffers:
 `allocated` (everything but fragmentation and runtime) is what torch.cuda.max_memory_allocated() should read.
 
 Speed model (ranks a search's layouts; a fixed layout, and a search's best with --simulate, go through the
-step simulator of llamatron/simulator/, docs/simulator.md; both take their numbers from
-llamatron/simulator/calibration.yaml, this one from its `planner:` section, see SpeedAssumptions)
+step simulator of llamatron/planning/simulator/, docs/simulator.md; both take their numbers from
+llamatron/planning/simulator/calibration.yaml, this one from its `planner:` section, see SpeedAssumptions)
 ---------------------------------------------------------------------------------------------------
   compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency),
     tokens = micro-batch x seq / cp (the load-balanced split gives every cp rank 1/cp of the attention work);
@@ -66,27 +66,27 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from .config import RunConfig, validate
-from .kernel_settings import kernel_choices
-from .models import ModelConfig
-from .models.rope_op import supports_head_dim as rope_supports_head_dim
-from .parallel.tensor import padded_vocab_size
-from .plan_activations import (
+from ..config.settings import RunConfig, validate
+from ..models import ModelConfig
+from ..models.rope_op import supports_head_dim as rope_supports_head_dim
+from ..parallel.tensor import padded_vocab_size
+from ..training.kernel_settings import kernel_choices
+from .activations import (
     LayerKernels,
     chunk_activation_bytes,
     chunks_in_flight,
     gathered_kv_bytes,
     layer_activation_bytes,
 )
-from .plan_params import (
+from .params import (
     active_layer_params,
     expert_layer_params,
     local_vocab,
     stage_layers,
     stage_params,
 )
-from .plan_params import bytes_per_param as bytes_per_param  # re-exported: the planner's public names
-from .plan_params import layer_params as layer_params
+from .params import bytes_per_param as bytes_per_param  # re-exported: the planner's public names
+from .params import layer_params as layer_params
 from .simulator.calibration import load_calibration
 from .simulator.hardware import Hardware
 
@@ -214,13 +214,13 @@ class Memory:
         return self.total - self.buffers["fragmentation"] - self.buffers["runtime"]
 
 
-_PLANNER = load_calibration().planner  # the ranking model's numbers: llamatron/simulator/calibration.yaml
+_PLANNER = load_calibration().planner  # the ranking model's numbers: llamatron/planning/simulator/calibration.yaml
 
 
 @dataclass(frozen=True)
 class SpeedAssumptions:
     """The closed-form ranking model's numbers (calibration.yaml, `planner:`, with the runs they come from);
-    `for_hardware` scales them to a GPU and network of llamatron/simulator/hardware.yaml."""
+    `for_hardware` scales them to a GPU and network of llamatron/planning/simulator/hardware.yaml."""
 
     peak_flops: float = _PLANNER["peak_flops"]
     base_mfu: float = _PLANNER["base_mfu"]
