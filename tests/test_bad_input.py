@@ -219,7 +219,7 @@ def test_the_train_command_refuses_bad_input_in_one_line(case, tmp_path):
         ("model_overrides:\n  rope_scaling: {kind: linear, factor: x}\n", "rope_scaling factor 'x' must be a finite"),
         ("model_overrides:\n  rope_theta: .inf\n", "rope_theta inf must be a finite number"),
         ("model_overrides:\n  tie_embeddings: 1\n", "tie_embeddings 1 must be true or false"),
-        ("model_overrides:\n  head_dim: 8\n", "unknown model field 'head_dim'"),  # a property, not a field
+        ("model_overrides:\n  is_moe: true\n", "unknown model field 'is_moe'"),  # a property, not a field
         ("model_overrides:\n  1: 2\n", "unknown model field 1"),
         ("1: 2\n", "must hold a mapping of setting: value"),
     ],

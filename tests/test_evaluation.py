@@ -12,6 +12,7 @@ from llamatron.config.settings import ConfigError, config_from_values, validate
 from llamatron.data.batches import micro_batches_for_step
 from llamatron.data.mock import MockDataset
 from llamatron.models import IGNORE_INDEX
+from llamatron.models.cross_entropy_op import cross_entropy_per_token
 from llamatron.parallel.mesh import build_mesh
 from llamatron.training import evaluation
 from llamatron.training.engine import build_engine
@@ -69,7 +70,7 @@ def _reference(engine, dataset, iters: int) -> dict[str, float]:
                 logits = model(mb["input_ids"])
                 labels = mb["labels"]
                 valid = labels != IGNORE_INDEX
-                totals[0] += model.loss_fn(logits, labels).sum().double()
+                totals[0] += cross_entropy_per_token(logits, labels).sum().double()
                 totals[1] += ((logits.argmax(-1) == labels) & valid).sum()
                 totals[2] += valid.sum()
     loss = (totals[0] / totals[2].clamp_min(1)).item()

@@ -7,6 +7,7 @@ import pytest
 
 from llamatron import cli
 from llamatron.models import get_preset
+from llamatron.models.inventory import flops_per_token, num_params
 from llamatron.planning import plan as P
 from llamatron.training import bench, metrics
 
@@ -28,15 +29,15 @@ def test_untied_input_embedding_is_not_counted():
     assert not cfg.tie_embeddings
     table = cfg.vocab_size * cfg.hidden_size
     attention = 12.0 * cfg.num_layers * cfg.hidden_size * SEQ
-    assert cfg.flops_per_token(SEQ) == by_hand(cfg, SEQ)
+    assert flops_per_token(cfg, SEQ) == by_hand(cfg, SEQ)
     # N itself still holds both tables; only the FLOPs leave the lookup out.
-    assert cfg.flops_per_token(SEQ) == 6.0 * (cfg.num_params() - table) + attention
+    assert flops_per_token(cfg, SEQ) == 6.0 * (num_params(cfg) - table) + attention
 
 
 def test_tied_embedding_is_counted_once_as_the_head():
     cfg = dataclasses.replace(get_preset("llama-test"), tie_embeddings=True)
-    assert cfg.flops_per_token(SEQ) == by_hand(cfg, SEQ)  # the head's matmul, not left out with the lookup
-    assert cfg.flops_per_token(SEQ) == 6.0 * cfg.num_params() + 12.0 * cfg.num_layers * cfg.hidden_size * SEQ
+    assert flops_per_token(cfg, SEQ) == by_hand(cfg, SEQ)  # the head's matmul, not left out with the lookup
+    assert flops_per_token(cfg, SEQ) == 6.0 * num_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * SEQ
 
 
 def _observed(row: dict) -> float:
@@ -89,5 +90,5 @@ def test_results_conversion_factors_are_the_codes():
         changes = {} if overrides == "—" else {k: int(v) for k, v in (o.split(": ") for o in overrides.split(", "))}
         cfg = dataclasses.replace(get_preset(model), **changes)
         keys = min(int(seq), cfg.sliding_window or int(seq))
-        old = 6.0 * cfg.num_params() + 12.0 * cfg.num_layers * cfg.hidden_size * keys
-        assert float(factor) == round(cfg.flops_per_token(int(seq)) / old, 4), (model, overrides, seq)
+        old = 6.0 * num_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * keys
+        assert float(factor) == round(flops_per_token(cfg, int(seq)) / old, 4), (model, overrides, seq)

@@ -2,6 +2,7 @@
 eager and compiled (torch.compile's caches on), and a model built without apply_kernels runs auto."""
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 from llamatron import triton_check
 from llamatron.models import KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.layers import RMSNorm
+from llamatron.objectives.language_model import LanguageModelObjective
+from llamatron.parallel.mesh import Mesh
 from llamatron.training.engine import apply_compile
 
 # The aten op each forced SDPA kernel shows as (math: eager only; compiled, it becomes the layer's own matmuls).
@@ -38,21 +41,28 @@ TRITON_OPS = {
 }
 
 
+_OBJECTIVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # each test model's objective
+
+
 def _model(choices: KernelChoices | None, device: str = "cpu", **changes):
+    """A model with `choices` applied, and its language-model objective with the choice of loss kernel."""
     cfg = dataclasses.replace(get_preset("llama-test"), **changes)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = materialize(build_model(cfg), cfg, 0, torch.device(device), dtype)
     if choices is not None:
         apply_kernels(model, choices)
+    kernel = choices.cross_entropy if choices is not None else "auto"
+    _OBJECTIVES[model] = LanguageModelObjective.build([model], cfg, Mesh(), torch.device(device), kernel)
     return model
 
 
 def _ops_run(model) -> set[str]:
     """Names of the ops one forward and backward of `model` ran (after one unprofiled step, which compiles)."""
     x = torch.randint(0, model.cfg.vocab_size, (2, 32), device=model.head_weight().device)
-    model(x, labels=x).sum().backward()
+    objective = _OBJECTIVES[model]
+    objective.per_token(model(x), x).sum().backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model(x, labels=x).sum().backward()
+        objective.per_token(model(x), x).sum().backward()
     return {event.key for event in prof.key_averages()}
 
 
@@ -116,7 +126,8 @@ def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
     assert len(norms) == 5 and {m.backend for m in norms} == {"torch"}  # both layers' two, and the final norm
     assert {layer.mlp.backend for layer in models["torch"].layers.values()} == {"torch"}
     assert {layer.attn.rope_backend for layer in models["auto"].layers.values()} == {"auto"}
-    assert models["torch"].loss_fn.backend == "torch" and models["plain"].loss_fn.backend == "auto"
+    assert _OBJECTIVES[models["torch"]].per_token_loss.backend == "torch"
+    assert _OBJECTIVES[models["plain"]].per_token_loss.backend == "auto"
     assert not _ops_run(models["auto"]) & set().union(*TRITON_OPS.values())  # CPU: the torch paths
     monkeypatch.setattr(triton_check, "kernels_on", lambda backend, x: backend != "torch")
     ran = {name: _ops_run(model) & set().union(*TRITON_OPS.values()) for name, model in models.items()}

@@ -10,7 +10,9 @@ from llamatron.models import ModelConfig, RopeScaling, build_model, materialize
 from llamatron.models.kv_cache import KVCache
 
 # init_std 0.15, seed 1: a random tiny model whose next token depends on its context (at 0.02 it repeats one token).
-_BASE = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=96, max_seq_length=64)
+_BASE = dict(
+    family="llama", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=96, max_seq_length=64
+)
 SHAPES = {
     "llama-mha": dict(_BASE, num_kv_heads=4),
     "llama-gqa": dict(_BASE, num_kv_heads=2),

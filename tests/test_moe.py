@@ -9,7 +9,9 @@ from dist_utils import spawn
 
 from llamatron.errors import ConfigError
 from llamatron.models import build_model, get_preset, materialize
+from llamatron.models.inventory import active_params, expert_params, flops_per_token, num_params
 from llamatron.models.moe import MoE, router_losses
+from llamatron.parallel.tensor_layers import gather_vocab
 
 
 def _moe(seed: int = 0) -> MoE:
@@ -62,15 +64,15 @@ def test_router_losses_per_sequence():
 def test_moe_model_counts_its_parameters_and_active_flops():
     cfg = get_preset("mixtral-test")
     model = build_model(cfg)
-    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
     dense_mlp = 3 * cfg.hidden_size * cfg.ffn_hidden_size
     per_layer_inactive = (cfg.num_experts - cfg.experts_per_token) * dense_mlp
-    assert cfg.num_params() - cfg.active_params() == cfg.num_layers * per_layer_inactive
-    assert cfg.expert_params() == cfg.num_layers * cfg.num_experts * dense_mlp
-    keys = 6 * cfg.active_params() - 6 * cfg.vocab_size * cfg.hidden_size
-    assert cfg.flops_per_token(32) == keys + 12 * cfg.num_layers * cfg.hidden_size * 32
+    assert num_params(cfg) - active_params(cfg) == cfg.num_layers * per_layer_inactive
+    assert expert_params(cfg) == cfg.num_layers * cfg.num_experts * dense_mlp
+    keys = 6 * active_params(cfg) - 6 * cfg.vocab_size * cfg.hidden_size
+    assert flops_per_token(cfg, 32) == keys + 12 * cfg.num_layers * cfg.hidden_size * 32
     big = get_preset("mixtral-8x7b")  # Mistral AI: 46.7B parameters, 12.9B active
-    assert round(big.num_params() / 1e9, 1) == 46.7 and round(big.active_params() / 1e9, 1) == 12.9
+    assert round(num_params(big) / 1e9, 1) == 46.7 and round(active_params(big) / 1e9, 1) == 12.9
 
 
 def _skewed_dispatch(rank: int, world: int) -> None:
@@ -174,7 +176,7 @@ def _tp_logits(rank: int, world: int, checkpoint: str) -> None:
     # each rank holds its 1/tp of every expert's ffn (not a whole copy)
     assert sharded.layers["0"].mlp.experts.gate_up.shape[1] == whole.layers["0"].mlp.experts.gate_up.shape[1] // world
     with torch.no_grad():
-        assert (sharded.gather_logits_fn(sharded(ids)) - whole(ids)).abs().max() < 1e-5
+        assert (gather_vocab(sharded(ids), sharded.parallel.vocab) - whole(ids)).abs().max() < 1e-5
 
 
 def test_tensor_parallel_generation_of_a_mixture_of_experts(tmp_path):

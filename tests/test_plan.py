@@ -13,9 +13,10 @@ from llamatron.cli import main
 from llamatron.commands.plan import parse_memory
 from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.models import PRESET_NAMES, KernelChoices, apply_kernels, build_model, get_preset, materialize
-from llamatron.models.falcon import FalconBlock
+from llamatron.models.cross_entropy_op import cross_entropy_per_token
+from llamatron.models.families import family_of
+from llamatron.models.inventory import num_params
 from llamatron.models.layers import rope_cos_sin
-from llamatron.models.llama import LlamaBlock
 from llamatron.planning import activations as A
 from llamatron.planning import plan as P
 from llamatron.planning import search as S
@@ -117,7 +118,7 @@ def _eager_kernels(cfg, norms: bool, rope_swiglu: bool) -> A.LayerKernels:
 def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_swiglu):
     cfg = get_preset(name)
     torch.manual_seed(0)
-    block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).to(dtype)
+    block = family_of(cfg).block(cfg, 0).to(dtype)
     apply_kernels(block, _choices(fused_norms, fused_rope_swiglu))
     batch, seq = 2, 64
     x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
@@ -143,7 +144,7 @@ def test_model_activations_match_autograd(name, recompute, fused_norms, fused_ro
     batch, seq = 2, 64
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = _saved_bytes(lambda: model(ids, labels=ids), params)
+    measured = _saved_bytes(lambda: cross_entropy_per_token(model(ids), ids), params)
     chunk = A.chunk_activation_bytes(
         cfg,
         cfg.num_layers,
@@ -165,7 +166,7 @@ def test_model_activations_match_autograd(name, recompute, fused_norms, fused_ro
 @pytest.mark.parametrize("name", ["llama-1b", "falcon40b-test"])
 def test_compiled_layer_activations_match_autograd_on_gpu(name):
     cfg = get_preset(name)
-    block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).cuda().bfloat16()
+    block = family_of(cfg).block(cfg, 0).cuda().bfloat16()
     block.forward = torch.compile(block.forward, dynamic=False)
     batch, seq = 1, 1024
     x = torch.randn(batch, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -296,7 +297,7 @@ def test_predict_peak_memory_reads_the_run_config():
     cfg = config_from_values(values)
     out = P.predict_peak_memory(cfg, world_size=1)
     model = get_preset("llama-1b")
-    assert out["weights"] == 2 * model.num_params() and out["optimizer"] == 12 * model.num_params()
+    assert out["weights"] == 2 * num_params(model) and out["optimizer"] == 12 * num_params(model)
     parts = out["buffer_parts"]
     assert out["total"] == pytest.approx(out["allocated"] + parts["fragmentation"] + parts["runtime"])
     assert out["allocated_gib"] == pytest.approx(out["allocated"] / 2**30)
@@ -312,7 +313,7 @@ def test_predict_peak_memory_reads_the_run_config():
     sharded = P.predict_peak_memory(config_from_values({**values, "distributed_optimizer": True}), 4)
     assert sharded["optimizer"] == pytest.approx(out["optimizer"] / 4)
     cpu = P.predict_peak_memory(config_from_values({**values, "device": "cpu", "precision": "auto"}), 1)
-    assert cpu["weights"] == 4 * model.num_params()  # auto precision on CPU is fp32
+    assert cpu["weights"] == 4 * num_params(model)  # auto precision on CPU is fp32
 
 
 def test_loss_temporaries_compiled_and_eager():
@@ -372,7 +373,7 @@ def test_llama2_7b_minimum_is_two_80gb_gpus_with_tp2():
     assert any(p.layout.tp == 2 and p.layout.pp == 1 for p in two.fits)
     one = _fits("llama2-7b", 1, 80, 4096)
     assert not one.fits
-    static = 18 * get_preset("llama2-7b").num_params() / GB
+    static = 18 * num_params(get_preset("llama2-7b")) / GB
     assert f"weights+grads+optimizer alone need {static:.1f} GB" in one.explanation
     assert "at least 2 GPUs" in one.explanation
 
@@ -405,7 +406,7 @@ def test_llama2_70b_minimum_is_32_gpus_with_tp8_pp4():
     eight = _fits("llama2-70b", 8, 80, 4096)
     assert not eight.fits and "at least 32 GPUs" in eight.explanation
     needed = float(re.search(r"alone need ([0-9.]+) GB per GPU", eight.explanation).group(1))
-    assert needed == pytest.approx(18 * get_preset("llama2-70b").num_params() / 8 / GB, rel=0.02)
+    assert needed == pytest.approx(18 * num_params(get_preset("llama2-70b")) / 8 / GB, rel=0.02)
     assert "model-parallel size tp*pp = 8" in eight.explanation
 
 

@@ -13,9 +13,8 @@ from llamatron.cli import main
 from llamatron.commands.plan import format_table
 from llamatron.config.settings import config_from_values
 from llamatron.models import KernelChoices, apply_kernels, get_preset
-from llamatron.models.falcon import FalconBlock
+from llamatron.models.families import family_of
 from llamatron.models.layers import rope_cos_sin
-from llamatron.models.llama import LlamaBlock
 from llamatron.parallel import context
 from llamatron.planning import activations as A
 from llamatron.planning import plan as P
@@ -69,7 +68,7 @@ def test_context_parallel_layer_activations_match_autograd(name, cp, recompute, 
     monkeypatch.setattr(context, "gather_sequence", lambda x, group: _Replicate.apply(x, cp))
     cfg = get_preset(name)
     torch.manual_seed(0)
-    block = (FalconBlock if cfg.family == "falcon" else LlamaBlock)(cfg).to(torch.bfloat16)
+    block = family_of(cfg).block(cfg, 0).to(torch.bfloat16)
     pick = "triton" if fused else "torch"
     apply_kernels(block, KernelChoices(rope=pick, swiglu=pick))
     block.attn.core = context.ContextParallelCore(block.attn.core, None, cp)  # as apply_context_parallel does

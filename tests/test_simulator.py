@@ -9,6 +9,7 @@ import pytest
 from llamatron.cli import main
 from llamatron.errors import ConfigError
 from llamatron.models import get_preset
+from llamatron.models.inventory import active_params, flops_per_token, num_params
 from llamatron.planning.plan import Layout, Precision
 from llamatron.planning.simulator.costs import Shape
 from llamatron.planning.simulator.evaluate import SimSettings, simulate_layout
@@ -95,7 +96,7 @@ def test_mfu_is_the_flops_contract_on_the_gpus_datasheet_peak():
     r = simulate_layout(
         MODEL, Layout(1, 1, 1, 1, False, False, "none", 8, 8), 4096, resolve_hardware("a100-80gb")
     ).result
-    assert r.mfu == pytest.approx(r.tokens_per_sec_per_gpu * MODEL.flops_per_token(4096) / 312e12)
+    assert r.mfu == pytest.approx(r.tokens_per_sec_per_gpu * flops_per_token(MODEL, 4096) / 312e12)
     h100 = simulate_layout(MODEL, Layout(1, 1, 1, 1, False, False, "none", 8, 8), 4096, resolve_hardware("h100-sxm"))
     assert h100.result.tokens_per_sec_per_gpu > 2 * r.tokens_per_sec_per_gpu
 
@@ -150,8 +151,8 @@ def test_plan_of_a_mixture_of_experts_shows_active_parameters_expert_memory_and_
     got = {ep: plan_json([*base, "--ep", str(ep)], capsys) for ep in (1, 4, 8)}
     sim = got[8]["simulation"]
     model = get_preset("mixtral-8x7b")
-    assert sim["parameters"] == model.num_params() > 3 * sim["active_parameters"] == 3 * model.active_params()
-    assert sim["mfu"] == pytest.approx(sim["tokens_per_sec_per_gpu"] * model.flops_per_token(4096) / 989.4e12)
+    assert sim["parameters"] == num_params(model) > 3 * sim["active_parameters"] == 3 * active_params(model)
+    assert sim["mfu"] == pytest.approx(sim["tokens_per_sec_per_gpu"] * flops_per_token(model, 4096) / 989.4e12)
     moe4, moe8 = got[4]["simulation"]["moe"], sim["moe"]
     assert moe8["experts_per_rank"] == 1 and moe8["expert_weights_gb_per_rank"] == pytest.approx(
         moe4["expert_weights_gb_per_rank"] / 2

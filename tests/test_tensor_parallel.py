@@ -22,6 +22,8 @@ from torch import nn
 from llamatron.config.settings import ConfigError, config_from_values, validate
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
+from llamatron.models.inventory import num_params
+from llamatron.models.transformer import VocabShard
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.tensor import (
     apply_tensor_parallel,
@@ -36,10 +38,10 @@ from llamatron.parallel.tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardLayout,
-    VocabParallelArgmax,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     contiguous_layout,
+    vocab_argmax,
 )
 
 ATOL = 1e-5
@@ -184,7 +186,8 @@ def _check_cross_entropy_and_argmax(vocab: int, group) -> None:
     (ref * weights.flatten()).sum().backward()
     # Padding logits made large: a loss that did not exclude them would differ.
     local = _local_logits(logits.detach(), layout, 50.0).requires_grad_()
-    loss = VocabParallelCrossEntropy(start, num_real, group)(local, labels)
+    shard = VocabShard(start, num_real, vocab, group)
+    loss = VocabParallelCrossEntropy(shard)(local, labels)
     _close(loss.flatten(), ref.detach(), "vocab-parallel cross-entropy")
     (loss * weights).sum().backward()
     _close(
@@ -195,7 +198,7 @@ def _check_cross_entropy_and_argmax(vocab: int, group) -> None:
     assert local.grad[..., num_real:].abs().sum() == 0, "padding logits got a gradient"
     scores = torch.randn(2, 8, vocab)
     scores[0, :, 0] = scores[0, :, vocab - 1] = 10.0  # a tie across ranks: the lowest id wins, like argmax
-    predicted = VocabParallelArgmax(start, num_real, group)(_local_logits(scores, layout, 1e4))
+    predicted = vocab_argmax(_local_logits(scores, layout, 1e4), shard)
     assert torch.equal(predicted, scores.argmax(-1)), "vocab-parallel argmax"
 
 
@@ -265,7 +268,7 @@ def test_llama2_70b_under_tp8_stays_on_meta_and_one_shard_materializes():
     for name in params:
         assert specs[name].full_shape == full_params[name].shape
     local = sum(p.numel() for p in params.values())
-    assert local < 1.01 * cfg.num_params() / 8 + sum(p.numel() for n, p in params.items() if "norm" in n)
+    assert local < 1.01 * num_params(cfg) / 8 + sum(p.numel() for n, p in params.items() if "norm" in n)
     # One shard materializes from the full tensor's slice; the rest of the model stays on meta.
     o = model.layers["0"].attn.o
     materialize(o, cfg, seed=3, device="cpu", dtype=torch.float32, specs={"weight": specs["layers.0.attn.o.weight"]})

@@ -12,8 +12,9 @@ from typing import Any
 
 from ..data.tokenizer import load_tokenizer
 from ..errors import DataError, HFConversionError
+from ..models.families import model_problems
 from .hf import config_from_hf
-from .meta_llama import is_meta_checkpoint
+from .meta_consolidated import is_meta_checkpoint
 
 # The JSON files import-hf and verify read from a Hugging Face (or Meta) directory.
 _JSON_FILES = (
@@ -69,6 +70,6 @@ def _check_hf_config(path: Path, hf: dict) -> None:
         raise HFConversionError(f"{path} has no {e.args[0]!r}, which the conversion needs; re-download it") from None
     except (TypeError, ValueError) as e:  # e.g. a string where a number belongs, met by the conversion's arithmetic
         raise HFConversionError(f"{path} holds a value of the wrong type ({e}); re-download it") from None
-    problems = cfg.problems()
+    problems = model_problems(cfg)
     if problems:
         raise HFConversionError(f"{path} describes a model llamatron cannot build: {'; '.join(problems)}")

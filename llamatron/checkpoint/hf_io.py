@@ -27,7 +27,7 @@ from ..models import ModelConfig, build_model
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
-from .meta_llama import MetaLlamaSource, is_meta_checkpoint
+from .meta_consolidated import MetaSource, is_meta_checkpoint
 from .reader import META_FILE, MODEL_FILE, inside, open_weights, read_meta, resolve_checkpoint
 from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
@@ -45,13 +45,13 @@ TOKENIZER_FILES = (
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | MetaLlamaSource, str]:
+def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | MetaSource, str]:
     """The config, the lazily read weights and the format name of a Hugging Face (or Meta) directory."""
     d = Path(hf_dir)
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory")
     if is_meta_checkpoint(d):
-        source = MetaLlamaSource(d)
+        source = MetaSource(d)
         return source.hf_config, source, "meta-consolidated"
     config_file = d / "config.json"
     if not config_file.is_file():

@@ -1,7 +1,9 @@
-"""Megatron-LM checkpoints (legacy layout) read as a Hugging Face Llama, for `llamatron import-megatron`.
+"""Megatron-LM checkpoints (legacy layout) read as a Hugging Face model, for `llamatron import-megatron`.
 
 `MegatronSource` presents the weights of every tensor-parallel rank and pipeline stage under Hugging Face
-names, so the import goes through the same rules and writer as import-hf. Undone here:
+names, so the import goes through the same rules and writer as import-hf. What the run's args must say, the
+config.json they describe and the Hugging Face names come from the family that has a Megatron format
+(models/families/llama/foreign.py). Undone here:
 - tensor parallelism: column-parallel weights (fused QKV, fc1, the vocabulary-parallel embedding and output
   layer) are split by rows, row-parallel ones (attention output, fc2) by columns; norms are replicated.
 - pipeline parallelism: each stage numbers its layers from 0; stages (and virtual stages: "model0",
@@ -28,10 +30,12 @@ import torch
 
 from ..errors import CheckpointError
 from ..models import ModelConfig
+from ..models.families import megatron_format
+from ..models.family import MegatronFormat
 from .hf import config_to_hf
 from .hf_io import special_token_ids, write_imported
-from .megatron_files import MegatronEnum, ShardGrid, find_shards, flat_tensors, iteration_dir, load_megatron_file
-from .meta_llama import pairs_to_halves
+from .megatron_files import ShardGrid, find_shards, flat_tensors, iteration_dir, load_megatron_file
+from .meta_consolidated import pairs_to_halves
 
 _LAYER = re.compile(r"(?:language_model\.(?:encoder|transformer)\.|decoder\.)layers\.(\d+)\.(.+)")
 # Megatron's name within a layer (legacy, Megatron-LLM, megatron-core) -> part
@@ -101,69 +105,11 @@ def layout_of(args: Any) -> Layout:
     return Layout("megatron-lm", rotary_pairs=bool(_arg(args, "rotary_interleaved")))
 
 
-def _is_rotary(args: Any) -> bool:
-    kind = _arg(args, "position_embedding_type")
-    if isinstance(kind, MegatronEnum):  # Megatron-LLM's PositionEmbeddingType: rotary = 1
-        return kind.value == 1
-    return kind in ("rope", "rotary") or bool(_arg(args, "use_rotary_position_embeddings"))
-
-
-def args_problems(args: Any) -> list[str]:
-    """What in a run's args llamatron's Llama cannot be: each names the Megatron flag."""
-    problems = []
-    if not (_arg(args, "swiglu") or _arg(args, "glu_activation") == "swiglu"):
-        problems.append("the MLP is not SwiGLU (no --swiglu / --glu_activation swiglu)")
-    if _arg(args, "normalization", default="RMSNorm") != "RMSNorm" or _arg(args, "use_rms_norm") is False:
-        problems.append(f"--normalization {_arg(args, 'normalization', default='LayerNorm')}: Llama uses RMSNorm")
-    if not _is_rotary(args):
-        problems.append(f"position embeddings {_arg(args, 'position_embedding_type')!r}: Llama uses rotary ones")
-    if float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
-        problems.append(f"--rotary-percent {_arg(args, 'rotary_percent')}: llamatron rotates the whole head")
-    if _arg(args, "parallel_attn"):
-        problems.append("--parallel_attn (Falcon's parallel block)")
-    if _arg(args, "num_experts"):
-        problems.append(f"--num-experts {_arg(args, 'num_experts')} (mixture of experts)")
-    return problems
-
-
-def hf_config_from_args(args: Any, vocab: int) -> dict[str, Any]:
-    """The Hugging Face config.json of the Llama a Megatron run's args describe (`vocab`: rows kept)."""
-    heads = int(_arg(args, "num_attention_heads"))
-    if _arg(args, "num_attention_heads_kv") is not None:  # Megatron-LLM
-        kv = int(_arg(args, "num_attention_heads_kv"))
-    else:
-        kv = int(_arg(args, "num_query_groups", default=heads)) if _arg(args, "group_query_attention") else heads
-    hidden = int(_arg(args, "hidden_size"))
-    hf: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": int(_arg(args, "ffn_hidden_size", default=4 * hidden)),
-        "num_hidden_layers": int(_arg(args, "num_layers", "encoder_num_layers")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": int(_arg(args, "kv_channels", default=hidden // heads)),
-        "hidden_act": "silu",
-        "rms_norm_eps": float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
-        "rope_theta": float(_arg(args, "rotary_base", "rope_theta", default=10000.0)),
-        "max_position_embeddings": int(_arg(args, "max_position_embeddings", "seq_length", default=4096)),
-        "tie_word_embeddings": False,
-    }
-    linear = _arg(args, "rotary_seq_len_interpolation_factor") or (
-        _arg(args, "rope_scaling_factor") if layout_of(args).flavour == "megatron-llm" else None
-    )
-    if _arg(args, "use_rope_scaling"):  # megatron-core's Llama 3.1 scaling: its fixed constants
-        hf["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": float(_arg(args, "rope_scaling_factor", default=8.0)),
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-    elif linear and float(linear) != 1.0:  # positions divided by the factor
-        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(linear)}
-    return hf
+def _format() -> MegatronFormat:
+    fmt = megatron_format()
+    if fmt is None:
+        raise CheckpointError("no model family here reads Megatron-LM checkpoints")
+    return fmt
 
 
 class MegatronSource:
@@ -172,6 +118,7 @@ class MegatronSource:
 
     def __init__(self, load: str | Path, iteration: int | None, model: ModelConfig | None, vocab_size: int | None):
         load = Path(load)
+        self.format = fmt = _format()
         grid = find_shards(iteration_dir(load, iteration))
         shards = {key: load_megatron_file(path) for key, path in grid.files.items()}
         args = shards[(0, 0)].get("args")
@@ -196,13 +143,14 @@ class MegatronSource:
         self.vocab, self.padded_vocab = int(vocab), padded
         if args is not None:
             try:
-                self.hf_config = hf_config_from_args(args, self.vocab)
+                self.hf_config = fmt.hf_config(args, self.vocab, self.layout.flavour)
             except (TypeError, ValueError) as e:  # a size missing (None) or not a number
                 raise CheckpointError(f"{grid.path(0, 0)}: its args do not give the model's sizes ({e})") from None
         else:
             assert model is not None
             self.hf_config = config_to_hf(model, vocab_size=self.vocab)
         self.hf_config["tie_word_embeddings"] = "head" not in self._globals
+        self._hf_globals = {name: part for part, name in fmt.hf_global_names.items()}
         untied = _arg(args, "untie_embeddings_and_output_weights") or _arg(args, "tie_embed_logits") is False
         if untied and "head" not in self._globals:
             raise CheckpointError(f"{grid.path(0, 0)}: the args untie the output layer, but no shard holds it")
@@ -253,11 +201,9 @@ class MegatronSource:
     # ---------------------------------------------------------------- the source protocol (hf_io)
 
     def keys(self) -> set[str]:
-        names = {"model.embed_tokens.weight", "model.norm.weight"} | (
-            {"lm_head.weight"} if "head" in self._globals else set()
-        )
+        names = {name for name, part in self._hf_globals.items() if part in self._globals}
         for g in range(len(self._layers)):
-            names |= {f"model.layers.{g}.{n}" for n in _HF_LAYER_NAMES}
+            names |= {f"model.layers.{g}.{n}" for n in self.format.hf_layer_names}
         return names
 
     def meta(self, name: str) -> torch.Tensor:
@@ -265,16 +211,16 @@ class MegatronSource:
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def get(self, name: str, meta: bool = False) -> torch.Tensor:
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            part = "embed" if name.startswith("model.") else "head"
+        part = self._hf_globals.get(name)
+        if part in ("embed", "head"):
             pieces = self._globals[part]
             if part == "head" and all(p.shape[0] == self.padded_vocab for p in pieces):
                 return pieces[0][: self.vocab]  # Megatron-LLaMA's causal_lm head: every rank holds all of it
             return _cat(pieces, 0, meta)[: self.vocab]
-        if name == "model.norm.weight":
+        if part == "final_norm":
             return self._globals["final_norm"][0]
         g, rest = int(name.split(".")[2]), name.split(".", 3)[3]
-        kind, index = _HF_LAYER_NAMES[rest]
+        kind, index = self.format.hf_layer_names[rest]
         layer = self._layers[g]
         if kind in ("attn_norm", "mlp_norm"):
             return layer[kind][0]
@@ -314,20 +260,6 @@ class MegatronSource:
         halves = [p.chunk(2, dim=0) for p in pieces]  # each tensor rank's own two halves
         first, second = _cat([h[0] for h in halves], 0, meta), _cat([h[1] for h in halves], 0, meta)
         return (second, first) if self.layout.up_first else (first, second)
-
-
-# Hugging Face name within layer g -> (part, index among the part's outputs)
-_HF_LAYER_NAMES: dict[str, tuple[str, int]] = {
-    "input_layernorm.weight": ("attn_norm", 0),
-    "self_attn.q_proj.weight": ("qkv", 0),
-    "self_attn.k_proj.weight": ("qkv", 1),
-    "self_attn.v_proj.weight": ("qkv", 2),
-    "self_attn.o_proj.weight": ("proj", 0),
-    "post_attention_layernorm.weight": ("mlp_norm", 0),
-    "mlp.gate_proj.weight": ("fc1", 0),
-    "mlp.up_proj.weight": ("fc1", 1),
-    "mlp.down_proj.weight": ("fc2", 0),
-}
 
 
 def _cat(pieces: list[torch.Tensor], dim: int, meta: bool) -> torch.Tensor:
@@ -379,7 +311,7 @@ def _classify(model: Any, where: Path) -> tuple[dict[int, dict[str, torch.Tensor
 
 
 def _check_args(args: Any, grid: ShardGrid) -> None:
-    problems = args_problems(args)
+    problems = _format().args_problems(args)
     for name, have in (("tensor_model_parallel_size", grid.tp), ("pipeline_model_parallel_size", grid.pp)):
         said = _arg(args, name)
         if said is not None and int(said) != have:
@@ -411,4 +343,4 @@ def import_megatron(
     return step_dir, source
 
 
-__all__ = ["Layout", "MegatronSource", "import_megatron", "args_problems", "hf_config_from_args", "layout_of"]
+__all__ = ["Layout", "MegatronSource", "import_megatron", "layout_of"]

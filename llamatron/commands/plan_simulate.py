@@ -9,6 +9,7 @@ from typing import Any
 from ..config.ranges import at_least, number_arg
 from ..errors import ConfigError
 from ..models import ModelConfig
+from ..models.inventory import active_params, num_params
 from ..planning.plan import Plan, Precision
 from ..planning.simulator.evaluate import SimSettings, Simulation, simulate_layout
 from ..planning.simulator.hardware import Hardware, resolve_hardware
@@ -88,8 +89,8 @@ def print_extras(args: argparse.Namespace, sim: Simulation) -> None:
     if sim.model.is_moe:
         moe = sim.to_dict()["moe"]
         print(
-            f"\nmixture of experts: {sim.model.num_params() / 1e9:.1f}B parameters, "
-            f"{sim.model.active_params() / 1e9:.1f}B active per token (FLOPs and MFU count these); "
+            f"\nmixture of experts: {num_params(sim.model) / 1e9:.1f}B parameters, "
+            f"{active_params(sim.model) / 1e9:.1f}B active per token (FLOPs and MFU count these); "
             f"{moe['experts_per_rank']} experts per rank ({moe['expert_weights_gb_per_rank']:.1f} GB of expert "
             f"weights), all-to-all {moe['all_to_all_gb_per_rank_and_step']:.1f} GB per rank and step "
             f"({moe['all_to_all_seconds_exposed'] * 1e3:,.0f} ms exposed)"

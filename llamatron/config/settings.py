@@ -22,7 +22,7 @@ from ..data.cache import KEEP_PER_KIND
 from ..data.samples import data_settings_problems
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
-from ..models.presets import PRESET_NAMES
+from ..models.families import DEFAULT_PRESET, PRESET_NAMES, model_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
 from ..parallel.mesh import mesh_problems
@@ -139,7 +139,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    model: str = _f("llama-tiny", f"model preset ({', '.join(PRESET_NAMES)})")
+    model: str = _f(DEFAULT_PRESET, f"model preset ({', '.join(PRESET_NAMES)})")
     micro_batch_size: int = _f(4, "samples per forward/backward on one rank", allowed=at_least(1))
     global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks", allowed=at_least(1))
     train_steps: int = _f(100, "optimizer steps", allowed=at_least(0))
@@ -258,12 +258,10 @@ class RunConfig:
             cfg = get_preset(self.train.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for key, value in self.model_overrides.items():
+        for key in self.model_overrides:
             if key not in {f.name for f in fields(cfg)}:  # not hasattr: a property or method is no field
                 raise ConfigError(f"model_overrides: unknown model field {key!r}")
-            setattr(cfg, key, value)
-        cfg.__post_init__()
-        return cfg
+        return cfg.with_changes(self.model_overrides) if self.model_overrides else cfg
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -571,7 +569,7 @@ def validate(
     _raise_if(range_problems(cfg))
     model = model or cfg.model_config()
     _raise_if(
-        model.problems(),
+        model_problems(model),
         "the model's shape cannot be trained: ",
         " (fix the YAML model_overrides, or the checkpoint's model config)",
     )

@@ -72,13 +72,3 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
 
 def to_device(micro_batches: list[dict], device: torch.device) -> list[dict]:
     return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-
-
-def model_kwargs(mb: dict[str, torch.Tensor], with_labels: bool) -> dict[str, torch.Tensor | None]:
-    """The model's keyword inputs for micro-batch `mb` (its first input, token ids or a pipeline stage's hidden
-    states, is positional): rotary positions and document masks, which every pipeline stage reads from its own
-    copy of the micro-batch, and with_labels the labels, for the per-token loss instead of logits."""
-    kwargs = {"position_ids": mb.get("position_ids"), "document_ids": mb.get("document_ids")}
-    if with_labels:
-        kwargs["labels"] = mb["labels"]
-    return kwargs

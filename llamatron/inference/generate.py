@@ -25,6 +25,7 @@ from ..parallel.expert import apply_expert_parallel
 from ..parallel.mesh import Mesh
 from ..parallel.param_spec import param_specs
 from ..parallel.tensor import apply_tensor_parallel
+from ..parallel.tensor_layers import gather_vocab
 
 
 class StopStrings:
@@ -58,8 +59,7 @@ def next_token_logits(model: Transformer, ids: list[int], cache: KVCache | None)
             cache.reset()
     device = next(model.parameters()).device
     logits = model(torch.tensor([inputs], dtype=torch.long, device=device), cache=cache)[0, -1]
-    gather = getattr(model, "gather_logits_fn", None)  # tensor parallelism: each rank holds a vocabulary shard
-    return (gather(logits) if gather is not None else logits).float()
+    return gather_vocab(logits, model.parallel.vocab).float()  # tensor parallelism: each rank holds a shard
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> int:

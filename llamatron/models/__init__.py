@@ -1,7 +1,7 @@
 from .config import ModelConfig, RopeScaling
+from .families import PRESET_NAMES, get_preset
 from .init import materialize
 from .kernels import KernelChoices, apply_kernels
-from .presets import PRESET_NAMES, get_preset
 from .transformer import IGNORE_INDEX, Transformer, build_model
 
 __all__ = [

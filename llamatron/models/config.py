@@ -27,7 +27,13 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    family: str = "llama"  # "llama" (Llama 1/2/3, Code Llama, Mistral) or "falcon"
+    """One architecture: its family (a plug-in of models/families/, which builds its layers, converts its Hugging
+    Face files and says which of the options below it has) and its shape.
+
+    The fields after `init_std` are options of the shared building blocks (models/layers.py, blocks.py, moe.py); a
+    family lists the ones it uses (`Family.options`), and the others must keep their defaults."""
+
+    family: str  # a name in models/families/ (registry: models/families/__init__.py)
     vocab_size: int = 32000
     hidden_size: int = 4096
     num_layers: int = 32
@@ -40,12 +46,16 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    sliding_window: int | None = None  # Mistral: attend to at most this many past tokens
-    # Falcon only (attention and MLP always run in parallel from one residual)
-    separate_mlp_norm: bool = False  # Falcon 40B/180B: ln_attn and ln_mlp; 7B: one input_layernorm
-    bias: bool = False  # biases on the linear layers
     init_std: float = 0.02
-    # Mixture of experts (Mixtral; models/moe.py): 0 for a dense MLP, else each layer's MLP is this many SwiGLU
+    # Options (each family lists those it has in Family.options)
+    # The width of each attention head; None: hidden_size / num_heads (__post_init__ sets it). Qwen3 gives it.
+    head_dim: int = None  # type: ignore[assignment]
+    sliding_window: int | None = None  # attend to at most this many past tokens (Mistral)
+    bias: bool = False  # biases on every linear layer
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotary embedding (Qwen3)
+    separate_mlp_norm: bool = False  # a parallel block's second norm for the MLP (Falcon 40B/180B)
+    # Mixture of experts (models/moe.py): 0 for a dense MLP, else each layer's MLP is this many SwiGLU
     # experts of ffn_hidden_size, of which a router picks experts_per_token for each token
     num_experts: int = 0
     experts_per_token: int = 2
@@ -55,6 +65,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if (
+            self.head_dim is None
+            and isinstance(self.hidden_size, int)
+            and isinstance(self.num_heads, int)
+            and self.num_heads > 0
+        ):
+            self.head_dim = self.hidden_size // self.num_heads
         if isinstance(self.rope_scaling, dict) and _rope_scaling_keys_problem(self.rope_scaling) is None:
             self.rope_scaling = RopeScaling(**self.rope_scaling)  # else it stays a dict: problems() says why
 
@@ -80,19 +97,23 @@ class ModelConfig:
                 "num_layers",
                 "num_heads",
                 "num_kv_heads",
+                "head_dim",
                 "ffn_hidden_size",
                 "max_seq_length",
             )
             if not getattr(self, name) >= 1
         ]
-        if self.family not in ("llama", "falcon"):
-            out.append(f"family {self.family!r} must be llama or falcon")
         if out:
             return out
-        if self.hidden_size % self.num_heads:
-            out.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        elif self.head_dim % 2:
-            out.append(f"head dim {self.head_dim} (hidden_size / num_heads) must be even: RoPE rotates pairs")
+        if self.head_dim % 2:
+            given = "head_dim" if self.head_dim != self.hidden_size // self.num_heads else "head dim"
+            why = "" if given == "head_dim" else " (hidden_size / num_heads)"
+            out.append(f"{given} {self.head_dim}{why} must be even: RoPE rotates pairs")
+        if self.hidden_size % self.num_heads and self.head_dim == self.hidden_size // self.num_heads:
+            out.append(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; change them, or "
+                "give head_dim"
+            )
         if self.num_heads % self.num_kv_heads:
             out.append(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
         if self.sliding_window is not None and not self.sliding_window >= 1:
@@ -117,8 +138,6 @@ class ModelConfig:
             out.append(f"num_experts {self.num_experts} must be >= 0 (0: a dense MLP)")
         elif not 1 <= self.experts_per_token <= self.num_experts:
             out.append(f"experts_per_token {self.experts_per_token} must be in 1..num_experts ({self.num_experts})")
-        if self.family != "llama":
-            out.append(f"num_experts {self.num_experts}: experts are for the llama family (Mixtral), not {self.family}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if not getattr(self, name) >= 0:
                 out.append(f"{name} {getattr(self, name)} must be >= 0")
@@ -129,8 +148,9 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def attention_width(self) -> int:
+        """num_heads x head_dim: the queries' width (hidden_size unless head_dim is given otherwise)."""
+        return self.num_heads * self.head_dim
 
     def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
         """Why `seq_length` is no length to train or plan this model at (empty when it is): a sanity bound of 64×
@@ -146,59 +166,41 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def changed_options(self) -> list[str]:
+        """The options (the fields after init_std) not at their defaults: what a family must have to build this."""
+        names = [f.name for f in fields(self)]
+        out = []
+        for f in fields(self)[names.index("init_std") + 1 :]:
+            value = getattr(self, f.name)
+            if f.name == "head_dim":
+                if value != self.hidden_size // max(self.num_heads, 1):
+                    out.append(f.name)
+            elif f.name in ("experts_per_token", "router_aux_loss_coef", "router_z_loss_coef"):
+                if self.num_experts and value != f.default:
+                    out.append(f.name)
+            elif value != f.default:
+                out.append(f.name)
+        return out
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
+        if "family" not in d:
+            raise ValueError("a model config needs its family (models/families/)")
         return cls(**d)
 
-    def num_params(self) -> int:
-        """All parameters, embeddings included (a tied table once); every expert of a mixture of experts."""
-        return self._params(self.num_experts)
-
-    def active_params(self) -> int:
-        """The parameters one token is computed with: num_params with experts_per_token experts per layer (the
-        router included). Equal to num_params for a dense model."""
-        return self._params(self.experts_per_token if self.is_moe else 0)
-
-    def expert_params(self) -> int:
-        """The parameters of all experts of all layers (0 for a dense model): what expert parallelism splits."""
-        return self.num_layers * self.num_experts * 3 * self.hidden_size * self.ffn_hidden_size
-
-    def _params(self, experts: int) -> int:
-        h, d = self.hidden_size, self.head_dim
-        kv = self.num_kv_heads * d
-        attn = h * (h + 2 * kv) + h * h
-        if self.family == "falcon":
-            mlp = 2 * h * self.ffn_hidden_size
-            norms = (4 if self.separate_mlp_norm else 2) * h
-        else:
-            mlp = 3 * h * self.ffn_hidden_size
-            if experts:  # each expert a SwiGLU; the router a (num_experts, h) matrix
-                mlp = experts * mlp + self.num_experts * h
-            norms = 2 * h
-        bias = (h + 2 * kv + h + (self.ffn_hidden_size * (1 if self.family == "falcon" else 2)) + h) if self.bias else 0
-        per_layer = attn + mlp + norms + bias
-        final_norm = h * (2 if self.family == "falcon" else 1)
-        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + final_norm + embed
-
-    def input_embedding_params(self) -> int:
-        """The parameters of an input-embedding table of its own (untied): a lookup, no matmul, so no FLOPs. A
-        tied table is the output head's weight too, and its matmul counts: 0 then."""
-        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
-
-    def flops_per_token(self, seq_length: int) -> float:
-        """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
-        6·(N - input-embedding params) + 12·L·h·S, as PaLM and torchtitan count them (docs/design.md). S is the
-        keys a query attends to: the sequence length, or the sliding window when it is shorter (else windowed
-        models report MFU above 100%). N of a mixture of experts is its active parameters (experts_per_token
-        experts per layer, as Megatron-core and torchtitan count MoE FLOPs)."""
-        keys = min(seq_length, self.sliding_window) if self.sliding_window is not None else seq_length
-        matmul_params = self.active_params() - self.input_embedding_params()
-        return 6.0 * matmul_params + 12.0 * self.num_layers * self.hidden_size * keys
+    def with_changes(self, changes: dict[str, Any]) -> ModelConfig:
+        """This config with `changes` to its fields (YAML model_overrides); a head_dim that followed hidden_size /
+        num_heads follows their new values unless `changes` gives it."""
+        d = self.to_dict()
+        derived = self.head_dim == self.hidden_size // max(self.num_heads, 1)
+        d.update(changes)
+        if derived and "head_dim" not in changes:
+            d["head_dim"] = None
+        return ModelConfig(**d)
 
 
 def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:

@@ -34,7 +34,8 @@ def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor, backend:
 
 @dataclass(frozen=True)
 class CrossEntropy:
-    """A Transformer's `loss_fn`, holding the model's choice of kernels (models/kernels.py sets it)."""
+    """The per-token loss of one device, holding the run's choice of kernels (the language-model objective's, where
+    tensor parallelism does not split the vocabulary)."""
 
     backend: str = "auto"
 

@@ -14,11 +14,9 @@ from torch import nn
 
 from ..triton_check import TRITON_SETTINGS
 from .attention import ATTENTION_BACKENDS
-from .cross_entropy_op import CrossEntropy
+from .blocks import SwiGLU
 from .layers import Attention, RMSNorm
-from .llama import SwiGLU
 from .moe import Experts
-from .transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -47,8 +45,8 @@ class KernelChoices:
 
 
 def apply_kernels(model: nn.Module, choices: KernelChoices) -> None:
-    """Set the choice of every layer in `model` (a Transformer, a pipeline chunk or one block). Call it before
-    apply_compile, which wraps the loss."""
+    """Set the choice of every layer in `model` (a Transformer, a pipeline chunk or one block). The loss's
+    (`cross_entropy`) is the objective's to read (objectives/language_model.py)."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.backend = choices.rmsnorm
@@ -58,5 +56,3 @@ def apply_kernels(model: nn.Module, choices: KernelChoices) -> None:
             module.backend = choices.swiglu
         elif isinstance(module, Experts):
             module.swiglu_backend = choices.swiglu
-    if isinstance(model, Transformer) and isinstance(model.loss_fn, CrossEntropy):  # TP's loss has no kernels
-        model.loss_fn = CrossEntropy(choices.cross_entropy)

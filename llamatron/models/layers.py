@@ -99,8 +99,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]."""
+    """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]; optionally an RMSNorm over
+    each query and key head before the rotary embedding (`cfg.qk_norm`, Qwen3)."""
 
+    # How tensor parallelism splits it (parallel/tensor.py): the heads over the ranks. The q/k norms' weights are
+    # whole on every rank, each of which uses them on its own heads: their gradients are partial sums.
+    tp_plan = {"qkv": "qkv", "o": "row", "q_norm": "replicated_partial", "k_norm": "replicated_partial"}
     core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
 
     def __init__(self, cfg: ModelConfig):
@@ -109,8 +113,10 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias or cfg.qkv_bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
         # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
         self.backend = "auto"
@@ -130,15 +136,16 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
         batch, seq, _ = qkv.shape  # sequence parallelism: x is a sequence shard, qkv the whole sequence
-        if triton_check.kernels_on(self.rope_backend, qkv) and rope_op.supports_head_dim(d):
+        fused = self.q_norm is None and rope_op.supports_head_dim(d)  # the kernel has no norm between split and rotary
+        if fused and triton_check.kernels_on(self.rope_backend, qkv):
             # one kernel: split, rotate, (batch, seq, heads, dim) outputs
             q, k, v = rope_op.qkv_rope_op(qkv, cos, sin, self.num_heads, self.num_kv_heads)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(batch, seq, -1, d).transpose(1, 2)
-            k = k.view(batch, seq, -1, d).transpose(1, 2)
-            v = v.view(batch, seq, -1, d).transpose(1, 2)
+            q, k, v = (t.view(batch, seq, -1, d) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)

@@ -5,11 +5,16 @@ stages (the input is then a hidden state), no `norm`/head on earlier ones (the
 output is then a hidden state), and a subset of `layers`. Layers are keyed by
 their index in the whole model, so a stage's parameter names are the whole
 model's (`layers.5.attn.qkv.weight` on whichever stage holds layer 5).
+
+The model computes logits and knows no loss: what a step minimises is an objective's (llamatron/objectives/).
+What parallelism changed about a model is declared in one field, `parallel` (a ParallelContext with
+single-device defaults), which the functions of parallel/ set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -18,25 +23,55 @@ from torch import nn
 
 from .attention import attention_mask, load_balanced_index
 from .config import ModelConfig
-from .cross_entropy_op import IGNORE_INDEX, CrossEntropy, cross_entropy_per_token
-from .falcon import FalconBlock
+from .cross_entropy_op import IGNORE_INDEX
+from .families import family_of
 from .kv_cache import KVCache
-from .layers import RMSNorm, rope_cos_sin
-from .llama import LlamaBlock
+from .layers import rope_cos_sin
 
-__all__ = ["IGNORE_INDEX", "CrossEntropy", "Transformer", "build_model", "cross_entropy_per_token"]
+__all__ = ["IGNORE_INDEX", "ParallelContext", "Transformer", "VocabShard", "batch_inputs", "build_model"]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of the embedding and head under tensor parallelism: ids [start, start + num_real) of the
+    real vocabulary (`vocab_size` ids), padding after them; `group` is the tensor-parallel group."""
+
+    start: int
+    num_real: int
+    vocab_size: int
+    group: Any
+
+
+@dataclass
+class ParallelContext:
+    """What parallelism changed about a model (chunk): single-device defaults, set by parallel/."""
+
+    # Sequence parallelism (parallel/tensor.py): hidden states between layers are split along the sequence.
+    sequence_shards: int = 1
+    # Context parallelism (parallel/context.py): (cp size, cp rank); this rank holds the tokens
+    # load_balanced_index names, and its attention sees the whole sequence's keys.
+    context: tuple[int, int] = (1, 0)
+    # Pipeline stages holding a tied embedding's two copies sum their gradients over this group
+    # (parallel/pipeline.py; None: no copy on another stage).
+    tied_embedding_group: Any = None
+    # Tensor parallelism's split of the vocabulary (None: the logits hold the whole vocabulary).
+    vocab: VocabShard | None = field(default=None)
+
+
+def batch_inputs(mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """The model's keyword inputs in micro-batch `mb` (its first input, token ids or a pipeline stage's hidden
+    states, is positional): rotary positions and document masks, which every pipeline stage reads from its own
+    copy of the micro-batch."""
+    return {"position_ids": mb.get("position_ids"), "document_ids": mb.get("document_ids")}
 
 
 class Transformer(nn.Module):
-    # (logits, labels) -> fp32 loss per token; tensor parallelism installs its vocabulary-parallel one
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
     def __init__(self, cfg: ModelConfig, layers: Sequence[int] | None = None, embed: bool = True, head: bool = True):
         """The whole model, or a pipeline stage: decoder layers `layers` (default: all), the embedding if
         `embed`, the final norm and output head if `head`."""
         super().__init__()
         self.cfg = cfg
-        block = FalconBlock if cfg.family == "falcon" else LlamaBlock
+        family = family_of(cfg)  # its layers and final norm
         # Weights come from models/init.py; passing _weight skips nn.Embedding's own init (slow to import).
         self.embed: nn.Module | None = None
         if embed:
@@ -44,13 +79,8 @@ class Transformer(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
             )
         ids = range(cfg.num_layers) if layers is None else layers
-        self.layers = nn.ModuleDict({str(i): block(cfg) for i in ids})
-        norm = (
-            nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-            if cfg.family == "falcon"
-            else RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        )
-        self.norm: nn.Module | None = norm if head else None
+        self.layers = nn.ModuleDict({str(i): family.block(cfg, i) for i in ids})
+        self.norm: nn.Module | None = family.final_norm(cfg) if head else None
         # Tied embeddings: the embedding is the head; a last pipeline stage without the embedding holds a copy of
         # it as its head (parallel/pipeline.py: its spec names it embed.weight, their gradients are summed).
         separate_head = head and not (cfg.tie_embeddings and embed)
@@ -59,16 +89,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # The head's matmul (x, weight) -> logits; --fp8-head installs an FP8 one (fp8.apply_fp8).
         self.head_matmul: Callable[..., torch.Tensor] = F.linear
-        # Swappable so tensor parallelism can install a vocabulary-parallel loss.
-        self.loss_fn = CrossEntropy()
-        # Sequence parallelism splits hidden states along the sequence into this many shards.
-        self.seq_shards = 1
-        # Context parallelism (parallel/context.py): (cp size, cp rank); this rank holds the tokens
-        # load_balanced_index names, and its attention sees the whole sequence's keys.
-        self.context = (1, 0)
-        # Pipeline stages holding a tied embedding's two copies sum their gradients over this group
-        # (parallel/pipeline.py; None: no copy on another stage).
-        self.tied_embedding_group: Any = None
+        self.parallel = ParallelContext()
 
     @property
     def is_first_stage(self) -> bool:
@@ -91,7 +112,6 @@ class Transformer(nn.Module):
         self,
         inputs: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
@@ -100,39 +120,39 @@ class Transformer(nn.Module):
         document_ids (batch, seq), when given, confine attention to tokens of the same
         document (packed sequences); under context parallelism they are the whole sequence's.
         cache: the inputs follow the tokens it holds (their positions start at its length) and
-        join them (models/kv_cache.py). Returns the per-token loss when labels are given, else
-        logits; a stage without the head returns its hidden states.
+        join them (models/kv_cache.py). Returns the logits (this rank's vocabulary shard under
+        tensor parallelism); a stage without the head returns its hidden states.
         """
         h = self.embed(inputs) if self.embed is not None else inputs
         batch, seq = h.shape[0], self.full_seq_length(h)
         offset = 0
         if cache is not None:
-            if self.context[0] > 1 or self.seq_shards > 1:
+            if self.parallel.context[0] > 1 or self.parallel.sequence_shards > 1:
                 raise ValueError("a KV cache runs without context and sequence parallelism")
             cache.check_room(seq)
             offset = cache.length
         if position_ids is None:
-            size, rank = self.context
+            size, rank = self.parallel.context
             if size > 1:
                 index = load_balanced_index(seq * size, size, rank, h.device)
             else:
                 index = torch.arange(offset, offset + seq, device=h.device)
             position_ids = index.expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
-        mask = attention_mask(seq, self.cfg.sliding_window, document_ids, h.device, self.context, offset=offset)
+        mask = attention_mask(
+            seq, self.cfg.sliding_window, document_ids, h.device, self.parallel.context, offset=offset
+        )
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache.layer(name))
         if cache is not None:
             cache.advance(seq)
         if self.norm is None:
             return h
-        if labels is None:
-            return self.logits(h)
-        return self.loss_fn(self.logits(h), labels)
+        return self.logits(h)
 
     def full_seq_length(self, h: torch.Tensor) -> int:
         """Sequence length of the whole sample (sequence parallelism shards h)."""
-        return h.shape[1] * self.seq_shards
+        return h.shape[1] * self.parallel.sequence_shards
 
 
 def build_model(

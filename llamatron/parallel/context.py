@@ -89,7 +89,7 @@ def apply_context_parallel(model: Transformer, mesh: Mesh) -> None:
     """Make `model` (a Transformer or a pipeline chunk) run this rank's part of every sequence."""
     if mesh.cp == 1:
         return
-    model.context = (mesh.cp, mesh.cp_rank)
+    model.parallel.context = (mesh.cp, mesh.cp_rank)
     for module in model.modules():
         if isinstance(module, Attention):
             module.core = ContextParallelCore(module.core, mesh.cp_group, mesh.cp)

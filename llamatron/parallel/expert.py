@@ -187,11 +187,9 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool,
             group, rank = mesh.tp_group, mesh.tp_rank
             gu = gate_up_layout(ffn, mesh.tp, rank, group, dim=1)
             dn = contiguous_layout(2, ffn, mesh.tp, rank, group)
-            specs[names["gate_up"]] = replace(specs[names["gate_up"]], sequence_parallel_grad=False).sharded(
-                gu, gate_up_full
-            )
-            specs[names["down"]] = replace(specs[names["down"]], sequence_parallel_grad=False).sharded(dn, down_full)
-            specs[router] = replace(specs[router], sequence_parallel_grad=True)  # partial on each tp rank
+            specs[names["gate_up"]] = replace(specs[names["gate_up"]], partial_grad=False).sharded(gu, gate_up_full)
+            specs[names["down"]] = replace(specs[names["down"]], partial_grad=False).sharded(dn, down_full)
+            specs[router] = replace(specs[router], partial_grad=True)  # partial on each tp rank
             moe.gather_input = partial(to_parallel_input, group=group, sequence_parallel=sequence_parallel)
             moe.reduce_output = partial(from_parallel_output, group=group, sequence_parallel=sequence_parallel)
             moe.router_loss_share = 1.0 / mesh.tp

@@ -34,8 +34,9 @@ class ParamSpec:
     global_name: str  # the name in the single-device model: init seeds, checkpoint keys
     full_shape: tuple[int, ...]  # unpadded, of the single-device model
     tp_layout: ShardLayout | None = None  # which part this tensor-parallel rank holds; None: all of it
-    # Replicated, but used on sequence shards: each tp rank's gradient is a partial sum (sync_tensor_parallel_grads).
-    sequence_parallel_grad: bool = False
+    # Whole on every tp rank, each of which computes part of its gradient (norms used on sequence shards, q/k norms
+    # used on the rank's heads, a MoE router): a partial sum, added over the tp group by sync_tensor_parallel_grads.
+    partial_grad: bool = False
     shared_replica: bool = False  # a copy of another rank's parameter (tied head): not saved, not in the grad norm
     defer_grad_reduce: bool = False  # summed over pipeline stages first (tied embedding): no overlapped reduction
     # Flat element ranges of the local tensor that another tp rank counts in the grad norm (replicated KV rows).
@@ -59,8 +60,8 @@ class ParamSpec:
 
     @property
     def tp_partial_grad(self) -> bool:
-        """Each tp rank holds only part of the gradient: a sequence-parallel replica, or replicated KV rows."""
-        return self.sequence_parallel_grad or (self.tp_layout is not None and self.tp_layout.num_replicated > 0)
+        """Each tp rank holds only part of the gradient: a partial_grad replica, or replicated KV rows."""
+        return self.partial_grad or (self.tp_layout is not None and self.tp_layout.num_replicated > 0)
 
     def sharded(self, layout: ShardLayout, full_shape: tuple[int, ...]) -> ParamSpec:
         """This spec for a parameter split by `layout` (tensor parallelism)."""

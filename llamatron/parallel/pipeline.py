@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.batches import model_kwargs
 from ..errors import ConfigError
 from ..models import ModelConfig, Transformer, build_model
+from ..models.transformer import batch_inputs
 from .grad_buffer import GradBuffer, mark_last_microbatch
 from .mesh import Mesh, new_group
 from .param_spec import ParamSpecs, param_specs
@@ -98,7 +98,7 @@ def build_stage_chunks(
         c = v * pp + mesh.pp_rank
         is_first, is_last = c == 0, c == pp * vpp - 1
         chunk = build_model(cfg, layers=range(starts[c], starts[c] + split[c]), embed=is_first, head=is_last)
-        chunk.tied_embedding_group = group if (is_first or is_last) else None
+        chunk.parallel.tied_embedding_group = group if (is_first or is_last) else None
         chunks.append(chunk)
         tables.append(_tied_embedding_specs(chunk, param_specs(chunk)))
     return chunks, tables
@@ -135,7 +135,7 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
 
 def _tied_params(chunk: Transformer) -> list[nn.Parameter]:
     """The copy of a tied embedding this chunk holds: the embedding on the first stage, the head on the last."""
-    if getattr(chunk, "tied_embedding_group", None) is None:
+    if chunk.parallel.tied_embedding_group is None:
         return []
     return [m.weight for m in (chunk.embed, chunk.lm_head) if m is not None]  # type: ignore[misc]
 
@@ -145,7 +145,7 @@ def sum_tied_embedding_grads(chunks: list[Transformer], buffers: list[GradBuffer
     for chunk, buffer in zip(chunks, buffers):
         for p in _tied_params(chunk):
             buffer.zero_if_unwritten(p)
-            dist.all_reduce(buffer.grad(p), group=chunk.tied_embedding_group)
+            dist.all_reduce(buffer.grad(p), group=chunk.parallel.tied_embedding_group)
 
 
 # ---- point-to-point ----------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class P2P:
 
 def _activation_shape(engine, micro_batches: list[dict]) -> tuple[int, int, int]:
     batch, seq = micro_batches[0]["input_ids"].shape
-    shards = getattr(engine.chunks[0], "seq_shards", 1)
+    shards = engine.chunks[0].parallel.sequence_shards
     return batch, seq // shards, engine.model_cfg.hidden_size
 
 
@@ -285,10 +285,11 @@ class _Runner:
         return a.chunk == self.num_chunks - 1
 
 
-def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
-    """One step of pipelined forward and backward over this rank's micro-batches.
+def pipeline_forward_backward(engine, micro_batches: list[dict], normaliser: torch.Tensor) -> torch.Tensor:
+    """One step of pipelined forward and backward over this rank's micro-batches; the last stage's outputs go to
+    the engine's objective (`engine.objective.loss(logits, micro-batch, normaliser)`).
 
-    Returns the step's loss (sum over micro-batches of token-loss sum / total_tokens) on the last stage, 0 elsewhere.
+    Returns the step's loss (the sum of the objective's micro-batch losses) on the last stage, 0 elsewhere.
     """
     runner = _Runner(engine, micro_batches, forward_only=False)
     loss_sum = torch.zeros((), device=engine.device)
@@ -303,10 +304,10 @@ def pipeline_forward_backward(engine, micro_batches: list[dict], total_tokens: t
             assert received is not None, f"{a} received no activation"
             x = received.requires_grad_()
         if runner.is_last(a):
-            out = runner.chunk(a)(x, **model_kwargs(mb, with_labels=True)).sum() / total_tokens
+            out = engine.objective.loss(runner.chunk(a)(x, **batch_inputs(mb)), mb, normaliser)
             loss_sum = loss_sum + out.detach()
         else:
-            out = runner.chunk(a)(x, **model_kwargs(mb, with_labels=False))
+            out = runner.chunk(a)(x, **batch_inputs(mb))
         if runner.is_last(a):
             runner.saved[(a.chunk, a.micro_batch)] = (x, out)
             return None
@@ -343,7 +344,7 @@ def pipeline_forward_each(
     def forward(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         mb = micro_batches[a.micro_batch]
         chunk = runner.chunk(a)
-        out = chunk(mb["input_ids"] if a.chunk == 0 else received, **model_kwargs(mb, with_labels=False))
+        out = chunk(mb["input_ids"] if a.chunk == 0 else received, **batch_inputs(mb))
         if not runner.is_last(a):
             return out
         on_output(chunk, out, mb)

@@ -1,16 +1,20 @@
 """Tensor and sequence parallelism, applied to the plain model (docs/design.md, principle 1).
 
 `apply_tensor_parallel` runs on the meta model, before anything is allocated,
-and swaps layers for their parallel versions (tensor_layers.py):
+and swaps layers for their parallel versions (tensor_layers.py) as each block
+declares in its `tp_plan` (child -> style; models/layers.py, blocks.py, a
+family's own blocks):
 
-    attn.qkv            column-parallel: this rank's query heads and the KV heads they use
-    attn.o, mlp.down    row-parallel
-    mlp.gate_up         column-parallel: the same slice of gate and of up, kept [gate; up] locally
-    mlp.up (Falcon)     column-parallel
+    qkv                 column-parallel: this rank's query heads and the KV heads they use (the module's
+                        num_heads / num_kv_heads become the local counts)
+    column              column-parallel: a contiguous slice of the outputs
+    gate_up             column-parallel: the same slice of gate and of up, kept [gate; up] locally
+    row                 row-parallel
+    replicated_partial  kept whole; each rank's gradient is a partial sum (q/k norms: each rank's heads)
     embed               vocabulary-parallel embedding
-    lm_head             column-parallel over the vocabulary; tied (Falcon): the embedding shard is the head
-    loss_fn, argmax_fn  vocabulary-parallel cross-entropy and argmax: full logits never exist on a rank
-    gather_logits_fn    the whole vocabulary's logits on every rank (generation samples from them)
+    lm_head             column-parallel over the vocabulary; tied: the embedding shard is the head
+    parallel.vocab      the rank's vocabulary shard, which the loss (VocabParallelCrossEntropy), the argmax
+                        and generation's gather read: full logits never exist on a rank
 
 It returns the chunk's parameter specs (param_spec.py): each sharded
 parameter's spec holds its `tp_layout` and `full_shape` (the unpadded shape of
@@ -37,7 +41,8 @@ sequence (dim 1); norms run on shards; the embedding output is reduce-scattered;
 column-parallel layers all-gather their input, row-parallel ones
 reduce-scatter their output; the final norm's output is all-gathered before
 the head. Replicated parameters used on shards (norm weights and biases,
-row-parallel biases) get specs with `sequence_parallel_grad`: their per-rank
+row-parallel biases) get specs with `partial_grad`, as do replicated_partial
+ones under any tensor parallelism: their per-rank
 gradients are partial sums, added over the tp group by
 `sync_tensor_parallel_grads`. The engine calls it after
 `GradBuffer.finish_grad_sync()`, on the buffers' gradients (data-parallel and
@@ -58,20 +63,14 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
-from ..models.falcon import GeluMLP
-from ..models.layers import Attention
-from ..models.llama import SwiGLU
-from ..models.transformer import Transformer
+from ..models.transformer import Transformer, VocabShard
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpec, ParamSpecs, param_specs
 from .tensor_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardLayout,
-    VocabParallelArgmax,
-    VocabParallelCrossEntropy,
     VocabParallelEmbedding,
-    VocabParallelGather,
     contiguous_layout,
     to_parallel_input,
     tp_size,
@@ -83,6 +82,24 @@ VOCAB_MULTIPLE = 128  # per tp rank: the vocabulary is padded to a multiple of 1
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = VOCAB_MULTIPLE * tp
     return -(-vocab_size // multiple) * multiple
+
+
+def shard_numel(split: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> int:
+    """Elements one tensor-parallel rank holds of a parameter of `shape` split as `split` (a block's tp_plan style,
+    models/inventory.py's Weight.split): what apply_tensor_parallel leaves on each rank."""
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    if split == "qkv":
+        rows = (cfg.num_heads // tp + 2 * local_kv_heads(cfg.num_kv_heads, tp)) * cfg.head_dim
+        return rows * rest
+    if split in ("column", "gate_up"):
+        return shape[0] // tp * rest
+    if split == "row":
+        return shape[0] * rest // tp
+    if split == "expert":  # every expert's ffn split over tp (parallel/expert.py)
+        return shape[0] * rest // tp
+    return shape[0] * rest  # replicated
 
 
 def tensor_parallel_problems(cfg: ModelConfig, tp: int) -> list[str]:
@@ -171,21 +188,9 @@ def apply_tensor_parallel(
     specs = param_specs(model) if specs is None else specs
     cfg, tp, rank, group = model.cfg, mesh.tp, mesh.tp_rank, mesh.tp_group
     check_tensor_parallel(cfg, tp)
-    sp, ffn = sequence_parallel, cfg.ffn_hidden_size
-    # Every layer is split the same way: build each layout once.
-    qkv, o = qkv_layout(cfg, tp, rank, group), contiguous_layout(1, cfg.num_heads * cfg.head_dim, tp, rank, group)
-    up, down = contiguous_layout(0, ffn, tp, rank, group), contiguous_layout(1, ffn, tp, rank, group)
-    gate_up = gate_up_layout(ffn, tp, rank, group)
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            module.qkv, module.o = _column(module.qkv, qkv, group, sp), _row(module.o, o, group, sp)
-            module.num_heads = cfg.num_heads // tp
-            module.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
-        elif isinstance(module, SwiGLU):
-            module.gate_up = _column(module.gate_up, gate_up, group, sp)
-            module.down = _row(module.down, down, group, sp)
-        elif isinstance(module, GeluMLP):
-            module.up, module.down = _column(module.up, up, group, sp), _row(module.down, down, group, sp)
+    sp = sequence_parallel
+    partial: list[nn.Module] = []
+    _apply_plans(model, cfg, mesh, sequence_parallel, partial)
     vocab = vocab_layout(cfg.vocab_size, tp, rank, group)
     if model.embed is not None:
         weight = model.embed.weight
@@ -195,17 +200,55 @@ def apply_tensor_parallel(
     if model.norm is not None:
         # The head (F.linear in Transformer.logits) is column-parallel: give it the whole sequence.
         model.norm.register_forward_hook(lambda _m, _args, out: to_parallel_input(out, group, sp))
-    vocab_start, num_real = rank * vocab.local_size, int((vocab.local_index >= 0).sum())
-    model.loss_fn = VocabParallelCrossEntropy(vocab_start, num_real, group)
-    model.argmax_fn = VocabParallelArgmax(vocab_start, num_real, group)
-    model.gather_logits_fn = VocabParallelGather(cfg.vocab_size, group)
+    num_real = int((vocab.local_index >= 0).sum())
+    model.parallel.vocab = VocabShard(rank * vocab.local_size, num_real, cfg.vocab_size, group)
     if sp:
-        model.seq_shards = tp
+        model.parallel.sequence_shards = tp
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
             module.overlap_backward = comm_overlap
     _check_all_sharded(model)
-    return tensor_parallel_specs(model, sp, specs)
+    out = tensor_parallel_specs(model, sequence_parallel, specs)
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in partial:
+        for leaf, _ in m.named_parameters():
+            name = f"{names[id(m)]}.{leaf}"
+            out[name] = replace(out[name], partial_grad=True)
+    return out
+
+
+def _apply_plans(model: nn.Module, cfg: ModelConfig, mesh: Mesh, sp: bool, partial: list[nn.Module]) -> None:
+    """Split every child a block's `tp_plan` names (see the module docstring); the replicated_partial ones are
+    collected in `partial`. Layouts are built once per style and size: every layer is split alike."""
+    tp, rank, group = mesh.tp, mesh.tp_rank, mesh.tp_group
+    layouts: dict[tuple[str, int], ShardLayout] = {}
+
+    def layout(style: str, size: int) -> ShardLayout:
+        if (style, size) not in layouts:
+            layouts[(style, size)] = {
+                "qkv": lambda: qkv_layout(cfg, tp, rank, group),
+                "column": lambda: contiguous_layout(0, size, tp, rank, group),
+                "gate_up": lambda: gate_up_layout(size // 2, tp, rank, group),
+                "row": lambda: contiguous_layout(1, size, tp, rank, group),
+            }[style]()
+        return layouts[(style, size)]
+
+    for module in list(model.modules()):
+        for child, style in getattr(type(module), "tp_plan", {}).items():
+            sub = getattr(module, child)
+            if sub is None:  # an optional part this model does not have (q/k norms)
+                continue
+            if style == "replicated_partial":
+                partial.append(sub)
+            elif style == "row":
+                setattr(module, child, _row(sub, layout(style, sub.in_features), group, sp))
+            elif style in ("qkv", "column", "gate_up"):
+                setattr(module, child, _column(sub, layout(style, sub.out_features), group, sp))
+            else:
+                raise ValueError(f"{type(module).__name__}.tp_plan: unknown style {style!r} for {child}")
+            if style == "qkv":
+                module.num_heads = cfg.num_heads // tp
+                module.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
 
 
 def tensor_parallel_specs(module: nn.Module, sequence_parallel: bool, specs: ParamSpecs | None = None) -> ParamSpecs:
@@ -224,7 +267,7 @@ def tensor_parallel_specs(module: nn.Module, sequence_parallel: bool, specs: Par
                 name = f"{prefix}.{leaf}" if prefix else leaf
                 out[name] = out[name].sharded(m.layout, full_shape)
     if sequence_parallel:
-        out = {n: s if s.tensor_parallel else replace(s, sequence_parallel_grad=True) for n, s in out.items()}
+        out = {n: s if s.tensor_parallel else replace(s, partial_grad=True) for n, s in out.items()}
     return out
 
 
@@ -271,7 +314,7 @@ def sync_tensor_parallel_grads(
     whole: list[torch.Tensor] = []
     replicas: list[tuple[torch.Tensor, ShardLayout]] = []
     for grad, spec in grads:
-        if spec.sequence_parallel_grad:
+        if spec.partial_grad:
             whole.append(grad)
         layout = spec.tp_layout
         if layout is not None and layout.num_replicated:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from ..models.transformer import IGNORE_INDEX
+from ..models.transformer import IGNORE_INDEX, VocabShard
 from .mesh import all_gather_flat as _all_gather
 from .mesh import all_reduce as _all_reduce
 from .mesh import group_size as tp_size
@@ -422,52 +422,49 @@ class _VocabParallelCrossEntropy(Function):
 
 
 class VocabParallelCrossEntropy:
-    """`model.loss_fn` under tensor parallelism: (local logits, full labels) -> fp32 loss per token."""
+    """The per-token loss under tensor parallelism: (this rank's logits shard, full labels) -> fp32 loss per token
+    (the language-model objective holds it)."""
 
-    def __init__(self, vocab_start: int, num_real: int, group: dist.ProcessGroup | None):
-        self.vocab_start, self.num_real, self.group = vocab_start, num_real, group
+    def __init__(self, shard: VocabShard):
+        self.shard = shard
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelCrossEntropy.apply(logits, labels, self.vocab_start, self.num_real, self.group)
+        s = self.shard
+        return _VocabParallelCrossEntropy.apply(logits, labels, s.start, s.num_real, s.group)
 
 
-class VocabParallelArgmax:
-    """`model.argmax_fn`: the argmax over the whole vocabulary from each rank's logits shard (ties: lowest id)."""
-
-    def __init__(self, vocab_start: int, num_real: int, group: dist.ProcessGroup | None):
-        self.vocab_start, self.num_real, self.group = vocab_start, num_real, group
-
-    @torch.no_grad()
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        x = logits.float()
-        if self.num_real < x.shape[-1]:
-            x = x.clone()
-            x[..., self.num_real :] = float("-inf")
-        value, index = x.max(dim=-1)
-        index = index + self.vocab_start
-        n = tp_size(self.group)
-        if n == 1:
-            return index
-        values = [torch.empty_like(value) for _ in range(n)]
-        indices = [torch.empty_like(index) for _ in range(n)]
-        dist.all_gather(values, value.contiguous(), group=self.group)
-        dist.all_gather(indices, index.contiguous(), group=self.group)
-        best = torch.stack(values, -1).argmax(-1, keepdim=True)  # first maximum: the lowest rank, lowest id
-        return torch.stack(indices, -1).gather(-1, best).squeeze(-1)
+@torch.no_grad()
+def vocab_argmax(logits: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
+    """The argmax over the whole vocabulary, from this rank's logits shard under tensor parallelism (`shard`; ties:
+    the lowest id), else from the whole logits."""
+    if shard is None:
+        return logits.argmax(-1)
+    x = logits.float()
+    if shard.num_real < x.shape[-1]:
+        x = x.clone()
+        x[..., shard.num_real :] = float("-inf")
+    value, index = x.max(dim=-1)
+    index = index + shard.start
+    n = tp_size(shard.group)
+    if n == 1:
+        return index
+    values = [torch.empty_like(value) for _ in range(n)]
+    indices = [torch.empty_like(index) for _ in range(n)]
+    dist.all_gather(values, value.contiguous(), group=shard.group)
+    dist.all_gather(indices, index.contiguous(), group=shard.group)
+    best = torch.stack(values, -1).argmax(-1, keepdim=True)  # first maximum: the lowest rank, lowest id
+    return torch.stack(indices, -1).gather(-1, best).squeeze(-1)
 
 
-class VocabParallelGather:
-    """`model.gather_logits_fn`: the logits of the whole (unpadded) vocabulary on every rank, from each rank's
-    shard (generation samples from them; the ranks' shards are contiguous ranges, padding last)."""
-
-    def __init__(self, vocab_size: int, group: dist.ProcessGroup | None):
-        self.vocab_size, self.group = vocab_size, group
-
-    @torch.no_grad()
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        n = tp_size(self.group)
-        if n > 1:
-            parts = [torch.empty_like(logits) for _ in range(n)]
-            dist.all_gather(parts, logits.contiguous(), group=self.group)
-            logits = torch.cat(parts, -1)
-        return logits[..., : self.vocab_size]
+@torch.no_grad()
+def gather_vocab(logits: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
+    """The logits of the whole (unpadded) vocabulary on every rank, from each rank's shard under tensor parallelism
+    (generation samples from them; the ranks' shards are contiguous ranges, padding last)."""
+    if shard is None:
+        return logits
+    n = tp_size(shard.group)
+    if n > 1:
+        parts = [torch.empty_like(logits) for _ in range(n)]
+        dist.all_gather(parts, logits.contiguous(), group=shard.group)
+        logits = torch.cat(parts, -1)
+    return logits[..., : shard.vocab_size]

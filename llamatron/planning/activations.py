@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import ModelConfig
+from ..models.inventory import layers
 from ..parallel.schedules import max_alive
 from ..parallel.tensor import local_kv_heads
 
@@ -73,8 +74,9 @@ def layer_activation_terms(
     a, h, d = act_bytes, model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
     f = model.ffn_hidden_size // tp
-    if model.family == "falcon":
-        layer_norms = 2 if model.separate_mlp_norm else 1
+    layer = layers(model)[0]
+    if layer.parallel_residual:  # Falcon: LayerNorms (mean, rstd) feeding attention and a GELU MLP in parallel
+        layer_norms = layer.norms
         norm_inputs = a * h + 8 * (1 if compiled else layer_norms)
         norm_outputs = a * h * (2 if sequence_parallel else 1 if compiled else layer_norms)
         mlp = 2 * a * f
@@ -115,7 +117,8 @@ def final_norm_bytes(
 ) -> float:
     """The last chunk's final norm per token (eager), its output saved whole by the head."""
     a, h = act_bytes, model.hidden_size
-    inputs = (a * h + 8) if model.family == "falcon" else (a * h + 4) if fused_norms else (4 * h + a * h + 4)
+    layer_norm = layers(model)[0].norm == "layernorm"
+    inputs = (a * h + 8) if layer_norm else (a * h + 4) if fused_norms else (4 * h + a * h + 4)
     return inputs / (tp if sequence_parallel else 1) + a * h
 
 

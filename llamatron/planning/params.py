@@ -1,11 +1,13 @@
-"""Parameters per rank for the planner (plan.py): of one decoder layer, of a pipeline stage, of the experts
-of a mixture of experts, and the bytes each parameter costs (weights, gradients, optimizer state)."""
+"""Parameters per rank for the planner (plan.py) and the simulator: of one decoder layer, of a pipeline stage, of
+the experts of a mixture of experts. The layers' parameters come from models/inventory.py (the model's own
+modules, built on meta) and what one rank keeps of each from parallel/tensor.py's shard_numel."""
 
 from __future__ import annotations
 
 from ..models import ModelConfig
+from ..models.inventory import active_params, final_norm_params, input_embedding_params, layers
 from ..parallel.pipeline import split_layers
-from ..parallel.tensor import local_kv_heads, padded_vocab_size
+from ..parallel.tensor import padded_vocab_size, shard_numel
 
 
 def local_vocab(model: ModelConfig, tp: int) -> int:
@@ -13,19 +15,23 @@ def local_vocab(model: ModelConfig, tp: int) -> int:
     return model.vocab_size if tp == 1 else padded_vocab_size(model.vocab_size, tp) // tp
 
 
+def layer_shards(model: ModelConfig, tp: int = 1, ep: int = 1, index: int = 0) -> tuple[int, int]:
+    """(dense parameters, expert parameters) of decoder layer `index` on one rank: num_experts/ep of a mixture's
+    experts, every one split along its ffn over tp."""
+    dense = experts = 0
+    for w in layers(model)[index].weights:
+        n = shard_numel(w.split, w.shape, model, tp)
+        if w.split == "expert":
+            experts += n // ep
+        else:
+            dense += n
+    return dense, experts
+
+
 def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
     """Parameters of one decoder layer on one tensor-parallel rank (a mixture of experts: the router and the
     num_experts/ep experts this expert-parallel rank holds)."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size // tp
-    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
-    falcon = model.family == "falcon"
-    count = h * (q + 2 * kv) * d + q * d * h + (2 if falcon else 3) * h * f
-    if model.is_moe:
-        count += (model.num_experts // ep - 1) * 3 * h * f + model.num_experts * h
-    count += ((4 if model.separate_mlp_norm else 2) if falcon else 2) * h  # LayerNorm weight+bias / RMSNorm weight
-    if model.bias:
-        count += (q + 2 * kv) * d + f * (1 if falcon else 2) + 2 * h  # row-parallel biases are replicated
-    return count
+    return sum(layer_shards(model, tp, ep))
 
 
 def stage_layers(model: ModelConfig, pp: int, vpp: int, pp_layers: str | None = None) -> list[list[int]]:
@@ -36,28 +42,36 @@ def stage_layers(model: ModelConfig, pp: int, vpp: int, pp_layers: str | None = 
 
 def active_layer_params(model: ModelConfig) -> int:
     """Parameters of one decoder layer that compute one token (all of it for a dense model; the router and
-    experts_per_token experts of a mixture of experts)."""
-    full = layer_params(model)
-    if not model.is_moe:
-        return full
-    return full - expert_layer_params(model) + model.experts_per_token * expert_layer_params(model) // model.num_experts
+    experts_per_token experts of a mixture of experts): the model's active parameters per layer."""
+    embed = model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2)
+    return (active_params(model) - embed - final_norm_params(model)) // model.num_layers
 
 
 def expert_layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
     """Of layer_params: the experts' (reduced and sharded over the dp/ep ranks holding the same experts)."""
-    return model.num_experts // ep * 3 * model.hidden_size * (model.ffn_hidden_size // tp) if model.is_moe else 0
+    return layer_shards(model, tp, ep)[1]
+
+
+def largest_layer_param(model: ModelConfig, tp: int) -> int:
+    """The largest single parameter of a decoder layer on one tensor-parallel rank (a mixture's experts count one
+    expert's matrix: the backward of the grouped GEMMs makes one expert's gradient at a time)."""
+    sizes = [
+        shard_numel(w.split, w.shape, model, tp) // (w.shape[0] if w.split == "expert" else 1)
+        for w in layers(model)[0].weights
+    ]
+    return max(sizes)
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int, ep: int = 1) -> tuple[int, int]:
     """(parameters on pipeline rank `rank`, the largest single parameter there)."""
     h, vocab = model.hidden_size, local_vocab(model, tp)
     count = layers * layer_params(model, tp, ep)
-    largest = h * model.ffn_hidden_size // tp * (1 if model.family == "falcon" else 2) if layers else 0
+    largest = largest_layer_param(model, tp) if layers else 0
     if rank == 0:
         count += vocab * h
         largest = max(largest, vocab * h)
     if rank == pp - 1:
-        count += (2 if model.family == "falcon" else 1) * h  # final norm
+        count += final_norm_params(model)
         if not model.tie_embeddings or pp > 1:  # tied: the last stage keeps a copy of the embedding
             count += vocab * h
             largest = max(largest, vocab * h)
@@ -71,3 +85,16 @@ def bytes_per_param(dtype: str, distributed_optimizer: bool, replicas: int) -> t
     if dtype == "fp32":
         return 4.0, 4.0, 8.0 / shards
     return 2.0, 4.0, 12.0 / shards
+
+
+__all__ = [
+    "active_layer_params",
+    "bytes_per_param",
+    "expert_layer_params",
+    "input_embedding_params",
+    "layer_params",
+    "layer_shards",
+    "local_vocab",
+    "stage_layers",
+    "stage_params",
+]

@@ -68,6 +68,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..config.settings import RunConfig, validate
 from ..models import ModelConfig
+from ..models.inventory import flops_per_token, layers
 from ..models.rope_op import supports_head_dim as rope_supports_head_dim
 from ..parallel.tensor import padded_vocab_size
 from ..training.kernel_settings import kernel_choices
@@ -173,14 +174,14 @@ class Precision:
         return 4 if self.dtype == "fp32" else 2
 
     def layer_kernels(self, model: ModelConfig) -> LayerKernels:
-        """What a decoder layer of `model` runs: Falcon has no RMSNorm or SwiGLU, the rotary kernels need a
-        power-of-two head dim."""
-        llama = model.family != "falcon"
+        """What a decoder layer of `model` runs: the RMSNorm and SwiGLU kernels where it has those layers, the
+        rotary kernel where the head dim is a power of two and no q/k norm sits between projection and rotary."""
+        layer = layers(model)[0]
         return LayerKernels(
             self.compiled,
-            self.fused_norms and llama,
-            self.fused_rope and rope_supports_head_dim(model.head_dim),
-            self.fused_swiglu and llama,
+            self.fused_norms and layer.norm == "rmsnorm",
+            self.fused_rope and rope_supports_head_dim(model.head_dim) and not layer.qk_norm,
+            self.fused_swiglu and layer.mlp == "swiglu",
         )
 
 
@@ -486,7 +487,7 @@ def estimate_speed(
     a = 4 if precision == "fp32" else 2
     h, L = model.hidden_size, model.num_layers
     tokens = lay.micro_batch_size * seq_length / lay.cp  # this rank's part of a micro-batch
-    model_flops = model.flops_per_token(seq_length)
+    model_flops = flops_per_token(model, seq_length)
     attention_fwd = 4.0 * L * h * seq_length
     layers_fwd = 2.0 * L * active_layer_params(model) + attention_fwd
     # Partial recompute (--recompute-layers N) re-runs N of each chunk's layers (even splits assumed).

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from ..config.settings import RunConfig, config_from_values, validate
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
+from ..models.inventory import num_params
 from ..parallel.mesh import divisors
 from .plan import (
     GB,
@@ -368,7 +369,7 @@ def minimum_gpus(
         # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share, and the CUDA
         # runtime (with NCCL's buffers once there are several GPUs), which no GPU count shrinks.
         runtime = RUNTIME_BASE + (RUNTIME_PER_COMM if gpus > 1 else 0)
-        if model.num_params() * 6 / gpus + runtime > gpu_memory:
+        if num_params(model) * 6 / gpus + runtime > gpu_memory:
             return False
         return bool(
             plan(
@@ -416,7 +417,7 @@ def _explain(
     rejected: list[tuple[Layout, Memory]],
 ) -> str:
     setup = (
-        f"{model_name} ({model.num_params() / 1e9:.1f}B parameters) does not fit on {gpus} x {gpu_memory / GB:.0f} GB"
+        f"{model_name} ({num_params(model) / 1e9:.1f}B parameters) does not fit on {gpus} x {gpu_memory / GB:.0f} GB"
     )
     if not rejected:
         batch = f" and global batch size {global_batch_size}" if global_batch_size else ""

@@ -23,6 +23,7 @@ from ..config.settings import RunConfig, validate
 from ..data.batches import micro_batches_for_rank, to_device
 from ..data.mock import MockDataset
 from ..models import ModelConfig
+from ..models.inventory import active_params, flops_per_token, num_params
 from ..parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
 from ..planning.plan import bytes_per_param
 from .engine import Engine, build_engine, train_step
@@ -68,7 +69,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     breakdown = _breakdown(engine, batch, warmup + steps)
     tokens = t.global_batch_size * cfg.data.seq_length * steps
     speed = throughput(
-        tokens, elapsed, model_cfg.flops_per_token(cfg.data.seq_length), mesh.world_size, peak_tflops(device)
+        tokens, elapsed, flops_per_token(model_cfg, cfg.data.seq_length), mesh.world_size, peak_tflops(device)
     )
     p = cfg.parallel
     m = derived.grad_accum_steps
@@ -112,8 +113,8 @@ def _moe_fields(model_cfg: ModelConfig, mesh: Mesh, out: dict) -> dict:
     if not model_cfg.is_moe:
         return {}
     return {
-        "params": model_cfg.num_params(),
-        "active_params": model_cfg.active_params(),
+        "params": num_params(model_cfg),
+        "active_params": active_params(model_cfg),
         "ep": mesh.ep,
         **router_fields(out),
     }

@@ -17,17 +17,18 @@ import torch
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from ..config.settings import Derived, RunConfig
-from ..data.batches import model_kwargs
 from ..dtypes import DTYPES
 from ..models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from ..models.layers import Attention
-from ..models.moe import MoE, MoEStats
-from ..models.transformer import IGNORE_INDEX, CrossEntropy
+from ..models.moe import MoE
+from ..models.transformer import batch_inputs
+from ..objectives import Objective
+from ..objectives.language_model import LanguageModelObjective
 from ..parallel.context import apply_context_parallel
 from ..parallel.expert import apply_expert_parallel
 from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
 from ..parallel.loss_scale import DynamicLossScaler
-from ..parallel.mesh import Mesh, all_reduce
+from ..parallel.mesh import Mesh
 from ..parallel.optimizer import DistributedAdamW, lr_at
 from ..parallel.param_spec import ParamSpec, param_specs
 from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward
@@ -35,7 +36,7 @@ from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 from .fp8 import apply_fp8
 from .kernel_settings import kernel_choices
 
-# (engine, this rank's micro-batches, the global batch's label tokens) -> the summed loss on this rank (device)
+# (engine, this rank's micro-batches, the objective's normaliser) -> the summed loss on this rank (device)
 ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]
 
 
@@ -61,52 +62,8 @@ class Engine:
     device: torch.device
     dtype: torch.dtype
     forward_backward: ForwardBackward
+    objective: Objective  # what a step minimises (objectives/): the plain step, the pipeline and evaluation use it
     loss_scaler: DynamicLossScaler | None = None  # fp16 only
-    router: RouterTraining | None = None  # mixture of experts only
-
-
-@dataclass(slots=True)
-class RouterTraining:
-    """What a mixture of experts' routers train with: the weight of their losses' gradient (one device tensor every
-    MoE layer of this rank reads) and the step's router statistics (summed by every MoE layer of this rank)."""
-
-    loss_weight: torch.Tensor
-    stats: MoEStats
-    num_layers: int  # MoE layers in the whole model
-
-    @staticmethod
-    def attach(chunks: list[Transformer], model_cfg: ModelConfig, device: torch.device) -> RouterTraining | None:
-        if not model_cfg.is_moe:
-            return None
-        run = RouterTraining(
-            torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), model_cfg.num_layers
-        )
-        for chunk in chunks:
-            for m in chunk.modules():
-                if isinstance(m, MoE):
-                    m.router_loss_weight, m.stats = run.loss_weight, run.stats
-        return run
-
-    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
-        """Weigh the router losses as a mean over the step's sequences and the MoE layers; restart the counts."""
-        weight = 1.0 / (sequences * self.num_layers)
-        if loss_scale is None:
-            self.loss_weight.fill_(weight)
-        else:  # fp16: like the language-model loss, the gradient is the scaled one
-            self.loss_weight.copy_(loss_scale * weight)
-        self.stats.zero_()
-
-    def step_stats(self, sequences: int, mesh: Mesh) -> torch.Tensor:
-        """[load-balancing loss, z-loss, each expert's share of the token choices] of the whole step: a collective
-        over every rank (pipeline stages hold different layers, data-parallel ranks different sequences; the
-        tensor-parallel ranks of a layer count the same tokens)."""
-        s = self.stats
-        flat = torch.cat([s.aux.reshape(1), s.z.reshape(1), s.choices]).float()
-        if mesh.world_size > 1:
-            torch.distributed.all_reduce(flat)
-        flat = flat / mesh.tp
-        total = flat[2:].sum().clamp_min(1.0)
-        return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:] / total])
 
 
 class _Checkpointed:
@@ -160,12 +117,11 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
 
 
 def apply_compile(model: Transformer) -> None:
-    """Compile each decoder layer's forward (fuses norms, rotary, SwiGLU); hooks on the layer stay eager."""
+    """Compile each decoder layer's forward (fuses norms, rotary, SwiGLU); hooks on the layer stay eager. (The
+    objective compiles its loss: LanguageModelObjective.build.)"""
     for layer in model.layers.values():
         inner = layer.forward if isinstance(layer.forward, _Checkpointed) else layer  # compile inside the checkpoint
         inner.forward = torch.compile(inner.forward, dynamic=False)
-    if isinstance(model.loss_fn, CrossEntropy):  # fuses torch's loss (its fp32 upcast); TP installs its own
-        model.loss_fn = torch.compile(model.loss_fn, dynamic=False)
 
 
 def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
@@ -243,9 +199,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         kernel=adamw_kernel,
     )
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
-    router = RouterTraining.attach(chunks, model_cfg, device)
+    objective = LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
     return Engine(
-        cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, scaler, router
+        cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, objective, scaler
     )
 
 
@@ -253,23 +209,16 @@ def _is_expert(experts: bool, spec: ParamSpec) -> bool:
     return spec.is_expert == experts
 
 
-def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
-    """Gradient accumulation over micro-batches; the loss is the mean over all tokens of the global batch."""
+def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], normaliser: torch.Tensor) -> torch.Tensor:
+    """Gradient accumulation over micro-batches; each adds the objective's share of the step's loss."""
     model = engine.chunks[0]
     loss_sum = torch.zeros((), device=engine.device)
     for i, mb in enumerate(micro_batches):
         mark_last_microbatch(engine.buffers, model, i == len(micro_batches) - 1)
-        per_token = model(mb["input_ids"], **model_kwargs(mb, with_labels=True))
-        loss = per_token.sum() / total_tokens
+        loss = engine.objective.loss(model(mb["input_ids"], **batch_inputs(mb)), mb, normaliser)
         loss.backward()
         loss_sum += loss.detach()
     return loss_sum
-
-
-def count_tokens(engine: Engine, micro_batches: list[dict]) -> torch.Tensor:
-    """Tokens that count towards the loss in the whole global batch (summed over the dp x cp replicas)."""
-    local = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(engine.device, torch.float32)
-    return all_reduce(local, engine.mesh.replica_group).clamp_min(1.0)
 
 
 def train_step(
@@ -279,17 +228,16 @@ def train_step(
 
     on_phase: called after each phase, for bench's breakdown; the training loop passes none."""
     cfg = engine.cfg
-    total = count_tokens(engine, micro_batches)
+    normaliser = engine.objective.normaliser(micro_batches)
     for buf in engine.buffers:
         buf.zero_grad()
     scaler = engine.loss_scaler
     sequences = sum(int(mb["input_ids"].shape[0]) for mb in micro_batches) * engine.mesh.dp  # the step's samples
-    if engine.router is not None:
-        engine.router.begin_step(sequences, None if scaler is None else scaler.scale)
+    engine.objective.begin_step(sequences, None if scaler is None else scaler.scale)
     if scaler is None:
-        loss = engine.forward_backward(engine, micro_batches, total)
-    else:  # fp16: dividing by total/scale multiplies every gradient by the scale
-        loss = engine.forward_backward(engine, micro_batches, total / scaler.scale) / scaler.scale
+        loss = engine.forward_backward(engine, micro_batches, normaliser)
+    else:  # fp16: dividing by normaliser/scale multiplies every gradient by the scale
+        loss = engine.forward_backward(engine, micro_batches, normaliser / scaler.scale) / scaler.scale
     if on_phase is not None:
         on_phase("forward_backward")
     for buf in engine.buffers:
@@ -313,5 +261,5 @@ def train_step(
         "found_inf": found_inf,
         "lr": lr,
         "loss_scale": None if scaler is None else scaler.scale,
-        "router": None if engine.router is None else engine.router.step_stats(sequences, engine.mesh),
+        "router": engine.objective.step_stats(sequences),
     }

@@ -35,11 +35,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data.batches import Samples, micro_batches_for_rank, model_kwargs, to_device
+from ..data.batches import Samples, micro_batches_for_rank, to_device
 from ..errors import ConfigError
-from ..models import IGNORE_INDEX
+from ..models import IGNORE_INDEX, Transformer
+from ..models.transformer import batch_inputs
 from ..parallel.mesh import sum_from_last_stage
 from ..parallel.pipeline import pipeline_forward_each
+from ..parallel.tensor_layers import vocab_argmax
 
 if TYPE_CHECKING:  # the annotation only: engine imports config, which imports this module (--eval-metrics)
     from .engine import Engine
@@ -49,7 +51,7 @@ if TYPE_CHECKING:  # the annotation only: engine imports config, which imports t
 class EvalBatch:
     """What a token metric sees: one micro-batch on one rank."""
 
-    model: torch.nn.Module
+    model: Transformer
     logits: torch.Tensor  # (batch, seq, vocab or this rank's vocabulary shard)
     labels: torch.Tensor  # (batch, seq); IGNORE_INDEX where no token is predicted
     loss: torch.Tensor  # fp32 loss per token, 0 where there is no label
@@ -63,7 +65,7 @@ class EvalBatch:
     def predictions(self) -> torch.Tensor:
         """The argmax over the whole vocabulary (computed once, shared by the metrics)."""
         if self._predictions is None:
-            self._predictions = gather_argmax(self.model, self.logits)
+            self._predictions = vocab_argmax(self.logits, self.model.parallel.vocab)
         return self._predictions
 
 
@@ -131,12 +133,6 @@ def resolve_eval_metrics(names: Sequence[str] | str) -> list[str]:
     return out
 
 
-def gather_argmax(model, logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the vocabulary (tensor parallelism overrides this for vocabulary shards)."""
-    fn = getattr(model, "argmax_fn", None)
-    return fn(logits) if fn is not None else logits.argmax(-1)
-
-
 class _Totals:
     """Numerator and denominator sums of each token metric, in one float64 tensor (one all-reduce)."""
 
@@ -183,7 +179,7 @@ def evaluate(
 
     def add(model, logits: torch.Tensor, mb: dict) -> None:
         labels = mb["labels"]
-        totals.add(EvalBatch(model, logits, labels, model.loss_fn(logits, labels)))
+        totals.add(EvalBatch(model, logits, labels, engine.objective.per_token(logits, labels)))
 
     if cfg.parallel.pp > 1:  # the last stage sees the logits; it sums, then tells the other stages
         pipeline_forward_each(
@@ -195,7 +191,7 @@ def evaluate(
         model.eval()
         for it in range(iters):
             for mb in to_device(batches_of(it), engine.device):
-                add(model, model(mb["input_ids"], **model_kwargs(mb, with_labels=False)), mb)
+                add(model, model(mb["input_ids"], **batch_inputs(mb)), mb)
         model.train(was_training)
     sum_from_last_stage(totals.sums, mesh)
     return _with_derived(names, totals.values())

@@ -9,7 +9,9 @@ import torch
 
 from ..errors import ConfigError
 from ..models import ModelConfig
+from ..models.families import family_of
 from ..models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
+from ..models.inventory import layers
 from ..models.rope_op import supports_head_dim
 from ..triton_check import HAS_TRITON
 
@@ -19,7 +21,7 @@ if TYPE_CHECKING:  # config imports this module to validate: the type only
 
 def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
     """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
-    installed, else torch), "-" where the model has no such layer (Falcon's GELU MLP and LayerNorm). Attention
+    installed, else torch), "-" where the model has no such layer (a GELU MLP, LayerNorm). Attention
     under auto: FlashAttention 4 where it can run (installed, Hopper or newer, bf16/fp16, a head dim it tunes:
     measured 3% faster per llama-1b step than SDPA's cuDNN on an H200, RESULTS.md run 5), else SDPA's pick."""
     model = model or cfg.model_config()
@@ -29,15 +31,16 @@ def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None
     def pick(setting: str, supported: bool = True) -> str:
         return "triton" if setting != "torch" and triton_here and supported else "torch"
 
-    llama = model.family != "falcon"
+    layer = layers(model)[0]
+    swiglu, rmsnorm = layer.mlp == "swiglu", layer.norm == "rmsnorm"
     attention = t.attention_backend
     if attention == "auto" and device == "cuda" and fa4_problem(model.head_dim, dtype_name(cfg, device)) is None:
         attention = "fa4"
     return {
         "attention": attention,
-        "swiglu": pick(t.swiglu_backend) if llama else "-",
-        "rmsnorm": pick(t.rmsnorm_backend) if llama else "-",
-        "rope": pick(t.rope_backend, supports_head_dim(model.head_dim)),
+        "swiglu": pick(t.swiglu_backend) if swiglu else "-",
+        "rmsnorm": pick(t.rmsnorm_backend) if rmsnorm else "-",
+        "rope": pick(t.rope_backend, supports_head_dim(model.head_dim) and not layer.qk_norm),
         "cross_entropy": pick(t.cross_entropy_backend) if cfg.parallel.tp == 1 else "-",
         "adamw": pick(cfg.optim.adamw_kernel),
     }
@@ -83,10 +86,18 @@ def check_kernel_settings(cfg: RunConfig, model: ModelConfig, device: str, dtype
     problem = fa4_problem(model.head_dim, dtype_name) if t.attention_backend == "fa4" and device == "cuda" else None
     if problem is not None:
         raise ConfigError(f"--attention-backend fa4 {problem}")
-    if t.swiglu_backend == "triton" and model.family == "falcon":
-        raise ConfigError("--swiglu-backend triton: Falcon models use a GELU MLP, not SwiGLU; leave it at auto")
-    if t.rmsnorm_backend == "triton" and model.family == "falcon":
-        raise ConfigError("--rmsnorm-backend triton: Falcon models use LayerNorm, not RMSNorm; leave it at auto")
+    layer, family = layers(model)[0], family_of(model).description
+    if t.swiglu_backend == "triton" and layer.mlp != "swiglu":
+        raise ConfigError(
+            f"--swiglu-backend triton: {family} models use a {layer.mlp.upper()} MLP, not SwiGLU; leave it at auto"
+        )
+    if t.rmsnorm_backend == "triton" and layer.norm != "rmsnorm":
+        raise ConfigError(f"--rmsnorm-backend triton: {family} models use LayerNorm, not RMSNorm; leave it at auto")
+    if t.rope_backend == "triton" and layer.qk_norm:
+        raise ConfigError(
+            f"--rope-backend triton: {family} models normalise each query and key head between the projection and "
+            "the rotary embedding, which the fused kernel does not; leave it at auto"
+        )
     if t.cross_entropy_backend == "triton" and p.tp > 1:
         raise ConfigError(
             f"--cross-entropy-backend triton: with --tp {p.tp} the loss is the vocabulary-parallel "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..models.inventory import flops_per_token
 from ..parallel.mesh import sum_from_last_stage
 from .engine import Engine
 from .evaluation import format_metrics
@@ -131,7 +132,7 @@ class MetricsLog:
         on_terminal = sys.stdout.isatty() and sys.stderr.isatty()
         bar = self.logging_rank and t.progress and on_terminal
         self.progress = _progress_bar(t.train_steps, start_step) if bar else None
-        self.flops_per_token = engine.model_cfg.flops_per_token(cfg.data.seq_length)
+        self.flops_per_token = flops_per_token(engine.model_cfg, cfg.data.seq_length)
         self.peak = peak_tflops(engine.device)
         self.timer = Timer(engine.device)
         self.train_seconds = 0.0  # training time of the pending steps before the timer's last reset
@@ -261,8 +262,9 @@ _ROUTER_KEYS = ("moe_aux_loss", "moe_z_loss", "expert_token_share")
 
 
 def router_fields(step_out: dict) -> dict:
-    """A mixture of experts' router statistics of the step (engine.RouterTraining.step_stats): the load-balancing
-    and z-losses, unweighted, averaged over sequences and layers, and each expert's share of the token choices."""
+    """A mixture of experts' router statistics of the step (objectives/language_model.py, RouterTraining.step_stats):
+    the load-balancing and z-losses, unweighted, averaged over sequences and layers, and each expert's share of the
+    token choices."""
     stats = step_out.get("router")
     if stats is None:
         return {}

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...models import ModelConfig
+from ...models.inventory import final_norm_params
 from ...parallel.pipeline import split_layers
-from ...parallel.tensor import local_kv_heads, padded_vocab_size
+from ...parallel.tensor import padded_vocab_size
+from ..params import layer_shards
 from .costs import Costs, LayerCost, Piece, Shape
 
 
@@ -22,17 +24,6 @@ class Chunk:
     expert_params: list[float]
     first_params: float = 0.0  # embedding
     last_params: float = 0.0  # head and final norm
-
-
-def layer_shards(model: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
-    """(dense parameters, expert parameters) of one decoder layer on one rank."""
-    h, d = model.hidden_size, model.head_dim
-    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
-    attn = h * (q + 2 * kv) * d + q * d * h + 2 * h
-    mlp = (2 if model.family == "falcon" else 3) * h * model.ffn_hidden_size / tp
-    if model.is_moe:
-        return attn + model.num_experts * h, model.num_experts / ep * mlp
-    return attn + mlp, 0.0
 
 
 def build_chunks(model: ModelConfig, s: Shape, costs: Costs, vpp: int, pp_layers: str | None) -> list[Chunk]:
@@ -57,7 +48,7 @@ def build_chunks(model: ModelConfig, s: Shape, costs: Costs, vpp: int, pp_layers
             chunk.first_params = vocab * model.hidden_size
         if c == len(counts) - 1:
             chunk.forward, chunk.backward, chunk.weight = fwd.plus(head_f), back.plus(head_b), weight.plus(head_w)
-            chunk.last_params = vocab * model.hidden_size + model.hidden_size
+            chunk.last_params = vocab * model.hidden_size + final_norm_params(model)
         params = sum(chunk.dense_params) + sum(chunk.expert_params) + chunk.first_params + chunk.last_params
         chunk.weight.add("compute", costs.grad_accumulate(params))
         out.append(chunk)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...models import ModelConfig
+from ...models.inventory import layers
 from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .hardware import Hardware
@@ -84,12 +85,9 @@ class LayerCost:
 
 def linear_params(model: ModelConfig) -> tuple[float, float]:
     """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts)."""
-    h, d = model.hidden_size, model.head_dim
-    attn = h * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * h
-    mlp = (2 if model.family == "falcon" else 3) * h * model.ffn_hidden_size
-    if model.is_moe:
-        return float(attn), float(model.experts_per_token * mlp + model.num_experts * h)
-    return float(attn + mlp), 0.0
+    layer = layers(model)[0]
+    moe = layer.params("router") + layer.params("expert") * model.experts_per_token / max(model.num_experts, 1)
+    return float(layer.params("matmul")), float(moe)
 
 
 def keys_per_query(model: ModelConfig, seq: int) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...models import ModelConfig
+from ...models.inventory import active_params, num_params
 from ..params import expert_layer_params, stage_layers
 from ..plan import GB, Layout, Precision
 from .calibration import load_calibration
@@ -15,7 +16,7 @@ from .costs import Costs, Shape
 from .hardware import Hardware
 from .step import StepOptions, StepResult, simulate_step
 
-MFU_FORMULA = "tokens/s/GPU x ModelConfig.flops_per_token(seq) / dense bf16 peak (active parameters for MoE)"
+MFU_FORMULA = "tokens/s/GPU x flops_per_token(ModelConfig, seq) / dense bf16 peak (active parameters for MoE)"
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ class Simulation:
             "tflops_per_gpu": r.mfu * r.peak_flops / 1e12,
             "mfu": r.mfu,
             "mfu_formula": MFU_FORMULA,
-            "parameters": m.num_params(),
-            "active_parameters": m.active_params(),
+            "parameters": num_params(m),
+            "active_parameters": active_params(m),
             "flops_per_token": r.model_flops_per_token,
             "parts_seconds": dict(parts),
             "exposed_comm_seconds": {

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...models.inventory import active_params, num_params
 from .evaluate import Simulation
 from .timeline import Event
 
@@ -40,7 +41,7 @@ def explain_text(sim: Simulation) -> str:
     r, lay = sim.result, sim.layout
     on, off = sim.with_overlap, sim.without_overlap
     lines = [
-        f"simulated step: {sim.model.num_params() / 1e9:.1f}B parameters ({sim.model.active_params() / 1e9:.1f}B "
+        f"simulated step: {num_params(sim.model) / 1e9:.1f}B parameters ({active_params(sim.model) / 1e9:.1f}B "
         f"active), {lay.label}, vpp {lay.vpp}, micro-batch {lay.micro_batch_size} x {lay.micro_batches}, "
         f"recompute {lay.recompute_label}, schedule {sim.settings.schedule}, "
         f"overlap {'on' if sim.settings.overlap else 'off'}",

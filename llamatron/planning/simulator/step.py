@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...models import ModelConfig
+from ...models.inventory import flops_per_token
 from .calibration import Calibration, load_calibration
 from .chunks import build_chunks
 from .costs import Costs, Shape
@@ -87,7 +88,7 @@ def simulate_step(
         done.step_seconds,
         opt.micro_batches * s.micro_batch_size * s.seq_length * s.dp,
         s.tp * s.cp * s.dp * s.pp,
-        model.flops_per_token(s.seq_length),
+        flops_per_token(model, s.seq_length),
         hw.gpu.peak_flops,
         done.parts,
         done.dp_comm_seconds,

@@ -1,5 +1,8 @@
-"""Llama 1/2/3, Code Llama, Mistral and Mixtral decoder layers: pre-norm, RMSNorm, SwiGLU (Mixtral: a mixture of
-SwiGLU experts, models/moe.py)."""
+"""The pre-norm decoder layer most families are built of (Llama, Mistral, Mixtral, Qwen): RMSNorm, attention,
+RMSNorm, SwiGLU (or a mixture of SwiGLU experts, models/moe.py), each branch added to the residual.
+
+Blocks declare how tensor parallelism splits them (`tp_plan`: child -> style, parallel/tensor.py); the model code
+itself stays single-device."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from .swiglu_op import swiglu
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one projection laid out [gate; up]."""
+
+    tp_plan = {"gate_up": "gate_up", "down": "row"}  # each rank: the same slice of gate and of up
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -37,7 +42,9 @@ class SwiGLU(nn.Module):
         return residual + self.down(act)
 
 
-class LlamaBlock(nn.Module):
+class DecoderBlock(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(...)): the pre-norm layer."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -55,3 +62,13 @@ class LlamaBlock(nn.Module):
     ) -> torch.Tensor:
         x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, mask, cache))
         return self.mlp(normed, residual=x)
+
+
+def decoder_block(cfg: ModelConfig, index: int) -> DecoderBlock:
+    """Layer `index` of a model made of pre-norm decoder layers (a Family's `block`)."""
+    return DecoderBlock(cfg)
+
+
+def rms_norm(cfg: ModelConfig) -> RMSNorm:
+    """The final norm of a model normalised with RMSNorm (a Family's `final_norm`)."""
+    return RMSNorm(cfg.hidden_size, cfg.norm_eps)

@@ -1,8 +1,10 @@
-"""Named architectures with their published shapes, and tiny ones for tests and the demo."""
+"""Llama 1/2/3, Code Llama, Mistral and Mixtral with their published shapes, and tiny ones for tests and the demo."""
 
 from __future__ import annotations
 
-from .config import ModelConfig, RopeScaling
+from collections.abc import Callable
+
+from ...config import ModelConfig, RopeScaling
 
 
 def _llama(
@@ -36,7 +38,7 @@ def _llama3_scaling() -> RopeScaling:
     return RopeScaling(kind="llama3", factor=8.0, original_max_position=8192, low_freq_factor=1.0, high_freq_factor=4.0)
 
 
-_PRESETS = {
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
     # Llama 1 (2023-02): multi-head, 2k context
     "llama-7b": lambda: _llama(4096, 32, 32, 11008),
     "llama-13b": lambda: _llama(5120, 40, 40, 13824),
@@ -67,31 +69,6 @@ _PRESETS = {
     ),
     # The MoE benchmark shape (issue 20): llama-1b's attention, 8 experts of 5632, top-2
     "mixtral-1b": lambda: _llama(2048, 16, 32, 5632, kv=8, seq=4096, eps=1e-5, num_experts=8, experts_per_token=2),
-    # Falcon: parallel attention/MLP, LayerNorm, GELU MLP, tied embeddings
-    "falcon-7b": lambda: ModelConfig(
-        family="falcon",
-        vocab_size=65024,
-        hidden_size=4544,
-        num_layers=32,
-        num_heads=71,
-        num_kv_heads=1,
-        ffn_hidden_size=4 * 4544,
-        max_seq_length=2048,
-        tie_embeddings=True,
-        separate_mlp_norm=False,
-    ),
-    "falcon-40b": lambda: ModelConfig(
-        family="falcon",
-        vocab_size=65024,
-        hidden_size=8192,
-        num_layers=60,
-        num_heads=128,
-        num_kv_heads=8,
-        ffn_hidden_size=4 * 8192,
-        max_seq_length=2048,
-        tie_embeddings=True,
-        separate_mlp_norm=True,
-    ),
     # The benchmark shape (issue 7): ~1.1B parameters
     "llama-1b": lambda: _llama(2048, 16, 32, 5632, kv=8, seq=4096, eps=1e-5),
     # Tiny shapes for tests and the CPU demo
@@ -117,46 +94,4 @@ _PRESETS = {
         64, 4, 4, 96, kv=2, vocab=256, seq=128, eps=1e-5, num_experts=4, experts_per_token=2
     ),  # pipeline tests: 4 layers
     "llama-test4": lambda: _llama(64, 4, 4, 160, kv=2, vocab=256, seq=128, eps=1e-5),  # pipeline tests: 4 layers
-    "falcon-test4": lambda: ModelConfig(
-        family="falcon",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=1,
-        ffn_hidden_size=256,
-        max_seq_length=128,
-        tie_embeddings=True,
-    ),
-    "falcon-test": lambda: ModelConfig(
-        family="falcon",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=1,
-        ffn_hidden_size=256,
-        max_seq_length=128,
-        tie_embeddings=True,
-    ),
-    "falcon40b-test": lambda: ModelConfig(
-        family="falcon",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=2,
-        ffn_hidden_size=256,
-        max_seq_length=128,
-        tie_embeddings=True,
-        separate_mlp_norm=True,
-    ),
 }
-
-PRESET_NAMES = sorted(_PRESETS)
-
-
-def get_preset(name: str) -> ModelConfig:
-    if name not in _PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESET_NAMES)}")
-    return _PRESETS[name]()

@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMask
-from .config import ModelConfig
-from .kv_cache import LayerKVCache
-from .layers import Attention
+from ...attention import AttentionMask
+from ...config import ModelConfig
+from ...kv_cache import LayerKVCache
+from ...layers import Attention
 
 
 class GeluMLP(nn.Module):
+    tp_plan = {"up": "column", "down": "row"}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
@@ -27,6 +29,8 @@ class GeluMLP(nn.Module):
 
 
 class FalconBlock(nn.Module):
+    parallel_residual = True  # attention and MLP read the same residual (the planner's activation model reads it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -45,3 +49,11 @@ class FalconBlock(nn.Module):
         attn_in = self.attn_norm(x)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
         return x + self.attn(attn_in, cos, sin, mask, cache) + self.mlp(mlp_in)
+
+
+def falcon_block(cfg: ModelConfig, index: int) -> FalconBlock:
+    return FalconBlock(cfg)
+
+
+def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)

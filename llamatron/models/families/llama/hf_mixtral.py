@@ -1,6 +1,6 @@
 """Mixtral (`MixtralForCausalLM`) <-> llamatron: the mixture-of-experts part of the config and of the weights.
 
-Attention, norms and embeddings are Mistral's (hf.py maps them). Each layer's MLP is a router and E SwiGLU
+Attention, norms and embeddings are Mistral's (hf.py beside this maps them). Each layer's MLP is a router and E SwiGLU
 experts; llamatron stacks the experts:
   layers.N.mlp.router.weight  (E, hidden)          <- block_sparse_moe.gate.weight
   layers.N.mlp.experts.gate_up (E, 2·ffn, hidden)  <- per expert e: rows [w1 (gate); w3 (up)]
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ..errors import HFConversionError
-from ..models import ModelConfig
+from ....errors import HFConversionError
+from ...config import ModelConfig
+from ...hf_format import itself, only
 
 # transformers' MixtralConfig defaults for keys a config.json may leave out (4.x and 5.x agree on these); those
 # of the attention differ from Llama's (kv heads = heads, 2048 positions, eps 1e-6, theta 10000).
@@ -110,16 +111,16 @@ def expert_tensors(cfg: ModelConfig, layer: int, stacked: bool = False) -> list[
     h, L = f"model.layers.{layer}", f"layers.{layer}"
     if stacked:
         return [
-            (f"{L}.mlp.router.weight", (f"{h}.mlp.gate.weight",), _only, _itself),
-            (f"{L}.mlp.experts.gate_up", (f"{h}.mlp.experts.gate_up_proj",), _only, _itself),
-            (f"{L}.mlp.experts.down", (f"{h}.mlp.experts.down_proj",), _only, _itself),
+            (f"{L}.mlp.router.weight", (f"{h}.mlp.gate.weight",), only, itself),
+            (f"{L}.mlp.experts.gate_up", (f"{h}.mlp.experts.gate_up_proj",), only, itself),
+            (f"{L}.mlp.experts.down", (f"{h}.mlp.experts.down_proj",), only, itself),
         ]
     e = f"{h}.block_sparse_moe.experts"
     gate_up = tuple(f"{e}.{i}.{w}.weight" for i in range(cfg.num_experts) for w in ("w1", "w3"))
     down = tuple(f"{e}.{i}.w2.weight" for i in range(cfg.num_experts))
     ffn = cfg.ffn_hidden_size
     return [
-        (f"{L}.mlp.router.weight", (f"{h}.block_sparse_moe.gate.weight",), _only, _itself),
+        (f"{L}.mlp.router.weight", (f"{h}.block_sparse_moe.gate.weight",), only, itself),
         (f"{L}.mlp.experts.gate_up", gate_up, _stack_gate_up, lambda t: [p for x in t for p in x.split([ffn, ffn])]),
         (f"{L}.mlp.experts.down", down, _stack, lambda t: list(t.unbind(0))),
     ]
@@ -148,14 +149,6 @@ def _stack_gate_up(parts: list[torch.Tensor]) -> torch.Tensor:
     for i, part in enumerate(parts):
         out[i // 2, (i % 2) * ffn : (i % 2 + 1) * ffn].copy_(part)
     return out
-
-
-def _only(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0]
-
-
-def _itself(t: torch.Tensor) -> list[torch.Tensor]:
-    return [t]
 
 
 __all__ = [

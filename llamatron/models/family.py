@@ -1,0 +1,90 @@
+"""A model family as a plug-in: everything llamatron knows about one family, in one object.
+
+A family lives in its own folder under models/families/ and is registered by one line in
+models/families/__init__.py. It says how to build its decoder layers and final norm (from the shared blocks of
+models/ or its own), which options of ModelConfig it has, its named shapes (presets), and how its Hugging Face
+files map to llamatron's: config.json's keys and model_type(s), and the weights' names (models/hf_format.py).
+Tensor parallelism reads each block's `tp_plan`; parameter and FLOP counts come from the layers themselves, built
+on the meta device (models/inventory.py); the planner and the kernel settings read the layers' features from there.
+No module outside models/families/ branches on a family's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .config import ModelConfig
+from .hf_format import TensorRule
+
+
+def no_problems(cfg: ModelConfig) -> list[str]:
+    return []
+
+
+def same_layers(cfg: ModelConfig, index: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A family's Hugging Face format: the model_types of config.json it reads, and the conversions."""
+
+    model_types: tuple[str, ...]
+    # config.json -> ModelConfig (HFConversionError for what the family cannot represent)
+    config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
+    # ModelConfig (and the config.json it came from, or {}) -> the family's own keys: model_type, architectures,
+    # the shape in the family's names; the keys every family shares are written by checkpoint/hf.py
+    config_to_hf: Callable[[ModelConfig, Mapping[str, Any]], dict[str, Any]]
+    # (cfg, config.json, the Hugging Face tensor names at hand or ()) -> every llamatron tensor's rule, in order
+    weight_rules: Callable[[ModelConfig, Mapping[str, Any], Collection[str]], list[TensorRule]]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    description: str  # what it covers, for messages and docs ("Llama 1/2/3, Code Llama, Mistral, Mixtral")
+    block: Callable[[ModelConfig, int], nn.Module]  # decoder layer `index` of a model
+    final_norm: Callable[[ModelConfig], nn.Module]
+    presets: Mapping[str, Callable[[], ModelConfig]]
+    hf: HFAdapter
+    # The ModelConfig options (the fields after init_std) this family's layers have; the others keep their defaults.
+    options: frozenset[str] = frozenset()
+    problems: Callable[[ModelConfig], list[str]] = no_problems  # the family's own rules on a config
+    # Layers of equal kind have equal shapes: models/inventory.py builds one of each on meta.
+    layer_kind: Callable[[ModelConfig, int], Any] = same_layers
+    # Other checkpoint formats its models come in, read by checkpoint/ into Hugging Face names: Meta's consolidated
+    # files (checkpoint/meta_consolidated.py), Megatron-LM runs (checkpoint/megatron.py).
+    meta_format: MetaFormat | None = None
+    megatron_format: MegatronFormat | None = None
+
+
+@dataclass(frozen=True)
+class MetaFormat:
+    """A family's models as Meta's original `consolidated.NN.pth` + `params.json` store them."""
+
+    # Meta's name (after "layers.N." for layer_names) -> (Hugging Face name, the dim model parallelism split or None)
+    layer_names: Mapping[str, tuple[str, int | None]]
+    global_names: Mapping[str, tuple[str, int | None]]
+    # (params.json, vocabulary, ffn width, dtype name) -> the Hugging Face config.json of those weights
+    hf_config: Callable[[Mapping[str, Any], int, int, str], dict[str, Any]]
+    # params.json's problems given the weights' (vocabulary, ffn width): a params.json of another model
+    params_problems: Callable[[Mapping[str, Any], int, int], list[str]]
+
+
+@dataclass(frozen=True)
+class MegatronFormat:
+    """A family's models as Megatron-LM runs store them: what the run's `args` must say, and the Hugging Face
+    config.json and tensor names the reader presents."""
+
+    args_problems: Callable[[Any], list[str]]  # each names the Megatron flag the family cannot be trained with
+    hf_config: Callable[[Any, int, str], dict[str, Any]]  # (args, vocabulary kept, Megatron flavour) -> config.json
+    # Hugging Face name within layer g -> (part: attn_norm, qkv, proj, mlp_norm, fc1, fc2; index in its outputs)
+    hf_layer_names: Mapping[str, tuple[str, int]]
+    hf_global_names: Mapping[str, str]  # part (embed, final_norm, head) -> Hugging Face name
+
+
+__all__ = ["Family", "HFAdapter", "MegatronFormat", "MetaFormat", "no_problems", "same_layers"]

@@ -1,0 +1,141 @@
+"""The vocabulary of Hugging Face checkpoints that every family's adapter speaks (models/families/*/hf.py).
+
+A family maps its weights with a list of `TensorRule`s, one per llamatron tensor: the Hugging Face tensors it is
+made of, how to fuse them (import) and how to split it back (export). Splitting only slices, and fusing only
+concatenates or reorders rows, so import -> export gives back bitwise-identical tensors. Rope settings are read in
+both of transformers' forms (4.x `rope_theta` + `rope_scaling`, 5.x `rope_parameters`) and written in the one every
+transformers >= 4.45 reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import HFConversionError
+from .config import ModelConfig, RopeScaling
+
+
+def get(hf: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of `names` that `hf` sets (not None), else `default`."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    return default
+
+
+def rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    """Rope theta and scaling from either form: 4.x (`rope_theta`, `rope_scaling`) or 5.x (`rope_parameters`)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    factor = float(params["factor"])
+    if kind == "linear":
+        return theta, RopeScaling("linear", factor)
+    if kind == "dynamic":  # Hugging Face grows the base past max_position_embeddings
+        return theta, RopeScaling("dynamic", factor, original_max_position=max_positions)
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            factor,
+            int(params.get("original_max_position_embeddings", max_positions)),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+        )
+    raise HFConversionError(f"rope scaling {kind!r} is not supported; llamatron has linear, dynamic and llama3")
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
+    s = cfg.rope_scaling
+    if s is None:
+        return None
+    if s.kind in ("linear", "dynamic"):
+        return {"rope_type": s.kind, "factor": s.factor}
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position,
+    }
+
+
+def head_dim_from_hf(hf: Mapping[str, Any], hidden: int, heads: int) -> Any:
+    """config.json's head_dim, else hidden_size / heads (transformers' default)."""
+    if heads == 0:  # ModelConfig.problems says why
+        return hf.get("head_dim")
+    derived = hidden // heads  # TypeError for a size of the wrong type: the reader of config.json says so
+    return hf["head_dim"] if hf.get("head_dim") is not None else derived
+
+
+def check_head_dim_follows(hf: Mapping[str, Any], hidden: int, heads: int, family: str) -> None:
+    """For families whose transformers code has no head_dim of its own: it must be hidden_size / heads."""
+    head_dim = hf.get("head_dim")
+    if hidden % heads or (head_dim is not None and head_dim != hidden // heads):
+        raise HFConversionError(
+            f"head_dim={head_dim} with hidden_size={hidden} and {heads} heads: the {family} family needs "
+            f"head_dim = hidden_size / num_attention_heads"
+        )
+
+
+# ---------------------------------------------------------------- weights
+
+
+def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
+def only(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def itself(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t]
+
+
+def split_rows(sizes: list[int]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    return lambda t: list(t.split(sizes, dim=0))
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One llamatron tensor and the Hugging Face tensors it is made of."""
+
+    name: str
+    hf_names: tuple[str, ...]
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor] = field(default=only, compare=False)
+    split: Callable[[torch.Tensor], list[torch.Tensor]] = field(default=itself, compare=False)
+
+
+def linear(name: str, hf_name: str, bias: bool, **fns) -> list[TensorRule]:
+    """The weight (and bias) of linear `name` from Hugging Face's `hf_name` ("a|b|c": fused from several)."""
+    suffixes = ("weight", "bias") if bias else ("weight",)
+    return [TensorRule(f"{name}.{s}", tuple(f"{h}.{s}" for h in hf_name.split("|")), **fns) for s in suffixes]
+
+
+def qkv_and_gate_up(cfg: ModelConfig) -> tuple[Callable, Callable]:
+    """The splits of llamatron's fused [Q; K; V] and [gate; up] rows back into Hugging Face's separate ones."""
+    d = cfg.head_dim
+    qkv = split_rows([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
+    return qkv, split_rows([cfg.ffn_hidden_size, cfg.ffn_hidden_size])
+
+
+__all__ = [
+    "TensorRule",
+    "cat",
+    "check_head_dim_follows",
+    "get",
+    "head_dim_from_hf",
+    "itself",
+    "linear",
+    "only",
+    "qkv_and_gate_up",
+    "rope_from_hf",
+    "rope_to_hf",
+    "split_rows",
+]

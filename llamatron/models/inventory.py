@@ -1,0 +1,189 @@
+"""What a model is made of, read from its layers built on the meta device: the one source of parameter counts,
+FLOPs and layer features for training metrics, bench, the planner and the simulator.
+
+Each decoder layer kind of a family (Family.layer_kind) is built once on meta (no memory); its parameters are
+listed with their shape and how tensor parallelism splits them (the `tp_plan` of the block that holds them), and
+the layer's features (which norm, which MLP) are read off its modules. Nothing here knows a family.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .blocks import SwiGLU
+from .config import ModelConfig
+from .families import family_of
+from .layers import RMSNorm
+from .moe import Experts, MoE
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter of a decoder layer."""
+
+    name: str  # within the layer, e.g. "attn.qkv.weight"
+    shape: tuple[int, ...]
+    # tensor parallelism's split (parallel/tensor.py): qkv, column, gate_up, row, replicated, replicated_partial,
+    # or expert (a mixture's stacked experts: split over ep ranks and, along their ffn, over tp)
+    split: str
+    kind: str  # matmul (a linear's weight), expert, router, norm, bias
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A decoder layer's parameters and the features the planner and the kernel settings read."""
+
+    weights: tuple[Weight, ...]
+    norm: str  # "rmsnorm" or "layernorm"
+    norms: int  # norms on the residual stream (before attention and MLP), not the q/k norms
+    mlp: str  # "swiglu" or "gelu" (a mixture of experts: its experts')
+    moe: bool
+    qk_norm: bool
+    parallel_residual: bool  # attention and MLP both read the layer's input (Falcon)
+
+    def params(self, kind: str | None = None) -> int:
+        return sum(w.numel for w in self.weights if kind is None or w.kind == kind)
+
+
+def _split_of(plan_style: str | None, leaf: str) -> str:
+    if plan_style is None:
+        return "replicated"
+    if leaf == "bias" and plan_style == "row":
+        return "replicated"  # a row-parallel layer adds its bias after the reduction
+    return plan_style
+
+
+def _kind_of(module: nn.Module, leaf: str, name: str) -> str:
+    if isinstance(module, Experts):
+        return "expert"
+    if isinstance(module, (RMSNorm, nn.LayerNorm)):
+        return "norm"
+    if leaf == "bias":
+        return "bias"
+    return "router" if name.endswith("router") else "matmul"
+
+
+def _describe(layer: nn.Module) -> Layer:
+    plans = {}
+    for prefix, module in layer.named_modules():
+        for child, style in getattr(type(module), "tp_plan", {}).items():
+            plans[f"{prefix}.{child}" if prefix else child] = style
+    modules = dict(layer.named_modules())
+    weights = []
+    for name, p in layer.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        kind = _kind_of(modules[owner], leaf, owner)
+        split = "expert" if kind == "expert" else _split_of(plans.get(owner), leaf)
+        weights.append(Weight(name, tuple(p.shape), split, kind))
+    children = dict(layer.named_children())
+    residual_norms = [m for m in children.values() if isinstance(m, (RMSNorm, nn.LayerNorm))]
+    mlp = children.get("mlp")
+    return Layer(
+        weights=tuple(weights),
+        norm="layernorm" if any(isinstance(m, nn.LayerNorm) for m in residual_norms) else "rmsnorm",
+        norms=len(residual_norms),
+        mlp="swiglu" if isinstance(mlp, (SwiGLU, MoE)) else "gelu",
+        moe=isinstance(mlp, MoE),
+        qk_norm=any(n.endswith(("q_norm", "k_norm")) for n in modules),
+        parallel_residual=bool(getattr(type(layer), "parallel_residual", False)),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _layers(key: str) -> tuple[Layer, ...]:
+    cfg = ModelConfig.from_dict(json.loads(key))
+    family = family_of(cfg)
+    kinds: dict[object, Layer] = {}
+    out = []
+    with torch.device("meta"):
+        for i in range(cfg.num_layers):
+            kind = family.layer_kind(cfg, i)
+            if kind not in kinds:
+                kinds[kind] = _describe(family.block(cfg, i))
+            out.append(kinds[kind])
+    return tuple(out)
+
+
+def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
+    """Every decoder layer of `cfg`, in order (layers of one kind are one object)."""
+    return _layers(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _final_norm_params(key: str) -> int:
+    cfg = ModelConfig.from_dict(json.loads(key))
+    with torch.device("meta"):
+        return sum(p.numel() for p in family_of(cfg).final_norm(cfg).parameters())
+
+
+def final_norm_params(cfg: ModelConfig) -> int:
+    return _final_norm_params(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+def input_embedding_params(cfg: ModelConfig) -> int:
+    """The parameters of an input-embedding table of its own (untied): a lookup, no matmul, so no FLOPs. A tied
+    table is the output head's weight too, and its matmul counts: 0 then."""
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
+
+
+def _params(cfg: ModelConfig, active: bool) -> int:
+    total = 0
+    for layer in layers(cfg):
+        experts = layer.params("expert")
+        total += layer.params() - experts
+        total += experts * cfg.experts_per_token // cfg.num_experts if active and layer.moe else experts
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    return total + final_norm_params(cfg) + embed
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """All parameters, embeddings included (a tied table once); every expert of a mixture of experts."""
+    return _params(cfg, active=False)
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """The parameters one token is computed with: num_params with experts_per_token experts per MoE layer (the
+    router included). Equal to num_params for a dense model."""
+    return _params(cfg, active=True)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """The parameters of all experts of all layers (0 for a dense model): what expert parallelism splits."""
+    return sum(layer.params("expert") for layer in layers(cfg))
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
+    """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
+    6·(N - input-embedding params) + 12·L·(heads·head_dim)·S, as PaLM and torchtitan count them
+    (docs/design.md; heads·head_dim is hidden_size unless head_dim says otherwise). S is the keys a query attends
+    to: the sequence length, or the sliding window when it is shorter (else windowed models report MFU above
+    100%). N of a mixture of experts is its active parameters (experts_per_token experts per layer, as
+    Megatron-core and torchtitan count MoE FLOPs)."""
+    keys = min(seq_length, cfg.sliding_window) if cfg.sliding_window is not None else seq_length
+    matmul_params = active_params(cfg) - input_embedding_params(cfg)
+    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.attention_width * keys
+
+
+__all__ = [
+    "Layer",
+    "Weight",
+    "active_params",
+    "expert_params",
+    "final_norm_params",
+    "flops_per_token",
+    "input_embedding_params",
+    "layers",
+    "num_params",
+]

@@ -1,0 +1,41 @@
+"""Training objectives: what a step minimises and what its sum is divided by, outside the model.
+
+The model returns logits (models/transformer.py); an objective turns a micro-batch's logits into its share of the
+step's loss. The engine owns one and uses it in the plain step, on the pipeline's last stage and in evaluation, so
+a new objective (preference optimisation, distillation) is one module beside language_model.py implementing
+`Objective`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+
+class Objective(Protocol):
+    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 loss of each token (0 where it has no label): evaluation's `loss` metric."""
+        ...
+
+    def normaliser(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """What the step's summed loss is divided by, over the whole global batch (a device tensor; a collective
+        over the ranks holding different samples)."""
+        ...
+
+    def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+        """Micro-batch `mb`'s share of the step's loss (a scalar to backpropagate), from its logits (this rank's
+        vocabulary shard under tensor parallelism)."""
+        ...
+
+    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
+        """Called before each step's forward passes, with the step's sequences over all ranks."""
+        ...
+
+    def step_stats(self, sequences: int) -> torch.Tensor | None:
+        """The step's own statistics to log (a device tensor; a collective), or None."""
+        ...
+
+
+__all__ = ["Objective"]

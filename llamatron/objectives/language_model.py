@@ -1,0 +1,120 @@
+"""Next-token prediction: the cross entropy of every label token, as a mean over the global batch's label tokens.
+
+The per-token loss is the fused cross entropy of one device (models/cross_entropy_op.py: a Triton kernel each way
+on CUDA, torch's compiled one with --cross-entropy-backend torch), or under tensor parallelism the
+vocabulary-parallel one (parallel/tensor_layers.py), which never builds the whole vocabulary's logits. Labels of
+IGNORE_INDEX (SFT prompts, document ends with --eod-mask-loss, padding) count nothing, in the sum and in the
+normaliser. A mixture of experts' router losses (load balancing, z-loss) are this objective's too: their weight and
+statistics live in `RouterTraining`, their gradient rides on each MoE layer's output (models/moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..models import IGNORE_INDEX, ModelConfig, Transformer
+from ..models.cross_entropy_op import CrossEntropy
+from ..models.moe import MoE, MoEStats
+from ..parallel.mesh import Mesh, all_reduce
+from ..parallel.tensor_layers import VocabParallelCrossEntropy
+
+PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class RouterTraining:
+    """What a mixture of experts' routers train with: the weight of their losses' gradient (one device tensor every
+    MoE layer of this rank reads) and the step's router statistics (summed by every MoE layer of this rank)."""
+
+    loss_weight: torch.Tensor
+    stats: MoEStats
+    num_layers: int  # MoE layers in the whole model
+
+    @staticmethod
+    def attach(chunks: list[Transformer], model_cfg: ModelConfig, device: torch.device) -> RouterTraining | None:
+        if not model_cfg.is_moe:
+            return None
+        run = RouterTraining(
+            torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), model_cfg.num_layers
+        )
+        for chunk in chunks:
+            for m in chunk.modules():
+                if isinstance(m, MoE):
+                    m.router_loss_weight, m.stats = run.loss_weight, run.stats
+        return run
+
+    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
+        """Weigh the router losses as a mean over the step's sequences and the MoE layers; restart the counts."""
+        weight = 1.0 / (sequences * self.num_layers)
+        if loss_scale is None:
+            self.loss_weight.fill_(weight)
+        else:  # fp16: like the language-model loss, the gradient is the scaled one
+            self.loss_weight.copy_(loss_scale * weight)
+        self.stats.zero_()
+
+    def step_stats(self, sequences: int, mesh: Mesh) -> torch.Tensor:
+        """[load-balancing loss, z-loss, each expert's share of the token choices] of the whole step: a collective
+        over every rank (pipeline stages hold different layers, data-parallel ranks different sequences; the
+        tensor-parallel ranks of a layer count the same tokens)."""
+        s = self.stats
+        flat = torch.cat([s.aux.reshape(1), s.z.reshape(1), s.choices]).float()
+        if mesh.world_size > 1:
+            torch.distributed.all_reduce(flat)
+        flat = flat / mesh.tp
+        total = flat[2:].sum().clamp_min(1.0)
+        return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:] / total])
+
+
+class LanguageModelObjective:
+    """The language-model loss of one rank's chunks (see the module docstring); an `Objective`."""
+
+    def __init__(self, per_token: PerTokenLoss, mesh: Mesh, device: torch.device, router: RouterTraining | None = None):
+        self.per_token_loss, self.mesh, self.device, self.router = per_token, mesh, device, router
+
+    @classmethod
+    def build(
+        cls,
+        chunks: list[Transformer],
+        model_cfg: ModelConfig,
+        mesh: Mesh,
+        device: torch.device,
+        kernel: str = "auto",
+        compile: bool = False,
+    ) -> LanguageModelObjective:
+        """The objective for this rank's `chunks` (their tensor-parallel vocabulary split, if any): `kernel` picks
+        the one-device cross entropy's (auto, triton or torch), `compile` compiles it (fusing torch's fp32 upcast)."""
+        shard = chunks[-1].parallel.vocab
+        per_token: PerTokenLoss
+        if shard is not None:
+            per_token = VocabParallelCrossEntropy(shard)
+        else:
+            per_token = CrossEntropy(kernel)
+            if compile:
+                per_token = torch.compile(per_token, dynamic=False)
+        return cls(per_token, mesh, device, RouterTraining.attach(chunks, model_cfg, device))
+
+    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.per_token_loss(logits, labels)
+
+    def normaliser(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The label tokens of the whole global batch (this rank's, summed over the dp x cp replicas)."""
+        counts = [(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]
+        local = torch.stack(counts).sum().to(self.device, torch.float32)
+        return all_reduce(local, self.mesh.replica_group).clamp_min(1.0)
+
+    def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+        return self.per_token_loss(logits, mb["labels"]).sum() / normaliser
+
+    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
+        if self.router is not None:
+            self.router.begin_step(sequences, loss_scale)
+
+    def step_stats(self, sequences: int) -> torch.Tensor | None:
+        """A mixture of experts' router statistics (RouterTraining.step_stats), None for a dense model."""
+        return None if self.router is None else self.router.step_stats(sequences, self.mesh)
+
+
+__all__ = ["LanguageModelObjective", "RouterTraining"]
