@@ -76,6 +76,9 @@ FAMILIES: dict[str, tuple[str, dict, int]] = {
         dict(_FALCON, num_attention_heads=4, multi_query=False, new_decoder_architecture=False, bias=True),
         24,
     ),
+    # Qwen2.5: q/k/v biases, tied embeddings; Qwen3: q/k norms and a head_dim that is not hidden / heads
+    "qwen2-tied": ("Qwen2", dict(_LLAMA, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6), 24),
+    "qwen3": ("Qwen3", dict(_LLAMA, num_key_value_heads=2, head_dim=32, rope_theta=1e6), 24),
 }
 
 # Mixtral (tests/test_hf_mixtral.py): name -> (config kwargs, sequence length of the equivalence check). Apart

@@ -61,7 +61,7 @@ def naming_a_family(path: Path, names: set[str]) -> list[str]:
 
 def test_no_module_outside_a_family_folder_names_a_family():
     names = _family_names()
-    assert {"llama", "falcon", "mixtral", "FalconForCausalLM"} <= names
+    assert {"llama", "falcon", "qwen", "mixtral", "qwen3", "Qwen3ForCausalLM", "FalconForCausalLM"} <= names
     outside = [
         p for p in sorted(PACKAGE.rglob("*.py")) if FAMILY_DIR not in p.parents or p == FAMILY_DIR / "__init__.py"
     ]
@@ -104,5 +104,5 @@ def test_families_read_disjoint_model_types_and_refuse_options_they_lack():
     falcon = dataclasses.replace(get_preset("falcon-test"), num_experts=4)
     assert any("no such option" in p and "llama" in p for p in model_problems(falcon))
     llama = dataclasses.replace(get_preset("llama-test"), qk_norm=True)
-    assert any("qk_norm" in p for p in model_problems(llama))
+    assert any("qk_norm" in p and "qwen" in p for p in model_problems(llama))
     assert "family 'gpt2' is not one of" in model_problems(dataclasses.replace(llama, family="gpt2"))[0]

@@ -113,7 +113,9 @@ def _eager_kernels(cfg, norms: bool, rope_swiglu: bool) -> A.LayerKernels:
     ).layer_kernels(cfg)
 
 
-@pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test"])
+@pytest.mark.parametrize(
+    "name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test", "qwen2-test", "qwen3-test"]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_swiglu):
     cfg = get_preset(name)
@@ -132,7 +134,7 @@ def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_s
     assert measured == pytest.approx(predicted, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test"])
+@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test", "qwen3-test"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_model_activations_match_autograd(name, recompute, fused_norms, fused_rope_swiglu):
     cfg = get_preset(name)

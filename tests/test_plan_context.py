@@ -57,7 +57,7 @@ class _Replicate(torch.autograd.Function):
         return None, None
 
 
-@pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test"])
+@pytest.mark.parametrize("name", ["llama-test", "llama3-test", "falcon-test", "qwen3-test"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-rope-swiglu", "fused-rope-swiglu"])

@@ -73,6 +73,37 @@ def head_dim_from_hf(hf: Mapping[str, Any], hidden: int, heads: int) -> Any:
     return hf["head_dim"] if hf.get("head_dim") is not None else derived
 
 
+def decoder_config_from_hf(
+    hf: Mapping[str, Any], family: str, max_positions: int = 2048, head_dim: Any = None, **options: Any
+) -> ModelConfig:
+    """The ModelConfig of a transformers pre-norm decoder with SwiGLU and RMSNorm from its config.json keys
+    (`max_positions`: transformers' default max_position_embeddings; `head_dim`: the family's default when
+    config.json has none, else hidden_size / heads); `options`: the family's ModelConfig options."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConversionError(f"hidden_act={hf['hidden_act']!r}: llamatron's SwiGLU uses silu")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    derived_head_dim = head_dim_from_hf(hf, hidden, heads)  # checks the sizes' types, whatever head_dim is
+    max_positions = hf.get("max_position_embeddings", max_positions)
+    theta, scaling = rope_from_hf(hf, max_positions)
+    return ModelConfig(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=get(hf, "num_key_value_heads", default=heads),
+        head_dim=get(hf, "head_dim", default=head_dim) if head_dim is not None else derived_head_dim,
+        ffn_hidden_size=hf["intermediate_size"],
+        max_seq_length=max_positions,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        **options,
+    )
+
+
 def check_head_dim_follows(hf: Mapping[str, Any], hidden: int, heads: int, family: str) -> None:
     """For families whose transformers code has no head_dim of its own: it must be hidden_size / heads."""
     head_dim = hf.get("head_dim")
@@ -118,6 +149,51 @@ def linear(name: str, hf_name: str, bias: bool, **fns) -> list[TensorRule]:
     return [TensorRule(f"{name}.{s}", tuple(f"{h}.{s}" for h in hf_name.split("|")), **fns) for s in suffixes]
 
 
+def decoder_config_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """The shape keys of config.json that transformers' pre-norm decoders with SwiGLU and RMSNorm share."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+    }
+
+
+def decoder_layer_rules(
+    cfg: ModelConfig, i: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, mlp: bool = True
+) -> list[TensorRule]:
+    """Layer `i` of such a decoder under transformers' names (model.layers.i.self_attn.q_proj, ...): norms,
+    attention (with the q/k norms where cfg.qk_norm) and, with `mlp`, the SwiGLU MLP."""
+    qkv, gate_up = qkv_and_gate_up(cfg)
+    h, L = f"model.layers.{i}", f"layers.{i}"
+    q, k, v = (f"{h}.self_attn.{x}_proj" for x in "qkv")
+    rules = [TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",))]
+    rules += linear(f"{L}.attn.qkv", f"{q}|{k}|{v}", qkv_bias, fuse=cat, split=qkv)
+    if cfg.qk_norm:
+        rules += [TensorRule(f"{L}.attn.{x}_norm.weight", (f"{h}.self_attn.{x}_norm.weight",)) for x in "qk"]
+    rules += linear(f"{L}.attn.o", f"{h}.self_attn.o_proj", o_bias)
+    rules.append(TensorRule(f"{L}.mlp_norm.weight", (f"{h}.post_attention_layernorm.weight",)))
+    if mlp:
+        rules += linear(f"{L}.mlp.gate_up", f"{h}.mlp.gate_proj|{h}.mlp.up_proj", mlp_bias, fuse=cat, split=gate_up)
+        rules += linear(f"{L}.mlp.down", f"{h}.mlp.down_proj", mlp_bias)
+    return rules
+
+
+def decoder_rules(cfg: ModelConfig, layers: list[list[TensorRule]]) -> list[TensorRule]:
+    """The whole model under transformers' names: the embedding, `layers` (each layer's rules), the final norm and,
+    untied, the head."""
+    rules = [TensorRule("embed.weight", ("model.embed_tokens.weight",))]
+    rules += [r for layer in layers for r in layer]
+    rules.append(TensorRule("norm.weight", ("model.norm.weight",)))
+    if not cfg.tie_embeddings:
+        rules.append(TensorRule("lm_head.weight", ("lm_head.weight",)))
+    return rules
+
+
 def qkv_and_gate_up(cfg: ModelConfig) -> tuple[Callable, Callable]:
     """The splits of llamatron's fused [Q; K; V] and [gate; up] rows back into Hugging Face's separate ones."""
     d = cfg.head_dim
@@ -129,6 +205,10 @@ __all__ = [
     "TensorRule",
     "cat",
     "check_head_dim_follows",
+    "decoder_config_from_hf",
+    "decoder_config_keys",
+    "decoder_layer_rules",
+    "decoder_rules",
     "get",
     "head_dim_from_hf",
     "itself",

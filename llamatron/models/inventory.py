@@ -8,15 +8,15 @@ the layer's features (which norm, which MLP) are read off its modules. Nothing h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .blocks import SwiGLU
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .families import family_of
 from .layers import RMSNorm
 from .moe import Experts, MoE
@@ -54,7 +54,16 @@ class Layer:
     parallel_residual: bool  # attention and MLP both read the layer's input (Falcon)
 
     def params(self, kind: str | None = None) -> int:
-        return sum(w.numel for w in self.weights if kind is None or w.kind == kind)
+        """All its parameters, or those of one kind (matmul, expert, router, norm, bias)."""
+        return self._params[kind]
+
+    @functools.cached_property
+    def _params(self) -> dict[str | None, int]:
+        out: dict[str | None, int] = {None: 0, "matmul": 0, "expert": 0, "router": 0, "norm": 0, "bias": 0}
+        for w in self.weights:
+            out[None] += w.numel
+            out[w.kind] += w.numel
+        return out
 
 
 def _split_of(plan_style: str | None, leaf: str) -> str:
@@ -101,35 +110,44 @@ def _describe(layer: nn.Module) -> Layer:
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _layers(key: str) -> tuple[Layer, ...]:
-    cfg = ModelConfig.from_dict(json.loads(key))
-    family = family_of(cfg)
-    kinds: dict[object, Layer] = {}
-    out = []
-    with torch.device("meta"):
-        for i in range(cfg.num_layers):
-            kind = family.layer_kind(cfg, i)
-            if kind not in kinds:
-                kinds[kind] = _describe(family.block(cfg, i))
-            out.append(kinds[kind])
-    return tuple(out)
+_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "rope_scaling"]
+_CACHE: dict[tuple, tuple[tuple[Layer, ...], int]] = {}  # the planner asks thousands of times per search
+
+
+def config_key(cfg: ModelConfig) -> tuple:
+    """A hashable value equal for equal configs (ModelConfig itself is mutable): what caches of it are keyed by."""
+    scaling = cfg.rope_scaling
+    rope = dataclasses.astuple(scaling) if isinstance(scaling, RopeScaling) else scaling
+    return (*(getattr(cfg, name) for name in _FIELDS), rope)
+
+
+def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int]:
+    """(every decoder layer, the final norm's parameters) of `cfg`, built once on meta per configuration."""
+    key = config_key(cfg)
+    if key not in _CACHE:
+        family = family_of(cfg)
+        kinds: dict[object, Layer] = {}
+        out = []
+        with torch.device("meta"):
+            for i in range(cfg.num_layers):
+                kind = family.layer_kind(cfg, i)
+                if kind not in kinds:
+                    kinds[kind] = _describe(family.block(cfg, i))
+                out.append(kinds[kind])
+            norm = sum(p.numel() for p in family.final_norm(cfg).parameters())
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        _CACHE[key] = (tuple(out), norm)
+    return _CACHE[key]
 
 
 def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
     """Every decoder layer of `cfg`, in order (layers of one kind are one object)."""
-    return _layers(json.dumps(cfg.to_dict(), sort_keys=True))
-
-
-@functools.lru_cache(maxsize=256)
-def _final_norm_params(key: str) -> int:
-    cfg = ModelConfig.from_dict(json.loads(key))
-    with torch.device("meta"):
-        return sum(p.numel() for p in family_of(cfg).final_norm(cfg).parameters())
+    return _built(cfg)[0]
 
 
 def final_norm_params(cfg: ModelConfig) -> int:
-    return _final_norm_params(json.dumps(cfg.to_dict(), sort_keys=True))
+    return _built(cfg)[1]
 
 
 def input_embedding_params(cfg: ModelConfig) -> int:
@@ -180,6 +198,7 @@ __all__ = [
     "Layer",
     "Weight",
     "active_params",
+    "config_key",
     "expert_params",
     "final_norm_params",
     "flops_per_token",

@@ -11,6 +11,8 @@ num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the def
                 | Llama 2 a*h, Falcon one a*h
   qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it); with the Triton
                 rotary op (kernels.rope, the CUDA default) the q, k, v it writes instead, the same bytes
+  qk_norm       a q/k norm (Qwen3): the rsqrt 4 per query and key head; eager torch norms also keep the normalised
+                heads a*(q + kv)*d (and in bf16 their fp32 copy, 4 more per element)
   rope          roped q and k a*(h + kv): the attention kernel's inputs; 0 with kernels.rope
   softmax_stats logsumexp 4 per head (flash / cuDNN attention: no S^2 term)
   attn_output   the input of the output projection a*h | plus the kernel's own output: 2 a*h
@@ -89,12 +91,18 @@ def layer_activation_terms(
         mlp *= model.experts_per_token
         moe = 2 * a * model.experts_per_token * h + 4 * model.num_experts
     qkv, rope = a * (q + 2 * kv) * d, 0 if kernels.rope else a * (q + kv) * d
+    qk_norm = 0.0
+    if layer.qk_norm:  # per query/key head: its rsqrt; eager torch also the normalised heads (and their fp32 copy)
+        qk_norm = 4.0 * (q + kv)
+        if not (compiled or kernels.norms):
+            qk_norm += (a + (0 if a == 4 else 4)) * (q + kv) * d
     if cp > 1:  # the kernel holds the gathered K/V, not this rank's: of the local tensors only q stays
         qkv, rope = (a * q * d, 0) if kernels.rope else (0, a * q * d)
     return {
         "norm_inputs": norm_inputs / (tp if sequence_parallel else 1),
         "norm_outputs": norm_outputs,
         "qkv": qkv,
+        "qk_norm": qk_norm,
         "rope": rope,
         "gathered_kv": gathered_kv_bytes(model, act_bytes, tp, cp),
         "softmax_stats": 4 * q,

@@ -5,7 +5,7 @@ modules, built on meta) and what one rank keeps of each from parallel/tensor.py'
 from __future__ import annotations
 
 from ..models import ModelConfig
-from ..models.inventory import active_params, final_norm_params, input_embedding_params, layers
+from ..models.inventory import active_params, config_key, final_norm_params, input_embedding_params, layers
 from ..parallel.pipeline import split_layers
 from ..parallel.tensor import padded_vocab_size, shard_numel
 
@@ -15,17 +15,25 @@ def local_vocab(model: ModelConfig, tp: int) -> int:
     return model.vocab_size if tp == 1 else padded_vocab_size(model.vocab_size, tp) // tp
 
 
+_SHARDS: dict[tuple, tuple[int, int]] = {}  # a search asks for the same few thousand times
+
+
 def layer_shards(model: ModelConfig, tp: int = 1, ep: int = 1, index: int = 0) -> tuple[int, int]:
     """(dense parameters, expert parameters) of decoder layer `index` on one rank: num_experts/ep of a mixture's
     experts, every one split along its ffn over tp."""
-    dense = experts = 0
-    for w in layers(model)[index].weights:
-        n = shard_numel(w.split, w.shape, model, tp)
-        if w.split == "expert":
-            experts += n // ep
-        else:
-            dense += n
-    return dense, experts
+    key = (config_key(model), tp, ep, index)
+    if key not in _SHARDS:
+        dense = experts = 0
+        for w in layers(model)[index].weights:
+            n = shard_numel(w.split, w.shape, model, tp)
+            if w.split == "expert":
+                experts += n // ep
+            else:
+                dense += n
+        if len(_SHARDS) > 4096:
+            _SHARDS.clear()
+        _SHARDS[key] = dense, experts
+    return _SHARDS[key]
 
 
 def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:

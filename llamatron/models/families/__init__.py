@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from ..config import ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
-from . import falcon, llama
+from . import falcon, llama, qwen
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, falcon.FAMILY)}  # one entry a family
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, falcon.FAMILY, qwen.FAMILY)}  # one entry a family
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {n: p for f in FAMILIES.values() for n, p in f.presets.items()}
 PRESET_NAMES = sorted(_PRESETS)

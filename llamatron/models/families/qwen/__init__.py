@@ -1,0 +1,32 @@
+"""The qwen family: Qwen2/Qwen2.5 (biases on q, k and v) and Qwen3 dense (q/k RMSNorm, its own head_dim), built of
+the pre-norm decoder layers of models/blocks.py."""
+
+from __future__ import annotations
+
+from ...blocks import decoder_block, rms_norm
+from ...config import ModelConfig
+from ...family import Family, HFAdapter
+from . import hf
+from .presets import PRESETS
+
+
+def problems(cfg: ModelConfig) -> list[str]:
+    """A Qwen model is Qwen2 (qkv_bias) or Qwen3 (qk_norm): exactly one of them."""
+    if cfg.qkv_bias == cfg.qk_norm:
+        return [
+            f"qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}: a qwen model is Qwen2/2.5 (qkv_bias: true) or "
+            "Qwen3 (qk_norm: true), exactly one"
+        ]
+    return []
+
+
+FAMILY = Family(
+    name="qwen",
+    description="Qwen2, Qwen2.5, Qwen3",
+    block=decoder_block,
+    final_norm=rms_norm,
+    presets=PRESETS,
+    hf=HFAdapter(("qwen2", "qwen3"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
+    options=frozenset({"head_dim", "qkv_bias", "qk_norm"}),
+    problems=problems,
+)
