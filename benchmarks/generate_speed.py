@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from llamatron.config.settings import resolve_device
 from llamatron.dtypes import DTYPES
 from llamatron.inference.generate import load_for_generation, sample
 from llamatron.models import build_model, get_preset, materialize
+from llamatron.training.validate import resolve_device
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from torch.profiler import DeviceType, ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from llamatron.config.settings import add_config_arguments, load_config, validate  # noqa: E402
+from llamatron.config.settings import add_config_arguments, load_config  # noqa: E402
 from llamatron.data.batches import (
     micro_batches_for_step,  # noqa: E402
     to_device,  # noqa: E402
@@ -33,6 +33,7 @@ from llamatron.data.mock import MockDataset  # noqa: E402
 from llamatron.parallel.mesh import build_mesh, init_distributed  # noqa: E402
 from llamatron.training.engine import build_engine, train_step  # noqa: E402
 from llamatron.training.metrics import Timer, sync_device  # noqa: E402
+from llamatron.training.validate import validate  # noqa: E402
 
 # Kernel-name fragments per category, first match wins (lower-case).
 CATEGORIES = [

@@ -1,7 +1,7 @@
 """The shape rules of docs/design.md, checked on a package directory (default: llamatron/):
 
-- the import graph of its modules has no cycle (module-level imports, and imports inside functions too;
-  imports under `if TYPE_CHECKING:` are left out);
+- the import graph of its modules has no cycle (module-level imports, imports inside functions, and imports
+  under `if TYPE_CHECKING:` too: a cycle made only for type checking is still two modules that need each other);
 - function-local imports of the package's own modules: at most --max-local (8);
 - no file over --max-file-lines (600) lines, no function over --max-function-lines (80).
 
@@ -42,10 +42,6 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
     return [n for n in names if n in known]
 
 
-def _is_type_checking(node: ast.stmt) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def import_edges(known: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
     """(module -> modules it imports, the function-local intra-package imports as 'file:line')."""
     edges: dict[str, set[str]] = {m: set() for m in known}
@@ -53,13 +49,12 @@ def import_edges(known: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]
     for module, path in known.items():
         tree = ast.parse(path.read_text())
         is_package = path.name == "__init__.py"
-        skipped = {id(n) for stmt in tree.body if _is_type_checking(stmt) for n in ast.walk(stmt)}
         for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             for node in ast.walk(func):
                 if isinstance(node, (ast.Import, ast.ImportFrom)) and _targets(node, module, is_package, known):
                     local.append(f"{path}:{node.lineno}")
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
                 # A package's __init__ importing its own submodules is how packages work, not a cycle.
                 edges[module].update(
                     t

@@ -31,11 +31,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import llamatron.training.trainer
 from llamatron.cli import main as llamatron_main
 from llamatron.config.ranges import INT64_MAX, Range
-from llamatron.config.settings import SECTIONS, config_from_values, validate
+from llamatron.config.settings import SECTIONS, config_from_values
 from llamatron.data import samples
 from llamatron.data.indexed import IndexedDatasetWriter
 from llamatron.errors import ConfigError
 from llamatron.training.metrics import MetricsSink
+from llamatron.training.validate import validate
 
 REPO = str(Path(__file__).resolve().parents[1])
 BASE = {"model": "llama-test", "mock_data": True, "device": "cpu"}
@@ -147,7 +148,7 @@ def test_every_numeric_flag_refuses_bad_values(name, text, no_building, capsys):
     code, err = _cli([*BASE_FLAGS, f"{_flag(name)}={text}"], capsys)
     assert code == 2 and "Traceback" not in err, err
     first = err.splitlines()[0]
-    assert _flag(name) in first, err  # argparse (not an integer) or config.validate (out of range)
+    assert _flag(name) in first, err  # argparse (not an integer) or training.validate (out of range)
     if "configuration error" in first:
         assert len(err.splitlines()) == 1, err
 

@@ -4,9 +4,10 @@ layout independence, and a resume in the middle of the ramp."""
 import pytest
 from layout import assert_matches, run_train
 
-from llamatron.config.settings import config_from_values, validate
+from llamatron.config.settings import config_from_values
 from llamatron.data.batch_rampup import BatchSizes, rampup_problems
 from llamatron.errors import ConfigError
+from llamatron.training.validate import validate
 
 RAMP = [
     "--micro-batch-size",

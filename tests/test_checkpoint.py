@@ -106,9 +106,10 @@ def test_pieces_of_every_rank_and_segment_cover_the_full_tensor_once(preset, tp)
 
 
 def _engine(**values):
-    from llamatron.config.settings import config_from_values, validate
+    from llamatron.config.settings import config_from_values
     from llamatron.parallel.mesh import build_mesh
     from llamatron.training.engine import build_engine
+    from llamatron.training.validate import validate
 
     cfg = config_from_values(
         {
@@ -135,7 +136,7 @@ def _train_steps(engine, steps: range) -> None:
 
 
 def test_async_save_writes_a_snapshot_and_publishes_at_finish(tmp_path):
-    from llamatron.checkpoint import Checkpointing
+    from llamatron.training.checkpointing import Checkpointing
 
     engine = _engine(precision="fp32", async_save=True, save=str(tmp_path))
     saves = Checkpointing(engine.cfg.train)
@@ -164,7 +165,7 @@ def test_engine_takes_no_attributes_after_build_and_async_saves_resume(tmp_path)
 
 
 def test_bf16_master_weights_round_trip_and_seed_an_fp32_run(tmp_path):
-    from llamatron.checkpoint import load_checkpoint, save_checkpoint
+    from llamatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     bf16 = _engine(precision="bf16")
     _train_steps(bf16, range(2))
@@ -184,7 +185,7 @@ def test_bf16_master_weights_round_trip_and_seed_an_fp32_run(tmp_path):
 
 
 def test_fp16_loss_scale_is_restored(tmp_path):
-    from llamatron.checkpoint import load_checkpoint, save_checkpoint
+    from llamatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     fp16 = _engine(precision="fp16", initial_loss_scale=2.0**60)  # every step overflows: the scale halves
     _train_steps(fp16, range(2))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from layout import BASE_ARGS, assert_matches, run_train
 
-from llamatron.checkpoint import save_checkpoint
 from llamatron.checkpoint.reader import CheckpointReader
 from llamatron.errors import CheckpointError, TrainingAborted
+from llamatron.training.checkpointing import save_checkpoint
 
 REPO = str(Path(__file__).resolve().parents[1])
 

@@ -39,16 +39,20 @@ def test_the_checker_finds_cycles_local_imports_and_long_functions(tmp_path, cap
             "b.py": "from . import a\n\ndef g():\n    from .sub import c\n    return c\n",
             "sub/__init__.py": "",
             "sub/c.py": f"def long():\n{body}\n",
-            "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n",
+            # a cycle made only for type checking is a cycle too
+            "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .typed2 import T\n",
+            "typed2.py": "from .typed import x\nT = int\n",
         },
     )
     assert code_shape.main([str(pkg), "--max-local", "0"]) == 1
     out = capsys.readouterr().out
     assert "cycle: pkg.a pkg.b" in out
+    assert "cycle: pkg.typed pkg.typed2" in out
     assert f"function-local import: {pkg / 'b.py'}:4" in out
     assert "long: 82 lines" in out
-    assert out.splitlines()[-1] == "cycles 1 local 1 long-files 0 long-functions 1"
+    assert out.splitlines()[-1] == "cycles 2 local 1 long-files 0 long-functions 1"
     # the local import alone is within the default allowance; the package's __init__ importing a is no cycle
     (pkg / "a.py").write_text("def g():\n    return 1\n")
     (pkg / "sub" / "c.py").write_text("def short():\n    return 1\n")
+    (pkg / "typed2.py").write_text("T = int\n")
     assert code_shape.main([str(pkg)]) == 0

@@ -5,10 +5,11 @@ import pytest
 import torch
 import yaml
 
-from llamatron.config.settings import add_config_arguments, config_from_values, load_config, validate
+from llamatron.config.settings import add_config_arguments, config_from_values, load_config
 from llamatron.errors import ConfigError
 from llamatron.models import flash4_op
-from llamatron.training.kernel_settings import kernel_choices
+from llamatron.training.kernel_settings import KernelFlags, kernel_choices
+from llamatron.training.validate import validate
 
 
 def parse(argv):
@@ -253,13 +254,20 @@ def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypat
         validate(cfg, world_size=1, cuda_available=True)
 
 
+def _kernel_choices(cfg, device: str) -> dict[str, str]:
+    """kernel_choices of a RunConfig on `device`, --precision auto resolved as validate does."""
+    dtype = cfg.train.precision if cfg.train.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    flags = KernelFlags.of(cfg.train, cfg.optim)
+    return kernel_choices(flags, cfg.parallel.tp, device, dtype, cfg.model_config())
+
+
 def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):
     """What `bench --json` records as "kernels" and the planner and engine use: auto resolved."""
     import llamatron.training.kernel_settings as kernel_settings
 
     def run(values, device="cuda", has_triton=True):
         monkeypatch.setattr(kernel_settings, "HAS_TRITON", has_triton)
-        return kernel_choices(config_from_values(values), device)
+        return _kernel_choices(config_from_values(values), device)
 
     assert run({"model": "llama-test"}) == {
         "attention": "auto",
@@ -294,7 +302,7 @@ def test_auto_attention_takes_fa4_exactly_where_it_can_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
 
     def attention(values, device="cuda"):
-        return kernel_choices(config_from_values({"model": "llama-1b", **values}), device)["attention"]
+        return _kernel_choices(config_from_values({"model": "llama-1b", **values}), device)["attention"]
 
     assert attention({}) == "fa4"
     assert attention({"attention_backend": "cudnn"}) == "cudnn"

@@ -9,10 +9,11 @@ import pytest
 import torch
 from layout import assert_matches, run_train
 
-from llamatron.config.settings import config_from_values, validate
+from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError
 from llamatron.models.attention import attention_core, attention_mask, load_balanced_index
 from llamatron.parallel.context import split_for_context
+from llamatron.training.validate import validate
 
 CPU = torch.device("cpu")
 FAST = ["--train-steps", "4"]

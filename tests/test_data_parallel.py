@@ -43,11 +43,12 @@ def test_data_parallel_matches_single_process(workdir, reference, nproc, extra):
 
 
 def _count_reductions(rank, world, micro_batches, distributed):
-    from llamatron.config.settings import config_from_values, validate
+    from llamatron.config.settings import config_from_values
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
     from llamatron.parallel.mesh import build_mesh
     from llamatron.training.engine import build_engine, train_step
+    from llamatron.training.validate import validate
 
     cfg = config_from_values(
         {
@@ -81,9 +82,10 @@ def test_one_reduction_per_bucket_per_step(micro_batches, distributed):
 
 
 def _bytes_per_param(rank, world, precision, distributed, expected):
-    from llamatron.config.settings import config_from_values, validate
+    from llamatron.config.settings import config_from_values
     from llamatron.parallel.mesh import build_mesh
     from llamatron.training.engine import build_engine
+    from llamatron.training.validate import validate
 
     cfg = config_from_values(
         {
@@ -124,13 +126,14 @@ def test_optimizer_matches_torch_adamw_with_clipping(clip):
     clip_grad_norm_, on an identically initialised model: parameters agree after 3 steps. An epsilon near the
     gradients' size makes the update depend on their scale (Adam is otherwise nearly scale-invariant), so a
     wrong clipping factor shows."""
-    from llamatron.config.settings import config_from_values, validate
+    from llamatron.config.settings import config_from_values
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
     from llamatron.models import build_model, materialize
     from llamatron.parallel.mesh import build_mesh
     from llamatron.parallel.optimizer import lr_at
     from llamatron.training.engine import build_engine, train_step
+    from llamatron.training.validate import validate
 
     cfg = config_from_values(
         {

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from llamatron.config.settings import ConfigError, config_from_values, validate
+from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.data.batches import micro_batches_for_step
 from llamatron.data.mock import MockDataset
 from llamatron.models import IGNORE_INDEX
@@ -17,6 +17,7 @@ from llamatron.parallel.mesh import build_mesh
 from llamatron.training import evaluation
 from llamatron.training.engine import build_engine
 from llamatron.training.evaluation import EvalBatch, evaluate, register_eval_metric, resolve_eval_metrics
+from llamatron.training.validate import validate
 
 
 @pytest.fixture(scope="module")

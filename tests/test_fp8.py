@@ -9,7 +9,7 @@ import torch
 from layout import assert_matches, run_train
 from torch import nn
 
-from llamatron.config.settings import config_from_values, validate
+from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
@@ -17,6 +17,7 @@ from llamatron.parallel.pipeline import build_stage_chunks
 from llamatron.parallel.tensor import apply_tensor_parallel
 from llamatron.training import fp8
 from llamatron.training.fp8 import FP8Matmul, apply_fp8, fp8_layers, fp8_problems
+from llamatron.training.validate import validate
 
 MODEL = get_preset("llama-test")
 LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")

@@ -16,11 +16,11 @@ from layout import free_port
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llamatron.checkpoint import load_checkpoint
 from llamatron.checkpoint.hf import HFConversionError, config_from_hf
 from llamatron.cli import main as llamatron_main
 from llamatron.errors import CheckpointError
 from llamatron.inference.generate import load_for_generation
+from llamatron.training.checkpointing import load_checkpoint
 
 BF16_FAMILIES = {"llama3-rope-scaling", "falcon-7b-layout", "mistral-window"}  # stored and exported as bf16
 
@@ -158,9 +158,10 @@ def test_export_strips_padded_vocabulary_rows(tmp_path):
 
 
 def test_other_architecture_fails_with_mismatch_list(tmp_path):
-    from llamatron.config.settings import RunConfig, validate
+    from llamatron.config.settings import RunConfig
     from llamatron.parallel.mesh import build_mesh
     from llamatron.training.engine import build_engine
+    from llamatron.training.validate import validate
 
     save_hf("llama2-gqa", tmp_path / "hf")
     run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt")

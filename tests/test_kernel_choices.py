@@ -136,7 +136,7 @@ def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
 
 
 def test_choices_come_from_the_resolved_config():
-    """engine.build_engine's KernelChoices: config.kernel_choices' dict without adamw; "-" keeps auto."""
+    """engine.build_engine's KernelChoices: kernel_settings.kernel_choices' dict without adamw; "-" keeps auto."""
     resolved = {
         "attention": "fa4",
         "swiglu": "-",

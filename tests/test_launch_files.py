@@ -12,8 +12,9 @@ import pytest
 import yaml
 from layout import free_port
 
-from llamatron.config.settings import config_from_values, validate
+from llamatron.config.settings import config_from_values
 from llamatron.planning.plan import predict_peak_memory
+from llamatron.training.validate import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = [ROOT / "scripts" / "slurm_train.sbatch", ROOT / "scripts" / "multinode_torchrun.sh"]

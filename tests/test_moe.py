@@ -140,7 +140,8 @@ def test_moe_trains_without_router_losses_outside_training():
     ],
 )
 def test_bad_moe_settings_are_one_line_errors(values, message):
-    from llamatron.config.settings import config_from_values, validate
+    from llamatron.config.settings import config_from_values
+    from llamatron.training.validate import validate
 
     cfg = config_from_values({"model": "mixtral-test", "mock_data": True, "device": "cpu", **values})
     with pytest.raises(ConfigError, match=message) as err:

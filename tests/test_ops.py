@@ -335,7 +335,8 @@ def test_wandb_mode_comes_from_the_environment_and_a_failed_login_stops_before_t
 
 
 def test_missing_logging_packages_fail_before_training_naming_the_package(monkeypatch):
-    from llamatron.config.settings import ConfigError, config_from_values, validate
+    from llamatron.config.settings import ConfigError, config_from_values
+    from llamatron.training.validate import validate
 
     for module, flag, value, package in (
         ("wandb", "wandb_project", "p", "wandb"),

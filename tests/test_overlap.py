@@ -5,11 +5,12 @@ next forward waits for each bucket's parameter all-gather just before the layer 
 import pytest
 from dist_utils import spawn
 
-from llamatron.config.settings import config_from_values, validate
+from llamatron.config.settings import config_from_values
 from llamatron.data.batches import micro_batches_for_rank
 from llamatron.data.mock import MockDataset
 from llamatron.parallel.mesh import build_mesh
 from llamatron.training.engine import build_engine, train_step
+from llamatron.training.validate import validate
 
 SETTINGS = {
     "model": "llama-test4",

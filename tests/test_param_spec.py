@@ -10,10 +10,11 @@ from collections import Counter
 
 import pytest
 
-from llamatron.config.settings import config_from_values, validate
+from llamatron.config.settings import config_from_values
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.training.engine import build_engine
+from llamatron.training.validate import validate
 
 
 def _engine(model: str, tp: int, pp: int, tp_rank: int, pp_rank: int, **values):

@@ -14,11 +14,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from layout import assert_matches, free_port, run_train
 
-from llamatron.config.settings import ConfigError, config_from_values, validate
+from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.models import build_model, get_preset
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks, split_layers
 from llamatron.parallel.schedules import build_program, check_micro_batches, max_alive, output_message, rank_order
+from llamatron.training.validate import validate
 
 # ---- stage split -----------------------------------------------------------------------------------
 

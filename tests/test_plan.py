@@ -355,7 +355,7 @@ SPEED_ROWS = [r for r in H200_ROWS if r["tokens_per_sec_per_gpu"]]
 @pytest.mark.parametrize("row", SPEED_ROWS, ids=[f"{r['gpus']}gpu {r['flags'][8:]}" for r in SPEED_ROWS])
 def test_planner_speed_matches_h200_throughput(row):
     """The planner ranks layouts by its speed estimate: within 10% of compiled H200 runs of each kind."""
-    from llamatron.config.settings import validate
+    from llamatron.training.validate import validate
 
     cfg = _config_of(row["flags"])
     layout = P.run_layout(cfg, validate(cfg, row["gpus"], cuda_available=True).dp)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from llamatron.cli import main
-from llamatron.config.settings import add_config_arguments, load_config, validate
+from llamatron.config.settings import add_config_arguments, load_config
+from llamatron.training.validate import validate
 
 REPO = str(Path(__file__).resolve().parents[1])
 

@@ -11,10 +11,10 @@ from llamatron.errors import ConfigError
 from llamatron.models import get_preset
 from llamatron.models.inventory import active_params, flops_per_token, num_params
 from llamatron.planning.plan import Layout, Precision
-from llamatron.planning.simulator.costs import Shape
+from llamatron.planning.simulator.costs import Shape, StepOptions
 from llamatron.planning.simulator.evaluate import SimSettings, simulate_layout
 from llamatron.planning.simulator.hardware import resolve_hardware
-from llamatron.planning.simulator.step import StepOptions, simulate_step
+from llamatron.planning.simulator.step import simulate_step
 from llamatron.planning.simulator.timeline import ChunkDurations, run_pipeline
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from layout import assert_matches, free_port, run_train
 from torch import nn
 
-from llamatron.config.settings import ConfigError, config_from_values, validate
+from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
 from llamatron.models.inventory import num_params
@@ -43,6 +43,7 @@ from llamatron.parallel.tensor_layers import (
     contiguous_layout,
     vocab_argmax,
 )
+from llamatron.training.validate import validate
 
 ATOL = 1e-5
 

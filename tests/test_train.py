@@ -293,9 +293,9 @@ def test_log_interval_records_average_their_steps_and_time_only_training(tmp_pat
     steps, its speed from the training time of its steps alone (a clock that moves 1 s per step, 50 s per
     evaluation and 70 s per save: every record must read exactly one step's tokens per second)."""
     from llamatron import cli
-    from llamatron.checkpoint import Checkpointing
     from llamatron.training import metrics
     from llamatron.training import trainer as train
+    from llamatron.training.checkpointing import Checkpointing
     from llamatron.training.evaluation import Evaluation
 
     clock = [0.0]

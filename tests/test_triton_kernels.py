@@ -77,7 +77,8 @@ def test_triton_adamw_matches_the_fused_torch_path(precision):
     fp16 also divides out the dynamic loss scale in the kernel."""
     _run_interpreted(f"""
         import torch
-        from llamatron.config.settings import config_from_values, validate
+        from llamatron.config.settings import config_from_values
+        from llamatron.training.validate import validate
         from llamatron.data.batches import micro_batches_for_step
         from llamatron.data.mock import MockDataset
         from llamatron.training.engine import build_engine, train_step

@@ -36,7 +36,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,6 @@ from ..dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from ..errors import CheckpointError
 from ..models import build_model
 from ..parallel.param_spec import ParamSpec
-from ..training.engine import Engine
 from .pieces import Box, local_pieces
 from .reader import (
     INDEX_FILE,
@@ -64,6 +63,15 @@ from .reader import (
 )
 from .rng import rng_state, write_rng
 from .tensor_io import StreamingSafetensorsWriter
+
+
+class Engine(Protocol):
+    """What a rank writes from: a training engine (training/engine.py) as this module reads it."""
+
+    mesh: Any
+    buffers: list
+    optimizer: Any
+    model_cfg: Any
 
 
 @dataclass

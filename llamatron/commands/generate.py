@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from ..checkpoint import read_meta
 from ..config.ranges import SEED, number_arg
-from ..config.settings import resolve_device
 from ..data.preprocess import RecordError
 from ..data.sft import ChatRenderer
 from ..data.tokenizer import Tokenizer, load_tokenizer
@@ -20,6 +19,7 @@ from ..dtypes import DTYPES
 from ..errors import ConfigError, DataError
 from ..inference.generate import StopStrings, load_for_generation, sample
 from ..parallel.mesh import Mesh, build_mesh, init_distributed
+from ..training.validate import resolve_device
 
 
 def register(sub) -> None:

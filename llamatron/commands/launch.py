@@ -9,8 +9,9 @@ import sys
 
 import torch
 
-from ..config.settings import RunConfig, validate
+from ..config.settings import RunConfig
 from ..models import ModelConfig
+from ..training.validate import validate
 
 
 def add_launch_argument(p: argparse.ArgumentParser) -> None:

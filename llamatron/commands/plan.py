@@ -8,13 +8,12 @@ import re
 from typing import Any
 
 from ..config.ranges import Range, at_least, number_arg
-from ..config.settings import RunConfig
+from ..config.settings import FP8_RECIPES, RunConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..planning.plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
 from ..planning.search import PlanResult, plan
 from ..planning.simulator.hardware import Hardware
-from ..training.fp8 import FP8_RECIPES
 from . import plan_simulate
 from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
 

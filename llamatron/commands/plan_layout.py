@@ -1,6 +1,6 @@
 """`llamatron plan` with a given layout (flags, or a train YAML's): its memory and expected speed, not a search.
 
-The layout is checked by the same rules `train` applies (config.validate), so a plan that evaluates is a run
+The layout is checked by the same rules `train` applies (training.validate), so a plan that evaluates is a run
 that starts.
 """
 
@@ -12,10 +12,11 @@ from typing import Any
 
 import yaml
 
-from ..config.settings import config_from_values, validate
+from ..config.settings import config_from_values
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..planning.plan import Plan, Precision, SpeedAssumptions, estimate_speed, layout_memory, run_layout
+from ..training.validate import validate
 
 # (flag, type, help) of the layout flags plan takes; their config keys are the flags with underscores.
 _LAYOUT_FLAGS: list[tuple[str, type, str]] = [

@@ -3,7 +3,7 @@
 A number can be of the right type and still make no sense: `--lr -1` trains and diverges, `--lr nan` makes every
 step non-finite, `--seed -1` fails deep inside numpy. config.py attaches a Range to every int and float field
 (its `_f(..., allowed=...)`) and refuses to import when one lacks it, so a new setting cannot skip the check;
-`config.range_problems` calls `problem` for each of them, the first check of `config.validate`.
+`config.settings.range_problems` calls `problem` for each of them, the first check of `training.validate`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Typed run configuration: dataclasses, YAML + command-line flags, validated in one place.
+"""Typed run configuration, as data: the sections' dataclasses, and their parsing from YAML and flags.
 
 Every field of the sections below is a flag (`--micro-batch-size`) and a YAML
 key (`micro_batch_size`), in one flat namespace. Precedence: defaults < YAML
-(`--config FILE`) < flags.
+(`--config FILE`) < flags. Each number declares its range here; every other rule
+belongs to the module that applies it, and training/validate.py asks them all.
 """
 
 from __future__ import annotations
@@ -17,24 +18,15 @@ from typing import Any
 
 import yaml
 
-from ..data.batch_rampup import BatchSizes, rampup_problems
 from ..data.cache import KEEP_PER_KIND
-from ..data.samples import data_settings_problems
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
-from ..models.families import DEFAULT_PRESET, PRESET_NAMES, model_problems
-from ..parallel.context import context_problems
-from ..parallel.expert import expert_parallel_problems
-from ..parallel.mesh import mesh_problems
-from ..parallel.pipeline import pipeline_problems, split_layers
-from ..parallel.schedules import schedule_problems
-from ..parallel.tensor import tensor_parallel_problems
-from ..training.evaluation import resolve_eval_metrics
-from ..training.fp8 import FP8_RECIPES, check_fp8
-from ..training.kernel_settings import check_kernel_settings
-from ..training.logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
+from ..models.families import DEFAULT_PRESET, PRESET_NAMES
 from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
 from .ranges import Range, above, at_least, problem
+
+# --fp8's recipes (torchao.float8's names; training/fp8.py applies them)
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None) -> Any:
@@ -53,7 +45,7 @@ def _kernel_switch(
     what: str, triton: str, torch_path: str = "the plain expression, fused by --compile", auto_also: str = ""
 ) -> Any:
     """A kernel switch (auto | triton | torch): auto runs the Triton kernels on CUDA when triton is installed
-    (config.kernel_choices resolves it)."""
+    (kernel_settings.kernel_choices resolves it)."""
     return _f(
         "auto",
         f"{what}: triton ({triton}) or torch ({torch_path}); auto: triton on CUDA when triton is "
@@ -471,124 +463,3 @@ class Derived:
     device: str
     dtype_name: str
     compile: bool  # --compile, defaulting to on for cuda
-
-
-def _validate_ops(cfg: RunConfig) -> None:
-    """Evaluation metrics, logging packages and where records go (their modules hold the details)."""
-    t = cfg.train
-    resolve_eval_metrics(t.eval_metrics)
-    check_sink_dependencies(t)
-    check_output_paths(t)
-    if cfg.data.data_cache_path:
-        check_output_directory(cfg.data.data_cache_path, "--data-cache-path", "the index caches")
-
-
-def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
-    if problems:
-        raise ConfigError(before + "; ".join(problems) + after)
-
-
-def _validate_layout(
-    cfg: RunConfig, world_size: int, model: ModelConfig, world_flag: str | None = None
-) -> tuple[int, int]:
-    """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step).
-    Each rule belongs to the module that applies it (its `*_problems`); each flag's own range, by range_problems."""
-    p, t, d = cfg.parallel, cfg.train, cfg.data
-    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep, world_flag))
-    dp = world_size // (p.tp * p.pp * p.cp)
-    _raise_if(tensor_parallel_problems(model, p.tp) + expert_parallel_problems(model, p.ep, p.cp))
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("--sequence-parallel needs --tp > 1")
-    _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
-    _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
-    if t.recompute_layers is not None:
-        chunk = max(split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers))  # the largest
-        if t.recompute == "none":
-            raise ConfigError(f"--recompute-layers {t.recompute_layers} needs --recompute full or selective")
-        if t.recompute_layers > chunk:  # >= 0: its declared range
-            raise ConfigError(
-                f"--recompute-layers {t.recompute_layers}: a model chunk holds at most {chunk} layers "
-                f"(pp*vpp = {p.pp * p.vpp}); give 0..{chunk}"
-            )
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"--global-batch-size {t.global_batch_size} is not a multiple of micro-batch-size x "
-            f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
-        )
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
-    _raise_if(rampup_problems(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size * dp))
-    if p.pp > 1:
-        for size in BatchSizes.of(t.global_batch_size, t.rampup_batch_size).sizes():
-            _raise_if(schedule_problems(size // (t.micro_batch_size * dp), p.pp, p.vpp))
-    return dp, accum
-
-
-def _validate_settings(cfg: RunConfig, model: ModelConfig) -> None:
-    """Rules between flags, and against the model, that no other module owns (each flag's own range is declared
-    on its field: range_problems)."""
-    t, o, d = cfg.train, cfg.optim, cfg.data
-    _raise_if(model.seq_length_problems(d.seq_length, t.model))
-    if o.min_lr > o.lr:
-        raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}")
-    if t.finetune and not t.load:
-        raise ConfigError("--finetune needs --load CHECKPOINT")
-
-
-def resolve_device(device: str, precision: str, cuda_available: bool) -> tuple[str, str]:
-    """(device, dtype name) of --device and --precision: auto is cuda when available, bf16 on cuda, fp32 elsewhere."""
-    if device == "auto":
-        device = "cuda" if cuda_available else "cpu"
-    if device == "cuda" and not cuda_available:
-        raise ConfigError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    return device, precision if precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-
-
-def _resolve_device(cfg: RunConfig, cuda_available: bool) -> tuple[str, str]:
-    """(device, dtype name): auto resolved, and the settings that depend on them."""
-    p, t = cfg.parallel, cfg.train
-    device, dtype_name = resolve_device(t.device, t.precision, cuda_available)
-    if dtype_name == "fp16" and p.grad_reduce_dtype == "bf16":
-        raise ConfigError("--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction")
-    if p.dp_comm_max_ctas is not None and device != "cuda":
-        raise ConfigError(f"--dp-comm-max-ctas {p.dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset")
-    return device, dtype_name
-
-
-def validate(
-    cfg: RunConfig,
-    world_size: int = 1,
-    cuda_available: bool = False,
-    model: ModelConfig | None = None,
-    world_flag: str | None = None,
-) -> Derived:
-    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
-
-    `model` is the architecture to check against (default: the preset of --model); `world_flag` the flag that
-    gave the world size when it is not the processes launched (plan's --gpus).
-    """
-    _raise_if(range_problems(cfg))
-    model = model or cfg.model_config()
-    _raise_if(
-        model_problems(model),
-        "the model's shape cannot be trained: ",
-        " (fix the YAML model_overrides, or the checkpoint's model config)",
-    )
-    dp, accum = _validate_layout(cfg, world_size, model, world_flag)
-    _validate_settings(cfg, model)
-    device, dtype_name = _resolve_device(cfg, cuda_available)
-    check_kernel_settings(cfg, model, device, dtype_name)
-    p = cfg.parallel
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_length // p.cp
-    check_fp8(cfg.train, device, dtype_name, model, p.tp, tokens)
-    _raise_if(data_settings_problems(cfg.data))
-    _validate_ops(cfg)
-    t = cfg.train
-    compile_layers = t.compile if t.compile is not None else device == "cuda"
-    return Derived(
-        world_size=world_size,
-        dp=dp,
-        grad_accum_steps=accum,
-        device=device,
-        dtype_name=dtype_name,
-        compile=compile_layers,
-    )

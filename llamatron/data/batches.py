@@ -72,3 +72,13 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
 
 def to_device(micro_batches: list[dict], device: torch.device) -> list[dict]:
     return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+
+
+def batch_problems(global_batch_size: int, micro_batch_size: int, dp: int) -> list[str]:
+    """A step's samples must split into whole micro-batches on every data-parallel rank."""
+    if global_batch_size % (micro_batch_size * dp):
+        return [
+            f"--global-batch-size {global_batch_size} is not a multiple of micro-batch-size x data-parallel size = "
+            f"{micro_batch_size} x {dp} = {micro_batch_size * dp}"
+        ]
+    return []

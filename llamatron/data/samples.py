@@ -17,16 +17,12 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key, file_signature
 from llamatron.data.indexed import IndexedDataset, data_path, index_path
 from llamatron.errors import DataError
-
-if TYPE_CHECKING:  # config imports this module to validate: the type only
-    from llamatron.config.settings import DataConfig
 
 
 def split_documents(num_docs: int, split: str = "98,2,0") -> list[np.ndarray]:
@@ -412,28 +408,32 @@ def build_datasets(
     return train, valid
 
 
-def data_settings_problems(d: DataConfig) -> list[str]:
-    """What is wrong with the data flags (config.validate calls this before anything is built): the same
-    parsing the data loading does, and the flags that do not go together."""
+def data_settings_problems(
+    data: str | None,
+    split: str,
+    mock_data: bool = False,
+    sft_data: str | None = None,
+    tokenizer: str | None = None,
+    document_flags: Sequence[str] = (),
+) -> list[str]:
+    """What is wrong with the data flags (training/validate.py asks before anything is built): the same parsing the
+    data loading does, and the flags that do not go together. document_flags: those of --reset-position-ids,
+    --reset-attention-mask and --eod-mask-loss that are on."""
     try:
-        if d.data is not None:
-            parse_data_argument(d.data)
-        split_documents(0, d.split)
+        if data is not None:
+            parse_data_argument(data)
+        split_documents(0, split)
     except ValueError as e:
         return [str(e)]
-    boundaries = [
-        f"--{n.replace('_', '-')}"
-        for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
-        if getattr(d, n)
-    ]
-    if d.sft_data is not None and (d.data is not None or d.mock_data):
+    boundaries = list(document_flags)
+    if sft_data is not None and (data is not None or mock_data):
         return ["--sft-data replaces --data / --mock-data; give only one of them"]
-    if boundaries and (d.mock_data or d.sft_data is not None):
+    if boundaries and (mock_data or sft_data is not None):
         return [
             f"{', '.join(boundaries)} apply to --data corpora with EOD tokens; --mock-data has none and "
             "--sft-data already keeps attention and positions inside each conversation"
         ]
-    if boundaries and d.data is not None and d.tokenizer is None:
+    if boundaries and data is not None and tokenizer is None:
         return [
             f"{', '.join(boundaries)} need the end-of-document token id: pass --tokenizer (the one "
             "the data was preprocessed with)"

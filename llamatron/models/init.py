@@ -13,15 +13,26 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
 
-if TYPE_CHECKING:  # only the annotation: the model code does not depend on parallel/
-    from ..parallel.param_spec import ParamSpec
+
+class ParamSpec(Protocol):
+    """What initialisation reads of a parameter's spec (parallel/param_spec.py's ParamSpec: the model code does
+    not depend on parallel/)."""
+
+    @property
+    def global_name(self) -> str: ...
+
+    @property
+    def full_shape(self) -> tuple[int, ...]: ...
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor: ...
+
 
 # Output projections of each residual branch get std / sqrt(2 * layers) (GPT-2 / Megatron scaled init).
 _RESIDUAL_OUTPUTS = ("attn.o.weight", "mlp.down.weight", "mlp.experts.down")

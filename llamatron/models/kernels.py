@@ -39,8 +39,8 @@ class KernelChoices:
 
     @classmethod
     def from_resolved(cls, resolved: dict[str, str]) -> KernelChoices:
-        """From config.kernel_choices' dict: "-" (the model has no such layer, or tensor parallelism's own loss)
-        leaves the default; its other keys (adamw) are not the model's."""
+        """From training/kernel_settings.py's kernel_choices dict: "-" (the model has no such layer, or tensor
+        parallelism's own loss) leaves the default; its other keys (adamw) are not the model's."""
         return cls(**{f.name: resolved[f.name] for f in fields(cls) if resolved[f.name] != "-"})
 
 

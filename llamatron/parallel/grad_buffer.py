@@ -34,6 +34,13 @@ from .param_spec import ParamSpec, ParamSpecs, param_specs
 _ALIGN = 64
 
 
+def reduce_dtype_problems(dtype_name: str, grad_reduce_dtype: str) -> list[str]:
+    """--grad-reduce-dtype against the parameters' dtype."""
+    if dtype_name == "fp16" and grad_reduce_dtype == "bf16":
+        return ["--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction"]
+    return []
+
+
 @dataclass
 class Bucket:
     index: int

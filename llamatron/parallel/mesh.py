@@ -106,6 +106,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def comm_problems(dp_comm_max_ctas: int | None, device: str) -> list[str]:
+    """The communication settings against the device (--dp-comm-max-ctas tunes NCCL)."""
+    if dp_comm_max_ctas is not None and device != "cuda":
+        return [f"--dp-comm-max-ctas {dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset"]
+    return []
+
+
 def mesh_problems(
     world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1, world_flag: str | None = None
 ) -> list[str]:

@@ -218,6 +218,20 @@ def _norm_parts(grad: torch.Tensor, seg: Segment) -> list[torch.Tensor]:
     return [p for p in parts if p.numel()]
 
 
+def bytes_per_param(dtype: str, distributed_optimizer: bool, replicas: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter held, as parallel/optimizer.py allocates them
+    (replicas: dp x cp, over which the distributed optimizer shards)."""
+    shards = replicas if distributed_optimizer else 1
+    if dtype == "fp32":
+        return 4.0, 4.0, 8.0 / shards
+    return 2.0, 4.0, 12.0 / shards
+
+
+def lr_problems(lr: float, min_lr: float) -> list[str]:
+    """The learning-rate schedule's flags that do not go together (each one's range is declared on its flag)."""
+    return [f"--min-lr {min_lr} is above --lr {lr}"] if min_lr > lr else []
+
+
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int, schedule: str) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up, then constant/linear/cosine to `floor`."""
     if warmup > 0 and step < warmup:

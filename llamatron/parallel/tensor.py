@@ -102,10 +102,10 @@ def shard_numel(split: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -
     return shape[0] * rest  # replicated
 
 
-def tensor_parallel_problems(cfg: ModelConfig, tp: int) -> list[str]:
+def tensor_parallel_problems(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> list[str]:
     """Why `cfg` cannot be split over `tp` ranks, each with the sizes that would work (empty when it can)."""
     heads, kv = cfg.num_heads, cfg.num_kv_heads
-    out = []
+    out = ["--sequence-parallel needs --tp > 1"] if sequence_parallel and tp == 1 else []
     if heads % tp:
         out.append(f"num_attention_heads={heads} is not divisible by tp={tp}; use tp in {divisors(heads)}")
     if kv % tp and tp % kv:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..models import ModelConfig
 from ..models.inventory import active_params, config_key, final_norm_params, input_embedding_params, layers
+from ..parallel.optimizer import bytes_per_param
 from ..parallel.pipeline import split_layers
 from ..parallel.tensor import padded_vocab_size, shard_numel
 
@@ -84,15 +85,6 @@ def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int, e
             count += vocab * h
             largest = max(largest, vocab * h)
     return count, largest
-
-
-def bytes_per_param(dtype: str, distributed_optimizer: bool, replicas: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter held, as parallel/optimizer.py allocates them
-    (replicas: dp x cp, over which the distributed optimizer shards)."""
-    shards = replicas if distributed_optimizer else 1
-    if dtype == "fp32":
-        return 4.0, 4.0, 8.0 / shards
-    return 2.0, 4.0, 12.0 / shards
 
 
 __all__ = [

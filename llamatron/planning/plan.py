@@ -66,12 +66,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from ..config.settings import RunConfig, validate
+from ..config.settings import RunConfig
 from ..models import ModelConfig
 from ..models.inventory import flops_per_token, layers
 from ..models.rope_op import supports_head_dim as rope_supports_head_dim
 from ..parallel.tensor import padded_vocab_size
-from ..training.kernel_settings import kernel_choices
+from ..training.kernel_settings import KernelFlags, kernel_choices
+from ..training.validate import validate
 from .activations import (
     LayerKernels,
     chunk_activation_bytes,
@@ -412,7 +413,7 @@ def _rank_memory(
 
 
 def run_layout(run_config: RunConfig, dp: int) -> Layout:
-    """The Layout of a run's configuration (dp: its data-parallel size, from config.validate)."""
+    """The Layout of a run's configuration (dp: its data-parallel size, from training.validate)."""
     p, t = run_config.parallel, run_config.train
     return Layout(
         p.tp,
@@ -438,7 +439,8 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p = run_config.parallel
-    kernels = kernel_choices(run_config, derived.device)
+    flags = KernelFlags.of(run_config.train, run_config.optim)
+    kernels = kernel_choices(flags, p.tp, derived.device, derived.dtype_name, run_config.model_config())
     precision = Precision(
         "fp32" if derived.dtype_name == "fp32" else "bf16",
         derived.compile,

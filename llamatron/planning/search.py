@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
-from ..config.settings import RunConfig, config_from_values, validate
+from ..config.settings import RunConfig, config_from_values
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.inventory import num_params
 from ..parallel.mesh import divisors
+from ..training.validate import validate
 from .plan import (
     GB,
     RUNTIME_BASE,
@@ -71,7 +72,7 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
 
 def context_sizes(gpus: int, seq_length: int) -> list[int]:
     """The cp sizes worth searching: 1, 2, 4, 8, ... dividing the GPU count, with the sequence cut into 2*cp
-    chunks (config.validate checks the rest: with sequence parallelism each rank's part splits over tp)."""
+    chunks (training.validate checks the rest: with sequence parallelism each rank's part splits over tp)."""
     return [
         c for c in (2**i for i in range(gpus.bit_length())) if gpus % c == 0 and (c == 1 or seq_length % (2 * c) == 0)
     ]
@@ -87,7 +88,7 @@ def candidate_layouts(
     context: Iterable[int] = (1,),
     worth: Callable[[Layout], bool] | None = None,
 ) -> Iterator[Layout]:
-    """Every layout the trainer accepts (config.validate) with tp inside a node, cp in `context`, even pipeline
+    """Every layout the trainer accepts (training.validate) with tp inside a node, cp in `context`, even pipeline
     splits and sequence parallelism whenever tp > 1. Without a global batch size, each layout gets the multiple
     of micro-batch x dp (x pp when interleaved) closest to ~4M tokens. `worth`: a cheap test a layout must pass
     before the (costlier) validation."""
@@ -231,7 +232,7 @@ class _ContextFilter:
 
     def __call__(self, lay: Layout) -> bool:
         if lay.micro_batches < 1 or (self.static_bound and not self._fits_statically(lay)):
-            return False  # (no micro-batch: the global batch does not split, config.validate rejects it)
+            return False  # (no micro-batch: the global batch does not split, training.validate rejects it)
         if self.to_beat == 0:
             return True
         fastest = replace(lay, recompute="none", recompute_layers=None)
@@ -246,7 +247,7 @@ class _ContextFilter:
             try:
                 least = static_memory(self.model, lay, self.precision) + runtime_memory(lay)
                 self._static_fits[key] = least <= self.gpu_memory
-            except ConfigError:  # pp*vpp does not divide the layers: config.validate rejects it too
+            except ConfigError:  # pp*vpp does not divide the layers: training.validate rejects it too
                 self._static_fits[key] = False
         return self._static_fits[key]
 

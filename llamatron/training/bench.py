@@ -19,17 +19,18 @@ import time
 import torch
 from torch import nn
 
-from ..config.settings import RunConfig, validate
+from ..config.settings import RunConfig
 from ..data.batches import micro_batches_for_rank, to_device
 from ..data.mock import MockDataset
 from ..models import ModelConfig
 from ..models.inventory import active_params, flops_per_token, num_params
 from ..parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
-from ..planning.plan import bytes_per_param
+from ..parallel.optimizer import bytes_per_param
 from .engine import Engine, build_engine, train_step
-from .kernel_settings import kernel_choices
+from .kernel_settings import KernelFlags, kernel_choices
 from .metrics import peak_memory_gib, peak_tflops, router_fields, sync_device, throughput
 from .trainer import build_datasets
+from .validate import validate
 
 
 def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
@@ -101,7 +102,8 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0,
         "loss": loss,
         **_moe_fields(model_cfg, mesh, out),
-        "kernels": kernel_choices(cfg, device.type, model_cfg),  # what ran: auto resolved
+        # what ran: auto resolved
+        "kernels": kernel_choices(KernelFlags.of(t, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
@@ -123,9 +125,9 @@ def _moe_fields(model_cfg: ModelConfig, mesh: Mesh, out: dict) -> dict:
 def state_memory(engine: Engine) -> dict[str, float]:
     """Weights + gradients + optimizer state: allocated between steps (no activations alive) vs the formula.
 
-    The formula is the planner's (plan.bytes_per_param): bf16 params 2 + grads 4 + (master 4 + moments 8) / s,
-    s = dp with the distributed optimizer (fp32 params: 4 + 4 + 8 / s). The measured figure also holds the
-    step's batch and the small tensors of the optimizer's bookkeeping.
+    The formula is the optimizer's (parallel/optimizer.py's bytes_per_param, which the planner uses): bf16 params
+    2 + grads 4 + (master 4 + moments 8) / s, s = dp with the distributed optimizer (fp32 params: 4 + 4 + 8 / s).
+    The measured figure also holds the step's batch and the small tensors of the optimizer's bookkeeping.
     """
     if engine.device.type != "cuda":
         return {}

@@ -34,7 +34,7 @@ from ..parallel.param_spec import ParamSpec, param_specs
 from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 from .fp8 import apply_fp8
-from .kernel_settings import kernel_choices
+from .kernel_settings import KernelFlags, kernel_choices
 
 # (engine, this rank's micro-batches, the objective's normaliser) -> the summed loss on this rank (device)
 ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]
@@ -101,6 +101,20 @@ class _Recomputing:
             m.recomputing = False
 
 
+def recompute_problems(mode: str, layers: int | None, largest_chunk: int, chunks: int) -> list[str]:
+    """--recompute-layers against --recompute and the layers of the largest model chunk (of `chunks` = pp*vpp)."""
+    if layers is None:
+        return []
+    if mode == "none":
+        return [f"--recompute-layers {layers} needs --recompute full or selective"]
+    if layers > largest_chunk:  # >= 0: its declared range
+        return [
+            f"--recompute-layers {layers}: a model chunk holds at most {largest_chunk} layers (pp*vpp = {chunks}); "
+            f"give 0..{largest_chunk}"
+        ]
+    return []
+
+
 def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> None:
     """full: keep only each layer's input; selective: recompute the attention core (its softmax inputs)."""
     for i, layer in enumerate(model.layers.values()):
@@ -131,7 +145,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     )
     dtype = DTYPES[derived.dtype_name]
     p = cfg.parallel
-    resolved = kernel_choices(cfg, device.type, model_cfg)
+    resolved = kernel_choices(KernelFlags.of(cfg.train, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg)
     # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
     kernels = KernelChoices.from_resolved(resolved) if device.type == "cuda" else KernelChoices()
     if p.pp > 1:

@@ -31,7 +31,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,9 +41,7 @@ from ..models.transformer import batch_inputs
 from ..parallel.mesh import sum_from_last_stage
 from ..parallel.pipeline import pipeline_forward_each
 from ..parallel.tensor_layers import vocab_argmax
-
-if TYPE_CHECKING:  # the annotation only: engine imports config, which imports this module (--eval-metrics)
-    from .engine import Engine
+from .engine import Engine
 
 
 @dataclass

@@ -21,20 +21,14 @@ import functools
 import importlib
 import importlib.util
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..parallel.tensor import padded_vocab_size
 from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 
-if TYPE_CHECKING:  # config imports this module to validate: the type only
-    from ..config.settings import TrainConfig
-
-FP8_RECIPES = ("none", "tensorwise", "rowwise")
 # H100/H200 (9.0), L4/L40S/RTX 4090 (8.9), Blackwell (10.0+) have FP8 tensor cores.
 FP8_MIN_CAPABILITY = (8, 9)
 FP8_MULTIPLE = 16  # torch._scaled_mm takes dimensions that are multiples of 16
@@ -107,13 +101,6 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> lis
         f"--fp8 needs every matmul dimension to be a multiple of {FP8_MULTIPLE}; not so: {', '.join(bad)} "
         "(change the shape or the layout, or use --fp8 none)"
     ]
-
-
-def check_fp8(train: TrainConfig, device: str, dtype_name: str, model: ModelConfig, tp: int, tokens: int) -> None:
-    """fp8_problems of the run's --fp8 flags, raised as one ConfigError (config.validate calls this)."""
-    problems = fp8_problems(train.fp8, train.fp8_emulate, device, dtype_name, model, tp, tokens, head=train.fp8_head)
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 @functools.cache

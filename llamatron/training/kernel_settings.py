@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import ConfigError
 from ..models import ModelConfig
 from ..models.families import family_of
 from ..models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
@@ -15,17 +15,36 @@ from ..models.inventory import layers
 from ..models.rope_op import supports_head_dim
 from ..triton_check import HAS_TRITON
 
-if TYPE_CHECKING:  # config imports this module to validate: the type only
-    from ..config.settings import RunConfig
+
+@dataclass(frozen=True)
+class KernelFlags:
+    """The kernel switches of a run (--attention-backend, --swiglu-backend, ..., --adamw-kernel)."""
+
+    attention: str = "auto"
+    swiglu: str = "auto"
+    rmsnorm: str = "auto"
+    rope: str = "auto"
+    cross_entropy: str = "auto"
+    adamw: str = "auto"
+
+    @classmethod
+    def of(cls, train: Any, optim: Any) -> KernelFlags:
+        """From the train and optim settings (config/settings.py's sections)."""
+        return cls(
+            train.attention_backend,
+            train.swiglu_backend,
+            train.rmsnorm_backend,
+            train.rope_backend,
+            train.cross_entropy_backend,
+            optim.adamw_kernel,
+        )
 
 
-def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None) -> dict[str, str]:
+def kernel_choices(flags: KernelFlags, tp: int, device: str, dtype_name: str, model: ModelConfig) -> dict[str, str]:
     """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
     installed, else torch), "-" where the model has no such layer (a GELU MLP, LayerNorm). Attention
     under auto: FlashAttention 4 where it can run (installed, Hopper or newer, bf16/fp16, a head dim it tunes:
     measured 3% faster per llama-1b step than SDPA's cuDNN on an H200, RESULTS.md run 5), else SDPA's pick."""
-    model = model or cfg.model_config()
-    t = cfg.train
     triton_here = device == "cuda" and HAS_TRITON
 
     def pick(setting: str, supported: bool = True) -> str:
@@ -33,23 +52,17 @@ def kernel_choices(cfg: RunConfig, device: str, model: ModelConfig | None = None
 
     layer = layers(model)[0]
     swiglu, rmsnorm = layer.mlp == "swiglu", layer.norm == "rmsnorm"
-    attention = t.attention_backend
-    if attention == "auto" and device == "cuda" and fa4_problem(model.head_dim, dtype_name(cfg, device)) is None:
+    attention = flags.attention
+    if attention == "auto" and device == "cuda" and fa4_problem(model.head_dim, dtype_name) is None:
         attention = "fa4"
     return {
         "attention": attention,
-        "swiglu": pick(t.swiglu_backend) if swiglu else "-",
-        "rmsnorm": pick(t.rmsnorm_backend) if rmsnorm else "-",
-        "rope": pick(t.rope_backend, supports_head_dim(model.head_dim) and not layer.qk_norm),
-        "cross_entropy": pick(t.cross_entropy_backend) if cfg.parallel.tp == 1 else "-",
-        "adamw": pick(cfg.optim.adamw_kernel),
+        "swiglu": pick(flags.swiglu) if swiglu else "-",
+        "rmsnorm": pick(flags.rmsnorm) if rmsnorm else "-",
+        "rope": pick(flags.rope, supports_head_dim(model.head_dim) and not layer.qk_norm),
+        "cross_entropy": pick(flags.cross_entropy) if tp == 1 else "-",
+        "adamw": pick(flags.adamw),
     }
-
-
-def dtype_name(cfg: RunConfig, device: str) -> str:
-    """--precision with auto resolved (bf16 on CUDA, fp32 elsewhere)."""
-    p = cfg.train.precision
-    return p if p != "auto" else ("bf16" if device == "cuda" else "fp32")
 
 
 def fa4_problem(head_dim: int, dtype_name: str) -> str | None:
@@ -76,51 +89,54 @@ def fa4_problem(head_dim: int, dtype_name: str) -> str | None:
     return None
 
 
-def check_kernel_settings(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: str) -> None:
-    """The kernel flags against the model, the device and the precision (config.validate calls this)."""
-    p, t = cfg.parallel, cfg.train
-    if t.attention_backend not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
-        raise ConfigError(
-            f"--attention-backend {t.attention_backend} picks a CUDA kernel; on {device} leave it at auto"
-        )
-    problem = fa4_problem(model.head_dim, dtype_name) if t.attention_backend == "fa4" and device == "cuda" else None
+def kernel_problems(flags: KernelFlags, tp: int, model: ModelConfig, device: str, dtype_name: str) -> list[str]:
+    """The kernel flags against the model, the device and the precision (training/validate.py asks)."""
+    f, out = flags, []
+    if f.attention not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
+        out.append(f"--attention-backend {f.attention} picks a CUDA kernel; on {device} leave it at auto")
+    problem = fa4_problem(model.head_dim, dtype_name) if f.attention == "fa4" and device == "cuda" else None
     if problem is not None:
-        raise ConfigError(f"--attention-backend fa4 {problem}")
+        out.append(f"--attention-backend fa4 {problem}")
     layer, family = layers(model)[0], family_of(model).description
-    if t.swiglu_backend == "triton" and layer.mlp != "swiglu":
-        raise ConfigError(
+    if f.swiglu == "triton" and layer.mlp != "swiglu":
+        out.append(
             f"--swiglu-backend triton: {family} models use a {layer.mlp.upper()} MLP, not SwiGLU; leave it at auto"
         )
-    if t.rmsnorm_backend == "triton" and layer.norm != "rmsnorm":
-        raise ConfigError(f"--rmsnorm-backend triton: {family} models use LayerNorm, not RMSNorm; leave it at auto")
-    if t.rope_backend == "triton" and layer.qk_norm:
-        raise ConfigError(
+    if f.rmsnorm == "triton" and layer.norm != "rmsnorm":
+        out.append(f"--rmsnorm-backend triton: {family} models use LayerNorm, not RMSNorm; leave it at auto")
+    if f.rope == "triton" and layer.qk_norm:
+        out.append(
             f"--rope-backend triton: {family} models normalise each query and key head between the projection and "
             "the rotary embedding, which the fused kernel does not; leave it at auto"
         )
-    if t.cross_entropy_backend == "triton" and p.tp > 1:
-        raise ConfigError(
-            f"--cross-entropy-backend triton: with --tp {p.tp} the loss is the vocabulary-parallel "
+    if f.cross_entropy == "triton" and tp > 1:
+        out.append(
+            f"--cross-entropy-backend triton: with --tp {tp} the loss is the vocabulary-parallel "
             "one, which has no Triton kernels; leave it at auto"
         )
-    if t.rope_backend == "triton" and not supports_head_dim(model.head_dim):
-        raise ConfigError(
+    if f.rope == "triton" and not supports_head_dim(model.head_dim):
+        out.append(
             f"--rope-backend triton needs a power-of-two head dim; this model's is {model.head_dim}: "
             "leave it at auto (which runs the torch expression here)"
         )
+    return out or _triton_problems(f, device)
+
+
+def _triton_problems(f: KernelFlags, device: str) -> list[str]:
     kernels = {
-        "--swiglu-backend": t.swiglu_backend,
-        "--rmsnorm-backend": t.rmsnorm_backend,
-        "--rope-backend": t.rope_backend,
-        "--cross-entropy-backend": t.cross_entropy_backend,
-        "--adamw-kernel": cfg.optim.adamw_kernel,
+        "--swiglu-backend": f.swiglu,
+        "--rmsnorm-backend": f.rmsnorm,
+        "--rope-backend": f.rope,
+        "--cross-entropy-backend": f.cross_entropy,
+        "--adamw-kernel": f.adamw,
     }
     for flag, value in kernels.items():
         if value == "triton" and device != "cuda":
-            raise ConfigError(f"{flag} triton runs on CUDA only; on {device} leave it at auto (which runs torch)")
+            return [f"{flag} triton runs on CUDA only; on {device} leave it at auto (which runs torch)"]
     if "triton" in kernels.values() and not HAS_TRITON:
-        raise ConfigError(
+        return [
             "--swiglu-backend/--rmsnorm-backend/--rope-backend/--cross-entropy-backend/--adamw-kernel "
             "triton need the triton package (pip install triton); or leave them at auto, which then "
             "runs the torch kernels"
-        )
+        ]
+    return []

@@ -32,20 +32,21 @@ def _import(module: str, flag: str, package: str):
         ) from None
 
 
-def check_sink_dependencies(train_cfg) -> None:
-    for attr, flag, module, package in _OPTIONAL:
-        if getattr(train_cfg, attr):
+def check_sink_dependencies(tensorboard_dir: str | None, wandb_project: str | None) -> None:
+    """The packages of the sinks asked for are installed."""
+    for value, (_, flag, module, package) in zip((tensorboard_dir, wandb_project), _OPTIONAL):
+        if value:
             _import(module, flag, package)
 
 
-def check_output_paths(train_cfg) -> None:
+def check_output_paths(metrics_file: str | None, tensorboard_dir: str | None) -> None:
     """--metrics-file can be opened for appending and --tensorboard-dir made a directory (both are created with
-    their missing parents): checked by config.validate, so that a directory given as the file, a file given as
+    their missing parents): checked by training/validate.py, so that a directory given as the file, a file given as
     the directory or an unwritable place is refused before the model is built."""
-    if train_cfg.metrics_file:
-        _check_metrics_file(train_cfg.metrics_file)
-    if train_cfg.tensorboard_dir:
-        check_output_directory(train_cfg.tensorboard_dir, "--tensorboard-dir", "the TensorBoard event files")
+    if metrics_file:
+        _check_metrics_file(metrics_file)
+    if tensorboard_dir:
+        check_output_directory(tensorboard_dir, "--tensorboard-dir", "the TensorBoard event files")
 
 
 def check_output_directory(path: str, flag: str, what: str) -> None:

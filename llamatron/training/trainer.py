@@ -11,17 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import (
-    Checkpointing,
-    check_checkpoint_fits,
-    load_checkpoint,
-    meta_to_inherit,
-    read_model_config,
-    step_dirs,
-    step_number,
-)
+from ..checkpoint import check_checkpoint_fits, read_model_config, step_dirs, step_number
 from ..checkpoint.save_lock import SaveDirLock
-from ..config.settings import Derived, RunConfig, validate
+from ..config.settings import Derived, RunConfig
 from ..data import demo_corpus, samples
 from ..data.batch_rampup import BatchSizes
 from ..data.batches import Samples, micro_batches_for_rank, to_device
@@ -32,11 +24,13 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..parallel.mesh import Mesh, build_mesh, init_distributed
+from .checkpointing import Checkpointing, load_checkpoint, meta_to_inherit
 from .engine import Engine, build_engine, train_step
 from .evaluation import Evaluation
 from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
+from .validate import validate
 
 
 @dataclass
@@ -133,7 +127,7 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     if mesh.is_logging_rank:
         print(train.describe(), flush=True)
     if d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss:
-        assert tokenizer is not None  # config.validate: the document-boundary flags need --tokenizer
+        assert tokenizer is not None  # training.validate: the document-boundary flags need --tokenizer
         eod = load_tokenizer(tokenizer).eod_id
         if eod is None:
             raise ConfigError(f"tokenizer {tokenizer} has no end-of-document token; document-boundary flags need one")

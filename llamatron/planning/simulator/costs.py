@@ -52,6 +52,21 @@ class Shape:
         return self.micro_batch_size * self.seq_length / self.cp
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step runs besides its shape: the schedule, the data-parallel buckets and their overlap."""
+
+    micro_batches: int = 1  # per data-parallel rank and step
+    vpp: int = 1
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    grad_reduce_bytes: int = 4  # fp32 (2: --grad-reduce-dtype bf16)
+    bucket_size: int = 40_000_000
+    schedule: str = "1f1b"  # or "zb-h1"
+    pp_layers: str | None = None
+
+
 @dataclass
 class Piece:
     """Seconds of one action by kind (compute, tp, cp, ep: the exposed communication inside it)."""

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ...models import ModelConfig
 from .chunks import Bucket, Chunk, buckets
-from .costs import Costs, Shape
+from .costs import Costs, Shape, StepOptions
 from .hardware import Hardware
 from .timeline import Event
-
-if TYPE_CHECKING:  # step.py builds this class: its options only as a type here
-    from .step import StepOptions
 
 
 @dataclass

@@ -12,9 +12,9 @@ from ...models.inventory import active_params, num_params
 from ..params import expert_layer_params, stage_layers
 from ..plan import GB, Layout, Precision
 from .calibration import load_calibration
-from .costs import Costs, Shape
+from .costs import Costs, Shape, StepOptions
 from .hardware import Hardware
-from .step import StepOptions, StepResult, simulate_step
+from .step import StepResult, simulate_step
 
 MFU_FORMULA = "tokens/s/GPU x flops_per_token(ModelConfig, seq) / dense bf16 peak (active parameters for MoE)"
 

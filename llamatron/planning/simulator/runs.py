@@ -12,9 +12,9 @@ import yaml
 from ...config.settings import RunConfig
 from ...models import ModelConfig
 from .calibration import Calibration
-from .costs import Shape
+from .costs import Shape, StepOptions
 from .hardware import resolve_hardware
-from .step import StepOptions, StepResult, simulate_step
+from .step import StepResult, simulate_step
 
 
 @lru_cache(maxsize=1)

@@ -21,23 +21,10 @@ from ...models import ModelConfig
 from ...models.inventory import flops_per_token
 from .calibration import Calibration, load_calibration
 from .chunks import build_chunks
-from .costs import Costs, Shape
+from .costs import Costs, Shape, StepOptions
 from .dataparallel import DataParallel
 from .hardware import Hardware
 from .timeline import ChunkDurations, Event, run_pipeline
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    micro_batches: int = 1  # per data-parallel rank and step
-    vpp: int = 1
-    distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    grad_reduce_bytes: int = 4  # fp32 (2: --grad-reduce-dtype bf16)
-    bucket_size: int = 40_000_000
-    schedule: str = "1f1b"  # or "zb-h1"
-    pp_layers: str | None = None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Checkpoints that do not depend on the layout: save under any tp/pp/vpp/dp, resume under any other.
+"""A run's checkpoints (the format is checkpoint/'s): save under any tp/pp/vpp/dp, resume under any other.
 
 `save_checkpoint` writes DIR/step-N: every rank its own pieces of the
 weights, fp32 master weights (when separate from the weights), AdamW moments
@@ -18,24 +18,21 @@ schedule is a function of the step, so restoring the step restores it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.loading import check_architecture, read_into, read_weights
+from ..checkpoint.reader import CheckpointReader, rng_file
+from ..checkpoint.rng import restore_rng
+from ..checkpoint.writer import PendingSave, engine_params, finish, start_save
 from ..config.settings import TrainConfig
 from ..errors import CheckpointError, TrainingAborted
-from ..models import ModelConfig, Transformer, build_model
 from ..parallel.optimizer import lr_at
-from ..parallel.param_spec import ParamSpec, ParamSpecs
-from ..training.engine import Engine
-from ..training.faults import NO_FAULTS, FaultInjection
-from .pieces import local_pieces
-from .reader import CheckpointReader, read_meta, rng_file
-from .rng import restore_rng
-from .writer import PendingSave, engine_params, finish, start_save
+from .engine import Engine
+from .faults import NO_FAULTS, FaultInjection
 
 FORMAT_VERSION = 2
 
@@ -132,6 +129,11 @@ def save_checkpoint(engine: Engine, root: str, step: int, consumed_samples: int,
     return finish_pending_save(engine, begin_save(engine, root, step, consumed_samples, skipped_steps))
 
 
+def resume_problems(finetune: bool, load: str | None) -> list[str]:
+    """--finetune starts from a checkpoint's weights: it needs one."""
+    return ["--finetune needs --load CHECKPOINT"] if finetune and not load else []
+
+
 class Checkpointing:
     """A run's saves: --save, --save-interval, --keep-last and --async-save; the save still being written in
     the background; and what the loaded checkpoint passes on to them (`meta_to_inherit`)."""
@@ -174,85 +176,11 @@ class Checkpointing:
         return None if pending is None else finish_pending_save(engine, pending)
 
 
-def read_model_config(path: str) -> ModelConfig:
-    meta = read_meta(path)  # outside the try: its own errors (no checkpoint there, say) say what is wrong
-    try:
-        return ModelConfig.from_dict(meta["model_config"])
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: the model_config in its meta.json is not a model's ({err})") from None
-
-
-def check_checkpoint_fits(path: str, model_cfg: ModelConfig, model_name: str) -> None:
-    """Before any memory is spent on the model: the checkpoint holds this model's weights, and every file its
-    index lists is there (the index and shapes are read, no tensor)."""
-    reader = CheckpointReader(path)
-    _check_architecture(reader, model_cfg, model_name)
-    missing = sorted(
-        {
-            piece.file
-            for kind in reader.tensors.values()
-            for t in kind.values()
-            for piece in t.pieces
-            if not (reader.step_dir / piece.file).is_file()
-        }
-    )
-    if missing:
-        raise CheckpointError(
-            f"{reader.step_dir} is incomplete: {', '.join(missing[:8])} "
-            f"{'is' if len(missing) == 1 else 'are'} listed in its index but missing; copy the "
-            "whole checkpoint directory again, or load an earlier step-N"
-        )
-
-
-def _check_architecture(reader: CheckpointReader, model_cfg: ModelConfig, model_name: str) -> None:
-    """Every weight of the model in the checkpoint with its full shape, and nothing else."""
-    expected = {n: tuple(p.shape) for n, p in build_model(model_cfg, device="meta").named_parameters()}
-    problems = []
-    for name, shape in expected.items():
-        if not reader.has("model", name):
-            problems.append(f"missing {name}")
-        elif reader.stored("model", name).shape != shape:
-            problems.append(f"{name}: checkpoint {reader.stored('model', name).shape} vs model {shape}")
-    problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected))[:10]]
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {reader.step_dir} does not fit this model ({model_name}):\n  "
-            + "\n  ".join(problems[:40])
-            + "\nload a checkpoint of this model, or leave out "
-            "--model: --load then takes the checkpoint's own architecture"
-        )
-
-
-def _read_into(reader: CheckpointReader, kind: str, spec: ParamSpec, dst: torch.Tensor, start: int) -> None:
-    """Fill `dst`, the flat range [start, start + len(dst)) of the local tensor of `spec`, from the checkpoint."""
-    for piece in local_pieces(spec, start, start + dst.numel(), owned_only=False):
-        piece.view(dst).copy_(reader.read(kind, spec.global_name, piece.box))
-
-
-@torch.no_grad()
-def read_weights(
-    reader: CheckpointReader, params: Iterable[tuple[torch.Tensor, ParamSpec]], kind: str = "model"
-) -> None:
-    """Each parameter's part of its full tensor (as its spec says: a tensor-parallel shard, or all of it)."""
-    for p, spec in params:
-        _read_into(reader, kind, spec, p.detach().view(-1), 0)
-
-
-def load_model_weights(path: str, model: Transformer, specs: ParamSpecs) -> dict[str, Any]:
-    """The weights of the checkpoint at `path`, saved under any layout, into `model` (materialised; its
-    parameters' specs by local name, e.g. tensor-parallel shards); returns its meta.json. For models built from
-    the checkpoint's own config (`read_model_config`): generation."""
-    reader = CheckpointReader(path)
-    _check_architecture(reader, model.cfg, "its own model_config")
-    read_weights(reader, ((p, specs[name]) for name, p in model.named_parameters()))
-    return reader.run_meta
-
-
 @torch.no_grad()
 def _fill_master(reader: CheckpointReader, opt, i: int) -> None:
     """Separate fp32 master weights: the stored ones, else the weights (a checkpoint saved in fp32, or imported)."""
     seg = opt.segments[i]
-    _read_into(reader, "master" if reader.has("master") else "model", seg.spec, opt.master[i], seg.param_offset)
+    read_into(reader, "master" if reader.has("master") else "model", seg.spec, opt.master[i], seg.param_offset)
 
 
 def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> dict[str, Any]:
@@ -264,7 +192,7 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
             f"weights-only checkpoint: add --finetune to train from {reader.step_dir} "
             f"(it has no optimizer state or step to resume)"
         )
-    _check_architecture(reader, engine.model_cfg, engine.cfg.train.model)
+    check_architecture(reader, engine.model_cfg, engine.cfg.train.model)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
     weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
@@ -279,8 +207,8 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     with torch.no_grad():
         for i, seg in enumerate(opt.segments):
             spec, start = seg.spec, seg.param_offset
-            _read_into(reader, "exp_avg", spec, opt.exp_avg[i], start)
-            _read_into(reader, "exp_avg_sq", spec, opt.exp_avg_sq[i], start)
+            read_into(reader, "exp_avg", spec, opt.exp_avg[i], start)
+            read_into(reader, "exp_avg_sq", spec, opt.exp_avg_sq[i], start)
             if not opt.master_is_param:
                 _fill_master(reader, opt, i)
             opt.steps[i].fill_(reader.read("step", spec.global_name).item())
@@ -303,11 +231,8 @@ def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
 __all__ = [
     "Checkpointing",
     "begin_save",
-    "check_checkpoint_fits",
     "finish_pending_save",
     "load_checkpoint",
-    "load_model_weights",
     "meta_to_inherit",
-    "read_model_config",
     "save_checkpoint",
 ]

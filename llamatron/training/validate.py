@@ -1,0 +1,116 @@
+"""Everything that can be checked before memory is allocated, in one place: each rule's owner says what is wrong
+with the plain values it is given (its `*_problems`), and `validate` raises one ConfigError naming the fixes.
+
+The order matters only where a later rule needs an earlier one's result (the data-parallel size needs a sound
+mesh, the recompute bound a sound layer split); no rule is written here.
+"""
+
+from __future__ import annotations
+
+from ..config.settings import Derived, RunConfig, range_problems
+from ..data.batch_rampup import BatchSizes, rampup_problems
+from ..data.batches import batch_problems
+from ..data.samples import data_settings_problems
+from ..errors import ConfigError
+from ..models import ModelConfig
+from ..models.families import model_problems
+from ..parallel.context import context_problems
+from ..parallel.expert import expert_parallel_problems
+from ..parallel.grad_buffer import reduce_dtype_problems
+from ..parallel.mesh import comm_problems, mesh_problems
+from ..parallel.optimizer import lr_problems
+from ..parallel.pipeline import pipeline_problems, split_layers
+from ..parallel.schedules import schedule_problems
+from ..parallel.tensor import tensor_parallel_problems
+from .checkpointing import resume_problems
+from .engine import recompute_problems
+from .evaluation import resolve_eval_metrics
+from .fp8 import fp8_problems
+from .kernel_settings import KernelFlags, kernel_problems
+from .logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
+
+
+def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
+    if problems:
+        raise ConfigError(before + "; ".join(problems) + after)
+
+
+def _validate_layout(
+    cfg: RunConfig, world_size: int, model: ModelConfig, world_flag: str | None = None
+) -> tuple[int, int]:
+    """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step)."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep, world_flag))
+    dp = world_size // (p.tp * p.pp * p.cp)
+    _raise_if(tensor_parallel_problems(model, p.tp, p.sequence_parallel) + expert_parallel_problems(model, p.ep, p.cp))
+    _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
+    _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
+    largest = max(split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers))
+    _raise_if(recompute_problems(t.recompute, t.recompute_layers, largest, p.pp * p.vpp))
+    _raise_if(batch_problems(t.global_batch_size, t.micro_batch_size, dp))
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    _raise_if(rampup_problems(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size * dp))
+    if p.pp > 1:
+        for size in BatchSizes.of(t.global_batch_size, t.rampup_batch_size).sizes():
+            _raise_if(schedule_problems(size // (t.micro_batch_size * dp), p.pp, p.vpp))
+    return dp, accum
+
+
+def resolve_device(device: str, precision: str, cuda_available: bool) -> tuple[str, str]:
+    """(device, dtype name) of --device and --precision: auto is cuda when available, bf16 on cuda, fp32 elsewhere."""
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    return device, precision if precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+
+
+def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: str) -> None:
+    """The settings against each other, the model, the device and the precision; then where records go."""
+    p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
+    _raise_if(model.seq_length_problems(d.seq_length, t.model))
+    _raise_if(lr_problems(o.lr, o.min_lr) + resume_problems(t.finetune, t.load))
+    _raise_if(reduce_dtype_problems(dtype_name, p.grad_reduce_dtype) + comm_problems(p.dp_comm_max_ctas, device))
+    _raise_if(kernel_problems(KernelFlags.of(t, o), p.tp, model, device, dtype_name))
+    tokens = t.micro_batch_size * d.seq_length // p.cp
+    _raise_if(fp8_problems(t.fp8, t.fp8_emulate, device, dtype_name, model, p.tp, tokens, head=t.fp8_head))
+    document_flags = [
+        f"--{n.replace('_', '-')}"
+        for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+        if getattr(d, n)
+    ]
+    _raise_if(data_settings_problems(d.data, d.split, d.mock_data, d.sft_data, d.tokenizer, document_flags))
+    resolve_eval_metrics(t.eval_metrics)
+    check_sink_dependencies(t.tensorboard_dir, t.wandb_project)
+    check_output_paths(t.metrics_file, t.tensorboard_dir)
+    if d.data_cache_path:
+        check_output_directory(d.data_cache_path, "--data-cache-path", "the index caches")
+
+
+def validate(
+    cfg: RunConfig,
+    world_size: int = 1,
+    cuda_available: bool = False,
+    model: ModelConfig | None = None,
+    world_flag: str | None = None,
+) -> Derived:
+    """Check everything that can be checked before memory is allocated; raise ConfigError naming the fix.
+
+    `model` is the architecture to check against (default: the preset of --model); `world_flag` the flag that
+    gave the world size when it is not the processes launched (plan's --gpus).
+    """
+    _raise_if(range_problems(cfg))
+    model = model or cfg.model_config()
+    _raise_if(
+        model_problems(model),
+        "the model's shape cannot be trained: ",
+        " (fix the YAML model_overrides, or the checkpoint's model config)",
+    )
+    dp, accum = _validate_layout(cfg, world_size, model, world_flag)
+    device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
+    _validate_run(cfg, model, device, dtype_name)
+    compile_layers = cfg.train.compile if cfg.train.compile is not None else device == "cuda"
+    return Derived(world_size, dp, accum, device, dtype_name, compile_layers)
+
+
+__all__ = ["resolve_device", "validate"]
