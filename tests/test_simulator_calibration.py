@@ -49,3 +49,16 @@ def test_the_calibration_covers_every_layout_kind_measured():
         "long": any(r["seq_length"] >= 131072 for r in CHECKED),
     }
     assert all(kinds.values()), kinds
+
+
+def test_every_source_cited_is_inside_the_repository():
+    """The simulator's numbers cite files of this repository (docs/, benchmarks/), never one beside it."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("calibration.yaml", "measured_runs.yaml", "published.yaml", "hardware.yaml"):
+        text = (root / "llamatron" / "planning" / "simulator" / name).read_text()
+        assert "../" not in text, name
+        for cited in re.findall(r"\b((?:docs|benchmarks)/[\w./-]+\.(?:md|jsonl|json|py|txt))", text):
+            assert (root / cited).exists(), (name, cited)
