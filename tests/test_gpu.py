@@ -38,7 +38,8 @@ def _assert_same_loss_and_grads(cfg, reference, other) -> None:
         assert rel < 5e-2, (n, float(rel))
 
 
-@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test", "mistral-test"])  # mistral: a window mask
+# mistral: a window mask; qwen2: q/k/v biases; qwen3: q/k norms (no fused rotary) and head_dim 32 of hidden 64
+@pytest.mark.parametrize("name", ["llama-test", "falcon40b-test", "mistral-test", "qwen2-test", "qwen3-test"])
 def test_compiled_layers_match_eager(name):
     from llamatron.training.engine import apply_compile
 
