@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TrainingAborted
+from ..models import Transformer
 from .engine import Engine
 
 PROCESS_START = time.monotonic()  # --exit-duration-mins counts from here (module import = start of `train`)
@@ -179,16 +180,15 @@ class FaultGuard:
         )
 
 
-def _install_nan_injection(chunks: Sequence[torch.nn.Module], guard: FaultGuard) -> None:
+def _install_nan_injection(chunks: Sequence[Transformer], guard: FaultGuard) -> None:
     """Injected fault: multiply the final norm's output by NaN on chosen steps, so loss and gradients become NaN."""
 
     def hook(module, inputs, output):
         return output * float("nan") if guard.inject_nan and module.training else output
 
     for chunk in chunks:
-        norm = getattr(chunk, "norm", None)
-        if norm is not None:  # the last pipeline stage's chunk
-            norm.register_forward_hook(hook)
+        if chunk.norm is not None:  # the last pipeline stage's chunk
+            chunk.norm.register_forward_hook(hook)
 
 
 def explain_collective_failure(

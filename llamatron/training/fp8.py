@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..models.config import ModelConfig
+from ..models.transformer import Transformer
 from ..parallel.tensor import padded_vocab_size
 from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 
@@ -167,8 +168,8 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool =
     from torchao.float8 import convert_to_float8_training
 
     matmul = FP8Matmul(recipe, emulate)
-    if head and getattr(model, "norm", None) is not None:  # a stage with the head
-        model.head_matmul = matmul  # type: ignore[assignment]
+    if head and isinstance(model, Transformer) and model.is_last_stage:  # a stage with the head
+        model.head_matmul = matmul
     for name, module in model.named_modules():
         if name.startswith("layers.") and isinstance(module, ColumnParallelLinear | RowParallelLinear):
             module.linear = matmul
@@ -184,4 +185,5 @@ def fp8_layers(model: nn.Module) -> list[str]:
         if type(module).__name__ == "Float8Linear"
         or (isinstance(module, ColumnParallelLinear | RowParallelLinear) and isinstance(module.linear, FP8Matmul))
     ]
-    return names + ["head"] if isinstance(getattr(model, "head_matmul", None), FP8Matmul) else names
+    fp8_head = isinstance(model, Transformer) and isinstance(model.head_matmul, FP8Matmul)
+    return names + ["head"] if fp8_head else names
