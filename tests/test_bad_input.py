@@ -223,6 +223,11 @@ def test_the_train_command_refuses_bad_input_in_one_line(case, tmp_path):
         ("model_overrides:\n  is_moe: true\n", "unknown model field 'is_moe'"),  # a property, not a field
         ("model_overrides:\n  1: 2\n", "unknown model field 1"),
         ("1: 2\n", "must hold a mapping of setting: value"),
+        # issue 39: sizes past what anything can index, and a mixture's settings on a dense model
+        ("model_overrides:\n  num_experts: 100000000000000000000\n", "num_experts 1000000000\\d+ is out of range"),
+        ("model_overrides:\n  hidden_size: 4294967296\n", "hidden_size 4294967296 is out of range: at most 2147483647"),
+        ("model_overrides:\n  router_aux_loss_coef: 0.5\n", "router_aux_loss_coef 0.5 is a mixture-of-experts setting"),
+        ("model_overrides:\n  experts_per_token: 4\n", "experts_per_token 4 is a mixture-of-experts setting"),
     ],
 )
 def test_wrong_model_overrides_and_yaml_keys_are_named(yaml_text, message, tmp_path, no_building, capsys):
@@ -449,3 +454,18 @@ def test_other_runtime_errors_still_raise(monkeypatch):
     monkeypatch.setattr(llamatron.training.trainer, "build_engine", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         llamatron_main([*BASE_FLAGS, "--seq-length", "64"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--moe-aux-loss-coeff", "0.5"], "router_aux_loss_coef 0.5 is a mixture-of-experts setting"),
+        (["--moe-router-topk", "4"], "experts_per_token 4 is a mixture-of-experts setting"),
+    ],
+)
+def test_a_mixtures_flags_on_a_dense_model_are_refused(flags, message, no_building, capsys):
+    """Megatron-LM's MoE flags (their names for our model fields) on llama-test, which has no experts (issue 39:
+    they were accepted and did nothing)."""
+    code, err = _cli([*BASE_FLAGS, *flags], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert message in err, err

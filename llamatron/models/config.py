@@ -25,6 +25,9 @@ class RopeScaling:
     high_freq_factor: float = 4.0
 
 
+MAX_SIZE = 2**31 - 1  # any size of a model (an int32 index is what kernels take)
+
+
 @dataclass
 class ModelConfig:
     """One architecture: its family (a plug-in of models/families/, which builds its layers, converts its Hugging
@@ -103,6 +106,11 @@ class ModelConfig:
             )
             if not getattr(self, name) >= 1
         ]
+        out += [
+            f"{f.name} {getattr(self, f.name)} is out of range: at most {MAX_SIZE}"
+            for f in fields(self)
+            if _FIELD_KINDS[ModelConfig][f.name][0] is int and (getattr(self, f.name) or 0) > MAX_SIZE
+        ]
         if out:
             return out
         if self.head_dim % 2:
@@ -131,8 +139,14 @@ class ModelConfig:
         return out
 
     def _moe_problems(self) -> list[str]:
-        if self.num_experts == 0:
-            return []
+        if self.num_experts == 0:  # a dense model: a mixture's settings given anyway would do nothing
+            defaults = {f.name: f.default for f in fields(self)}
+            return [
+                f"{name} {getattr(self, name)} is a mixture-of-experts setting, but this model is dense "
+                "(num_experts 0): remove it, or give the model experts"
+                for name in ("experts_per_token", "router_aux_loss_coef", "router_z_loss_coef")
+                if getattr(self, name) != defaults[name]
+            ]
         out = []
         if self.num_experts < 0:
             out.append(f"num_experts {self.num_experts} must be >= 0 (0: a dense MLP)")
