@@ -135,6 +135,33 @@ def test_a_hardware_file_adds_a_gpu_and_bad_ones_say_what_is_wrong(tmp_path):
         resolve_hardware("h100-sxm", network="fast")
 
 
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"network": "0x400Gb"}, "1 to 1024 NICs of a positive rate"),  # issue 39: a division by zero
+        ({"network": "8x0Gb"}, "1 to 1024 NICs of a positive rate"),
+        ({"inter_node_bandwidth": float("inf")}, "--inter-node-bandwidth inf must be a positive number"),
+        ({"inter_node_latency_us": float("nan")}, "--inter-node-latency nan must be a finite number"),
+    ],
+)
+def test_networks_that_cannot_be_are_refused(kwargs, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        resolve_hardware("h100-sxm", **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_hardware_files_with_an_infinite_gpu_or_not_utf8_are_refused(tmp_path):
+    """issue 39: an infinite peak planned an infinitely fast GPU; bytes that are not UTF-8 ended in a traceback."""
+    infinite = tmp_path / "inf.yaml"
+    infinite.write_text("gpus:\n  x: {peak_tflops: .inf, memory_gb: 80, hbm_tbps: 3, link: nvlink4, gpus_per_node: 8}")
+    with pytest.raises(ConfigError, match=r"peak_tflops must be a positive number \(at most 1e\+09\), got inf"):
+        resolve_hardware("x", hardware_file=infinite)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe gpus: {}")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        resolve_hardware("h100-sxm", hardware_file=binary)
+
+
 # ---- MoE and the command --------------------------------------------------------------------------------------
 
 

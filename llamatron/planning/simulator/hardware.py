@@ -104,8 +104,10 @@ def _entries(data: dict, section: str, keys: Mapping[str, type], where: str, par
             if kind is str:
                 if not isinstance(value, str):
                     raise ConfigError(f"{where}: {section}.{name}.{key} must be a name, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(f"{where}: {section}.{name}.{key} must be a positive number, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= _LARGEST:
+                raise ConfigError(
+                    f"{where}: {section}.{name}.{key} must be a positive number (at most {_LARGEST:g}), got {value!r}"
+                )
             elif kind is int and value != int(value):
                 raise ConfigError(f"{where}: {section}.{name}.{key} must be a whole number, got {value!r}")
         out[str(name).lower()] = entry
@@ -131,9 +133,11 @@ def load_profiles(extra: str | Path | None = None) -> Profiles:
     if extra is not None:
         path = Path(extra)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"--hardware {path}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--hardware {path} is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML") from None
         where = f"--hardware {path}"
         data = _load_yaml(text, where)
         profiles.gpus.update(_entries(data, "gpus", _GPU_KEYS, where))
@@ -146,6 +150,10 @@ def load_profiles(extra: str | Path | None = None) -> Profiles:
                 )
     return profiles
 
+
+# The largest number a hardware setting may be (a GPU of 1e9 TFLOP/s, a link of 1e9 GB/s): past it, a typo or an
+# infinity, which would plan an infinitely fast GPU.
+_LARGEST = 1e9
 
 _NETWORK_SPEC = re.compile(r"(\d+)x(\d+(?:\.\d+)?)gb(?:-[a-z0-9]+)?", re.IGNORECASE)
 
@@ -182,11 +190,11 @@ def _network(
     profiles: Profiles, name: str | None, bandwidth: float | None, latency_us: float | None, per_node: int
 ) -> Network:
     if bandwidth is not None:
-        if not bandwidth > 0:
-            raise ConfigError("--inter-node-bandwidth must be > 0 (GB/s per GPU)")
+        if not 0 < bandwidth <= _LARGEST:
+            raise ConfigError(f"--inter-node-bandwidth {bandwidth} must be a positive number of GB/s per GPU")
         lat = 6.0 if latency_us is None else latency_us
-        if not lat >= 0:
-            raise ConfigError("--inter-node-latency must be >= 0 (microseconds)")
+        if not 0 <= lat <= _LARGEST:
+            raise ConfigError(f"--inter-node-latency {lat} must be a finite number of microseconds >= 0")
         return Network(f"{bandwidth:g} GB/s per GPU", bandwidth * GB * per_node, lat * 1e-6)
     name = name or "8x400Gb-ndr"
     entry = profiles.networks.get(name.lower())
@@ -198,5 +206,11 @@ def _network(
                 "such as 8x400Gb-ndr, or --inter-node-bandwidth GB/s"
             )
         entry = {"nics": int(match.group(1)), "gbit_per_nic": float(match.group(2)), "latency_us": 6.0}
+        if not (1 <= entry["nics"] <= 1024 and 0 < entry["gbit_per_nic"] <= _LARGEST):
+            raise ConfigError(
+                f"--network {name!r}: NICSxRATEGb needs 1 to 1024 NICs of a positive rate, e.g. 8x400Gb-ndr"
+            )
     lat = entry["latency_us"] if latency_us is None else latency_us
+    if not 0 <= lat <= _LARGEST:
+        raise ConfigError(f"--inter-node-latency {lat} must be a finite number of microseconds >= 0")
     return Network(name, entry["nics"] * entry["gbit_per_nic"] * 1e9 / 8, lat * 1e-6)
