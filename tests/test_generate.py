@@ -53,6 +53,9 @@ def run(*args) -> int:
         (["--prompt", "x", "--system", "s"], "--system is a chat message: add --chat"),
         (["--prompt", "x", "--stop", ""], "--stop '': an empty stop string"),
         (["--prompt", "x", "--tp", "2"], "--tp 2 with 1 process(es): generate runs one process per tensor-parallel"),
+        # issue 39: a command-line byte that is not UTF-8 arrives as a lone surrogate; it ended in a traceback
+        (["--prompt", "def \udcff"], "--prompt holds bytes that are not UTF-8 (character 4); give UTF-8 text"),
+        (["--prompt", "x", "--stop", "\udcfe"], "--stop holds bytes that are not UTF-8"),
     ],
 )
 def test_bad_arguments_fail_before_the_model_loads(trained, monkeypatch, capsys, args, message):
@@ -137,7 +140,7 @@ def test_stop_strings_end_sampling_and_cut_the_output(reference, monkeypatch, ca
     assert lengths == [k + 1]  # no token sampled after the one that completed the stop string
 
 
-def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monkeypatch):
+def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monkeypatch, capsys):
     ckpt, tok_dir, _ = reference
     calls = []
     monkeypatch.setattr(generate, "sample", lambda model, ids, *a, **kw: calls.append((ids, kw)) or [])
@@ -147,6 +150,9 @@ def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monke
     assert tok.decode(ids) == (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
+    # issue 39: ChatML on a tokenizer without its markers was silent; it warns, as preprocess --sft does
+    err = capsys.readouterr().err
+    assert "has no special tokens for chatml's <|im_start|>, <|im_end|>" in err
     assert kwargs["stop_ids"] == {0} and kwargs["stop"].strings == ["<|im_end|>"]  # several tokens here
     # a tokenizer where <|im_end|> is one token stops at its id
     raw = RawTokenizer.from_file(str(tok_dir / "tokenizer.json"))

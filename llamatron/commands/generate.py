@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--system is a chat message: add --chat")
     if "" in args.stop:
         raise ConfigError("--stop '': an empty stop string would stop before the first token; give a text")
+    texts = [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop]
+    for flag, text in texts:
+        if text is None:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a byte of the command line that is not UTF-8 (a lone surrogate here)
+            raise ConfigError(f"{flag} holds bytes that are not UTF-8 (character {e.start}); give UTF-8 text") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp < 1 or world != args.tp:
         raise ConfigError(
@@ -127,6 +136,9 @@ def _prompt_and_stops(args: argparse.Namespace, tok: Tokenizer, path: str) -> tu
     stop_strings = list(args.stop)
     if args.chat:
         renderer = ChatRenderer(path)
+        warning = renderer.missing_markers_warning(path)
+        if warning:  # the model can hardly have learnt a format its tokenizer cannot even spell as tokens
+            print(warning, file=sys.stderr, flush=True)
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         try:
             prompt_ids = tok.encode(renderer.prompt([*messages, {"role": "user", "content": args.prompt}]))
