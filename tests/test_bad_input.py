@@ -300,6 +300,21 @@ def _build(data: str):
     return samples.build_datasets(data, "90,10,0", 16, 200, 40, seed=3, vocab_size=64)
 
 
+@pytest.mark.parametrize("value", [1.5, float("nan")])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_index_whose_tokens_are_floats_is_refused(value, dtype, tmp_path, capsys):
+    """issue 39: Megatron's format has float dtypes; tokens of 1.5 trained as token 1, NaN ended in a traceback."""
+    prefix = str(tmp_path / "floats")
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        for _ in range(40):
+            writer.add_document(np.full(30, value))
+    argv = ["train", "--model", "llama-test", "--data", prefix, "--device", "cpu", "--no-progress"]
+    argv += ["--train-steps", "1", "--global-batch-size", "2", "--micro-batch-size", "2", "--seq-length", "16"]
+    code, err = _cli(argv, capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"floats.idx: its tokens are {np.dtype(dtype)} values, not integer token ids" in err
+
+
 @pytest.mark.parametrize("cache", ["sample_order", "doc_order", "sample_starts", "dataset_index", "token_range"])
 def test_a_truncated_index_cache_is_rebuilt_with_a_warning(cache, tmp_path):
     data = f"1 {_corpus(tmp_path, 'a', 0)} 2 {_corpus(tmp_path, 'b', 1)}"

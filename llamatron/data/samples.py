@@ -297,7 +297,13 @@ def token_id_range(indexed: IndexedDataset, cache_dir: str | None = None) -> tup
 
 
 def check_token_ids(indexed: IndexedDataset, vocab_size: int, cache_dir: str | None = None) -> None:
-    """Raise DataError, naming the file and the fix, if a token id lies outside [0, vocab_size)."""
+    """Raise DataError, naming the file and the fix, if the tokens are no integers (Megatron's format also has
+    float dtypes) or a token id lies outside [0, vocab_size)."""
+    if indexed.dtype.kind not in "iu":  # 1.5 would train as token 1, NaN would not convert at all
+        raise DataError(
+            f"{index_path(indexed.prefix)}: its tokens are {indexed.dtype} values, not integer token ids; "
+            "this is not a token dataset: preprocess the text with `llamatron preprocess`"
+        )
     low, high = token_id_range(indexed, cache_dir)
     if high >= vocab_size or low < 0:
         bad = high if high >= vocab_size else low
