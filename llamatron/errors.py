@@ -9,6 +9,10 @@ class ConfigError(ValueError):
     """Settings (flags, YAML, a model shape, a layout) that cannot work; the message says how to fix them."""
 
 
+class MissingPackageError(ConfigError, ImportError):
+    """An optional package a setting or file needs is not installed; the message names it and the pip command."""
+
+
 class DataError(ValueError):
     """A data file that cannot be used; the message names the file, the problem and the fix."""
 
@@ -39,4 +43,12 @@ class TrainingAborted(Exception):
     rank_specific = False
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "HFConversionError", "MissingDataError", "TrainingAborted"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "HFConversionError",
+    "MissingDataError",
+    "MissingPackageError",
+    "TrainingAborted",
+]

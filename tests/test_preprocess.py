@@ -6,6 +6,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -15,6 +16,7 @@ from llamatron.commands.preprocess import add_preprocess_arguments, run_preproce
 from llamatron.data.indexed import IndexedDataset
 from llamatron.data.preprocess import BadInputError, preprocess
 from llamatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+from llamatron.errors import ConfigError, DataError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -71,9 +73,23 @@ def test_tokenizer_save_and_transformers_compatibility(tokenizer_dir, tmp_path):
 def test_missing_tokenizer_and_sentencepiece_hint(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer.model"):
         load_tokenizer(str(tmp_path))
-    (tmp_path / "tokenizer.model").write_bytes(b"not really a model")
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05hello")  # starts as a SentencePiece protobuf does
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as if it were not installed
-    with pytest.raises(ImportError, match="pip install sentencepiece"):
+    with pytest.raises(ImportError, match="pip install sentencepiece") as e:
+        load_tokenizer(str(tmp_path))
+    assert isinstance(e.value, ConfigError)  # one line and exit 2 from the command, not a traceback
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [(b"", "(the file is empty)"), (bytes(range(7, 200)), "neither a SentencePiece"), (b"x" * 1_000_000, "neither")],
+)
+def test_a_tokenizer_model_that_is_neither_format_is_one_line(content, words, tmp_path, monkeypatch):
+    """issue 39: an empty, random or one-huge-line tokenizer.model was taken for SentencePiece (an ImportError
+    traceback without sentencepiece installed, though sentencepiece could not read it either)."""
+    (tmp_path / "tokenizer.model").write_bytes(content)
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    with pytest.raises(DataError, match=re.escape(words)):
         load_tokenizer(str(tmp_path))
 
 

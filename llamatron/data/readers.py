@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import IO, Any, cast
 
-from llamatron.errors import DataError
+from llamatron.errors import DataError, MissingPackageError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -113,7 +113,7 @@ def _zstandard():
     try:
         import zstandard
     except ImportError as err:
-        raise ImportError(
+        raise MissingPackageError(
             "reading .zst files needs the zstandard package: pip install zstandard (or pip install 'llamatron[data]')"
         ) from err
     return zstandard
@@ -123,7 +123,7 @@ def _pyarrow_parquet():
     try:
         import pyarrow.parquet as parquet
     except ImportError as err:
-        raise ImportError(
+        raise MissingPackageError(
             "reading parquet files needs the pyarrow package: pip install pyarrow (or pip install 'llamatron[data]')"
         ) from err
     return parquet

@@ -36,7 +36,7 @@ import numpy as np
 from llamatron.data.indexed import best_token_dtype, data_path
 from llamatron.data.preprocess import RecordError, run_encoder
 from llamatron.data.tokenizer import CONFIG_FILE, Tokenizer, load_tokenizer
-from llamatron.errors import DataError
+from llamatron.errors import DataError, MissingPackageError
 
 ROLES = ("system", "user", "assistant")
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
@@ -273,7 +273,7 @@ class ChatRenderer:
             try:
                 import transformers
             except ImportError as err:
-                raise ImportError(
+                raise MissingPackageError(
                     f"{tokenizer_path} has a chat template; rendering it needs transformers: pip install transformers"
                 ) from err
             self._hf = transformers.AutoTokenizer.from_pretrained(_tokenizer_directory(tokenizer_path))

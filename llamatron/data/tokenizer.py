@@ -23,7 +23,7 @@ from typing import Any
 
 import tokenizers
 
-from llamatron.errors import DataError
+from llamatron.errors import DataError, MissingPackageError
 
 EOD_TOKEN = "<|endoftext|>"
 # Tried in order when no tokenizer_config.json names the EOS token.
@@ -158,7 +158,7 @@ class TiktokenTokenizer(Tokenizer):
         try:
             import tiktoken
         except ImportError as err:
-            raise ImportError(
+            raise MissingPackageError(
                 f"{source} is a Llama 3 (tiktoken) tokenizer.model; reading it needs the tiktoken package: "
                 "pip install tiktoken"
             ) from err
@@ -327,7 +327,7 @@ def _load_sentencepiece(model_file: str, config: dict | None) -> Tokenizer:
     try:
         import sentencepiece
     except ImportError as err:
-        raise ImportError(
+        raise MissingPackageError(
             f"{model_file} is a SentencePiece model; reading it needs the sentencepiece package: "
             "pip install sentencepiece"
         ) from err
@@ -342,6 +342,13 @@ def _load_model_file(model_file: str, config: dict | None) -> Tokenizer:
     """A ``.model`` file: Llama 3's tiktoken ranks or a SentencePiece model, told apart by the content."""
     if is_tiktoken_file(model_file):
         return TiktokenTokenizer(read_tiktoken_ranks(model_file), model_file, config)
+    with open(model_file, "rb") as f:
+        first = f.read(1)
+    if first != b"\x0a":  # a SentencePiece ModelProto starts with its pieces (field 1, length-delimited)
+        raise DataError(
+            f"{model_file}: neither a SentencePiece model nor tiktoken BPE ranks"
+            f"{' (the file is empty)' if not first else ''}; re-download the tokenizer"
+        )
     return _load_sentencepiece(model_file, config)
 
 
