@@ -158,6 +158,10 @@ def test_bad_megatron_directories_fail_in_one_line(tmp_path, capsys):
     (load / "latest_checkpointed_iteration.txt").write_text("../../elsewhere")
     assert import_megatron(load, tmp_path / "ck") == 2
     _one_line_error(capsys, "holds '../../elsewhere', not an iteration number or 'release'")
+    for text in ("\u0661\u0662\u0663", "\u00b2", "9" * 5000):  # other scripts' digits, '²', too many digits
+        (load / "latest_checkpointed_iteration.txt").write_text(text, encoding="utf-8")
+        assert import_megatron(load, tmp_path / "ck") == 2
+        _one_line_error(capsys, "not an iteration number or 'release'")
     outside = tmp_path / "outside"
     (iter_dir / "mp_rank_01_001").rename(outside)
     (load / "latest_checkpointed_iteration.txt").write_text("1000")

@@ -128,7 +128,9 @@ def iteration_dir(load: Path, iteration: int | None) -> Path:
                 f"Megatron saved into"
             )
         text = latest.read_text(encoding="utf-8", errors="replace").strip()
-        if text != "release" and not text.isdigit():
+        # ASCII digits only, and no more than an iteration can have: str.isdigit also takes '²' and other scripts'
+        # digits, and int() refuses past 4300 digits (both ended in tracebacks)
+        if text != "release" and not (text.isascii() and text.isdigit() and len(text) <= 18):
             raise CheckpointError(
                 f"{latest} holds {text[:80]!r}, not an iteration number or 'release'; pass --iteration N"
             )
