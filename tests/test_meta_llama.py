@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,20 @@ def test_import_meta_consolidated_llama31_with_scaled_rope(tmp_path):
     [
         ({**LLAMA31_PARAMS, "ffn_dim_multiplier": 1.5}, "give a feed-forward width of 256, the weights have 224"),
         ({**LLAMA31_PARAMS, "vocab_size": 128256}, "vocab_size=128256, the output layer has 96 rows"),
-        ({**LLAMA31_PARAMS, "n_heads": "4"}, "n_heads must be positive integers"),
+        ({**LLAMA31_PARAMS, "n_heads": "4"}, 'n_heads must be a positive integer, not "4"'),
+        # params.json's own fields, of the wrong type or out of range: each a traceback or accepted before
+        ({**LLAMA31_PARAMS, "rope_theta": "500000"}, 'rope_theta must be a positive finite number, not "500000"'),
+        ({**LLAMA31_PARAMS, "vocab_size": "96"}, 'vocab_size must be -1 or a positive integer, not "96"'),
+        ({**LLAMA31_PARAMS, "max_seq_len": "4096"}, 'max_seq_len must be a positive integer, not "4096"'),
+        ({**LLAMA31_PARAMS, "ffn_dim_multiplier": "1.3"}, "ffn_dim_multiplier must be a positive finite number"),
+        ({**LLAMA31_PARAMS, "max_seq_len": -1}, "max_seq_len must be a positive integer, not -1"),
+        ({**LLAMA31_PARAMS, "norm_eps": -1e-5}, "norm_eps must be a positive finite number, not -1e-05"),
+        ({**LLAMA31_PARAMS, "norm_eps": float("nan")}, "norm_eps must be a positive finite number, not NaN"),
+        ({**LLAMA31_PARAMS, "rope_theta": float("inf")}, "rope_theta must be a positive finite number"),
+        ({**LLAMA31_PARAMS, "use_scaled_rope": "yes"}, 'use_scaled_rope must be true or false, not "yes"'),
+        ({**LLAMA31_PARAMS, "multiple_of": 0}, "multiple_of must be a positive integer, not 0"),
+        ({**LLAMA31_PARAMS, "n_kv_heads": 3}, "n_heads=4, n_kv_heads=3 do not split into even heads and groups"),
+        ({**LLAMA31_PARAMS, "dim": 4 * 17}, "dim=68, n_heads=4"),
     ],
 )
 def test_meta_params_that_do_not_fit_the_weights_fail_in_one_line(params, message, tmp_path, capsys):
@@ -115,3 +130,58 @@ def test_a_broken_tiktoken_tokenizer_beside_meta_weights_is_refused_in_one_line(
     write_tokenizer(tmp_path / "meta")  # with a Hugging Face tokenizer.json instead, it imports
     assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 0
     assert (tmp_path / "ck/tokenizer/tokenizer.json").exists()
+
+
+def _one_line_refusal(capsys, tmp_path, *parts: str) -> None:
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 2
+    err = capsys.readouterr().err.strip()
+    assert all(p in err for p in parts) and "\n" not in err, err
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (b"{not json", "is not valid JSON"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+        (b"[1, 2]", "must hold a JSON object, not list"),
+        (b"{}", "dim must be a positive integer, not null"),
+    ],
+)
+def test_a_params_json_that_is_not_settings_is_refused_in_one_line(text, message, tmp_path, capsys):
+    write_meta_consolidated(make_random_model("Llama", LLAMA31), tmp_path / "meta", LLAMA31_PARAMS, embed_split=0)
+    (tmp_path / "meta/params.json").write_bytes(text)
+    _one_line_refusal(capsys, tmp_path, "params.json", message)
+
+
+class _RunsCode:
+    """A pickle that would run a shell command when loaded: weights_only must refuse it without running it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_consolidated_files_that_are_not_whole_tensor_dicts_are_refused_in_one_line(tmp_path, capsys):
+    write_meta_consolidated(make_random_model("Llama", LLAMA31), tmp_path / "meta", LLAMA31_PARAMS, embed_split=0)
+    shard = tmp_path / "meta/consolidated.01.pth"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])  # truncated mid-download
+    _one_line_refusal(capsys, tmp_path, "consolidated.01.pth is not a whole file of tensors", "re-download it")
+    marker = tmp_path / "ran"
+    state = torch.load(io.BytesIO(whole), weights_only=True)
+    torch.save({**state, "norm.weight": _RunsCode(marker)}, shard)  # a malicious file: code inside
+    _one_line_refusal(capsys, tmp_path, "consolidated.01.pth is not a whole file of tensors")
+    assert not marker.exists()  # refused, never run
+    torch.save([state], shard)
+    _one_line_refusal(capsys, tmp_path, "consolidated.01.pth: expected a state dict of tensors, found list")
+    torch.save({**state, "norm.weight": 3}, shard)
+    _one_line_refusal(capsys, tmp_path, "expected a state dict of tensors, found other values beside tensors")
+    torch.save({**state, "norm.weight": state["norm.weight"][None]}, shard)
+    _one_line_refusal(capsys, tmp_path, "norm.weight is not a 1-D tensor in every consolidated.*.pth")
+    torch.save({**state, "output.weight": state["output.weight"][:, :-1]}, shard)
+    _one_line_refusal(capsys, tmp_path, "slices of output.weight differ in shape")
+    shard.write_bytes(whole)
+    assert run_cli("import-hf", tmp_path / "meta", tmp_path / "ck") == 0  # the same directory, whole, imports

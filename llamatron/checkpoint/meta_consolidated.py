@@ -44,22 +44,29 @@ def _format(directory: Path) -> MetaFormat:
     return fmt
 
 
+def _check_slices(directory: Path, name: str, slices: list[Any], dim: int | None) -> None:
+    """Each file's slice of one tensor: a 2-D (or, for norms, 1-D) tensor, all the same shape but for the split dim."""
+    want = 1 if dim is None else 2
+    if any(not isinstance(t, torch.Tensor) or t.dim() != want for t in slices):
+        raise CheckpointError(f"{directory}: {name} is not a {want}-D tensor in every consolidated.*.pth")
+    if dim is not None and len(slices) > 1 and len({t.shape[1 - dim] for t in slices}) > 1:
+        raise CheckpointError(f"{directory}: the consolidated.*.pth slices of {name} differ in shape; re-download them")
+
+
 class MetaSource:
     """The tensors of a Meta checkpoint directory under Hugging Face names; `hf_config` describes them."""
 
     def __init__(self, directory: str | Path):
         directory = Path(directory)
         fmt = _format(directory)
-        self.params: dict[str, Any] = json.loads((directory / "params.json").read_text())
+        # a JSON object: checked with the directory's other JSON files (checkpoint/hf_files.py)
+        self.params: dict[str, Any] = json.loads((directory / "params.json").read_text(encoding="utf-8"))
+        p = self.params
+        problems = fmt.field_problems(p)
+        if problems:
+            raise CheckpointError(f"{directory / 'params.json'}: {'; '.join(problems)}; re-download it")
         files = sorted(directory.glob("consolidated.*.pth"))
         self.shards = [load_pickled(f) for f in files]
-        p = self.params
-        required = ("dim", "n_layers", "n_heads") + (("multiple_of",) if "multiple_of" in p else ())
-        malformed = [k for k in required if not isinstance(p.get(k), int) or p[k] <= 0]
-        if malformed:
-            raise CheckpointError(
-                f"{directory / 'params.json'}: {', '.join(malformed)} must be positive integers; re-download it"
-            )
         if p.get("moe") or p.get("vision_model") or (p.get("vision_chunk_size") or -1) > 0:
             raise CheckpointError(
                 f"{directory}: this Meta checkpoint (mixture of experts or vision) is not supported; "
@@ -71,10 +78,11 @@ class MetaSource:
         for i in range(p["n_layers"]):
             for meta_name, (hf_name, dim) in fmt.layer_names.items():
                 self._names[f"model.layers.{i}.{hf_name}"] = (f"layers.{i}.{meta_name}", dim)
-        for meta_name, _ in self._names.values():
+        for meta_name, dim in self._names.values():
             missing = [f.name for f, s in zip(files, self.shards) if meta_name not in s]
             if missing:
                 raise CheckpointError(f"{directory}: {meta_name} is missing from {', '.join(missing)}")
+            _check_slices(directory, meta_name, [s[meta_name] for s in self.shards], dim)
         vocab = self.meta("lm_head.weight").shape[0]  # params.json often says -1
         ffn = self.meta("model.layers.0.mlp.gate_proj.weight").shape[0]
         problems = fmt.params_problems(p, vocab, ffn)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -75,12 +76,20 @@ class TensorSource:
 
 
 def load_pickled(path: Path) -> dict[str, torch.Tensor]:
-    try:  # zip-format files (torch >= 1.6) map lazily: a tensor is read when it is used
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # the legacy format cannot be memory-mapped: that file is read whole
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: expected a state dict of tensors, found {type(state).__name__}")
+    try:
+        try:  # zip-format files (torch >= 1.6) map lazily: a tensor is read when it is used
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # the legacy format cannot be memory-mapped: that file is read whole
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        # weights_only: a pickle that would build anything but tensors (code, objects) is refused, never run
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} is not a whole file of tensors (truncated, or it holds more than tensors: {first}); re-download it"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        found = type(state).__name__ if not isinstance(state, dict) else "other values beside tensors"
+        raise CheckpointError(f"{path}: expected a state dict of tensors, found {found}; re-download it")
     return state
 
 

@@ -69,6 +69,8 @@ class MetaFormat:
     # Meta's name (after "layers.N." for layer_names) -> (Hugging Face name, the dim model parallelism split or None)
     layer_names: Mapping[str, tuple[str, int | None]]
     global_names: Mapping[str, tuple[str, int | None]]
+    # params.json's fields that are missing, of the wrong type or out of range, before any weight is read
+    field_problems: Callable[[Mapping[str, Any]], list[str]]
     # (params.json, vocabulary, ffn width, dtype name) -> the Hugging Face config.json of those weights
     hf_config: Callable[[Mapping[str, Any], int, int, str], dict[str, Any]]
     # params.json's problems given the weights' (vocabulary, ffn width): a params.json of another model

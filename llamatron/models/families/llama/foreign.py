@@ -5,6 +5,8 @@ checkpoint/meta_consolidated.py and checkpoint/megatron.py."""
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +81,53 @@ def _meta_hf_config(p: Mapping[str, Any], vocab: int, ffn: int, dtype: str) -> d
     }
 
 
+# params.json's fields: name -> (required, kind). "int": a positive integer; "number": a positive finite number;
+# "vocab": -1 (the weights say) or a positive integer; "flag": true or false.
+_META_FIELDS = {
+    "dim": (True, "int"),
+    "n_layers": (True, "int"),
+    "n_heads": (True, "int"),
+    "n_kv_heads": (False, "int"),
+    "multiple_of": (False, "int"),
+    "ffn_dim_multiplier": (False, "number"),
+    "norm_eps": (False, "number"),
+    "rope_theta": (False, "number"),
+    "max_seq_len": (False, "int"),
+    "vocab_size": (False, "vocab"),
+    "use_scaled_rope": (False, "flag"),
+}
+_KIND_WORDS = {
+    "int": "a positive integer",
+    "number": "a positive finite number",
+    "vocab": "-1 or a positive integer",
+    "flag": "true or false",
+}
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind == "flag":
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False  # a string "500000" or true is not a number, even if Python would convert it
+    if kind == "number":
+        return math.isfinite(value) and value > 0
+    return isinstance(value, int) and (value > 0 or (kind == "vocab" and value == -1))
+
+
+def _meta_field_problems(p: Mapping[str, Any]) -> list[str]:
+    problems = [
+        f"{name} must be {_KIND_WORDS[kind]}, not {json.dumps(p.get(name))[:40]}"
+        for name, (required, kind) in _META_FIELDS.items()
+        if (required or p.get(name) is not None) and not _fits(p.get(name), kind)
+    ]
+    if problems:
+        return problems
+    heads, kv = p["n_heads"], p.get("n_kv_heads") or p["n_heads"]
+    if p["dim"] % (2 * heads) or heads % kv:  # rotary pairs need an even head size; GQA whole groups
+        problems.append(f"dim={p['dim']}, n_heads={heads}, n_kv_heads={kv} do not split into even heads and groups")
+    return problems
+
+
 def _meta_params_problems(p: Mapping[str, Any], vocab: int, ffn: int) -> list[str]:
     want_ffn = meta_ffn_hidden_size(p["dim"], p.get("multiple_of", 256), p.get("ffn_dim_multiplier"))
     problems = []
@@ -92,7 +141,7 @@ def _meta_params_problems(p: Mapping[str, Any], vocab: int, ffn: int) -> list[st
     return problems
 
 
-META = MetaFormat(META_LAYER_NAMES, META_GLOBAL_NAMES, _meta_hf_config, _meta_params_problems)
+META = MetaFormat(META_LAYER_NAMES, META_GLOBAL_NAMES, _meta_field_problems, _meta_hf_config, _meta_params_problems)
 
 
 # ---------------------------------------------------------------- Megatron-LM
