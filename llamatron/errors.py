@@ -4,6 +4,11 @@ A leaf module (it imports nothing), so any module may raise these without pullin
 package. `llamatron.cli.main` turns each into one line and an exit code.
 """
 
+# The exit status of a training run that stopped before --train-steps (a stop signal, --exit-duration-mins) after
+# saving what it could: not 0, as the run did not finish; not 1 or 2 (a failure, bad input), so that a job script
+# can tell "resubmit with --load" from "fix something first".
+STOPPED_EARLY_EXIT = 3
+
 
 class ConfigError(ValueError):
     """Settings (flags, YAML, a model shape, a layout) that cannot work; the message says how to fix them."""

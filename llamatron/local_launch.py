@@ -8,6 +8,7 @@ Run as `python -m llamatron.local_launch TORCHRUN_ARGS...`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -16,7 +17,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-# A scheduler's stop signals go to the ranks, which stop after the same step, save and exit 0 (faults.py);
+from .errors import STOPPED_EARLY_EXIT
+
+# A scheduler's stop signals go to the ranks, which stop after the same step, save and exit 3 (faults.py);
 # torchrun's own handler would instead stop the ranks itself and kill them 30 s later, mid-save.
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -46,6 +49,9 @@ def _forward_to_ranks(signum: int, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Its per-worker lines ("failed (exitcode: 3)", "Sending process N closing signal SIGTERM") would follow an
+    # early stop that saved, and a failure the ranks already explained; the one line below replaces them.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     if sys.platform.startswith("linux"):
         # torchrun's --signals-to-handle (read from PET_*; ignored by a torchrun without it): not SIGTERM
         os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
@@ -54,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if STOPPED_EARLY_EXIT in codes and all(c == STOPPED_EARLY_EXIT or c < 0 for c in codes):
+            return STOPPED_EARLY_EXIT  # stopped early and saved, as the ranks said; a rank still exiting was ended
         # Ranks ended by a signal were mostly stopped by torchrun after another rank failed.
         said = "; ".join(
             f"rank {r}: " + (f"exit code {f.exitcode}" if f.exitcode >= 0 else f"stopped by {f.signal_name()}")

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from ..config.settings import add_config_arguments, load_config
+from ..errors import STOPPED_EARLY_EXIT
 from ..training.trainer import model_to_train, run_training
 from . import demo
 from .launch import add_launch_argument, relaunch_if_asked
@@ -37,4 +38,4 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = run_training(cfg, replace_save=replace_save, faults=args.faults)
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         demo.print_demo_summary(result.valid, result.checkpoint)
-    return 0
+    return STOPPED_EARLY_EXIT if result.stopped_early else 0

@@ -7,7 +7,8 @@
   counted in `skipped_steps` but neither reported nor part of a streak.
 - SIGTERM / SIGUSR1 (SLURM pre-emption or time limit) and --exit-duration-mins only raise a flag. At the
   next step boundary every rank contributes its flags to one all-reduce, so all ranks stop after the same
-  step; the loop then saves a checkpoint (with --save) and returns normally (exit code 0).
+  step; the loop then saves a checkpoint (with --save) and the run exits with STOPPED_EARLY_EXIT (3): it did
+  not finish, so not 0, and a job script can tell it from a failure (1) or bad input (2).
 - --dist-timeout bounds every collective. When one fails, `explain_collective_failure` finds out through
   the rendezvous store which ranks did not see the failure themselves (the hung or dead ones) and names them.
 

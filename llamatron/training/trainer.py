@@ -56,6 +56,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     valid: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None
+    stopped_early: str | None = None  # why the run stopped before --train-steps (a stop signal, a time limit)
 
 
 def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datasets:
@@ -295,6 +296,7 @@ class Trainer:
                 break
         self._finish()
         self.result.steps, self.result.consumed_samples = (step if stop else t.train_steps), self.consumed
+        self.result.stopped_early = stop
         return self.result
 
     def _train(self, step: int) -> None:
