@@ -110,3 +110,32 @@ def yaml_values(path):
     import yaml
 
     return {k: v for k, v in yaml.safe_load(path.read_text()).items() if k in ("model", "model_overrides")}
+
+
+def test_each_speed_says_which_model_gave_it(capsys):
+    """The search table ranks by the closed-form model, one layout is simulated: both numbers for one layout
+    differ by a few percent, so each table says which it shows (issue 39)."""
+    assert main_code(["plan", "--model", "llama-1b", "--gpus", "2", "--top", "1"]) == 0
+    ranked = capsys.readouterr().out
+    assert "tok/s/gpu and mfu: the ranking model's estimate" in ranked and "the step simulator's" not in ranked
+    assert main_code(["plan", "--model", "llama-1b", "--gpus", "2", "--top", "1", "--simulate"]) == 0
+    assert "tok/s/gpu and mfu: the step simulator's" in capsys.readouterr().out
+    one = ["plan", "--model", "llama-1b", "--gpus", "2", "--tp", "1", "--micro-batch-size", "2"]
+    assert main_code([*one, "--json"]) == 0
+    ranking = json.loads(capsys.readouterr().out)["ranking_model_tokens_per_sec_per_gpu"]
+    assert main_code(one) == 0
+    assert f"the step simulator's (llamatron/planning/simulator); the ranking model's estimate: {ranking:,.0f}" in (
+        capsys.readouterr().out
+    )
+
+
+def test_the_distributed_optimizer_is_not_recommended_without_replicas(capsys):
+    """With one dp x cp replica the distributed optimizer has nothing to shard over: plan says so and leaves it out
+    of the train flags; with two it stays."""
+    one = ["plan", "--model", "llama-1b", "--tp", "1", "--distributed-optimizer", "--micro-batch-size", "2", "--json"]
+    assert main_code([*one, "--gpus", "1"]) == 0
+    assert "--distributed-optimizer" not in json.loads(capsys.readouterr().out)["train_flags"]
+    assert main_code([*one[:-1], "--gpus", "1"]) == 0
+    assert "with one it saves nothing" in capsys.readouterr().out
+    assert main_code([*one, "--gpus", "2"]) == 0
+    assert "--distributed-optimizer" in json.loads(capsys.readouterr().out)["train_flags"]

@@ -148,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(format_table(result, shown))
+        print(format_table(result, shown, SIMULATED if sims else RANKED))
         if shown:
             print(f"\n#1 as `llamatron train` flags: {_train_flags(shown[0], seq_length, fp8)}")
             if sims:
@@ -192,7 +192,15 @@ def _train_flags(p: Plan, seq_length: int, fp8: str) -> str:
     return p.layout.train_flags(seq_length) + (f" --fp8 {fp8}" if fp8 != "none" else "")
 
 
-def format_table(result: PlanResult, shown: list[Plan]) -> str:
+# Where the table's tok/s/gpu and mfu come from: two models of one step, which differ by a few percent.
+RANKED = (
+    "tok/s/gpu and mfu: the ranking model's estimate (closed-form, fast enough for every layout); --simulate "
+    "ranks the best by the step simulator instead, which `plan` of one layout (--tp ...) also prints"
+)
+SIMULATED = "tok/s/gpu and mfu: the step simulator's (llamatron/planning/simulator)"
+
+
+def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANKED) -> str:
     if not result.fits:
         return result.explanation
     head = (
@@ -249,7 +257,7 @@ def format_table(result: PlanResult, shown: list[Plan]) -> str:
         "temporaries, staging, batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc "
         "llamatron.planning.plan`)"
     )
-    return "\n".join([head, *lines, note])
+    return "\n".join([head, *lines, note, speed_source])
 
 
 def print_fixed_layout(
@@ -279,7 +287,11 @@ def print_fixed_layout(
         record["simulation"] = plan_simulate.record(args, sim)
         print(json.dumps(record, indent=2))
     else:
-        print(format_table(PlanResult(settings["model"], gpus, gpu_memory, seq_length, [simulated]), [simulated]))
+        source = f"{SIMULATED}; the ranking model's estimate: {p.speed.tokens_per_sec_per_gpu:,.0f} tok/s/gpu"
+        table = PlanResult(settings["model"], gpus, gpu_memory, seq_length, [simulated])
+        print(format_table(table, [simulated], source))
+        if p.layout.distributed_optimizer and p.layout.replicas == 1:
+            print("--distributed-optimizer shards the optimizer over dp x cp replicas: with one it saves nothing")
         verdict = "fits" if fits else f"does NOT fit in {gpu_memory / GB:.0f} GB"
         print(f"\nthis layout {verdict}; {tflops:.0f} TFLOP/s per GPU simulated on {hw.describe()}")
         plan_simulate.print_extras(args, sim)

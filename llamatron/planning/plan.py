@@ -145,7 +145,7 @@ class Layout:
         flags += [f"--ep {self.ep}"] if self.ep > 1 else []
         flags += [f"--vpp {self.vpp}"] if self.vpp > 1 else []
         flags += ["--sequence-parallel"] if self.sequence_parallel else []
-        flags += ["--distributed-optimizer"] if self.distributed_optimizer else []
+        flags += ["--distributed-optimizer"] if self.distributed_optimizer and self.replicas > 1 else []
         if self.recompute != "none":
             flags.append(f"--recompute {self.recompute}")
             flags += [f"--recompute-layers {self.recompute_layers}"] if self.recompute_layers is not None else []
