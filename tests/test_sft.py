@@ -316,7 +316,7 @@ def test_build_sft_datasets_split_cache_and_checks(sft_prefix, tokenizer_dir, tm
         SFTDataset(IndexedDataset(sft_prefix), IndexedDataset(mask_prefix(other_prefix)), np.arange(10), 48, 4, seed=0)
 
 
-def run_sft_training(workdir, prefix, steps, micro_batch_size, name):
+def run_sft_training(workdir, prefix, steps, micro_batch_size, name, extra=()):
     config = workdir / "tiny.yaml"
     config.write_text("model: llama-test\nmodel_overrides:\n  vocab_size: 512\n")  # the tokenizer has 400 ids
     metrics = workdir / f"{name}.jsonl"
@@ -352,6 +352,7 @@ def run_sft_training(workdir, prefix, steps, micro_batch_size, name):
         "1",
         "--metrics-file",
         str(metrics),
+        *extra,
     ]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -604,3 +605,46 @@ def test_chat_prompt_and_end_of_turn(tokenizer_dir, template_tokenizer_dir):
     template = ChatRenderer(template_tokenizer_dir)
     assert template.prompt(messages) == "<<SYS>> You are terse. <</SYS>> [INST] Name a colour. [/INST]"
     assert template.end_of_turn == load_tokenizer(template_tokenizer_dir).eod_token  # the template's eos_token
+
+
+def test_an_sft_model_exports_with_its_chat_format_and_stops_at_its_end_of_turn(tokenizer_dir, tmp_path):
+    """After ChatML fine-tuning on a tokenizer without a chat template, export-hf ships ChatML as the template
+    (transformers' apply_chat_template writes the text trained on) and <|im_end|> among the eos ids; a model
+    never fine-tuned on conversations gets neither (issue 39)."""
+    transformers = pytest.importorskip("transformers")
+    marked = tmp_path / "marked"  # the test tokenizer with ChatML's markers as special tokens
+    backend = tokenizers.Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    marked.mkdir()
+    backend.save(str(marked / "tokenizer.json"))
+    shutil.copy(os.path.join(tokenizer_dir, "tokenizer_config.json"), marked)
+    data = write_jsonl(tmp_path / "chat.jsonl", animal_conversations(40))
+    prefix = preprocess_conversations(data, str(tmp_path / "chat"), str(marked), progress=False)["outputs"]["tokens"]
+    run_sft_training(tmp_path, prefix, steps=2, micro_batch_size=2, name="sft", extra=["--save", "ck"])
+    out = tmp_path / "hf"
+    cli = [sys.executable, "-m", "llamatron", "export-hf", "ck", str(out), "--tokenizer", str(marked)]
+    done = subprocess.run(cli, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "Name a cat."}, {"role": "assistant", "content": "Tom."}]
+    assert hf_tokenizer.apply_chat_template(chat, tokenize=False) == (  # ChatML, written out
+        "<|im_start|>user\nName a cat.<|im_end|>\n<|im_start|>assistant\nTom.<|im_end|>\n"
+    )
+    assert hf_tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True).endswith(
+        "<|im_start|>assistant\n"
+    )
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert backend.token_to_id("<|im_end|>") in (eos if isinstance(eos, list) else [eos])
+    # the same run's weights, but trained on plain text: exported as they were, without a chat format
+    meta_file = tmp_path / "ck" / "step-2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta.pop("chat_tuned")
+    meta_file.write_text(json.dumps(meta))
+    plain = subprocess.run(
+        [*cli[:-3], str(tmp_path / "plain"), *cli[-2:]], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert not transformers.AutoTokenizer.from_pretrained(tmp_path / "plain").chat_template
+    generation = tmp_path / "plain" / "generation_config.json"
+    plain_eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    assert backend.token_to_id("<|im_end|>") not in (plain_eos if isinstance(plain_eos, list) else [plain_eos])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..config.settings import RunConfig
-from ..data.sft import LLAMA3
+from ..data.sft import CHAT_FORMATS, LLAMA3, ChatRenderer, chat_template
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
@@ -205,11 +205,17 @@ def find_tokenizer(step_dir: Path, meta: dict[str, Any], explicit: str | None = 
 
 class ShippedTokenizer:
     """The tokenizer an export ships: its bos/eos ids, and the files to write (None: copy the source's files;
-    Llama 3's tiktoken tokenizer.model is converted to tokenizer.json, which transformers reads)."""
+    Llama 3's tiktoken tokenizer.model is converted to tokenizer.json, which transformers reads).
 
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
+    chat_tuned: the model was fine-tuned on conversations (--sft-data). A tokenizer without a chat template then
+    ships the format they were rendered in (data/sft.py's choice for this tokenizer: Llama 3's or ChatML), so
+    transformers' apply_chat_template writes the text the model learned, and generation stops at its end of turn.
+    """
+
+    def __init__(self, path: Path | None, chat_tuned: bool = False) -> None:
+        self.path, self.chat_tuned = path, chat_tuned
         self.converted: dict[str, str] | None = None
+        self.chat_template: str | None = None  # added to a copied tokenizer_config.json
         # None is written as null on purpose: a missing key makes transformers fill in its per-family defaults
         # (Llama 1/2, Falcon 11), ordinary tokens of a vocabulary trained here.
         self.token_ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
@@ -224,14 +230,25 @@ class ShippedTokenizer:
         if isinstance(tok, TiktokenTokenizer):
             self.converted = hf_tokenizer_files(tok)
             self.end_of_turn_id = tok.special_tokens[LLAMA3.end_of_turn]  # the template hf_tokenizer_files writes
+        elif chat_tuned:
+            renderer = ChatRenderer(str(path), tok)
+            if renderer.format in CHAT_FORMATS:  # else the tokenizer's own template, copied with its files
+                self.chat_template = chat_template(CHAT_FORMATS[renderer.format])
+            self.end_of_turn_id = renderer.end_of_turn_id
 
-    def generation_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        """generation_config.json for a model with no imported one: its token ids, and the end of a chat turn
-        among the eos ids (as Meta's Llama 3 releases have it), so a chat reply ends at <|eot_id|>."""
-        generation: dict[str, Any] = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+    def generation_config(self, hf: dict[str, Any], imported: dict[str, Any] | None) -> dict[str, Any]:
+        """generation_config.json: an imported one, else the model's token ids; with the end of a chat turn among
+        the eos ids (as Meta's Llama 3 releases have it), so a chat reply ends at <|eot_id|> or <|im_end|>."""
+        if imported:
+            generation = dict(imported)
+            if not self.chat_tuned:  # as it was published
+                return generation
+        else:
+            generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
         eos = generation.get("eos_token_id")
-        if self.end_of_turn_id is not None and isinstance(eos, int) and eos != self.end_of_turn_id:
-            generation["eos_token_id"] = [eos, self.end_of_turn_id]
+        ids = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        if self.end_of_turn_id is not None and self.end_of_turn_id not in ids:
+            generation["eos_token_id"] = [*ids, self.end_of_turn_id] if ids else self.end_of_turn_id
         return generation
 
     def write(self, out: Path) -> None:
@@ -240,6 +257,11 @@ class ShippedTokenizer:
                 (out / name).write_text(text + "\n", encoding="utf-8")
         elif self.path is not None:
             _copy_tokenizer(self.path, out)
+            if self.chat_template is not None:
+                config_file = out / "tokenizer_config.json"
+                config = read_hf_json(config_file) if config_file.is_file() else {}
+                config["chat_template"] = self.chat_template
+                config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
@@ -267,7 +289,7 @@ def export_hf(
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
     tok = find_tokenizer(step_dir, meta, tokenizer)  # before writing anything: a missing one is an error
-    shipped = ShippedTokenizer(tok)  # converted (Llama 3's tiktoken) before any weight is written
+    shipped = ShippedTokenizer(tok, bool(meta.get("chat_tuned")))  # converted before any weight is written
     vocab = min(cfg.vocab_size, (base or {}).get("vocab_size") or cfg.vocab_size)
     source = open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
     rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
@@ -287,7 +309,7 @@ def export_hf(
     # Trained here (or from Meta's params.json, which has none): the token ids are the tokenizer's; an imported
     # config.json keeps its own.
     hf = dict(sorted({**hf, **{k: v for k, v in shipped.token_ids.items() if k not in (base or {})}}.items()))
-    generation = hf_meta.get("generation_config") or shipped.generation_config(hf)
+    generation = shipped.generation_config(hf, hf_meta.get("generation_config"))
     # Written into a temporary directory beside OUT and renamed into place once complete: a failure half-way
     # (a truncated checkpoint, a full disk) leaves no unreadable model.safetensors behind.
     out.parent.mkdir(parents=True, exist_ok=True)

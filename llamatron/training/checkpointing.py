@@ -71,14 +71,15 @@ def _meta(
         },
         "loss_scaler": None if scaler is None else scaler.state_dict(),
         "skipped_steps": skipped_steps,
+        **({"chat_tuned": True} if cfg.data.sft_data else {}),  # export-hf ships the chat format (hf_io.py)
         **inherited_meta,
     }
 
 
 def meta_to_inherit(meta: dict[str, Any]) -> dict[str, Any]:
     """What a loaded checkpoint's meta passes on to the run's saves: where the weights came from (Hugging Face
-    config, tokenizer), which export-hf needs."""
-    return {k: meta[k] for k in ("hf", "tokenizer") if k in meta}
+    config, tokenizer) and whether they were fine-tuned on conversations, which export-hf needs."""
+    return {k: meta[k] for k in ("hf", "tokenizer", "chat_tuned") if k in meta}
 
 
 def begin_save(
