@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import MIXTRAL, VOCAB, make_mixtral, mixtral_hub_state, random_tokens
+from hf_fixtures import MIXTRAL, VOCAB, make_mixtral, make_random_model, mixtral_hub_state, random_tokens
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_hf_interop import read_hf_weights, run_cli, write_tokenizer
@@ -247,3 +247,45 @@ def test_a_missing_expert_tensor_fails_in_one_line_naming_it(tmp_path, capsys):
     (tmp_path / "hf/config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.5}))
     assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt2") == 2  # config problems come first
     assert "router_jitter_noise=0.5" in capsys.readouterr().err
+
+
+def test_router_losses_train_as_transformers_mixtral_loss_times_its_coefficients():
+    """The gradient of a training step equals that of transformers' Mixtral loss (language model + coefficient x
+    its load-balancing loss) plus the z-loss written out (coefficient x mean logsumexp(router logits)^2; transformers
+    has none). One sequence and one MoE layer, where transformers' batch-wide balancing loss and llamatron's
+    per-sequence one are the same number (issue 39: dropping either coefficient changed no test)."""
+    from llamatron.checkpoint.hf import hf_to_llamatron
+    from llamatron.models import build_model
+    from llamatron.models.moe import MoE
+
+    aux_coef, z_coef = 0.5, 0.1
+    hf_model = make_random_model(
+        "Mixtral", dict(MIXTRAL["mixtral"][0], num_hidden_layers=1, router_aux_loss_coef=aux_coef), seed=3
+    )
+    hf_config = hf_model.config.to_dict()
+    cfg = config_from_hf(hf_config).with_changes({"router_z_loss_coef": z_coef})
+    model = build_model(cfg, device="cpu")
+    model.load_state_dict(hf_to_llamatron(hf_model.state_dict(), cfg, hf_config), strict=True)
+    tokens = random_tokens(1, 24)
+
+    out = hf_model(tokens, labels=tokens, output_router_logits=True)
+    z_loss = torch.logsumexp(out.router_logits[0].float(), dim=-1).pow(2).mean()
+    (out.loss + z_coef * z_loss).backward()
+    expected = hf_to_llamatron({n: p.grad for n, p in hf_model.named_parameters()}, cfg, hf_config)
+
+    def our_grads(aux: float, z: float) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.aux_coef, m.z_coef = aux, z
+                m.router_loss_weight = torch.tensor(1.0)  # 1 / (sequences x MoE layers)
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    got = our_grads(aux_coef, z_coef)
+    for name, want in expected.items():
+        assert torch.allclose(got[name], want, rtol=1e-4, atol=1e-6), name
+    router = "layers.0.mlp.router.weight"
+    for aux, z in ((0.0, z_coef), (aux_coef, 0.0)):  # each coefficient moves the router's gradient
+        assert not torch.allclose(our_grads(aux, z)[router], expected[router], rtol=1e-3, atol=1e-5), (aux, z)
