@@ -201,3 +201,32 @@ def test_import_of_a_meta_llama3_directory_exports_the_tokenizers_ids(tok_dir, t
     tok = load_tokenizer(str(tok_dir))
     for text in (STRINGS[2], STRINGS[4]):  # with special tokens too
         assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+
+
+# Meta's split, as llama-models' Llama 3 tokenizer.py writes it (pat_str), copied here as the independent reference.
+META_LLAMA3_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+KNOWN_SPLITS = {
+    "1234567": ["123", "456", "7"],  # digits in threes, from the left
+    "I'm HERE'S": ["I", "'m", " HERE", "'S"],  # contractions of either case
+    "hello  world": ["hello", " ", " world"],  # a space joins the word after it; the rest stands alone
+    "a\n\n b": ["a", "\n\n", " b"],
+    "x += 1;\n": ["x", " +=", " ", "1", ";\n"],  # punctuation takes one leading space and trailing newlines
+    "東京2024年": ["東京", "202", "4", "年"],
+}
+
+
+def test_the_split_is_metas_literal_pattern_and_splits_known_texts_as_meta_does(tok_dir):
+    """issue 39: the tests built their reference from the module's own pattern, so a changed pattern passed."""
+    import regex
+
+    assert LLAMA3_PATTERN == META_LLAMA3_PAT_STR
+    for text, pieces in KNOWN_SPLITS.items():
+        assert regex.findall(META_LLAMA3_PAT_STR, text) == pieces, text
+    tok = load_tokenizer(str(tok_dir))
+    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in (tok_dir / "tokenizer.model").open())}
+    meta = tiktoken.Encoding("meta", pat_str=META_LLAMA3_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    for text in [*KNOWN_SPLITS, *(t for t in STRINGS if "<|" not in t)]:
+        assert tok.encode(text) == meta.encode(text), text
