@@ -232,3 +232,44 @@ def test_overlapped_parameter_gather_is_waited_for_before_the_output_head_reads_
     model.head_weight = lambda: seen.append(handles[head_bucket.index].waited) or head_weight()
     model(torch.randint(0, cfg.vocab_size, (1, 8)))
     assert seen == [True] and all(h.waited for h in handles.values())
+
+
+def _reduce_in(rank: int, world: int, reduce_dtype: torch.dtype | None, distributed: bool, out) -> None:
+    from llamatron.parallel.grad_buffer import GradBuffer
+
+    module = torch.nn.Linear(4, 1, bias=False)
+    buf = GradBuffer(module, None, world, distributed=distributed, reduce_dtype=reduce_dtype)
+    # gradients = x: 1 + 2^-10 (not a bf16 number: bf16 keeps 8 significant bits) on rank 0, 2^-10 on rank 1
+    x = torch.full((1, 4), 1 + 2**-10 if rank == 0 else 2**-10)
+    module(x).sum().backward()
+    buf.finish_grad_sync()
+    if rank == 0:
+        out.put(buf.grad(module.weight).tolist())
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_grad_reduce_dtype_bf16_reduces_in_bf16(distributed):
+    """--grad-reduce-dtype bf16 sums the replicas' gradients in bf16 (issue 39: only its validation was tested):
+    1 + 2^-10 and 2^-10 sum to 1 + 2^-9 in fp32, to 1 in bf16 (each rounded to bf16 first: 1 and 2^-10; their
+    sum 1 + 2^-10 rounds back to 1)."""
+    import torch.multiprocessing as mp
+
+    results = {}
+    for dtype in (None, torch.bfloat16):
+        out = mp.get_context("spawn").SimpleQueue()
+        spawn(_reduce_in, 2, dtype, distributed, out)
+        results[dtype] = out.get()
+    assert results[None] == [[1 + 2**-9] * 4]
+    assert results[torch.bfloat16] == [[1.0] * 4]
+
+
+def test_grad_reduce_dtype_reaches_the_reduction_of_a_run(tmp_path):
+    """The flag reaches the gradient buffers of a 2-replica run: its first step's loss is the fp32 run's (the
+    same weights), its gradient norm is off by bf16's rounding of the reduction (fp32's reordering noise is below
+    1e-6 relative), and at most by it."""
+    from layout import BASE_ARGS
+
+    fp32 = run_train([*BASE_ARGS, "--train-steps", "1"], 2, tmp_path)
+    bf16 = run_train([*BASE_ARGS, "--train-steps", "1", "--grad-reduce-dtype", "bf16"], 2, tmp_path)
+    assert bf16[0]["loss"] == fp32[0]["loss"]
+    assert 1e-6 < abs(bf16[0]["grad_norm"] / fp32[0]["grad_norm"] - 1) < 2**-8
