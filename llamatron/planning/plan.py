@@ -65,8 +65,9 @@ llamatron/planning/simulator/calibration.yaml, this one from its `planner:` sect
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-from ..config.settings import RunConfig
+from ..config.settings import ParallelConfig, RunConfig
 from ..models import ModelConfig
 from ..models.inventory import flops_per_token, layers
 from ..models.rope_op import supports_head_dim as rope_supports_head_dim
@@ -89,8 +90,8 @@ from .params import (
 )
 from .params import bytes_per_param as bytes_per_param  # re-exported: the planner's public names
 from .params import layer_params as layer_params
-from .simulator.calibration import load_calibration
-from .simulator.hardware import Hardware
+from .simulator.calibration import Calibration, load_calibration
+from .simulator.hardware import Hardware, resolve_hardware
 
 GB = 1e9
 GiB = 2**30
@@ -216,13 +217,30 @@ class Memory:
         return self.total - self.buffers["fragmentation"] - self.buffers["runtime"]
 
 
-_PLANNER = load_calibration().planner  # the ranking model's numbers: llamatron/planning/simulator/calibration.yaml
+def _planner_numbers(cal: Calibration) -> dict[str, Any]:
+    """The ranking model's numbers on one H200 node: calibration.yaml's `planner:`, the simulator's shape factor
+    and efficiencies, the trainer's gradient bucket."""
+    hw = resolve_hardware("h200")
+    return {
+        "peak_flops": hw.gpu.peak_flops,
+        "base_mfu": cal.planner["base_mfu"],
+        "nvlink_bw": cal.planner["nvlink_bw"],
+        "internode_bw": hw.nic_bandwidth_per_gpu() * cal.network.efficiency,
+        "hbm_bw": hw.gpu.hbm_bw * cal.elementwise_hbm_efficiency,
+        "gemm_tokens_half": cal.gemm_tokens_half,
+        "gemm_width_half": cal.gemm_width_half,
+        "bucket_size": ParallelConfig().bucket_size,
+        "fp8_gemm_speedup": (("none", 1.0), *cal.planner["fp8_gemm_speedup"].items()),
+    }
+
+
+_PLANNER = _planner_numbers(load_calibration())
 
 
 @dataclass(frozen=True)
 class SpeedAssumptions:
-    """The closed-form ranking model's numbers (calibration.yaml, `planner:`, with the runs they come from);
-    `for_hardware` scales them to a GPU and network of llamatron/planning/simulator/hardware.yaml."""
+    """The closed-form ranking model's numbers (_planner_numbers); `for_hardware` scales them to a GPU and network
+    of hardware.yaml, `from_calibration` reads another calibration table."""
 
     peak_flops: float = _PLANNER["peak_flops"]
     base_mfu: float = _PLANNER["base_mfu"]
@@ -231,13 +249,16 @@ class SpeedAssumptions:
     hbm_bw: float = _PLANNER["hbm_bw"]
     gemm_tokens_half: float = _PLANNER["gemm_tokens_half"]
     gemm_width_half: float = _PLANNER["gemm_width_half"]
-    bucket_size: int = int(_PLANNER["bucket_size"])
-    fp8_gemm_speedup: tuple[tuple[str, float], ...] = tuple(_PLANNER["fp8_gemm_speedup"].items())
+    bucket_size: int = _PLANNER["bucket_size"]
+    fp8_gemm_speedup: tuple[tuple[str, float], ...] = _PLANNER["fp8_gemm_speedup"]
+
+    @classmethod
+    def from_calibration(cls, cal: Calibration) -> SpeedAssumptions:
+        return cls(**_planner_numbers(cal))
 
     @classmethod
     def for_hardware(cls, hw: Hardware) -> SpeedAssumptions:
-        """The same model on another GPU: its peak and HBM, its link (by bandwidth against NVLink 4's 450 GB/s)
-        and its share of the node's network at the calibrated efficiency."""
+        """The same model on another GPU: its peak, HBM, link (against NVLink 4's 450 GB/s) and network share."""
         base = cls()
         return replace(
             base,

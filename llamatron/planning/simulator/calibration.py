@@ -49,23 +49,21 @@ class Calibration:
     fp8_gemm_speedup: dict[str, float]
     nvlink: dict[str, Curve]
     network: Curve
-    network_all_to_all_efficiency: float
     contention_bandwidth: float
-    tp_forward: int
-    tp_backward_exposed: int
-    tp_backward_overlapped: int
     tp_slowdown: float
+    idle_share: float
     planner: dict[str, Any]
 
     def attention(self, gpu: str, backend: str, seq: int, head_dim: int = 64) -> float:
         """In-model attention efficiency of a backend at a sequence length and head dim ('auto' is cuDNN, flex
         for masks: FA4 runs only where installed); measured at 4096 and head dim 64: longer sequences amortise
         more of each tile, and wider heads do more work per tile (linear from 64 to 128, flat beyond)."""
+        backend = "cudnn" if backend == "auto" else backend
         assumed = self.attention_other_gpus.get(gpu)  # an assumed figure already covers the head dims
         base = assumed or self.attention_efficiency.get(backend, self.attention_efficiency["cudnn"])
         h = self.attention_long_half
         wider = 0.0 if assumed else min(max((head_dim - 64) / 64, 0.0), 1.0)
-        head = 1.0 + (self.attention_head_dim_128.get(backend, self.attention_head_dim_128["cudnn"]) - 1.0) * wider
+        head = 1.0 + (self.attention_head_dim_128.get(backend, 1.0) - 1.0) * wider  # unmeasured: no gain
         return base * head * (seq / (seq + h)) / (4096 / (4096 + h))
 
 
@@ -74,17 +72,32 @@ def _curve(entry: dict) -> Curve:
 
 
 def _planner(d: dict) -> dict[str, Any]:
-    out: dict[str, Any] = {k: float(v) for k, v in d.items() if k not in ("fp8_gemm_speedup", "source")}
-    out["peak_flops"] = out.pop("peak_tflops") * 1e12
-    for key in ("nvlink", "internode", "hbm"):
-        out[f"{key}_bw"] = out.pop(f"{key}_gbps") * 1e9
-    out["fp8_gemm_speedup"] = {k: float(v) for k, v in d["fp8_gemm_speedup"].items()}
-    return out
+    return {
+        "base_mfu": float(d["base_mfu"]),
+        "nvlink_bw": float(d["nvlink_gbps"]) * 1e9,
+        "fp8_gemm_speedup": {k: float(v) for k, v in d["fp8_gemm_speedup"].items()},
+    }
+
+
+def _nvlink(c: dict) -> dict[str, Curve]:
+    """The measured curves; p2p and all-to-all take the all-gather's: on the two GPUs measured, each of the three
+    is every rank sending its share over the one link to the other."""
+    curves = {k: _curve(v) for k, v in c.items()}
+    return {**curves, "p2p": curves["all_gather"], "all_to_all": curves["all_gather"]}
+
+
+def calibration_table() -> dict[str, Any]:
+    """calibration.yaml as read (a fresh copy: tests perturb it)."""
+    return yaml.safe_load(resources.files(__package__).joinpath("calibration.yaml").read_text())
 
 
 @lru_cache(maxsize=1)
 def load_calibration() -> Calibration:
-    d = yaml.safe_load(resources.files(__package__).joinpath("calibration.yaml").read_text())
+    return calibration_from(calibration_table())
+
+
+def calibration_from(d: dict[str, Any]) -> Calibration:
+    """The Calibration of a table shaped as calibration.yaml."""
     g, a, e, o, c, t = (
         d["gemm"],
         d["attention"],
@@ -115,13 +128,12 @@ def load_calibration() -> Calibration:
         optimizer_bytes_per_owned_param=float(o["bytes_per_owned_param"]),
         optimizer_hbm_efficiency=float(o["hbm_efficiency"]),
         fp8_gemm_speedup={k: float(v) for k, v in d["fp8"]["gemm_speedup"].items()},
-        nvlink={k: _curve(v) for k, v in c["nvlink"].items()},
-        network=Curve(float(c["network"]["efficiency"]), float(c["network"]["half_mib"]) * MiB),
-        network_all_to_all_efficiency=float(c["network"]["all_to_all_efficiency"]),
+        nvlink=_nvlink(c["nvlink"]),
+        # NCCL's message-size curve is its protocol's (chunks in flight), not the link's: the network's takes
+        # the measured all-gather's half-bandwidth size.
+        network=Curve(float(c["network"]["efficiency"]), float(c["nvlink"]["all_gather"]["half_mib"]) * MiB),
         contention_bandwidth=float(c["contention_gbps"]) * 1e9,
-        tp_forward=int(t["forward"]),
-        tp_backward_exposed=int(t["backward_exposed"]),
-        tp_backward_overlapped=int(t["backward_overlapped"]),
         tp_slowdown=float(t["slowdown"]),
+        idle_share=float(d["step"]["idle_share"]),
         planner=_planner(d["planner"]),
     )

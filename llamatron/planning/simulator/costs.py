@@ -26,6 +26,12 @@ from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .hardware import Hardware
 
+# Tensor-parallel collectives of (tokens x hidden) per layer and micro-batch with sequence parallelism: what
+# llamatron/parallel/tensor_layers.py runs, counted, not fitted. Forward: an all-gather before the attention's and
+# the MLP's column-parallel linears, a reduce-scatter after their row-parallel ones; backward: the reverse of each,
+# two on the critical path and the column-parallel inputs' two reduce-scatters beside the weight-gradient GEMMs.
+TP_SP_FORWARD, TP_SP_BACKWARD_EXPOSED, TP_SP_BACKWARD_OVERLAPPED = 4, 2, 2
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -218,7 +224,7 @@ class Costs:
         inside = size * (local - 1) / s.ep / (hw.link.bandwidth * c.nvlink["all_to_all"].efficiency)
         outside = 0.0
         if local < s.ep:
-            outside = size * (s.ep - local) / s.ep / (hw.nic_bandwidth_per_gpu() * c.network_all_to_all_efficiency)
+            outside = size * (s.ep - local) / s.ep / (hw.nic_bandwidth_per_gpu() * c.network.efficiency)
         latency = hw.network.latency if local < s.ep else hw.link.latency
         return latency + max(inside, outside)
 
@@ -239,7 +245,7 @@ class Costs:
         tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
         fwd = Piece()
         fwd.add("compute", gemm + a_fwd + 0.4 * elem)
-        fwd.add("tp", (c.tp_forward if s.sequence_parallel else 2) * tp_one)
+        fwd.add("tp", (TP_SP_FORWARD if s.sequence_parallel else 2) * tp_one)
         fwd.add("cp", cp_one)
         fwd.add("ep", 2 * a2a)
         back = Piece()
@@ -247,8 +253,8 @@ class Costs:
         back.add("cp", cp_one)
         back.add("ep", 2 * a2a)
         weight = Piece({"compute": gemm})
-        exposed = c.tp_backward_exposed if s.sequence_parallel else 1
-        overlapped = c.tp_backward_overlapped if s.sequence_parallel else 1
+        exposed = TP_SP_BACKWARD_EXPOSED if s.sequence_parallel else 1
+        overlapped = TP_SP_BACKWARD_OVERLAPPED if s.sequence_parallel else 1
         back.add("tp", exposed * tp_one)
         if s.tp > 1:
             if s.tp_comm_overlap:  # hidden behind the weight-gradient GEMMs, as far as they last

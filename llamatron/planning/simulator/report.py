@@ -23,6 +23,7 @@ _PARTS = [
     ("dp_exposed", "gradient reduction after the last backward"),
     ("dp_gather_blocking", "parameter all-gather after the optimizer (not overlapped)"),
     ("optimizer", "optimizer step"),
+    ("idle", "GPU idle between kernels (host launches, synchronisation)"),
 ]
 
 

@@ -71,13 +71,15 @@ def simulate_step(
         s.pp, opt.vpp, opt.micro_batches, durations, p2p, zb, dp.first_forward(gathers) if gathers else None
     )
     done = dp.finish(events, gathers, zb)
+    # The GPU idles between kernels (host launches, synchronisation) for a share of every measured step.
+    idle = done.step_seconds * cal.idle_share / (1 - cal.idle_share)
     return StepResult(
-        done.step_seconds,
+        done.step_seconds + idle,
         opt.micro_batches * s.micro_batch_size * s.seq_length * s.dp,
         s.tp * s.cp * s.dp * s.pp,
         flops_per_token(model, s.seq_length),
         hw.gpu.peak_flops,
-        done.parts,
+        {**done.parts, "idle": idle},
         done.dp_comm_seconds,
         done.dp_exposed_seconds,
         done.events,
