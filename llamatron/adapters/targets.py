@@ -1,0 +1,79 @@
+"""Which linears LoRA adapts, and how each maps onto Hugging Face's (and so PEFT's) modules.
+
+A target is a linear of the decoder layers named by its Hugging Face module (`q_proj`, `query_key_value`, ...) or
+that name without `_proj` (`q`, `gate`); `all-linear` is every one. The family's weight rules say which Hugging
+Face tensors each llamatron linear is made of and how its rows split back into them: an adapted linear gets one
+adapter per matching Hugging Face module, over exactly that module's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..checkpoint.hf import TensorRule, config_to_hf, weight_rules
+from ..errors import ConfigError
+from ..models import ModelConfig
+from .lora import LoraLinear
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    module: str  # the llamatron linear, e.g. layers.0.attn.qkv
+    hf_modules: tuple[str, ...]  # one per adapter (segment), e.g. model.layers.0.self_attn.q_proj
+    rows: tuple[torch.Tensor, ...]  # each adapter's output rows of the linear, in the Hugging Face tensor's order
+
+
+def _matches(hf_module: str, targets: Sequence[str]) -> bool:
+    base = hf_module.rsplit(".", 1)[-1]
+    return ALL_LINEAR in targets or base in targets or base.removesuffix("_proj") in targets
+
+
+def _layer_linears(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, nn.Linear, TensorRule]]:
+    modules = dict(model.named_modules())
+    out = []
+    for rule in weight_rules(cfg, config_to_hf(cfg)):
+        name = rule.name.removesuffix(".weight")
+        if rule.name.endswith(".weight") and name.startswith("layers.") and type(modules.get(name)) is nn.Linear:
+            out.append((name, modules[name], rule))
+    return out
+
+
+def find_targets(model: nn.Module, cfg: ModelConfig, targets: Sequence[str]) -> list[LoraTarget]:
+    """The adapted linears of `model` (built for `cfg`, not yet adapted); a target naming no linear is an error."""
+    found, available = [], set()
+    for name, linear, rule in _layer_linears(model, cfg):
+        index = torch.arange(linear.out_features, dtype=torch.float64).unsqueeze(1)
+        parts = [t.flatten().long() for t in rule.split(index)]
+        hf_modules = [h.removesuffix(".weight") for h in rule.hf_names]
+        available |= {h.rsplit(".", 1)[-1] for h in hf_modules}
+        keep = [(h, rows) for h, rows in zip(hf_modules, parts) if _matches(h, targets)]
+        if keep:
+            found.append(LoraTarget(name, tuple(h for h, _ in keep), tuple(r for _, r in keep)))
+    known = available | {a.removesuffix("_proj") for a in available} | {ALL_LINEAR}
+    unknown = [t for t in targets if t not in known]
+    if unknown or not found:
+        raise ConfigError(
+            f"--lora-targets {','.join(unknown or targets)} names no linear of this {cfg.family} model's layers; "
+            f"use all-linear or some of {','.join(sorted(available))}"
+        )
+    return found
+
+
+def apply_lora(model: nn.Module, targets: list[LoraTarget], rank: int, alpha: float, dropout: float) -> None:
+    """Swap each target linear for a LoraLinear over the same weight, and freeze everything but the adapters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for t in targets:
+        parent_name, _, child = t.module.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        segment = torch.full((linear.out_features,), -1, dtype=torch.long)
+        for s, rows in enumerate(t.rows):
+            segment[rows] = s
+        setattr(parent, child, LoraLinear(linear, segment, rank, alpha, dropout))
