@@ -32,11 +32,11 @@ class LoraLinear(nn.Module):
         device = base.weight.device
         self.lora_a = nn.Parameter(torch.empty(segments * rank, base.in_features, device=device))
         self.lora_b = nn.Parameter(torch.zeros(segment.numel(), rank, device=device))
+        # Not a buffer: materialising a meta-built model (models/init.py) leaves buffers uninitialised.
         onehot = torch.zeros(segment.numel(), segments)
         rows = segment >= 0
         onehot[rows, segment[rows]] = 1.0
-        self.onehot: torch.Tensor
-        self.register_buffer("onehot", onehot.to(device), persistent=False)
+        self._onehot = {onehot.device: onehot}
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.reset_lora()
 
@@ -46,8 +46,14 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b)
 
+    def onehot(self, like: torch.Tensor) -> torch.Tensor:
+        """(out, S): 1 where a row belongs to a segment, on `like`'s device and in its dtype."""
+        if like.device not in self._onehot:
+            self._onehot[like.device] = next(iter(self._onehot.values())).to(like.device)
+        return self._onehot[like.device].to(like.dtype)
+
     def b_full(self) -> torch.Tensor:
-        b = self.lora_b.unsqueeze(1) * self.onehot.to(self.lora_b.dtype).unsqueeze(-1)  # (out, S, r)
+        b = self.lora_b.unsqueeze(1) * self.onehot(self.lora_b).unsqueeze(-1)  # (out, S, r)
         return b.flatten(1)
 
     def delta_weight(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..checkpoint.hf import TensorRule, config_to_hf, weight_rules
 from ..errors import ConfigError
-from ..models import ModelConfig
+from ..models import ModelConfig, build_model
 from .lora import LoraLinear
 
 ALL_LINEAR = "all-linear"
@@ -77,3 +77,35 @@ def apply_lora(model: nn.Module, targets: list[LoraTarget], rank: int, alpha: fl
         for s, rows in enumerate(t.rows):
             segment[rows] = s
         setattr(parent, child, LoraLinear(linear, segment, rank, alpha, dropout))
+
+
+def requested(targets: Sequence[str]) -> list[str]:
+    """--lora-targets as given: space- or comma-separated."""
+    return [t for item in targets for t in item.split(",") if t]
+
+
+def lora_problems(rank: int, model: ModelConfig, targets: Sequence[str], layout: dict[str, int], fp8: str) -> list[str]:
+    """LoRA's rules: targets that name linears of the model; the layouts it runs under so far."""
+    if rank == 0:
+        return []
+    try:
+        find_targets(build_model(model, device="meta"), model, requested(targets))
+    except ConfigError as e:
+        return [str(e)]
+    others = [f"--{k} {v}" for k, v in layout.items() if v > 1] + ([f"--fp8 {fp8}"] if fp8 != "none" else [])
+    if others:
+        return [
+            f"--lora-rank does not run with {', '.join(others)} yet (LoRA runs on data parallelism alone so far); "
+            "drop those flags or train without LoRA"
+        ]
+    return []
+
+
+def adapter_shapes(model: ModelConfig, rank: int, targets: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The full shapes of the adapters LoRA adds to `model` (none with rank 0), from a model on the meta device."""
+    if rank == 0:
+        return {}
+    built = build_model(model, device="meta")
+    plain = {n for n, _ in built.named_parameters()}
+    apply_lora(built, find_targets(built, model, requested(targets)), rank, 1.0, 0.0)
+    return {n: tuple(p.shape) for n, p in built.named_parameters() if n not in plain}

@@ -4,7 +4,7 @@ boxes it holds (pieces.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from ..models import ModelConfig, Transformer, build_model
 from ..parallel.param_spec import ParamSpec, ParamSpecs
 from .pieces import local_pieces
-from .reader import CheckpointReader, read_meta
+from .reader import CheckpointReader, read_meta, refuse_adapters
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -24,11 +24,13 @@ def read_model_config(path: str) -> ModelConfig:
         raise CheckpointError(f"{path}: the model_config in its meta.json is not a model's ({err})") from None
 
 
-def check_checkpoint_fits(path: str, model_cfg: ModelConfig, model_name: str) -> None:
+def check_checkpoint_fits(
+    path: str, model_cfg: ModelConfig, model_name: str, added: Mapping[str, tuple[int, ...]] | None = None
+) -> None:
     """Before any memory is spent on the model: the checkpoint holds this model's weights, and every file its
-    index lists is there (the index and shapes are read, no tensor)."""
+    index lists is there (the index and shapes are read, no tensor). added: see check_architecture."""
     reader = CheckpointReader(path)
-    check_architecture(reader, model_cfg, model_name)
+    check_architecture(reader, model_cfg, model_name, added)
     missing = sorted(
         {
             piece.file
@@ -46,16 +48,23 @@ def check_checkpoint_fits(path: str, model_cfg: ModelConfig, model_name: str) ->
         )
 
 
-def check_architecture(reader: CheckpointReader, model_cfg: ModelConfig, model_name: str) -> None:
-    """Every weight of the model in the checkpoint with its full shape, and nothing else."""
+def check_architecture(
+    reader: CheckpointReader,
+    model_cfg: ModelConfig,
+    model_name: str,
+    added: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Every weight of the model in the checkpoint with its full shape, and nothing else; `added`: parameters the
+    run adds to the model (LoRA's adapters), which the checkpoint may hold (a resume) or not (a base model)."""
     expected = {n: tuple(p.shape) for n, p in build_model(model_cfg, device="meta").named_parameters()}
+    added = added or {}
     problems = []
-    for name, shape in expected.items():
+    for name, shape in {**expected, **added}.items():
         if not reader.has("model", name):
-            problems.append(f"missing {name}")
+            problems += [] if name in added else [f"missing {name}"]
         elif reader.stored("model", name).shape != shape:
             problems.append(f"{name}: checkpoint {reader.stored('model', name).shape} vs model {shape}")
-    problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected))[:10]]
+    problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected) - set(added))[:10]]
     if problems:
         raise CheckpointError(
             f"checkpoint {reader.step_dir} does not fit this model ({model_name}):\n  "
@@ -85,6 +94,7 @@ def load_model_weights(path: str, model: Transformer, specs: ParamSpecs) -> dict
     parameters' specs by local name, e.g. tensor-parallel shards); returns its meta.json. For models built from
     the checkpoint's own config (`read_model_config`): generation."""
     reader = CheckpointReader(path)
+    refuse_adapters(reader)
     check_architecture(reader, model.cfg, "its own model_config")
     read_weights(reader, ((p, specs[name]) for name, p in model.named_parameters()))
     return reader.run_meta

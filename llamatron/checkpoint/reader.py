@@ -337,7 +337,19 @@ class CheckpointReader:
 
 def open_weights(path: str | Path) -> CheckpointReader:
     """The weights of a checkpoint saved under any layout, full tensors by global name."""
-    return CheckpointReader(path)
+    reader = CheckpointReader(path)
+    refuse_adapters(reader)
+    return reader
+
+
+def refuse_adapters(reader: CheckpointReader) -> None:
+    """A LoRA run's checkpoint holds the base weights and the adapters apart: read as a plain model it would
+    silently lose the adapters."""
+    if ((reader.run_meta.get("config") or {}).get("lora") or {}).get("lora_rank"):
+        raise CheckpointError(
+            f"{reader.step_dir} is a LoRA checkpoint (frozen base + adapters): export-hf, generate and verify do not "
+            "merge adapters yet; resume it with llamatron train --load (issue 36's next step)"
+        )
 
 
 def load_full_tensors(path: str | Path, kind: str = "model") -> dict[str, torch.Tensor]:
@@ -362,6 +374,7 @@ __all__ = [
     "piece_key",
     "rank_file",
     "read_meta",
+    "refuse_adapters",
     "resolve_checkpoint",
     "rng_file",
     "step_dirs",

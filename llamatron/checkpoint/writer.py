@@ -106,8 +106,9 @@ class PendingSave:
 
 
 def engine_params(engine) -> list[tuple[nn.Parameter, ParamSpec]]:
-    """Every parameter of this rank, chunk by chunk, with its spec (the gradient buffers hold them)."""
-    return [(p, spec) for buf in engine.buffers for p, spec in buf.spec_of.items()]
+    """Every parameter of this rank with its spec: those that train (the gradient buffers hold them, chunk by
+    chunk), then the frozen ones."""
+    return [(p, spec) for buf in engine.buffers for p, spec in buf.spec_of.items()] + list(engine.frozen)
 
 
 def _responsible_for(spec: ParamSpec, tp_rank: int) -> bool:
@@ -148,6 +149,20 @@ def rank_pieces(engine) -> list[PieceToWrite]:
                     out += [PieceToWrite(kind, name, full, lp.box, lp.view(flat)) for kind, flat in sources.items()]
                     if not any(lp.box.offsets):  # the writer of the tensor's first element also writes its step
                         out.append(PieceToWrite("step", name, (1,), Box((0,), (1,)), opt.steps[i].reshape(1)))
+    return out + _frozen_pieces(engine)
+
+
+def _frozen_pieces(engine) -> list[PieceToWrite]:
+    """The weights of parameters that do not train (no optimizer state): the first replica writes them."""
+    mesh, out = engine.mesh, list[PieceToWrite]()
+    if mesh.replica_rank != 0:
+        return out
+    for p, spec in engine.frozen:
+        if not _responsible_for(spec, mesh.tp_rank):
+            continue
+        for lp in local_pieces(spec, 0, p.numel(), owned_only=True):
+            flat = p.detach().reshape(-1)
+            out.append(PieceToWrite("model", spec.global_name, spec.full_shape, lp.box, lp.view(flat)))
     return out
 
 
@@ -214,6 +229,9 @@ def start_save(
     if mesh.rank == 0:
         model = build_model(engine.model_cfg, device="meta")
         pending.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        pending.expected |= {
+            s.global_name: s.full_shape for _, s in engine_params(engine) if s.global_name not in pending.expected
+        }  # added parameters (LoRA's adapters): only where pp is 1 so far
         try:
             if pending.tmp.exists() and pending.tmp == protected_copy(root):  # the only copy `latest` has
                 os.replace(pending.tmp, root / f".old-step-{step}")
@@ -313,8 +331,9 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
     if pending.expected is not None and written != pending.expected:
         wrong = sorted(set(written.items()) ^ set(pending.expected.items()))[:10]
         raise CheckpointError(f"the weights written do not match the model: {wrong}")
+    trained = set(tensors.get("exp_avg", {}))  # all weights, or those that train (frozen ones have no state)
     for kind in ("exp_avg", "exp_avg_sq", "step"):
-        if set(tensors.get(kind, {})) != set(written):
+        if set(tensors.get(kind, {})) != trained or not trained <= set(written):
             raise CheckpointError(f"the ranks wrote {kind} for a different set of tensors than the weights")
     tmp, root, final = pending.tmp, pending.root, pending.final
     for name, text in (

@@ -233,7 +233,31 @@ class TrainConfig:
     )
 
 
-SECTIONS = {"parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+@dataclass
+class LoraConfig:
+    """Parameter-efficient fine-tuning (adapters/): the model frozen, low-rank adapters trained."""
+
+    lora_rank: int = _f(0, "LoRA rank r (0: no LoRA, train every weight)", allowed=at_least(0, "0: off"))
+    lora_alpha: float = _f(
+        16.0, "LoRA alpha: the update is alpha / rank times B A (PEFT's lora_alpha)", allowed=above(0)
+    )
+    lora_dropout: float = _f(
+        0.0, "dropout on the adapters' input", allowed=Range(low=0.0, high=1.0, high_open=True, note="a probability")
+    )
+    lora_targets: list[str] = _f(
+        ["all-linear"],
+        "the decoder linears to adapt, by Hugging Face module name (q_proj, query_key_value, ...) or without _proj "
+        "(q, k, v, o, gate, up, down); all-linear: every one",
+    )
+
+
+SECTIONS = {
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "lora": LoraConfig,
+}
 
 
 @dataclass
@@ -242,6 +266,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     model_overrides: dict = field(default_factory=dict)  # YAML `model_overrides:` changes preset fields
     explicit: set = field(default_factory=set, repr=False)  # settings given by YAML or flags, not defaulted
 

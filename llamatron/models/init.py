@@ -41,6 +41,11 @@ _RESIDUAL_OUTPUTS = ("attn.o.weight", "mlp.down.weight", "mlp.experts.down")
 def init_full_tensor(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, device: torch.device) -> torch.Tensor:
     """The fp32 initial value of the full parameter called `name`."""
     leaf = name.rsplit(".", 1)[-1]
+    if leaf == "lora_b":  # LoRA starts as no change (adapters/lora.py)
+        return torch.zeros(shape, device=device)
+    if leaf == "lora_a":  # as PEFT: nn.Linear's default, Kaiming uniform with a = sqrt(5): U(+-1/sqrt(in))
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape, device=device).uniform_(-bound, bound, generator=_generator(name, seed, device))
     if "norm" in name:
         return torch.ones(shape, device=device) if leaf == "weight" else torch.zeros(shape, device=device)
     if leaf == "bias":
@@ -48,9 +53,13 @@ def init_full_tensor(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, 
     std = cfg.init_std
     if name.endswith(_RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2.0 * cfg.num_layers)
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=_generator(name, seed, device))
+
+
+def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+    return gen
 
 
 def materialize(

@@ -18,6 +18,7 @@ schedule is a function of the step, so restoring the step restores it.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,9 @@ from ..checkpoint.loading import check_architecture, read_into, read_weights
 from ..checkpoint.reader import CheckpointReader, rng_file
 from ..checkpoint.rng import restore_rng
 from ..checkpoint.writer import PendingSave, engine_params, finish, start_save
-from ..config.settings import TrainConfig
+from ..config.settings import RunConfig, TrainConfig
 from ..errors import CheckpointError, TrainingAborted
+from ..models import build_model
 from ..parallel.optimizer import lr_at
 from .engine import Engine
 from .faults import NO_FAULTS, FaultInjection
@@ -193,15 +195,22 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
             f"weights-only checkpoint: add --finetune to train from {reader.step_dir} "
             f"(it has no optimizer state or step to resume)"
         )
-    check_architecture(reader, engine.model_cfg, engine.cfg.train.model)
+    check_adapters(meta, engine.cfg)
+    plain = {n for n, _ in build_model(engine.model_cfg, device="meta").named_parameters()}
+    added = {s.global_name: s.full_shape for _, s in engine_params(engine) if s.global_name not in plain}
+    check_architecture(reader, engine.model_cfg, engine.cfg.train.model, added)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
     weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
-    read_weights(reader, engine_params(engine), weights_kind)
+    # --finetune from a checkpoint of the plain model: parameters added to it (LoRA's adapters) keep their init.
+    fresh = _added_params(engine, reader) if weights_only else set()
+    kept = [(p, spec) for p, spec in engine_params(engine) if spec.global_name not in fresh]
+    read_weights(reader, kept, weights_kind)
     if weights_only:
         if not opt.master_is_param:  # a fresh optimizer, whose master weights start from the loaded ones
-            for i in range(len(opt.segments)):
-                _fill_master(reader, opt, i)
+            for i, seg in enumerate(opt.segments):
+                if seg.spec.global_name not in fresh:
+                    _fill_master(reader, opt, i)
         return meta
     if not all(reader.has(kind) for kind in ("exp_avg", "exp_avg_sq", "step")):
         raise CheckpointError(f"{reader.step_dir} has no optimizer state; resume it with --finetune")
@@ -220,6 +229,28 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     return meta
 
 
+def check_adapters(meta: dict[str, Any], cfg: RunConfig) -> None:
+    """A LoRA checkpoint is resumed (or fine-tuned further) with the adapters it was trained with."""
+    saved = (meta.get("config") or {}).get("lora") or {}
+    if not saved.get("lora_rank"):
+        return
+    now = asdict(cfg.lora)
+    if any(saved.get(k) != now[k] for k in ("lora_rank", "lora_alpha", "lora_targets")):
+        flags = " ".join(
+            f"--lora-{k[5:]} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in saved.items()
+            if k in ("lora_rank", "lora_alpha", "lora_targets")
+        )
+        raise CheckpointError(f"the checkpoint holds LoRA adapters trained with {flags}: load it with those flags")
+
+
+def _added_params(engine: Engine, reader: CheckpointReader) -> set[str]:
+    """Parameters of the engine that the plain model does not have and the checkpoint does not hold."""
+    plain = {n for n, _ in build_model(engine.model_cfg, device="meta").named_parameters()}
+    held = reader.names("model")
+    return {s.global_name for _, s in engine_params(engine) if s.global_name not in plain | held}
+
+
 def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
     """Each rank's RNG states, when the layout is the one that saved them (otherwise rank r's state means nothing)."""
     saved = reader.run_meta.get("layout", {})
@@ -232,6 +263,7 @@ def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
 __all__ = [
     "Checkpointing",
     "begin_save",
+    "check_adapters",
     "finish_pending_save",
     "load_checkpoint",
     "meta_to_inherit",

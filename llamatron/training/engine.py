@@ -9,13 +9,15 @@ under --ep) -> optimizer. Nothing touches device memory before the config is val
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+from ..adapters.targets import apply_lora, find_targets, requested
 from ..config.settings import Derived, RunConfig
 from ..dtypes import DTYPES
 from ..models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
@@ -30,7 +32,7 @@ from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
 from ..parallel.loss_scale import DynamicLossScaler
 from ..parallel.mesh import Mesh
 from ..parallel.optimizer import DistributedAdamW, lr_at
-from ..parallel.param_spec import ParamSpec, param_specs
+from ..parallel.param_spec import ParamSpec, ParamSpecs, param_specs
 from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward
 from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 from .fp8 import apply_fp8
@@ -64,6 +66,8 @@ class Engine:
     forward_backward: ForwardBackward
     objective: Objective  # what a step minimises (objectives/): the plain step, the pipeline and evaluation use it
     loss_scaler: DynamicLossScaler | None = None  # fp16 only
+    # Parameters that do not train (LoRA's base model), with their specs: loaded and saved, not in the buffers.
+    frozen: list[tuple[nn.Parameter, ParamSpec]] = field(default_factory=list)
 
 
 class _Checkpointed:
@@ -138,6 +142,23 @@ def apply_compile(model: Transformer) -> None:
         inner.forward = torch.compile(inner.forward, dynamic=False)
 
 
+def _build_chunks(
+    cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh
+) -> tuple[list[Transformer], list[ParamSpecs], ForwardBackward]:
+    """This rank's model chunks on the meta device (a pipeline's stages, or the whole model, adapted where LoRA
+    is on), their parameters' specs, and how a step runs them."""
+    p = cfg.parallel
+    if p.pp > 1:
+        chunks, specs = build_stage_chunks(model_cfg, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
+        return chunks, specs, pipeline_forward_backward
+    model = build_model(model_cfg)
+    if cfg.lora.lora_rank:  # before the specs: the adapters are parameters like the others
+        lo = cfg.lora
+        targets = find_targets(model, model_cfg, requested(lo.lora_targets))
+        apply_lora(model, targets, lo.lora_rank, lo.lora_alpha, lo.lora_dropout)
+    return [model], [param_specs(model)], forward_backward_no_pipeline
+
+
 def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
     model_cfg = model_cfg or cfg.model_config()
     device = (
@@ -148,13 +169,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     resolved = kernel_choices(KernelFlags.of(cfg.train, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg)
     # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
     kernels = KernelChoices.from_resolved(resolved) if device.type == "cuda" else KernelChoices()
-    if p.pp > 1:
-        chunks, specs = build_stage_chunks(model_cfg, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
-        forward_backward = pipeline_forward_backward
-    else:
-        model = build_model(model_cfg)
-        chunks, specs = [model], [param_specs(model)]
-        forward_backward = forward_backward_no_pipeline
+    chunks, specs, forward_backward = _build_chunks(cfg, model_cfg, mesh)
+    frozen: list[tuple[nn.Parameter, ParamSpec]] = []
     for i, chunk in enumerate(chunks):
         if p.tp > 1:
             specs[i] = apply_tensor_parallel(
@@ -166,6 +182,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
         )  # keeps the parameters: specs and init unchanged
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
+        frozen += [(param, specs[i][name]) for name, param in chunk.named_parameters() if not param.requires_grad]
         apply_kernels(chunk, kernels)
         apply_context_parallel(chunk, mesh)  # before recompute, which then recomputes its K/V gather
         if cfg.train.recompute != "none":
@@ -198,10 +215,31 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
     if split:
         buffers += [buffer(chunk, chunk_specs, True) for chunk, chunk_specs in zip(chunks, specs)]
+    optimizer = _optimizer(cfg, buffers, mesh, resolved["adamw"])
+    scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
+    objective = LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
+    return Engine(
+        cfg,
+        derived,
+        mesh,
+        model_cfg,
+        chunks,
+        buffers,
+        optimizer,
+        device,
+        dtype,
+        forward_backward,
+        objective,
+        scaler,
+        frozen,
+    )
+
+
+def _optimizer(cfg: RunConfig, buffers: list[GradBuffer], mesh: Mesh, adamw_kernel: str) -> DistributedAdamW:
+    """AdamW over the buffers' parameters; adamw_kernel auto: the Triton pass on CUDA, measured 2 ms faster of a
+    351 ms llama-1b step on an H200 (RESULTS.md run 4)."""
     o = cfg.optim
-    # auto: the Triton pass on CUDA, measured 2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)
-    adamw_kernel = resolved["adamw"]
-    optimizer = DistributedAdamW(
+    return DistributedAdamW(
         buffers,
         mesh,
         lr=o.lr,
@@ -209,13 +247,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        distributed=p.distributed_optimizer,
+        distributed=cfg.parallel.distributed_optimizer,
         kernel=adamw_kernel,
-    )
-    scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
-    objective = LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
-    return Engine(
-        cfg, derived, mesh, model_cfg, chunks, buffers, optimizer, device, dtype, forward_backward, objective, scaler
     )
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import check_checkpoint_fits, read_model_config, step_dirs, step_number
+from ..adapters.targets import adapter_shapes
+from ..checkpoint import check_checkpoint_fits, read_meta, read_model_config, step_dirs, step_number
 from ..checkpoint.save_lock import SaveDirLock
 from ..config.settings import Derived, RunConfig
 from ..data import demo_corpus, samples
@@ -24,7 +25,7 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..parallel.mesh import Mesh, build_mesh, init_distributed
-from .checkpointing import Checkpointing, load_checkpoint, meta_to_inherit
+from .checkpointing import Checkpointing, check_adapters, load_checkpoint, meta_to_inherit
 from .engine import Engine, build_engine, train_step
 from .evaluation import Evaluation
 from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
@@ -189,7 +190,9 @@ def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInject
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derived = validate(cfg, world_size, torch.cuda.is_available(), model_cfg)  # before any memory is touched
     if t.load:
-        check_checkpoint_fits(t.load, model_cfg, model_label(cfg))
+        check_adapters(read_meta(t.load), cfg)
+        added = adapter_shapes(model_cfg, cfg.lora.lora_rank, cfg.lora.lora_targets)
+        check_checkpoint_fits(t.load, model_cfg, model_label(cfg), added)
     if not replace_save:
         check_save_dir(cfg)  # first: a refused run leaves the directory exactly as it was, no lock file either
     lock = _lock_save_dir(cfg)
