@@ -25,9 +25,8 @@ def config_of(flags: str) -> Any:
 
 @lru_cache(maxsize=1)
 def _cases() -> list[tuple[Any, Any, int, int, str, float]]:
-    """(model, layout, seq, gpus, fp8, measured tokens/s per GPU) of every row."""
+    """(model, layout, seq, gpus, fp8, measured tokens/s per GPU) of every compiled bf16 row."""
     from llamatron.planning import plan as P
-    from llamatron.planning.simulator.runs import measured_runs, run_model
     from llamatron.training.validate import validate
 
     out = []
@@ -37,30 +36,38 @@ def _cases() -> list[tuple[Any, Any, int, int, str, float]]:
         out.append(
             (cfg.model_config(), layout, cfg.data.seq_length, row["gpus"], "none", row["tokens_per_sec_per_gpu"])
         )
-    for r in measured_runs():
-        if r.get("fp8") and not r.get("excluded"):
-            layout = P.Layout(
-                r["tp"],
-                r["pp"],
-                r["vpp"],
-                r["dp"],
-                r["sequence_parallel"],
-                r["distributed_optimizer"],
-                r["recompute"],
-                r["micro_batch_size"],
-                r["global_batch_size"],
-                cp=r["cp"],
-            )
-            out.append((run_model(r), layout, r["seq_length"], r["gpus"], r["fp8"], r["tokens_per_sec_per_gpu"]))
     return out
 
 
+@lru_cache(maxsize=1)
+def fp8_pairs() -> list[tuple[dict, dict]]:
+    """RESULTS.md run 9's FP8 rows with the default kernels, each with the bf16 row of the same call and model."""
+    path = Path(__file__).parent.parent / "benchmarks" / "results-2026-12-01-run9-fp8.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    plain = [r for r in rows if r["_tag"] in (f"--fp8 {r['fp8']}", f"fp8-{r['fp8']}")]
+    bf16 = {(r["_call"], r["model"]): r for r in plain if r["fp8"] == "none"}
+    return [
+        (r, bf16[(r["_call"], r["model"])]) for r in plain if r["fp8"] != "none" and (r["_call"], r["model"]) in bf16
+    ]
+
+
 def planner_log_errors(table: dict[str, Any]) -> list[float]:
+    """The log error of each compiled row's speed, and of each FP8 row's speed-up over its bf16 pair."""
+    from llamatron.models.families import get_preset
     from llamatron.planning import plan as P
     from llamatron.planning.simulator.calibration import calibration_from
 
     speed = P.SpeedAssumptions.from_calibration(calibration_from(table))
-    return [
+    out = [
         math.log(P.estimate_speed(model, lay, seq, gpus, 8, speed, fp8=fp8).tokens_per_sec_per_gpu / measured)
         for model, lay, seq, gpus, fp8, measured in _cases()
     ]
+    for r, base in fp8_pairs():
+        lay = P.Layout(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
+        model = get_preset(r["model"])
+        pred = [
+            P.estimate_speed(model, lay, r["seq"], 1, 8, speed, fp8=f).tokens_per_sec_per_gpu
+            for f in ("none", r["fp8"])
+        ]
+        out.append(math.log(pred[1] / pred[0] / (r["tokens_per_sec"] / base["tokens_per_sec"])))
+    return out
