@@ -160,8 +160,8 @@ def _frozen_pieces(engine) -> list[PieceToWrite]:
     for p, spec in engine.frozen:
         if not _responsible_for(spec, mesh.tp_rank):
             continue
+        flat = p.detach().reshape(-1)
         for lp in local_pieces(spec, 0, p.numel(), owned_only=True):
-            flat = p.detach().reshape(-1)
             out.append(PieceToWrite("model", spec.global_name, spec.full_shape, lp.box, lp.view(flat)))
     return out
 

@@ -203,7 +203,7 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
     weights_kind = "master" if opt.master_is_param and reader.has("master") else "model"
     # --finetune from a checkpoint of the plain model: parameters added to it (LoRA's adapters) keep their init.
-    fresh = _added_params(engine, reader) if weights_only else set()
+    fresh = set(added) - reader.names("model") if weights_only else set()
     kept = [(p, spec) for p, spec in engine_params(engine) if spec.global_name not in fresh]
     read_weights(reader, kept, weights_kind)
     if weights_only:
@@ -242,13 +242,6 @@ def check_adapters(meta: dict[str, Any], cfg: RunConfig) -> None:
             if k in ("lora_rank", "lora_alpha", "lora_targets")
         )
         raise CheckpointError(f"the checkpoint holds LoRA adapters trained with {flags}: load it with those flags")
-
-
-def _added_params(engine: Engine, reader: CheckpointReader) -> set[str]:
-    """Parameters of the engine that the plain model does not have and the checkpoint does not hold."""
-    plain = {n for n, _ in build_model(engine.model_cfg, device="meta").named_parameters()}
-    held = reader.names("model")
-    return {s.global_name for _, s in engine_params(engine) if s.global_name not in plain | held}
 
 
 def _restore_rng(reader: CheckpointReader, engine: Engine) -> None:
