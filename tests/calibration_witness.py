@@ -317,10 +317,21 @@ def scaled(t: Table, path: Path_, factor: float) -> Table:
     return out
 
 
+_ERRORS: dict[tuple[Callable, str], list[float]] = {}
+
+
+def _errors_of(errors: Callable[[Table], list[float]], t: Table) -> list[float]:
+    """errors(t), remembered: the fitted tests and their moved-by-20% twins evaluate the same tables again."""
+    key = (errors, json.dumps(t, sort_keys=True))
+    if key not in _ERRORS:
+        _ERRORS[key] = errors(t)
+    return _ERRORS[key]
+
+
 def fit_error(t: Table, path: Path_) -> tuple[float, float, float]:
     """RMS log error of the runs `path` moves, with it at x(1 - step), x1 and x(1 + step)."""
     errors = FITTED[path]
-    at = [errors(scaled(t, path, f)) for f in (1 - FITTED_STEP, 1.0, 1 + FITTED_STEP)]
+    at = [_errors_of(errors, scaled(t, path, f)) for f in (1 - FITTED_STEP, 1.0, 1 + FITTED_STEP)]
     moved = [i for i in range(len(at[1])) if len({round(a[i], 12) for a in at}) > 1]
     assert moved, f"{'.'.join(path)} moves no recorded run"
     rms = [math.sqrt(sum(a[i] ** 2 for i in moved) / len(moved)) for a in at]

@@ -137,9 +137,14 @@ class ExpertParallelDispatch:
         self.group, self.ep, self.local = group, ep, local_experts
         self.overlap = overlap
         self.events: list[str] = []
+        # Split sizes are read on the host: a compiled layer runs around the exchange. Disabled here, not by a
+        # decorator: torch.compiler.disable imports torch._dynamo (~3 s a process), which only ep runs need.
+        self._exchange = torch.compiler.disable(self._exchange_eagerly)
 
-    @torch.compiler.disable  # split sizes read on the host: the compiled layer runs around it
     def __call__(self, tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        return self._exchange(tokens, routing, experts)
+
+    def _exchange_eagerly(self, tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         ep, local = self.ep, self.local
         counts = routing.counts  # by global expert: blocks of `local` per destination rank
         received_counts = torch.empty_like(counts)

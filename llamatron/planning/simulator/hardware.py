@@ -6,6 +6,8 @@ a missing one or a value that is not a positive number is a ConfigError naming t
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,10 +123,15 @@ class Profiles:
     networks: dict[str, dict[str, Any]]
 
 
+@functools.cache
+def _shipped_profiles() -> dict:
+    """hardware.yaml, parsed once: the simulator resolves hardware for every run it simulates."""
+    return _load_yaml(resources.files(__package__).joinpath("hardware.yaml").read_text(), "hardware.yaml")
+
+
 def load_profiles(extra: str | Path | None = None) -> Profiles:
     """The shipped profiles, with those of `extra` (a --hardware YAML) added or replacing them by name."""
-    text = resources.files(__package__).joinpath("hardware.yaml").read_text()
-    data = _load_yaml(text, "hardware.yaml")
+    data = copy.deepcopy(_shipped_profiles())  # a --hardware file's entries replace some of them
     profiles = Profiles(
         _entries(data, "gpus", _GPU_KEYS, "hardware.yaml"),
         _entries(data, "links", _LINK_KEYS, "hardware.yaml"),
