@@ -5,6 +5,12 @@ A and one B per q_proj, k_proj, ...), so an adapted fused linear holds one A per
 one B row block per output row, (out, r): each output row reads only its own segment's r columns of A x. Which
 rows belong to which segment comes from the family's Hugging Face weight rules (the same ones import and export
 use), so any family's fused layout, reordered rows included, gets adapters that are exactly PEFT's.
+
+Under tensor parallelism the adapters split with their linear (parallel/tensor_layers.py) and the update runs
+inside its matmul, on the same input and before the same collective: a column-parallel linear (output rows
+split) holds the B rows of its own rows and A whole, whose gradient is then a partial sum over the tp ranks; a
+row-parallel one (input split) holds the A columns of its inputs and B whole (partial gradient), and its update
+is summed over the ranks with the base's partial output, by the reduction the base already makes.
 """
 
 from __future__ import annotations
@@ -15,51 +21,99 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+
+ParallelLinear = ColumnParallelLinear | RowParallelLinear
+
+
+class _OneHot:
+    """(rows, S): 1 where a row belongs to a segment. Kept off the module's buffers (materialising a meta-built
+    model, models/init.py, leaves buffers uninitialised), one copy per device."""
+
+    def __init__(self, segment: torch.Tensor, segments: int):
+        onehot = torch.zeros(segment.numel(), segments)
+        rows = segment >= 0
+        onehot[rows, segment[rows]] = 1.0
+        self._copies = {onehot.device: onehot}
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device not in self._copies:
+            self._copies[t.device] = next(iter(self._copies.values())).to(t.device)
+        return self._copies[t.device].to(t.dtype)
+
+
+def b_full(lora_b: torch.Tensor, onehot: _OneHot) -> torch.Tensor:
+    """B_full (rows, S*r): each row's r values of `lora_b` in the columns of its segment (rows of none: zero)."""
+    return (lora_b.unsqueeze(1) * onehot.like(lora_b).unsqueeze(-1)).flatten(1)
+
+
+def low_rank_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, onehot: _OneHot, dropout: float, training: bool):
+    """B_full A dropout(x), without the scale."""
+    x = F.dropout(x, dropout, training) if dropout > 0 else x
+    return x @ a.to(x.dtype).t() @ b_full(b, onehot).to(x.dtype).t()
+
+
+def _adapter_params(module: nn.Module, a_shape: tuple[int, int], b_shape: tuple[int, int]) -> None:
+    """Register lora_a and lora_b on `module`: B zero, A as PEFT initialises it (on meta, models/init.py does,
+    layout-free, by global name)."""
+    device = module.get_parameter("weight").device
+    a = nn.Parameter(torch.empty(a_shape, device=device))
+    module.register_parameter("lora_a", a)
+    module.register_parameter("lora_b", nn.Parameter(torch.zeros(b_shape, device=device)))
+    if device.type != "meta":
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+
 
 class LoraLinear(nn.Module):
     """A linear's own weight and bias (frozen, under their names: checkpoints and weight rules see the same
-    tensors) plus scale * B_full A, where B_full (out, S*r) places each row's r values of `lora_b` in the columns
-    of its segment (rows of segment -1 get no update)."""
+    tensors) plus scale * B_full A (`segment`: each output row's adapter, -1 for none)."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
 
     def __init__(self, base: nn.Linear, segment: torch.Tensor, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         segments = int(segment.max()) + 1
         self.weight, self.bias = base.weight, base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        self.rank, self.scale = rank, alpha / rank
-        device = base.weight.device
-        self.lora_a = nn.Parameter(torch.empty(segments * rank, base.in_features, device=device))
-        self.lora_b = nn.Parameter(torch.zeros(segment.numel(), rank, device=device))
-        # Not a buffer: materialising a meta-built model (models/init.py) leaves buffers uninitialised.
-        onehot = torch.zeros(segment.numel(), segments)
-        rows = segment >= 0
-        onehot[rows, segment[rows]] = 1.0
-        self._onehot = {onehot.device: onehot}
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.reset_lora()
-
-    def reset_lora(self) -> None:
-        """PEFT's initialisation: A as nn.Linear's default (Kaiming uniform, a = sqrt 5), B zero: no change at
-        first."""
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b)
-
-    def onehot(self, like: torch.Tensor) -> torch.Tensor:
-        """(out, S): 1 where a row belongs to a segment, on `like`'s device and in its dtype."""
-        if like.device not in self._onehot:
-            self._onehot[like.device] = next(iter(self._onehot.values())).to(like.device)
-        return self._onehot[like.device].to(like.dtype)
-
-    def b_full(self) -> torch.Tensor:
-        b = self.lora_b.unsqueeze(1) * self.onehot(self.lora_b).unsqueeze(-1)  # (out, S, r)
-        return b.flatten(1)
+        self.rank, self.scale, self.dropout = rank, alpha / rank, dropout
+        _adapter_params(self, (segments * rank, base.in_features), (segment.numel(), rank))
+        self.onehot = _OneHot(segment, segments)
 
     def delta_weight(self) -> torch.Tensor:
         """What merging adds to the base weight."""
-        return self.scale * self.b_full() @ self.lora_a
+        return self.scale * b_full(self.lora_b, self.onehot) @ self.lora_a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = self.dropout(x) @ self.lora_a.to(x.dtype).t() @ self.b_full().to(x.dtype).t()
+        update = low_rank_update(x, self.lora_a, self.lora_b, self.onehot, self.dropout, self.training)
         return F.linear(x, self.weight, self.bias) + self.scale * update
+
+
+class LoraMatmul:
+    """A tensor-parallel linear's matmul (its `linear`: x, weight[, bias] -> its local output) plus the LoRA
+    update of the adapters registered on the same module, on the same local input."""
+
+    def __init__(self, module: ParallelLinear, inner, onehot: _OneHot, scale: float, dropout: float):
+        self.module, self.inner, self.onehot, self.scale, self.dropout = module, inner, onehot, scale, dropout
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, *bias: torch.Tensor | None) -> torch.Tensor:
+        m = self.module  # its parameters read at each call: materialising replaces them
+        a, b = m.get_parameter("lora_a"), m.get_parameter("lora_b")
+        update = low_rank_update(x, a, b, self.onehot, self.dropout, m.training)
+        return self.inner(x, weight, *bias) + self.scale * update
+
+
+def adapt_parallel(module: ParallelLinear, segment: torch.Tensor, rank: int, alpha: float, dropout: float) -> None:
+    """Add adapters to a tensor-parallel linear of the full linear whose output row i belongs to `segment[i]`."""
+    segments = int(segment.max()) + 1
+    if isinstance(module, ColumnParallelLinear):  # this rank's rows: their B rows and segments; A whole
+        local = module.layout.local_index
+        local_segment = torch.where(local >= 0, segment[local.clamp(min=0)], -1)
+        a_shape, b_shape = (segments * rank, module.in_features), (module.layout.local_size, rank)
+    else:  # this rank's inputs: their A columns; B whole
+        local_segment = segment
+        a_shape, b_shape = (segments * rank, module.layout.local_size), (module.out_features, rank)
+    _adapter_params(module, a_shape, b_shape)
+    module.linear = LoraMatmul(module, module.linear, _OneHot(local_segment, segments), alpha / rank, dropout)
+
+
+__all__ = ["LoraLinear", "LoraMatmul", "ParallelLinear", "adapt_parallel", "b_full", "low_rank_update"]

@@ -17,7 +17,9 @@ from torch import nn
 from ..checkpoint.hf import TensorRule, config_to_hf, weight_rules
 from ..errors import ConfigError
 from ..models import ModelConfig, build_model
-from .lora import LoraLinear
+from ..parallel.param_spec import ParamSpec, ParamSpecs
+from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from .lora import LoraLinear, adapt_parallel
 
 ALL_LINEAR = "all-linear"
 
@@ -27,6 +29,7 @@ class LoraTarget:
     module: str  # the llamatron linear, e.g. layers.0.attn.qkv
     hf_modules: tuple[str, ...]  # one per adapter (segment), e.g. model.layers.0.self_attn.q_proj
     rows: tuple[torch.Tensor, ...]  # each adapter's output rows of the linear, in the Hugging Face tensor's order
+    shape: tuple[int, int]  # the linear's weight: (out, in)
 
 
 def _matches(hf_module: str, targets: Sequence[str]) -> bool:
@@ -44,8 +47,9 @@ def _layer_linears(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, nn.Lin
     return out
 
 
-def find_targets(model: nn.Module, cfg: ModelConfig, targets: Sequence[str]) -> list[LoraTarget]:
-    """The adapted linears of `model` (built for `cfg`, not yet adapted); a target naming no linear is an error."""
+def find_targets(model: nn.Module, cfg: ModelConfig, targets: Sequence[str], strict: bool = True) -> list[LoraTarget]:
+    """The adapted linears of `model` (built for `cfg`, not yet adapted); a target naming no linear is an error
+    unless not `strict` (a pipeline stage: the whole model's targets were checked, a stage may hold few layers)."""
     found, available = [], set()
     for name, linear, rule in _layer_linears(model, cfg):
         index = torch.arange(linear.out_features, dtype=torch.float64).unsqueeze(1)
@@ -54,10 +58,11 @@ def find_targets(model: nn.Module, cfg: ModelConfig, targets: Sequence[str]) -> 
         available |= {h.rsplit(".", 1)[-1] for h in hf_modules}
         keep = [(h, rows) for h, rows in zip(hf_modules, parts) if _matches(h, targets)]
         if keep:
-            found.append(LoraTarget(name, tuple(h for h, _ in keep), tuple(r for _, r in keep)))
+            shape = (linear.out_features, linear.in_features)
+            found.append(LoraTarget(name, tuple(h for h, _ in keep), tuple(r for _, r in keep), shape))
     known = available | {a.removesuffix("_proj") for a in available} | {ALL_LINEAR}
     unknown = [t for t in targets if t not in known]
-    if unknown or not found:
+    if strict and (unknown or not found):
         raise ConfigError(
             f"--lora-targets {','.join(unknown or targets)} names no linear of this {cfg.family} model's layers; "
             f"use all-linear or some of {','.join(sorted(available))}"
@@ -66,39 +71,49 @@ def find_targets(model: nn.Module, cfg: ModelConfig, targets: Sequence[str]) -> 
 
 
 def apply_lora(model: nn.Module, targets: list[LoraTarget], rank: int, alpha: float, dropout: float) -> None:
-    """Swap each target linear for a LoraLinear over the same weight, and freeze everything but the adapters."""
+    """Adapt each target linear (a plain one becomes a LoraLinear over the same weight; a tensor-parallel one
+    gets its shard of the adapters inside its matmul) and freeze everything but the adapters."""
     for p in model.parameters():
         p.requires_grad_(False)
     for t in targets:
+        segment = torch.full((t.shape[0],), -1, dtype=torch.long)
+        for s, rows in enumerate(t.rows):
+            segment[rows] = s
         parent_name, _, child = t.module.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        segment = torch.full((linear.out_features,), -1, dtype=torch.long)
-        for s, rows in enumerate(t.rows):
-            segment[rows] = s
-        setattr(parent, child, LoraLinear(linear, segment, rank, alpha, dropout))
+        if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+            adapt_parallel(linear, segment, rank, alpha, dropout)
+        else:
+            setattr(parent, child, LoraLinear(linear, segment, rank, alpha, dropout))
+
+
+def adapter_specs(model: nn.Module, specs: ParamSpecs) -> ParamSpecs:
+    """`specs` with the adapters' added: each adapter split like its tensor-parallel linear (column: B's rows with
+    the weight's, A whole with a partial gradient; row: A's columns with the weight's inputs, B whole with a
+    partial gradient), or whole."""
+    out = dict(specs)
+    for prefix, m in model.named_modules():
+        if not isinstance(getattr(m, "lora_a", None), nn.Parameter):
+            continue
+        a, b = f"{prefix}.lora_a", f"{prefix}.lora_b"
+        a_shape, b_shape = tuple(m.get_parameter("lora_a").shape), tuple(m.get_parameter("lora_b").shape)
+        if isinstance(m, ColumnParallelLinear):
+            out[a] = ParamSpec(a, a_shape, partial_grad=True)
+            b_full = (m.layout.full_size, b_shape[1])
+            out[b] = ParamSpec(b, b_full).sharded(m.layout, b_full)
+        elif isinstance(m, RowParallelLinear):
+            a_full = (a_shape[0], m.layout.full_size)
+            out[a] = ParamSpec(a, a_full).sharded(m.layout, a_full)
+            out[b] = ParamSpec(b, b_shape, partial_grad=True)
+        else:
+            out[a], out[b] = ParamSpec(a, a_shape), ParamSpec(b, b_shape)
+    return out
 
 
 def requested(targets: Sequence[str]) -> list[str]:
     """--lora-targets as given: space- or comma-separated."""
     return [t for item in targets for t in item.split(",") if t]
-
-
-def lora_problems(rank: int, model: ModelConfig, targets: Sequence[str], layout: dict[str, int], fp8: str) -> list[str]:
-    """LoRA's rules: targets that name linears of the model; the layouts it runs under so far."""
-    if rank == 0:
-        return []
-    try:
-        find_targets(build_model(model, device="meta"), model, requested(targets))
-    except ConfigError as e:
-        return [str(e)]
-    others = [f"--{k} {v}" for k, v in layout.items() if v > 1] + ([f"--fp8 {fp8}"] if fp8 != "none" else [])
-    if others:
-        return [
-            f"--lora-rank does not run with {', '.join(others)} yet (LoRA runs on data parallelism alone so far); "
-            "drop those flags or train without LoRA"
-        ]
-    return []
 
 
 def adapter_shapes(model: ModelConfig, rank: int, targets: Sequence[str]) -> dict[str, tuple[int, ...]]:

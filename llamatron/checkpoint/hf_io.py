@@ -28,7 +28,7 @@ from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
 from .meta_consolidated import MetaSource, is_meta_checkpoint
-from .reader import META_FILE, MODEL_FILE, inside, open_weights, read_meta, resolve_checkpoint
+from .reader import META_FILE, MODEL_FILE, CheckpointReader, inside, open_weights, read_meta, resolve_checkpoint
 from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
 TOKENIZER_FILES = (
@@ -145,6 +145,7 @@ def write_imported(
         "model_config": cfg.to_dict(),
         "tokenizer": run.data.tokenizer,
         "hf": {"config": hf, **origin, "generation_config": generation_config},
+        "checksums": {MODEL_FILE: writer.sha256.hexdigest()},  # checked on read; a LoRA run's base fingerprint
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     os.replace(tmp, final)
@@ -275,8 +276,11 @@ def export_hf(
     max_shard_size: int = 5 * 10**9,
     dtype: torch.dtype | None = None,
     tokenizer: str | None = None,
+    weights: CheckpointReader | None = None,
 ) -> dict[str, Any]:
-    """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config)."""
+    """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config).
+    `weights`: the reader of its weights (default: open_weights, the plain model's; a LoRA checkpoint's merged
+    reader is adapters/merge.py's)."""
     step_dir = resolve_checkpoint(str(ckpt))
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -291,7 +295,7 @@ def export_hf(
     tok = find_tokenizer(step_dir, meta, tokenizer)  # before writing anything: a missing one is an error
     shipped = ShippedTokenizer(tok, bool(meta.get("chat_tuned")))  # converted before any weight is written
     vocab = min(cfg.vocab_size, (base or {}).get("vocab_size") or cfg.vocab_size)
-    source = open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
+    source = weights or open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
     rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
     missing = sorted({r.name for r in rules} - source.keys())
     extra = sorted(source.keys() - {r.name for r in rules})

@@ -5,15 +5,33 @@ boxes it holds (pieces.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import CheckpointError
 from ..models import ModelConfig, Transformer, build_model
 from ..parallel.param_spec import ParamSpec, ParamSpecs
-from .pieces import local_pieces
+from .pieces import Box, local_pieces
 from .reader import CheckpointReader, read_meta, refuse_adapters
+
+
+class BoxReader(Protocol):
+    """What a load reads from: any box of a stored tensor, by kind and global name (CheckpointReader)."""
+
+    def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor: ...
+
+
+class TensorsInMemory:
+    """Full tensors held in memory, by global name, read as the weights (`model`) of a checkpoint: what a
+    load of something small that is not a checkpoint (a PEFT adapter) reads through."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = dict(tensors)
+
+    def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if box is None else t[box.slices_within(Box.whole(tuple(t.shape)))]
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -33,16 +51,16 @@ def check_checkpoint_fits(
     check_architecture(reader, model_cfg, model_name, added)
     missing = sorted(
         {
-            piece.file
+            (t.owner or reader).step_dir / piece.file
             for kind in reader.tensors.values()
             for t in kind.values()
             for piece in t.pieces
-            if not (reader.step_dir / piece.file).is_file()
+            if not ((t.owner or reader).step_dir / piece.file).is_file()
         }
     )
     if missing:
         raise CheckpointError(
-            f"{reader.step_dir} is incomplete: {', '.join(missing[:8])} "
+            f"{missing[0].parent} is incomplete: {', '.join(m.name for m in missing[:8])} "
             f"{'is' if len(missing) == 1 else 'are'} listed in its index but missing; copy the "
             "whole checkpoint directory again, or load an earlier step-N"
         )
@@ -74,26 +92,24 @@ def check_architecture(
         )
 
 
-def read_into(reader: CheckpointReader, kind: str, spec: ParamSpec, dst: torch.Tensor, start: int) -> None:
+def read_into(reader: BoxReader, kind: str, spec: ParamSpec, dst: torch.Tensor, start: int) -> None:
     """Fill `dst`, the flat range [start, start + len(dst)) of the local tensor of `spec`, from the checkpoint."""
     for piece in local_pieces(spec, start, start + dst.numel(), owned_only=False):
         piece.view(dst).copy_(reader.read(kind, spec.global_name, piece.box))
 
 
 @torch.no_grad()
-def read_weights(
-    reader: CheckpointReader, params: Iterable[tuple[torch.Tensor, ParamSpec]], kind: str = "model"
-) -> None:
+def read_weights(reader: BoxReader, params: Iterable[tuple[torch.Tensor, ParamSpec]], kind: str = "model") -> None:
     """Each parameter's part of its full tensor (as its spec says: a tensor-parallel shard, or all of it)."""
     for p, spec in params:
         read_into(reader, kind, spec, p.detach().view(-1), 0)
 
 
-def load_model_weights(path: str, model: Transformer, specs: ParamSpecs) -> dict[str, Any]:
-    """The weights of the checkpoint at `path`, saved under any layout, into `model` (materialised; its
+def load_model_weights(reader: CheckpointReader, model: Transformer, specs: ParamSpecs) -> dict[str, Any]:
+    """The weights `reader` holds (a checkpoint saved under any layout) into `model` (materialised; its
     parameters' specs by local name, e.g. tensor-parallel shards); returns its meta.json. For models built from
-    the checkpoint's own config (`read_model_config`): generation."""
-    reader = CheckpointReader(path)
+    the checkpoint's own config (`read_model_config`): generation. A LoRA checkpoint is refused unless `reader`
+    merges its adapters (adapters/merge.py)."""
     refuse_adapters(reader)
     check_architecture(reader, model.cfg, "its own model_config")
     read_weights(reader, ((p, specs[name]) for name, p in model.named_parameters()))
@@ -101,6 +117,8 @@ def load_model_weights(path: str, model: Transformer, specs: ParamSpecs) -> dict
 
 
 __all__ = [
+    "BoxReader",
+    "TensorsInMemory",
     "check_architecture",
     "check_checkpoint_fits",
     "load_model_weights",

@@ -108,6 +108,7 @@ class StoredTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[StoredPiece]
+    owner: CheckpointReader | None = None  # the base checkpoint that stores it (None: this one)
 
 
 def step_number(name: str) -> int | None:
@@ -259,7 +260,12 @@ def _index_of_full_tensor_files(step_dir: Path) -> dict[str, dict[str, StoredTen
 
 
 class CheckpointReader:
-    """Lazy access to the tensors of one checkpoint; also a TensorSource of its weights (keys/get/meta)."""
+    """Lazy access to the tensors of one checkpoint; also a TensorSource of its weights (keys/get/meta).
+
+    A checkpoint whose meta.json names a base checkpoint (BASE_KEY: a LoRA run's, which stores only what
+    trains) reads the weights it does not store from that base, once the base's fingerprint is the recorded one."""
+
+    merges_adapters = False  # a LoRA checkpoint's weights read as the plain model's (adapters/merge.py) when True
 
     def __init__(self, path: str | Path):
         self.step_dir = resolve_checkpoint(path)
@@ -271,9 +277,15 @@ class CheckpointReader:
             data = _read_json(index)
             self.tensors = _index_from_json(data, index)
             sums = data.get("checksums", {})
-            self._checksums = sums if isinstance(sums, dict) else {}
         else:
             self.tensors = _index_of_full_tensor_files(self.step_dir)
+            sums = self.run_meta.get("checksums", {})  # an import's model.safetensors (hf_io.py)
+        self._checksums = sums if isinstance(sums, dict) else {}
+        if BASE_KEY in self.run_meta:
+            base = open_base(self.step_dir, self.run_meta[BASE_KEY])
+            for name, t in base.tensors["model"].items():
+                if name not in self.tensors["model"]:
+                    self.tensors["model"][name] = StoredTensor(t.shape, t.dtype, t.pieces, t.owner or base)
 
     def has(self, kind: str, name: str | None = None) -> bool:
         return kind in self.tensors and (name is None or name in self.tensors[kind])
@@ -290,6 +302,8 @@ class CheckpointReader:
     def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor:
         """The block `box` (default: all) of the full tensor, in the stored dtype."""
         t = self.stored(kind, name)
+        if t.owner is not None:
+            return t.owner.read(kind, name, box)
         box = box or Box.whole(t.shape)
         out = torch.empty(box.sizes, dtype=t.dtype)
         covered = 0
@@ -335,6 +349,40 @@ class CheckpointReader:
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
+BASE_KEY = "base_checkpoint"  # meta.json: {"path": its step directory, "sha256": its fingerprint}
+
+
+def fingerprint(step_dir: Path) -> str:
+    """What identifies a checkpoint's content: the sha256 of its index.json, which records every file's sha256
+    (checked on read), or of an import's meta.json, which records its model.safetensors' sha256."""
+    index = step_dir / INDEX_FILE
+    return file_sha256(index if index.is_file() else step_dir / META_FILE)
+
+
+def base_reference(path: str | Path) -> dict[str, str]:
+    """The meta.json entry naming checkpoint `path` as the base of a run that saves only what it trains."""
+    step_dir = resolve_checkpoint(path).resolve()
+    return {"path": str(step_dir), "sha256": fingerprint(step_dir)}
+
+
+def open_base(step_dir: Path, ref: Any) -> CheckpointReader:
+    """The base checkpoint a checkpoint names, refused unless it is there and is the one it was trained on."""
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or not isinstance(ref.get("sha256"), str):
+        raise _damaged(step_dir / META_FILE, ValueError(f"malformed {BASE_KEY}"))
+    base = Path(ref["path"])
+    if not is_complete(base):
+        raise CheckpointError(
+            f"{step_dir} stores only what its run trained; its base checkpoint {base} is gone: put that checkpoint "
+            "back at that path"
+        )
+    if fingerprint(base) != ref["sha256"]:
+        raise CheckpointError(
+            f"{step_dir} was trained on the base checkpoint {base}, which has changed since (its sha256 differs): "
+            "put the original back at that path"
+        )
+    return CheckpointReader(base)
+
+
 def open_weights(path: str | Path) -> CheckpointReader:
     """The weights of a checkpoint saved under any layout, full tensors by global name."""
     reader = CheckpointReader(path)
@@ -343,12 +391,12 @@ def open_weights(path: str | Path) -> CheckpointReader:
 
 
 def refuse_adapters(reader: CheckpointReader) -> None:
-    """A LoRA run's checkpoint holds the base weights and the adapters apart: read as a plain model it would
-    silently lose the adapters."""
-    if ((reader.run_meta.get("config") or {}).get("lora") or {}).get("lora_rank"):
+    """A LoRA run's checkpoint holds the base weights and the adapters apart: read as a plain model without
+    merging them it would silently lose the adapters."""
+    if not reader.merges_adapters and ((reader.run_meta.get("config") or {}).get("lora") or {}).get("lora_rank"):
         raise CheckpointError(
-            f"{reader.step_dir} is a LoRA checkpoint (frozen base + adapters): export-hf, generate and verify do not "
-            "merge adapters yet; resume it with llamatron train --load (issue 36's next step)"
+            f"{reader.step_dir} is a LoRA checkpoint (frozen base + adapters) read without merging its adapters; "
+            "export it with llamatron export-hf (which merges them) and use the exported model"
         )
 
 
@@ -359,6 +407,7 @@ def load_full_tensors(path: str | Path, kind: str = "model") -> dict[str, torch.
 
 
 __all__ = [
+    "BASE_KEY",
     "FORMAT",
     "INDEX_FILE",
     "META_FILE",
@@ -368,6 +417,8 @@ __all__ = [
     "CheckpointReader",
     "StoredPiece",
     "StoredTensor",
+    "base_reference",
+    "fingerprint",
     "index_to_json",
     "load_full_tensors",
     "open_weights",

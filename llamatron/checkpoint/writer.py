@@ -48,8 +48,10 @@ from ..models import build_model
 from ..parallel.param_spec import ParamSpec
 from .pieces import Box, local_pieces
 from .reader import (
+    BASE_KEY,
     INDEX_FILE,
     META_FILE,
+    CheckpointReader,
     StoredPiece,
     StoredTensor,
     index_to_json,
@@ -117,8 +119,9 @@ def _responsible_for(spec: ParamSpec, tp_rank: int) -> bool:
     return spec.tensor_parallel or tp_rank == 0
 
 
-def rank_pieces(engine) -> list[PieceToWrite]:
-    """The pieces this rank writes: weights, optimizer state and step counts, as views of the live tensors."""
+def rank_pieces(engine, frozen: bool = True) -> list[PieceToWrite]:
+    """The pieces this rank writes: weights, optimizer state and step counts, as views of the live tensors; the
+    frozen weights too unless `frozen` is False (a base checkpoint holds them)."""
     mesh, opt = engine.mesh, engine.optimizer
     segment_of = {id(seg.param): i for i, seg in enumerate(opt.segments)}
     out: list[PieceToWrite] = []
@@ -149,7 +152,7 @@ def rank_pieces(engine) -> list[PieceToWrite]:
                     out += [PieceToWrite(kind, name, full, lp.box, lp.view(flat)) for kind, flat in sources.items()]
                     if not any(lp.box.offsets):  # the writer of the tensor's first element also writes its step
                         out.append(PieceToWrite("step", name, (1,), Box((0,), (1,)), opt.steps[i].reshape(1)))
-    return out + _frozen_pieces(engine)
+    return out + (_frozen_pieces(engine) if frozen else [])
 
 
 def _frozen_pieces(engine) -> list[PieceToWrite]:
@@ -226,12 +229,13 @@ def start_save(
     mesh = engine.mesh
     root = Path(root)
     pending = PendingSave(root, step, root / f".tmp-step-{step}", meta, [], None, keep_last=keep_last)
+    plain = {n: tuple(p.shape) for n, p in build_model(engine.model_cfg, device="meta").named_parameters()}
+    added = _added_params(engine, plain)  # a collective: every rank, before rank 0 alone goes on
     if mesh.rank == 0:
-        model = build_model(engine.model_cfg, device="meta")
-        pending.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        pending.expected |= {
-            s.global_name: s.full_shape for _, s in engine_params(engine) if s.global_name not in pending.expected
-        }  # added parameters (LoRA's adapters): only where pp is 1 so far
+        pending.expected = plain | added
+        if BASE_KEY in meta:  # what the base holds is not written again
+            base = CheckpointReader(meta[BASE_KEY]["path"]).names("model")
+            pending.expected = {n: s for n, s in pending.expected.items() if n not in base}
         try:
             if pending.tmp.exists() and pending.tmp == protected_copy(root):  # the only copy `latest` has
                 os.replace(pending.tmp, root / f".old-step-{step}")
@@ -243,7 +247,7 @@ def start_save(
     _barrier()
     for buf in engine.buffers:  # the distributed optimizer's parameter all-gather may still be in flight
         buf.finish_param_gather()
-    pieces = rank_pieces(engine)
+    pieces = rank_pieces(engine, frozen=BASE_KEY not in meta)
     pending.listing = [
         (p.kind, p.name, p.full_shape, SAFETENSORS_DTYPES[p.data.dtype], p.box.offsets, p.box.sizes) for p in pieces
     ]
@@ -389,6 +393,17 @@ def protected_copy(root: Path) -> Path | None:
     except CheckpointError:
         return None
     return intact_copy(root, name) if name is not None and not is_complete(root / name) else None
+
+
+def _added_params(engine, plain: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The full shapes of the parameters added to the `plain` model (LoRA's adapters) that any rank holds (a
+    pipeline stage holds its own layers' only), gathered for rank 0."""
+    mine = {s.global_name: s.full_shape for _, s in engine_params(engine) if s.global_name not in plain}
+    if not dist.is_initialized():
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: shape for ranks in every for n, shape in ranks.items()}
 
 
 def _barrier() -> None:

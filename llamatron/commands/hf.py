@@ -6,12 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
+from ..adapters.export import export_adapter
+from ..adapters.merge import open_model_weights
 from ..checkpoint.hf_files import check_hf_files
 from ..checkpoint.hf_io import export_hf, import_hf, open_hf_dir
 from ..checkpoint.hub import push_to_hub
 from ..checkpoint.tensor_io import parse_size
 from ..config.ranges import SEED, at_least, number_arg
 from ..dtypes import DTYPES
+from ..errors import ConfigError
 from ..inference.verify import DEFAULT_TOLERANCE, compare_with_hf
 
 
@@ -34,7 +37,11 @@ def register(sub) -> None:
         "--dtype", choices=sorted(DTYPES), default=None, help="store weights in this dtype (default: as given)"
     )
     p.set_defaults(func=cmd_import_hf)
+    _register_export(sub)
+    _register_verify(sub)
 
+
+def _register_export(sub) -> None:
     p = sub.add_parser(
         "export-hf",
         help="write a checkpoint as a Hugging Face directory",
@@ -48,10 +55,24 @@ def register(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default: 5GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default: the checkpoint's)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or file to ship (default: the checkpoint's)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint: write the base with its adapters merged in, a plain model (the default)",
+    )
+    kind.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA checkpoint: write only its adapters, as a PEFT adapter directory (adapter_config.json, "
+        "adapter_model.safetensors) that peft loads onto the base model",
+    )
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload OUT_DIR to this Hub repository")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     p.set_defaults(func=cmd_export_hf)
 
+
+def _register_verify(sub) -> None:
     p = sub.add_parser(
         "verify",
         help="compare a checkpoint's logits with transformers' on the same batches",
@@ -107,23 +128,37 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    summary = export_hf(
-        args.ckpt,
-        args.out_dir,
-        parse_size(args.max_shard_size),
-        DTYPES[args.dtype] if args.dtype else None,
-        args.tokenizer,
-    )
-    print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
-    tokenizer = summary["tokenizer"] or (
-        f"none: the checkpoint records no tokenizer, so {args.out_dir} has no "
-        f"tokenizer files; pass --tokenizer PATH to ship one"
-    )
-    print(f"  tokenizer: {tokenizer}")
+    if args.adapter:
+        ignored = [f for f, v in (("--dtype", args.dtype), ("--tokenizer", args.tokenizer)) if v]
+        if ignored or args.max_shard_size != "5GB":
+            flags = ", ".join(ignored + (["--max-shard-size"] if args.max_shard_size != "5GB" else []))
+            raise ConfigError(f"--adapter writes the adapters as trained, in one file: drop {flags}")
+        summary = export_adapter(args.ckpt, args.out_dir)
+        print(f"exported the LoRA adapters of {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}")
+        print(f"  base model: {summary['base']} (load with peft.PeftModel.from_pretrained(base, {args.out_dir!r}))")
+    else:
+        summary = export_hf(
+            args.ckpt,
+            args.out_dir,
+            parse_size(args.max_shard_size),
+            DTYPES[args.dtype] if args.dtype else None,
+            args.tokenizer,
+            open_model_weights(args.ckpt),  # a LoRA checkpoint with its adapters merged
+        )
+        print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
+        _print_tokenizer(summary, args.out_dir)
     if args.push_to_hub:
         url = push_to_hub(Path(args.out_dir), args.push_to_hub, args.private)
         print(f"  uploaded to {url}")
     return 0
+
+
+def _print_tokenizer(summary: dict, out_dir: str) -> None:
+    tokenizer = summary["tokenizer"] or (
+        f"none: the checkpoint records no tokenizer, so {out_dir} has no "
+        f"tokenizer files; pass --tokenizer PATH to ship one"
+    )
+    print(f"  tokenizer: {tokenizer}")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

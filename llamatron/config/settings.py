@@ -249,6 +249,11 @@ class LoraConfig:
         "the decoder linears to adapt, by Hugging Face module name (q_proj, query_key_value, ...) or without _proj "
         "(q, k, v, o, gate, up, down); all-linear: every one",
     )
+    lora_init_from: str | None = _f(
+        None,
+        "start the adapters from this PEFT adapter directory (adapter_config.json, adapter_model.safetensors) "
+        "instead of PEFT's initialisation; its rank, alpha and targets must be the run's",
+    )
 
 
 SECTIONS = {

@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from ..adapters.merge import open_model_weights
 from ..checkpoint import load_model_weights, read_model_config
 from ..models import Transformer, build_model
 from ..models.kv_cache import KVCache
@@ -118,5 +119,5 @@ def load_for_generation(
             specs = apply_expert_parallel(model, mesh, False, specs)
     model.to(dtype=dtype)  # still on meta: free
     model.to_empty(device=device)
-    meta = load_model_weights(path, model, specs)
+    meta = load_model_weights(open_model_weights(path), model, specs)  # a LoRA checkpoint merged
     return model.eval(), meta

@@ -134,10 +134,12 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
 
 
 def _tied_params(chunk: Transformer) -> list[nn.Parameter]:
-    """The copy of a tied embedding this chunk holds: the embedding on the first stage, the head on the last."""
+    """The copy of a tied embedding this chunk holds: the embedding on the first stage, the head on the last
+    (none when it is frozen: it has no gradient)."""
     if chunk.parallel.tied_embedding_group is None:
         return []
-    return [m.weight for m in (chunk.embed, chunk.lm_head) if m is not None]  # type: ignore[misc]
+    copies = [m.weight for m in (chunk.embed, chunk.lm_head) if m is not None]
+    return [p for p in copies if isinstance(p, nn.Parameter) and p.requires_grad]
 
 
 def sum_tied_embedding_grads(chunks: list[Transformer], buffers: list[GradBuffer]) -> None:

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..adapters.targets import adapter_shapes
 from ..checkpoint.loading import check_architecture, read_into, read_weights
-from ..checkpoint.reader import CheckpointReader, rng_file
+from ..checkpoint.reader import BASE_KEY, CheckpointReader, base_reference, rng_file
 from ..checkpoint.rng import restore_rng
 from ..checkpoint.writer import PendingSave, engine_params, finish, start_save
 from ..config.settings import RunConfig, TrainConfig
 from ..errors import CheckpointError, TrainingAborted
-from ..models import build_model
 from ..parallel.optimizer import lr_at
 from .engine import Engine
 from .faults import NO_FAULTS, FaultInjection
@@ -78,10 +78,16 @@ def _meta(
     }
 
 
-def meta_to_inherit(meta: dict[str, Any]) -> dict[str, Any]:
+def meta_to_inherit(meta: dict[str, Any], path: str | None = None, adapters: bool = False) -> dict[str, Any]:
     """What a loaded checkpoint's meta passes on to the run's saves: where the weights came from (Hugging Face
-    config, tokenizer) and whether they were fine-tuned on conversations, which export-hf needs."""
-    return {k: meta[k] for k in ("hf", "tokenizer", "chat_tuned") if k in meta}
+    config, tokenizer) and whether they were fine-tuned on conversations, which export-hf needs; and the base
+    checkpoint that holds the frozen weights of a run that trains `adapters` (LoRA): the loaded checkpoint at
+    `path` when it is a plain model's, else the base it names. The saves then hold only what trains."""
+    out = {k: meta[k] for k in ("hf", "tokenizer", "chat_tuned", BASE_KEY) if k in meta}
+    lora = ((meta.get("config") or {}).get("lora") or {}).get("lora_rank")
+    if adapters and path and not lora:
+        out[BASE_KEY] = base_reference(path)
+    return out
 
 
 def begin_save(
@@ -196,8 +202,8 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
             f"(it has no optimizer state or step to resume)"
         )
     check_adapters(meta, engine.cfg)
-    plain = {n for n, _ in build_model(engine.model_cfg, device="meta").named_parameters()}
-    added = {s.global_name: s.full_shape for _, s in engine_params(engine) if s.global_name not in plain}
+    lo = engine.cfg.lora
+    added = adapter_shapes(engine.model_cfg, lo.lora_rank, lo.lora_targets)  # the whole model's, on any stage
     check_architecture(reader, engine.model_cfg, engine.cfg.train.model, added)
     opt = engine.optimizer
     # An fp32 run resuming a bf16 one takes the fp32 master weights, not their bf16 rounding.
@@ -234,6 +240,11 @@ def check_adapters(meta: dict[str, Any], cfg: RunConfig) -> None:
     saved = (meta.get("config") or {}).get("lora") or {}
     if not saved.get("lora_rank"):
         return
+    if cfg.lora.lora_init_from:
+        raise CheckpointError(
+            f"the checkpoint holds LoRA adapters, which would replace --lora-init-from {cfg.lora.lora_init_from}: "
+            "drop one of the two"
+        )
     now = asdict(cfg.lora)
     if any(saved.get(k) != now[k] for k in ("lora_rank", "lora_alpha", "lora_targets")):
         flags = " ".join(

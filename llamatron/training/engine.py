@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from ..adapters.targets import apply_lora, find_targets, requested
+from ..adapters.peft_format import read_peft_dir
+from ..adapters.targets import adapter_specs, apply_lora, find_targets, requested
+from ..checkpoint.loading import TensorsInMemory, read_weights
 from ..config.settings import Derived, RunConfig
 from ..dtypes import DTYPES
 from ..models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
@@ -145,18 +147,44 @@ def apply_compile(model: Transformer) -> None:
 def _build_chunks(
     cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh
 ) -> tuple[list[Transformer], list[ParamSpecs], ForwardBackward]:
-    """This rank's model chunks on the meta device (a pipeline's stages, or the whole model, adapted where LoRA
-    is on), their parameters' specs, and how a step runs them."""
+    """This rank's model chunks on the meta device (a pipeline's stages, or the whole model), their parameters'
+    specs, and how a step runs them."""
     p = cfg.parallel
     if p.pp > 1:
         chunks, specs = build_stage_chunks(model_cfg, mesh, vpp=p.vpp, pp_layers=p.pp_layers)
         return chunks, specs, pipeline_forward_backward
     model = build_model(model_cfg)
-    if cfg.lora.lora_rank:  # before the specs: the adapters are parameters like the others
-        lo = cfg.lora
-        targets = find_targets(model, model_cfg, requested(lo.lora_targets))
-        apply_lora(model, targets, lo.lora_rank, lo.lora_alpha, lo.lora_dropout)
     return [model], [param_specs(model)], forward_backward_no_pipeline
+
+
+def _split_and_adapt(
+    cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, chunk: Transformer, specs: ParamSpecs
+) -> ParamSpecs:
+    """Tensor and expert parallelism applied to `chunk` (on meta), then LoRA's adapters, which follow the
+    tensor-parallel split; returns the chunk's specs."""
+    p, lo = cfg.parallel, cfg.lora
+    # Found before tensor parallelism splits the linears. The whole model's targets were checked (validate): a
+    # pipeline stage may hold few layers.
+    targets = find_targets(chunk, model_cfg, requested(lo.lora_targets), strict=False) if lo.lora_rank else []
+    if p.tp > 1:
+        specs = apply_tensor_parallel(
+            chunk, mesh, sequence_parallel=p.sequence_parallel, comm_overlap=p.tp_comm_overlap, specs=specs
+        )
+    if model_cfg.is_moe:
+        specs = apply_expert_parallel(chunk, mesh, p.sequence_parallel, specs)
+    if targets:
+        apply_lora(chunk, targets, lo.lora_rank, lo.lora_alpha, lo.lora_dropout)
+        specs = adapter_specs(chunk, specs)
+    return specs
+
+
+def _initial_adapters(cfg: RunConfig, model_cfg: ModelConfig) -> TensorsInMemory | None:
+    """--lora-init-from's adapters as full tensors by global name (a PEFT adapter is small)."""
+    lo = cfg.lora
+    if not lo.lora_init_from:
+        return None
+    targets = find_targets(build_model(model_cfg), model_cfg, requested(lo.lora_targets))
+    return TensorsInMemory(read_peft_dir(lo.lora_init_from, targets, lo.lora_rank))
 
 
 def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Engine:
@@ -170,18 +198,17 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
     kernels = KernelChoices.from_resolved(resolved) if device.type == "cuda" else KernelChoices()
     chunks, specs, forward_backward = _build_chunks(cfg, model_cfg, mesh)
+    adapters = _initial_adapters(cfg, model_cfg)
     frozen: list[tuple[nn.Parameter, ParamSpec]] = []
     for i, chunk in enumerate(chunks):
-        if p.tp > 1:
-            specs[i] = apply_tensor_parallel(
-                chunk, mesh, sequence_parallel=p.sequence_parallel, comm_overlap=p.tp_comm_overlap, specs=specs[i]
-            )
-        if model_cfg.is_moe:
-            specs[i] = apply_expert_parallel(chunk, mesh, p.sequence_parallel, specs[i])
+        specs[i] = _split_and_adapt(cfg, model_cfg, mesh, chunk, specs[i])
         apply_fp8(
             chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
         )  # keeps the parameters: specs and init unchanged
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
+        if adapters is not None:  # before the optimizer: its fp32 master copies start from these
+            named = ((p_, specs[i][n]) for n, p_ in chunk.named_parameters())
+            read_weights(adapters, [(p_, spec) for p_, spec in named if spec.global_name in adapters.tensors])
         frozen += [(param, specs[i][name]) for name, param in chunk.named_parameters() if not param.requires_grad]
         apply_kernels(chunk, kernels)
         apply_context_parallel(chunk, mesh)  # before recompute, which then recomputes its K/V gather
@@ -213,8 +240,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     # One buffer per chunk, in chunk order (the pipeline's tied-embedding sum pairs them); the experts' after them.
     split = mesh.ep > 1
     buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
-    if split:
-        buffers += [buffer(chunk, chunk_specs, True) for chunk, chunk_specs in zip(chunks, specs)]
+    if split:  # (none where the experts are frozen: LoRA adapts the dense linears)
+        buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
     optimizer = _optimizer(cfg, buffers, mesh, resolved["adamw"])
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     objective = LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
@@ -250,6 +277,10 @@ def _optimizer(cfg: RunConfig, buffers: list[GradBuffer], mesh: Mesh, adamw_kern
         distributed=cfg.parallel.distributed_optimizer,
         kernel=adamw_kernel,
     )
+
+
+def _trains_experts(chunk: Transformer, specs: ParamSpecs) -> bool:
+    return any(p.requires_grad and specs[n].is_expert for n, p in chunk.named_parameters())
 
 
 def _is_expert(experts: bool, spec: ParamSpec) -> bool:

@@ -231,7 +231,7 @@ def _train_on_this_rank(
     start, inherited = RunStart(), {}
     if t.load:
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
-        inherited = meta_to_inherit(state)
+        inherited = meta_to_inherit(state, t.load, cfg.lora.lora_rank > 0)
         if not t.finetune:
             start = RunStart(state["step"], state["consumed_samples"], state.get("skipped_steps", 0))
         if mesh.rank == 0:

@@ -1,0 +1,32 @@
+"""LoRA's rules for a run, checked before any memory is spent (training/validate.py asks)."""
+
+from __future__ import annotations
+
+from ..config.settings import LoraConfig
+from ..errors import ConfigError
+from ..models import ModelConfig, build_model
+from .peft_format import peft_dir_problems
+from .targets import find_targets, requested
+
+
+def lora_problems(lora: LoraConfig, model: ModelConfig, fp8: str) -> list[str]:
+    """LoRA's rules: targets that name linears of the model; an adapter to start from that fits them; no FP8 yet."""
+    if lora.lora_rank == 0:
+        return ["--lora-init-from needs --lora-rank (the adapters' rank)"] if lora.lora_init_from else []
+    try:
+        found = find_targets(build_model(model, device="meta"), model, requested(lora.lora_targets))
+    except ConfigError as e:
+        return [str(e)]
+    if lora.lora_init_from:
+        problems = peft_dir_problems(lora.lora_init_from, lora.lora_rank, lora.lora_alpha, found)
+        if problems:
+            return problems
+    if fp8 != "none":
+        return [
+            f"--lora-rank does not run with --fp8 {fp8} yet (the adapters would be dropped from the FP8 matmul); "
+            "train LoRA in bf16"
+        ]
+    return []
+
+
+__all__ = ["lora_problems"]
