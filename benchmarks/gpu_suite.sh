@@ -3,7 +3,8 @@
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
-#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity
+#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity,
+#           lora7, lora70
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -39,6 +40,14 @@ for group in ${@:-single dp tests}; do
       IFS=';' read -ra settings <<<"${FP8_SETTINGS:---fp8 none;--fp8 tensorwise;--fp8 rowwise}"
       for s in "${settings[@]}"; do
         if [ $group = fp8_7b ]; then ROW_TAG="$s" one 0 $B7 --micro-batch-size 1 $s; else ROW_TAG="$s" one 0 $B1 --micro-batch-size 8 $s; fi
+      done ;;
+    lora7)  # issue 36: LoRA (rank 16, every linear) against full fine-tuning, Llama 2 7B, seq 4096, mbs 1
+      ROW_TAG=full one 0 $B7 --micro-batch-size 1 --compile
+      ROW_TAG=lora16 one 0 $B7 --micro-batch-size 1 --compile --lora-rank 16 --lora-alpha 32 ;;
+    lora70)  # issue 36: LoRA on Llama 2 70B's shape with a bf16 base, LORA_LAYERS of its 80 layers each
+      for n in ${LORA_LAYERS:-20 40 80}; do
+        ROW_TAG="70b-$n-lora16" one 0 --model llama2-70b --num-layers $n --seq-length 4096 --global-batch-size 2 \
+          --micro-batch-size 1 --steps 2 --warmup 1 --compile --recompute full --lora-rank 16 --lora-alpha 32
       done ;;
     fp8_parity)  # issue 19: bf16, tensorwise and rowwise trained side by side on GPU 0 on real text
       # PARITY_DATA: the --data prefix of benchmarks/code_corpus.py's corpus

@@ -421,3 +421,42 @@ def test_nccl_pipeline_layouts_match_one_gpu(tmp_path, layout):
     ref = run_train(GPU_ARGS, 1, tmp_path, model="llama-test4")
     got = run_train(GPU_ARGS + layout, 2, tmp_path, model="llama-test4")
     _close(ref, got, rtol=2e-2)  # bf16: different reduction orders
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_lora_layers_compiled_and_recomputed_match_eager(recompute):
+    """LoRA adapters inside compiled (and checkpointed) layers: the eager model's loss and adapter gradients.
+    A compiled forward must not make the adapters' row map itself (place_adapters does), or the checkpointed
+    forward and its recomputation compile to different graphs."""
+    import dataclasses
+
+    from llamatron.adapters.lora import place_adapters
+    from llamatron.adapters.targets import apply_lora, find_targets
+    from llamatron.models import build_model, get_preset, materialize
+    from llamatron.training.engine import apply_compile, apply_recompute
+
+    cfg = dataclasses.replace(get_preset("llama-test"), num_layers=2)
+    models = []
+    for _ in range(2):
+        model = build_model(cfg)
+        apply_lora(model, find_targets(model, cfg, ["all-linear"]), 4, 8.0, 0.0)
+        materialize(model, cfg, 0, "cuda", torch.bfloat16)
+        place_adapters(model)
+        with torch.no_grad():  # B away from zero: every adapter's gradient and update is non-zero
+            for n, p in model.named_parameters():
+                if n.endswith("lora_b"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
+        models.append(model)
+    if recompute != "none":
+        apply_recompute(models[1], recompute, None)
+    apply_compile(models[1])
+    x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+    outs = []
+    for model in models:
+        loss = cross_entropy_per_token(model(x), x).float().mean()
+        loss.backward()
+        outs.append((loss.detach(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
+    assert outs[0][1].keys() == outs[1][1].keys() and len(outs[0][1]) == 2 * 2 * 4  # A and B, 4 linears a layer
+    for n, g in outs[0][1].items():
+        assert (g - outs[1][1][n]).norm() / g.norm().clamp_min(1e-6) < 5e-2, n

@@ -28,18 +28,23 @@ ParallelLinear = ColumnParallelLinear | RowParallelLinear
 
 class _OneHot:
     """(rows, S): 1 where a row belongs to a segment. Kept off the module's buffers (materialising a meta-built
-    model, models/init.py, leaves buffers uninitialised), one copy per device."""
+    model, models/init.py, leaves buffers uninitialised): one copy per device and dtype, made by `place_adapters`
+    before a compiled forward reads it (made inside one, the copy would change the compiled graph between a
+    checkpointed forward and its recomputation)."""
 
     def __init__(self, segment: torch.Tensor, segments: int):
         onehot = torch.zeros(segment.numel(), segments)
         rows = segment >= 0
         onehot[rows, segment[rows]] = 1.0
-        self._copies = {onehot.device: onehot}
+        self._master = onehot
+        self._copies = {(onehot.device, onehot.dtype): onehot}
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        self._copies.setdefault((device, dtype), self._master.to(device, dtype))
 
     def like(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device not in self._copies:
-            self._copies[t.device] = next(iter(self._copies.values())).to(t.device)
-        return self._copies[t.device].to(t.dtype)
+        self.place(t.device, t.dtype)
+        return self._copies[(t.device, t.dtype)]
 
 
 def b_full(lora_b: torch.Tensor, onehot: _OneHot) -> torch.Tensor:
@@ -116,4 +121,22 @@ def adapt_parallel(module: ParallelLinear, segment: torch.Tensor, rank: int, alp
     module.linear = LoraMatmul(module, module.linear, _OneHot(local_segment, segments), alpha / rank, dropout)
 
 
-__all__ = ["LoraLinear", "LoraMatmul", "ParallelLinear", "adapt_parallel", "b_full", "low_rank_update"]
+def place_adapters(model: nn.Module) -> None:
+    """Put each adapter's constant row map on its adapter's device and dtype: once after materialising, before
+    any compiled forward."""
+    for m in model.modules():
+        onehot = m.onehot if isinstance(m, LoraLinear) else getattr(getattr(m, "linear", None), "onehot", None)
+        if isinstance(onehot, _OneHot):
+            b = m.get_parameter("lora_b")
+            onehot.place(b.device, b.dtype)
+
+
+__all__ = [
+    "LoraLinear",
+    "LoraMatmul",
+    "ParallelLinear",
+    "adapt_parallel",
+    "b_full",
+    "low_rank_update",
+    "place_adapters",
+]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+from ..adapters.lora import place_adapters
 from ..adapters.peft_format import read_peft_dir
 from ..adapters.targets import adapter_specs, apply_lora, find_targets, requested
 from ..checkpoint.loading import TensorsInMemory, read_weights
@@ -206,6 +207,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
         )  # keeps the parameters: specs and init unchanged
         materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
+        place_adapters(chunk)  # LoRA's row maps on the device, before any compiled forward
         if adapters is not None:  # before the optimizer: its fp32 master copies start from these
             named = ((p_, specs[i][n]) for n, p_ in chunk.named_parameters())
             read_weights(adapters, [(p_, spec) for p_, spec in named if spec.global_name in adapters.tensors])
