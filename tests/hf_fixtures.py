@@ -259,3 +259,16 @@ def write_meta_consolidated(
     base = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": heads, "n_kv_heads": kv}
     params = LLAMA2_PARAMS if params is None else params
     (directory / "params.json").write_text(json.dumps({**base, "norm_eps": c.rms_norm_eps, **params}))
+
+
+def rewrite_imported_weights(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """Replace an import's model.safetensors with `state` as a consistent checkpoint of other weights: its meta.json
+    records the new file's sha256 (import-hf's own record; a file changed without it is refused as corrupt)."""
+    from safetensors.torch import save_file
+
+    from llamatron.checkpoint.reader import file_sha256
+
+    save_file(state, str(step_dir / "model.safetensors"))
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["checksums"] = {"model.safetensors": file_sha256(step_dir / "model.safetensors")}
+    (step_dir / "meta.json").write_text(json.dumps(meta))

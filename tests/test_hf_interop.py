@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import FAMILIES, VOCAB, make_hf_model, random_tokens, train_with_bpe_tokenizer
+from hf_fixtures import (
+    FAMILIES,
+    VOCAB,
+    make_hf_model,
+    random_tokens,
+    rewrite_imported_weights,
+    train_with_bpe_tokenizer,
+)
 from layout import free_port
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -99,7 +106,10 @@ def test_verify_fails_on_a_corrupted_checkpoint(tmp_path, capsys):
     qkv = state["layers.1.attn.qkv.weight"]  # swap K and V of the last layer: shapes stay valid
     q, k, v = qkv.split([64, 32, 32])
     state["layers.1.attn.qkv.weight"] = torch.cat([q, v, k])
-    save_file(state, str(weights_file))
+    save_file(state, str(weights_file))  # changed behind the import's recorded checksum: refused as corrupt
+    assert run_cli("verify", tmp_path / "ckpt", "--hf", tmp_path / "hf", "--batches", "2") == 2
+    assert "its sha256 differs" in capsys.readouterr().err
+    rewrite_imported_weights(weights_file.parent, state)  # a consistent checkpoint of wrong weights
     assert run_cli("verify", tmp_path / "ckpt", "--hf", tmp_path / "hf", "--batches", "2") == 1
     assert "FAIL" in capsys.readouterr().out
     assert run_cli("verify", tmp_path / "ckpt", "--hf", tmp_path / "hf", "--batches", "2", "--dtype", "bf16") == 1
@@ -146,7 +156,7 @@ def test_export_strips_padded_vocabulary_rows(tmp_path):
     state = load_file(str(step / "model.safetensors"))
     for name in ("embed.weight", "lm_head.weight"):
         state[name] = torch.cat([state[name], torch.randn(32, state[name].shape[1])])
-    save_file(state, str(step / "model.safetensors"))
+    rewrite_imported_weights(step, state)
     meta = json.loads((step / "meta.json").read_text())
     meta["model_config"]["vocab_size"] = VOCAB + 32
     (step / "meta.json").write_text(json.dumps(meta))

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import MIXTRAL, VOCAB, make_mixtral, make_random_model, mixtral_hub_state, random_tokens
+from hf_fixtures import (
+    MIXTRAL,
+    VOCAB,
+    make_mixtral,
+    make_random_model,
+    mixtral_hub_state,
+    random_tokens,
+    rewrite_imported_weights,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_hf_interop import read_hf_weights, run_cli, write_tokenizer
@@ -132,7 +140,7 @@ def test_verify_passes_and_fails_when_an_expert_is_perturbed(tmp_path, capsys):
     state = load_file(str(weights_file))
     down = state["layers.1.mlp.experts.down"]  # one expert of the last layer, by a little
     down[2] += 0.02 * torch.randn(down[2].shape, generator=torch.Generator().manual_seed(0))
-    save_file(state, str(weights_file))
+    rewrite_imported_weights(weights_file.parent, state)
     assert run_cli(*verify) == 1
     assert "FAIL" in capsys.readouterr().out
 
