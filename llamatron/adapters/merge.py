@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.pieces import Box
-from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.reader import CheckpointReader, read_meta, saved_lora_settings
 from ..models import ModelConfig, build_model
 from .targets import LoraTarget, find_targets, requested
 
@@ -39,7 +39,7 @@ class SavedLora:
 
 def saved_lora(run_meta: dict[str, Any]) -> SavedLora | None:
     """The LoRA settings of a checkpoint's meta.json (None for a checkpoint trained without LoRA)."""
-    lora = (run_meta.get("config") or {}).get("lora") or {}
+    lora = saved_lora_settings(run_meta)
     if not lora.get("lora_rank"):
         return None
     cfg = ModelConfig.from_dict(run_meta["model_config"])
@@ -91,9 +91,8 @@ class MergedLoraReader(CheckpointReader):
 
 def open_model_weights(path: str | Path) -> CheckpointReader:
     """The weights of any checkpoint as the plain model's: a LoRA checkpoint's adapters merged into its base."""
-    reader = CheckpointReader(path)
-    lora = saved_lora(reader.run_meta)
-    return reader if lora is None else MergedLoraReader(path, lora)
+    lora = saved_lora(read_meta(path))  # meta.json alone: the checkpoint (and any base) is opened once, below
+    return CheckpointReader(path) if lora is None else MergedLoraReader(path, lora)
 
 
 __all__ = [

@@ -390,10 +390,15 @@ def open_weights(path: str | Path) -> CheckpointReader:
     return reader
 
 
+def saved_lora_settings(meta: dict[str, Any]) -> dict[str, Any]:
+    """The --lora-* settings a checkpoint's run trained with (empty, or lora_rank 0, without LoRA)."""
+    return (meta.get("config") or {}).get("lora") or {}
+
+
 def refuse_adapters(reader: CheckpointReader) -> None:
     """A LoRA run's checkpoint holds the base weights and the adapters apart: read as a plain model without
     merging them it would silently lose the adapters."""
-    if not reader.merges_adapters and ((reader.run_meta.get("config") or {}).get("lora") or {}).get("lora_rank"):
+    if not reader.merges_adapters and saved_lora_settings(reader.run_meta).get("lora_rank"):
         raise CheckpointError(
             f"{reader.step_dir} is a LoRA checkpoint (frozen base + adapters) read without merging its adapters; "
             "export it with llamatron export-hf (which merges them) and use the exported model"
@@ -428,6 +433,7 @@ __all__ = [
     "refuse_adapters",
     "resolve_checkpoint",
     "rng_file",
+    "saved_lora_settings",
     "step_dirs",
     "step_number",
 ]

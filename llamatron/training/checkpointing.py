@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..adapters.targets import adapter_shapes
 from ..checkpoint.loading import check_architecture, read_into, read_weights
-from ..checkpoint.reader import BASE_KEY, CheckpointReader, base_reference, rng_file
+from ..checkpoint.reader import BASE_KEY, CheckpointReader, base_reference, rng_file, saved_lora_settings
 from ..checkpoint.rng import restore_rng
 from ..checkpoint.writer import PendingSave, engine_params, finish, start_save
 from ..config.settings import RunConfig, TrainConfig
@@ -84,8 +84,7 @@ def meta_to_inherit(meta: dict[str, Any], path: str | None = None, adapters: boo
     checkpoint that holds the frozen weights of a run that trains `adapters` (LoRA): the loaded checkpoint at
     `path` when it is a plain model's, else the base it names. The saves then hold only what trains."""
     out = {k: meta[k] for k in ("hf", "tokenizer", "chat_tuned", BASE_KEY) if k in meta}
-    lora = ((meta.get("config") or {}).get("lora") or {}).get("lora_rank")
-    if adapters and path and not lora:
+    if adapters and path and not saved_lora_settings(meta).get("lora_rank"):
         out[BASE_KEY] = base_reference(path)
     return out
 
@@ -237,7 +236,7 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
 
 def check_adapters(meta: dict[str, Any], cfg: RunConfig) -> None:
     """A LoRA checkpoint is resumed (or fine-tuned further) with the adapters it was trained with."""
-    saved = (meta.get("config") or {}).get("lora") or {}
+    saved = saved_lora_settings(meta)
     if not saved.get("lora_rank"):
         return
     if cfg.lora.lora_init_from:
