@@ -68,10 +68,12 @@ def run_train(
     timeout: int = 300,
     include_eval: bool = False,
     faults: Sequence[str] = (),
+    mock_data: bool = True,
 ) -> list[dict]:
     """Train through the public command; returns the per-step metric records (evaluation lines only if asked).
 
-    faults: flags of tests/inject_faults.py (e.g. ["--fail-save", "4:1"]), which then runs the command."""
+    faults: flags of tests/inject_faults.py (e.g. ["--fail-save", "4:1"]), which then runs the command;
+    mock_data False: BASE_ARGS without --mock-data (`args` name the data)."""
     metrics = workdir / f"metrics-{nproc}-{abs(hash(tuple(args))) % 10**8}.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -86,7 +88,8 @@ def run_train(
         ]
     inject = str(Path(__file__).resolve().parent / "inject_faults.py")
     entry = [inject, *faults, "--"] if faults else ["-m", "llamatron"]
-    cmd += [*entry, "train", "--model", model, *BASE_ARGS, *args, "--metrics-file", str(metrics)]
+    base = [a for a in BASE_ARGS if mock_data or a != "--mock-data"]
+    cmd += [*entry, "train", "--model", model, *base, *args, "--metrics-file", str(metrics)]
     repo = str(Path(__file__).resolve().parents[1])  # importable even where the package is not installed
     env = {
         **os.environ,

@@ -16,6 +16,8 @@ is summed over the ranks with the base's partial output, by the reduction the ba
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +91,12 @@ class LoraLinear(nn.Module):
         return self.scale * b_full(self.lora_b, self.onehot) @ self.lora_a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = low_rank_update(x, self.lora_a, self.lora_b, self.onehot, self.dropout, self.training)
-        return F.linear(x, self.weight, self.bias) + self.scale * update
+        base = F.linear(x, self.weight, self.bias)
+        if not self.scale:  # adapters off (adapters_off)
+            return base
+        return base + self.scale * low_rank_update(
+            x, self.lora_a, self.lora_b, self.onehot, self.dropout, self.training
+        )
 
 
 class LoraMatmul:
@@ -102,9 +108,11 @@ class LoraMatmul:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *bias: torch.Tensor | None) -> torch.Tensor:
         m = self.module  # its parameters read at each call: materialising replaces them
+        base = self.inner(x, weight, *bias)
+        if not self.scale:  # adapters off (adapters_off)
+            return base
         a, b = m.get_parameter("lora_a"), m.get_parameter("lora_b")
-        update = low_rank_update(x, a, b, self.onehot, self.dropout, m.training)
-        return self.inner(x, weight, *bias) + self.scale * update
+        return base + self.scale * low_rank_update(x, a, b, self.onehot, self.dropout, m.training)
 
 
 def adapt_parallel(module: ParallelLinear, segment: torch.Tensor, rank: int, alpha: float, dropout: float) -> None:
@@ -121,6 +129,25 @@ def adapt_parallel(module: ParallelLinear, segment: torch.Tensor, rank: int, alp
     module.linear = LoraMatmul(module, module.linear, _OneHot(local_segment, segments), alpha / rank, dropout)
 
 
+@contextmanager
+def adapters_off(chunks: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside, the models compute their base (every adapter's scale 0): DPO's reference pass. Nothing without
+    adapters changes."""
+    owners: list[LoraLinear | LoraMatmul] = []
+    for m in (m for chunk in chunks for m in chunk.modules()):
+        owner = m if isinstance(m, LoraLinear) else getattr(m, "linear", None)
+        if isinstance(owner, (LoraLinear, LoraMatmul)):
+            owners.append(owner)
+    scales = [owner.scale for owner in owners]
+    for owner in owners:
+        owner.scale = 0.0
+    try:
+        yield
+    finally:
+        for owner, scale in zip(owners, scales):
+            owner.scale = scale
+
+
 def place_adapters(model: nn.Module) -> None:
     """Put each adapter's constant row map on its adapter's device and dtype: once after materialising, before
     any compiled forward."""
@@ -132,6 +159,7 @@ def place_adapters(model: nn.Module) -> None:
 
 
 __all__ = [
+    "adapters_off",
     "LoraLinear",
     "LoraMatmul",
     "ParallelLinear",

@@ -34,7 +34,8 @@ DEMO_DEFAULTS = {
 
 def is_demo(cfg: RunConfig) -> bool:
     """No data of any kind given: the demo corpus."""
-    return cfg.data.data is None and not cfg.data.mock_data and cfg.data.sft_data is None
+    d = cfg.data
+    return d.data is None and not d.mock_data and d.sft_data is None and d.preference_data is None
 
 
 def apply_demo_defaults(cfg: RunConfig) -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..data.preference import preprocess_preferences
 from ..data.preprocess import format_summary, preprocess
 from ..data.sft import preprocess_conversations
 from ..errors import ConfigError
@@ -76,6 +77,18 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     sft.add_argument("--prompt-key", default=None, help="instead of messages: key of a user prompt")
     sft.add_argument("--response-key", default=None, help="with --prompt-key: key of the assistant response")
     sft.add_argument("--system-key", default=None, help="with --prompt-key: optional key of a system prompt")
+    preference = parser.add_argument_group(
+        "preference pairs (--preference)",
+        description='Each record holds a prompt ("prompt": a string or a list of messages, or "messages") and '
+        'two responses, "chosen" and "rejected" (a string or a list of assistant messages), TRL\'s preference '
+        "format. Each response follows the prompt, rendered as for --sft; the loss mask covers the response only.",
+    )
+    preference.add_argument(
+        "--preference",
+        action="store_true",
+        help="records are preference pairs: writes PREFIX_pref_chosen, PREFIX_pref_rejected and their _mask "
+        "(train with --objective dpo --preference-data PREFIX_pref)",
+    )
     return parser
 
 
@@ -83,7 +96,18 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
     progress = not getattr(args, "no_progress", False)
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: need at least 1 tokenizer process (default: 1)")
-    if getattr(args, "sft", False):
+    if getattr(args, "preference", False) and getattr(args, "sft", False):
+        raise ConfigError("--preference and --sft are two kinds of records: give one")
+    if getattr(args, "preference", False):
+        summary = preprocess_preferences(
+            args.input,
+            args.output_prefix,
+            args.tokenizer,
+            workers=args.workers,
+            skip_bad_lines=args.skip_bad_lines,
+            progress=progress,
+        )
+    elif getattr(args, "sft", False):
         summary = preprocess_conversations(
             args.input,
             args.output_prefix,

@@ -27,6 +27,9 @@ from .ranges import Range, above, at_least, problem
 
 # --fp8's recipes (torchao.float8's names; training/fp8.py applies them)
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
+# --objective and --dpo-loss (objectives/: language_model.py, preference.py)
+OBJECTIVES = ("lm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None) -> Any:
@@ -122,6 +125,9 @@ class DataConfig:
     eod_mask_loss: bool = _f(False, "no loss on predicting the EOD token")
     sft_data: str | None = _f(None, "instruction-tuning prefix written by `preprocess --sft` (PREFIX + PREFIX_mask)")
     pack: bool = _f(True, "--sft-data: pack conversations into full sequences (--no-pack: one padded per sample)")
+    preference_data: str | None = _f(
+        None, "--objective dpo: preference pairs written by `preprocess --preference` (PREFIX_chosen, ...)"
+    )
     data_cache_path: str | None = _f(
         None,
         "directory for the index caches of --data / --sft-data (default: beside the data); it keeps each "
@@ -256,12 +262,31 @@ class LoraConfig:
     )
 
 
+@dataclass
+class ObjectiveConfig:
+    """What a step minimises (objectives/)."""
+
+    objective: str = _f(
+        "lm",
+        "lm: next-token cross entropy (pre-training, --sft-data); dpo: direct preference optimisation on "
+        "--preference-data against the starting weights as the reference (LoRA: the base, adapters off)",
+        OBJECTIVES,
+    )
+    dpo_beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference", allowed=above(0))
+    dpo_loss: str = _f(
+        "sigmoid",
+        "sigmoid: DPO's; ipo: IPO's squared loss on per-token log-ratios; sigmoid_norm: DPO on per-token log-ratios",
+        DPO_LOSSES,
+    )
+
+
 SECTIONS = {
     "parallel": ParallelConfig,
     "optim": OptimConfig,
     "data": DataConfig,
     "train": TrainConfig,
     "lora": LoraConfig,
+    "objective": ObjectiveConfig,
 }
 
 
@@ -272,6 +297,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     model_overrides: dict = field(default_factory=dict)  # YAML `model_overrides:` changes preset fields
     explicit: set = field(default_factory=set, repr=False)  # settings given by YAML or flags, not defaulted
 

@@ -51,7 +51,8 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
 
     A sample may be a dict of seq+1 arrays: "tokens", and optionally "loss_mask" (True where the
     token is a target), "position_ids" and "document_ids" (data/boundaries.py, data/sft_dataset.py),
-    which become (batch, seq) "position_ids" / "document_ids" for the model.
+    which become (batch, seq) "position_ids" / "document_ids" for the model, and "ref_logp", a reference
+    model's log-probability of the sample (data/preference_dataset.py), which becomes (batch,) "ref_logps".
     """
     if not isinstance(samples[0], dict):
         samples = [{"tokens": s} for s in samples]
@@ -67,6 +68,8 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
     for key in ("position_ids", "document_ids"):
         if key in samples[0]:
             batch[key] = stack(key, np.int64)[:, :-1].contiguous()
+    if "ref_logp" in samples[0]:
+        batch["ref_logps"] = torch.tensor([s["ref_logp"] for s in samples], dtype=torch.float64)
     return batch
 
 

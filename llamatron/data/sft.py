@@ -84,21 +84,27 @@ def conversation_from_record(
                 f"missing key {messages_key!r} (records of a prompt and a response: name their keys with "
                 "--prompt-key/--response-key; a list of messages under another key: --messages-key)",
             )
-        raw = record[messages_key]
-        if not isinstance(raw, list) or not raw:
-            raise RecordError("bad conversation", f"key {messages_key!r} must be a non-empty list of messages")
-        messages = []
-        for i, message in enumerate(raw):
-            if not isinstance(message, dict) or message.get("role") not in ROLES:
-                raise RecordError("bad conversation", f"message {i} needs a role in {ROLES}: {str(message)[:80]}")
-            if not isinstance(message.get("content"), str):
-                raise RecordError("bad conversation", f"message {i} ({message['role']}) has no string content")
-            messages.append({"role": message["role"], "content": message["content"]})
+        messages = checked_messages(record[messages_key], messages_key, "message {i}")
     for i, message in enumerate(messages):
         if message["role"] == "assistant" and not message["content"]:
             raise RecordError("empty document", f"empty document: assistant message {i} is empty")
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no assistant message", "conversation has no assistant message to train on")
+    return messages
+
+
+def checked_messages(raw: Any, key: str, label: str) -> list[Message]:
+    """The messages of a record's ``key``, a non-empty list of ``{"role", "content"}`` (``label``: how an error
+    names message ``{i}``), or RecordError saying what is wrong."""
+    if not isinstance(raw, list) or not raw:
+        raise RecordError("bad conversation", f"key {key!r} must be a non-empty list of messages")
+    messages = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise RecordError("bad conversation", f"{label.format(i=i)} needs a role in {ROLES}: {str(message)[:80]}")
+        if not isinstance(message.get("content"), str):
+            raise RecordError("bad conversation", f"{label.format(i=i)} ({message['role']}) has no string content")
+        messages.append({"role": message["role"], "content": message["content"]})
     return messages
 
 

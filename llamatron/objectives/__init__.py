@@ -2,14 +2,13 @@
 
 The model returns logits (models/transformer.py); an objective turns a micro-batch's logits into its share of the
 step's loss. The engine owns one and uses it in the plain step, on the pipeline's last stage and in evaluation, so
-a new objective (preference optimisation, distillation) is one module beside language_model.py implementing
-`Objective`.
+a new objective is one module beside language_model.py implementing `Objective`: preference.py (DPO) is one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +34,10 @@ class Objective(Protocol):
 
     def step_stats(self, sequences: int) -> torch.Tensor | None:
         """The step's own statistics to log (a device tensor; a collective), or None."""
+        ...
+
+    def stat_fields(self, values: list[float]) -> dict[str, Any]:
+        """The logged record's fields of `step_stats`' values (read on the host)."""
         ...
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,6 +68,23 @@ class RouterTraining:
         total = flat[2:].sum().clamp_min(1.0)
         return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:] / total])
 
+    @staticmethod
+    def fields(values: list[float]) -> dict[str, Any]:
+        """step_stats' values by name: the load-balancing and z-losses, unweighted, averaged over sequences and
+        layers, and each expert's share of the token choices."""
+        return {"moe_aux_loss": values[0], "moe_z_loss": values[1], "expert_token_share": values[2:]}
+
+
+def per_token_loss(chunks: list[Transformer], kernel: str = "auto", compile: bool = False) -> PerTokenLoss:
+    """The cross entropy of each token for this rank's `chunks`: the vocabulary-parallel one under tensor
+    parallelism, else the fused one-device one (`kernel` auto, triton or torch; `compile` fuses torch's fp32
+    upcast)."""
+    shard = chunks[-1].parallel.vocab
+    if shard is not None:
+        return VocabParallelCrossEntropy(shard)
+    per_token = CrossEntropy(kernel)
+    return torch.compile(per_token, dynamic=False) if compile else per_token
+
 
 class LanguageModelObjective:
     """The language-model loss of one rank's chunks (see the module docstring); an `Objective`."""
@@ -84,17 +102,9 @@ class LanguageModelObjective:
         kernel: str = "auto",
         compile: bool = False,
     ) -> LanguageModelObjective:
-        """The objective for this rank's `chunks` (their tensor-parallel vocabulary split, if any): `kernel` picks
-        the one-device cross entropy's (auto, triton or torch), `compile` compiles it (fusing torch's fp32 upcast)."""
-        shard = chunks[-1].parallel.vocab
-        per_token: PerTokenLoss
-        if shard is not None:
-            per_token = VocabParallelCrossEntropy(shard)
-        else:
-            per_token = CrossEntropy(kernel)
-            if compile:
-                per_token = torch.compile(per_token, dynamic=False)
-        return cls(per_token, mesh, device, RouterTraining.attach(chunks, model_cfg, device))
+        """The objective for this rank's `chunks` (per_token_loss says what `kernel` and `compile` pick)."""
+        router = RouterTraining.attach(chunks, model_cfg, device)
+        return cls(per_token_loss(chunks, kernel, compile), mesh, device, router)
 
     def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.per_token_loss(logits, labels)
@@ -116,5 +126,8 @@ class LanguageModelObjective:
         """A mixture of experts' router statistics (RouterTraining.step_stats), None for a dense model."""
         return None if self.router is None else self.router.step_stats(sequences, self.mesh)
 
+    def stat_fields(self, values: list[float]) -> dict[str, Any]:
+        return RouterTraining.fields(values)
 
-__all__ = ["LanguageModelObjective", "RouterTraining"]
+
+__all__ = ["LanguageModelObjective", "RouterTraining", "per_token_loss"]

@@ -22,13 +22,12 @@ from torch import nn
 from ..config.settings import RunConfig
 from ..data.batches import micro_batches_for_rank, to_device
 from ..data.mock import MockDataset
-from ..models import ModelConfig
 from ..models.inventory import active_params, flops_per_token, num_params
-from ..parallel.mesh import Mesh, build_mesh, init_distributed, sum_from_last_stage
+from ..parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
 from ..parallel.optimizer import bytes_per_param
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import KernelFlags, kernel_choices
-from .metrics import peak_memory_gib, peak_tflops, router_fields, sync_device, throughput
+from .metrics import objective_fields, peak_memory_gib, peak_tflops, sync_device, throughput
 from .trainer import build_datasets
 from .validate import validate
 
@@ -101,7 +100,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         **breakdown,
         "bubble_frac": (p.pp - 1) / (m * p.vpp + p.pp - 1) if p.pp > 1 else 0.0,
         "loss": loss,
-        **_moe_fields(model_cfg, mesh, out),
+        **_moe_fields(engine, out),
         # what ran: auto resolved
         "kernels": kernel_choices(KernelFlags.of(t, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -109,16 +108,17 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     }
 
 
-def _moe_fields(model_cfg: ModelConfig, mesh: Mesh, out: dict) -> dict:
+def _moe_fields(engine: Engine, out: dict) -> dict:
     """A mixture of experts' row also says its parameters against the active ones (MFU counts the active: the
     FLOPs contract), its expert-parallel size and the last step's router statistics."""
+    model_cfg = engine.model_cfg
     if not model_cfg.is_moe:
         return {}
     return {
         "params": num_params(model_cfg),
         "active_params": active_params(model_cfg),
-        "ep": mesh.ep,
-        **router_fields(out),
+        "ep": engine.mesh.ep,
+        **objective_fields(engine, out),
     }
 
 

@@ -29,6 +29,7 @@ from ..models.moe import MoE
 from ..models.transformer import batch_inputs
 from ..objectives import Objective
 from ..objectives.language_model import LanguageModelObjective
+from ..objectives.preference import PreferenceObjective
 from ..parallel.context import apply_context_parallel
 from ..parallel.expert import apply_expert_parallel
 from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
@@ -246,7 +247,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
     optimizer = _optimizer(cfg, buffers, mesh, resolved["adamw"])
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
-    objective = LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
+    objective = _objective(cfg, chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
     return Engine(
         cfg,
         derived,
@@ -262,6 +263,21 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         scaler,
         frozen,
     )
+
+
+def _objective(
+    cfg: RunConfig,
+    chunks: list[Transformer],
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    device: torch.device,
+    kernel: str,
+    compile: bool,
+) -> Objective:
+    ob = cfg.objective
+    if ob.objective == "dpo":
+        return PreferenceObjective.build(chunks, model_cfg, mesh, device, ob.dpo_beta, ob.dpo_loss, kernel, compile)
+    return LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernel, compile)
 
 
 def _optimizer(cfg: RunConfig, buffers: list[GradBuffer], mesh: Mesh, adamw_kernel: str) -> DistributedAdamW:
@@ -341,5 +357,5 @@ def train_step(
         "found_inf": found_inf,
         "lr": lr,
         "loss_scale": None if scaler is None else scaler.scale,
-        "router": engine.objective.step_stats(sequences),
+        "stats": engine.objective.step_stats(sequences),
     }

@@ -175,7 +175,7 @@ class MetricsLog:
                 "grad_norm": float(o["grad_norm"]),
                 "skipped": bool(o["found_inf"] > 0),
                 **_loss_scale(o),
-                **router_fields(o),
+                "stats": objective_fields(self.engine, o),
                 "consumed_samples": done,
                 "samples": n,
             }
@@ -203,7 +203,7 @@ class MetricsLog:
             "skipped_steps": skipped_total,
             "steps_in_record": len(steps),
             **_loss_scale(last),
-            **{k: last[k] for k in _ROUTER_KEYS if k in last},
+            **last["stats"],  # the objective's statistics of the logged step
             **speed,
             "peak_mem_gib": peak_memory_gib(self.engine.device),
             "global_batch_size": last["samples"],  # the logged step's (--rampup-batch-size grows it)
@@ -258,18 +258,11 @@ def _loss_scale(step_out: dict) -> dict:
     return {} if scale is None else {"loss_scale": float(scale)}
 
 
-_ROUTER_KEYS = ("moe_aux_loss", "moe_z_loss", "expert_token_share")
-
-
-def router_fields(step_out: dict) -> dict:
-    """A mixture of experts' router statistics of the step (objectives/language_model.py, RouterTraining.step_stats):
-    the load-balancing and z-losses, unweighted, averaged over sequences and layers, and each expert's share of the
-    token choices."""
-    stats = step_out.get("router")
-    if stats is None:
-        return {}
-    values = stats.tolist()
-    return dict(zip(_ROUTER_KEYS, (values[0], values[1], values[2:])))
+def objective_fields(engine: Engine, step_out: dict) -> dict:
+    """The objective's own statistics of the step, by name (a mixture of experts' router statistics, DPO's
+    rewards): `Objective.step_stats` and `stat_fields`."""
+    stats = step_out.get("stats")
+    return {} if stats is None else engine.objective.stat_fields(stats.tolist())
 
 
 def _progress_bar(total: int, initial: int):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..adapters.targets import adapter_shapes
 from ..checkpoint import check_checkpoint_fits, read_meta, read_model_config, step_dirs, step_number
+from ..checkpoint.reader import saved_lora_settings
 from ..checkpoint.save_lock import SaveDirLock
 from ..config.settings import Derived, RunConfig
 from ..data import demo_corpus, samples
@@ -20,6 +21,7 @@ from ..data.batch_rampup import BatchSizes
 from ..data.batches import Samples, micro_batches_for_rank, to_device
 from ..data.boundaries import DocumentBoundaries
 from ..data.mock import MockDataset
+from ..data.preference_dataset import PreferenceDataset, build_preference_datasets
 from ..data.sft_dataset import build_sft_datasets
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError
@@ -31,6 +33,7 @@ from .evaluation import Evaluation
 from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
+from .reference_logps import REFERENCE_KEY, attach_reference
 from .validate import validate
 
 
@@ -72,27 +75,8 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
             MockDataset(model_cfg.vocab_size, d.seq_length, t.seed),
             MockDataset(model_cfg.vocab_size, d.seq_length, t.seed + 1),
         )
-    if d.sft_data is not None:
-        train, valid = _rank0_first(
-            mesh,
-            lambda: build_sft_datasets(
-                d.sft_data,
-                d.split,
-                d.seq_length,
-                train_samples,
-                valid_samples,
-                t.seed,
-                d.pack,
-                model_cfg.vocab_size,
-                d.data_cache_path,
-            ),
-        )
-        if mesh.is_logging_rank:
-            print(train.describe(), flush=True)
-            for warning in (ds.warning() for ds in (train, valid) if ds is not None):
-                if warning:
-                    print(warning, file=sys.stderr, flush=True)
-        return Datasets(train, valid, d.tokenizer)
+    if d.preference_data is not None or d.sft_data is not None:
+        return _tuning_datasets(cfg, model_cfg, mesh, train_samples, valid_samples)
     prefix, tokenizer = d.data, d.tokenizer
     if prefix is None:  # the embedded demo corpus
         if mesh.rank == 0:
@@ -140,6 +124,55 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
             for ds in (train, valid)
         )
     return Datasets(train, valid, tokenizer)
+
+
+def _tuning_datasets(
+    cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh, train_samples: int, valid_samples: int
+) -> Datasets:
+    """--preference-data's or --sft-data's train and validation sets."""
+    d, t = cfg.data, cfg.train
+    if d.preference_data is not None:
+        train, valid = _rank0_first(
+            mesh,
+            lambda: build_preference_datasets(
+                d.preference_data,
+                d.split,
+                d.seq_length,
+                train_samples,
+                valid_samples,
+                t.seed,
+                model_cfg.vocab_size,
+                d.data_cache_path,
+            ),
+        )
+        _describe(mesh, train, valid)
+        return Datasets(train, valid, d.tokenizer)
+    assert d.sft_data is not None
+    train, valid = _rank0_first(
+        mesh,
+        lambda: build_sft_datasets(
+            d.sft_data,
+            d.split,
+            d.seq_length,
+            train_samples,
+            valid_samples,
+            t.seed,
+            d.pack,
+            model_cfg.vocab_size,
+            d.data_cache_path,
+        ),
+    )
+    _describe(mesh, train, valid)
+    return Datasets(train, valid, d.tokenizer)
+
+
+def _describe(mesh: Mesh, train, valid) -> None:
+    """The data line, and the datasets' warnings (samples that train on nothing), from the logging rank."""
+    if mesh.is_logging_rank:
+        print(train.describe(), flush=True)
+        for warning in (ds.warning() for ds in (train, valid) if ds is not None):
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
 
 
 def _rank0_first(mesh: Mesh, build):
@@ -243,6 +276,15 @@ def _train_on_this_rank(
             )
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start.step)
+    if cfg.objective.objective == "dpo":  # the reference pass, before the first step (or read from its cache)
+        resumed = state.get(REFERENCE_KEY) if t.load and not t.finetune else None
+        preference = [ds for ds in (datasets.train, datasets.valid) if isinstance(ds, PreferenceDataset)]
+        zero = (
+            cfg.lora.lora_rank > 0
+            and not cfg.lora.lora_init_from
+            and not (t.load and saved_lora_settings(state).get("lora_rank"))
+        )
+        inherited[REFERENCE_KEY] = attach_reference(engine, preference, resumed, zero)
     try:
         trainer = Trainer(engine, datasets, start, Checkpointing(t, inherited, faults), faults, sinks)
         return trainer.run()
@@ -400,7 +442,16 @@ _SCHEDULE_SETTINGS = (
     "adam_beta1",
     "adam_beta2",
 )
-_DATA_SETTINGS = ("seq_length", "global_batch_size", "rampup_batch_size", "seed", "data", "sft_data", "split")
+_DATA_SETTINGS = (
+    "seq_length",
+    "global_batch_size",
+    "rampup_batch_size",
+    "seed",
+    "data",
+    "sft_data",
+    "preference_data",
+    "split",
+)
 
 
 def _say_what_changed_on_resume(cfg: RunConfig, meta: dict, start_step: int) -> None:

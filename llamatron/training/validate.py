@@ -15,6 +15,7 @@ from ..data.samples import data_settings_problems
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..models.families import model_problems
+from ..objectives.preference import preference_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
 from ..parallel.grad_buffer import reduce_dtype_problems
@@ -82,6 +83,11 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
         if getattr(d, n)
     ]
     _raise_if(data_settings_problems(d.data, d.split, d.mock_data, d.sft_data, d.tokenizer, document_flags))
+    other_data = [
+        flag for flag, given in (("--data", d.data), ("--sft-data", d.sft_data), ("--mock-data", d.mock_data)) if given
+    ]
+    ob = cfg.objective
+    _raise_if(preference_problems(ob.objective, d.preference_data, other_data, t.micro_batch_size, p.cp))
     resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t.tensorboard_dir, t.wandb_project)
     check_output_paths(t.metrics_file, t.tensorboard_dir)

@@ -1,0 +1,156 @@
+"""Direct preference optimisation (DPO): raise the policy's log-probability of the chosen response against the
+rejected one, relative to a frozen reference model.
+
+A micro-batch holds whole pairs, chosen at even rows and rejected at odd ones (data/preference_dataset.py), and
+each sequence's reference log-probability (`ref_logps`, from the run's reference pass, training/reference_logps.py).
+A sequence's log-probability is minus the sum of its response tokens' cross entropy: the same per-token loss as the
+language model (vocabulary-parallel under tensor parallelism, so the whole vocabulary's logits never exist).
+With h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected)), a pair's loss is
+
+    sigmoid       -log sigmoid(beta h)                                   (Rafailov et al. 2023)
+    ipo           (h' - 1 / (2 beta))^2, h' from per-token mean ratios    (Azar et al. 2023, as TRL normalises it)
+    sigmoid_norm  -log sigmoid(beta h'), h' as for ipo                    (length-normalised DPO)
+
+and the step minimises the mean over the global batch's pairs. Logged with each step, over its pairs: the rewards
+beta * (log pi - log ref) of the chosen and rejected responses, their margin, the reward accuracy (chosen above
+rejected) and the policy's log-probabilities, as TRL names and computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..models import IGNORE_INDEX, ModelConfig, Transformer
+from ..parallel.mesh import Mesh, all_reduce
+from .language_model import PerTokenLoss, RouterTraining, per_token_loss
+
+_STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
+
+
+def preference_problems(
+    objective: str, preference_data: str | None, other_data: list[str], micro_batch_size: int, cp: int
+) -> list[str]:
+    """--objective dpo needs preference data, and micro-batches of whole pairs; other_data: the other data flags
+    given (--data, --sft-data, --mock-data)."""
+    if objective != "dpo":
+        return ["--preference-data is read by --objective dpo only; add it, or drop --preference-data"] * bool(
+            preference_data
+        )
+    problems = []
+    if preference_data is None:
+        problems.append(
+            "--objective dpo needs --preference-data PREFIX (written by `llamatron preprocess --preference`)"
+        )
+    if other_data:
+        problems.append(f"--objective dpo trains on --preference-data only; drop {', '.join(other_data)}")
+    if micro_batch_size % 2:
+        problems.append(
+            f"--objective dpo: --micro-batch-size {micro_batch_size} must be even (a micro-batch holds whole "
+            f"pairs of a chosen and a rejected sequence); use {micro_batch_size + 1}"
+        )
+    if cp > 1:
+        problems.append("--objective dpo does not run under context parallelism yet; use --cp 1")
+    return problems
+
+
+def pair_losses(kind: str, beta: float, ratios: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each pair's loss from the log-ratios log pi - log ref of its sequences (chosen, rejected alternating) and
+    their response token counts."""
+    chosen, rejected = ratios[0::2], ratios[1::2]
+    if kind == "sigmoid":
+        return -F.logsigmoid(beta * (chosen - rejected))
+    per_token = ratios / tokens.clamp_min(1)
+    h = per_token[0::2] - per_token[1::2]
+    if kind == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    assert kind == "sigmoid_norm", kind  # --dpo-loss's choices allow no other
+    return -F.logsigmoid(beta * h)
+
+
+class PreferenceObjective:
+    """DPO over this rank's chunks (see the module docstring); an `Objective`."""
+
+    def __init__(
+        self,
+        per_token: PerTokenLoss,
+        mesh: Mesh,
+        device: torch.device,
+        beta: float,
+        kind: str = "sigmoid",
+        router: RouterTraining | None = None,
+    ):
+        self.per_token_loss, self.mesh, self.device, self.router = per_token, mesh, device, router
+        self.beta, self.kind = beta, kind
+        self.stats = torch.zeros(len(_STATS), device=device)  # sums over the step's pairs on this rank
+
+    @classmethod
+    def build(
+        cls,
+        chunks: list[Transformer],
+        model_cfg: ModelConfig,
+        mesh: Mesh,
+        device: torch.device,
+        beta: float,
+        kind: str,
+        kernel: str = "auto",
+        compile: bool = False,
+    ) -> PreferenceObjective:
+        router = RouterTraining.attach(chunks, model_cfg, device)
+        return cls(per_token_loss(chunks, kernel, compile), mesh, device, beta, kind, router)
+
+    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.per_token_loss(logits, labels)
+
+    def sequence_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each sequence's log-probability of its response tokens, fp32; the number of those tokens)."""
+        return -self.per_token_loss(logits, labels).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+
+    def normaliser(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The pairs of the whole global batch."""
+        pairs = sum(int(mb["input_ids"].shape[0]) // 2 for mb in micro_batches)
+        local = torch.tensor(float(pairs), device=self.device)
+        return all_reduce(local, self.mesh.replica_group).clamp_min(1.0)
+
+    def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+        logps, tokens = self.sequence_logps(logits, mb["labels"])
+        ratios = logps - mb["ref_logps"].to(logps.dtype)
+        with torch.no_grad():
+            rewards = self.beta * ratios
+            self.stats += torch.stack(
+                [
+                    rewards[0::2].sum(),
+                    rewards[1::2].sum(),
+                    (rewards[0::2] > rewards[1::2]).sum().float(),
+                    logps[0::2].sum(),
+                    logps[1::2].sum(),
+                ]
+            )
+        return pair_losses(self.kind, self.beta, ratios, tokens).sum() / normaliser
+
+    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
+        self.stats.zero_()
+        if self.router is not None:
+            self.router.begin_step(sequences, loss_scale)
+
+    def step_stats(self, sequences: int) -> torch.Tensor:
+        """The step's means over its pairs (_STATS), then a mixture of experts' router statistics: a collective
+        over every rank (the last pipeline stage computed them; tensor-parallel ranks computed the same)."""
+        flat = self.stats.clone()
+        if self.mesh.world_size > 1:
+            torch.distributed.all_reduce(flat)
+        flat = flat / (self.mesh.tp * max(sequences // 2, 1))
+        return flat if self.router is None else torch.cat([flat, self.router.step_stats(sequences, self.mesh)])
+
+    def stat_fields(self, values: list[float]) -> dict[str, Any]:
+        out: dict[str, Any] = dict(zip(_STATS, values))
+        out["rewards_margin"] = out["rewards_chosen"] - out["rewards_rejected"]
+        if self.router is not None:
+            out.update(RouterTraining.fields(values[len(_STATS) :]))
+        return out
+
+
+__all__ = ["PreferenceObjective", "pair_losses", "preference_problems"]

@@ -1,0 +1,176 @@
+"""DPO's reference model, as a pass before the first step: each preference sequence's log-probability under the
+starting weights, computed once and cached beside the data.
+
+The reference is the model the run starts from (TRL's too): the --load checkpoint or the seed's initialisation,
+with a LoRA run's adapters as they start (zero, or `--lora-init-from`'s, or a loaded LoRA checkpoint's). The pass
+runs through the same engine as training, under any layout (the pipeline's forward-only schedule, the
+tensor-parallel vocabulary loss), in eval mode: each data-parallel rank computes its contiguous share of every
+round of one global batch, and the table is summed over the replicas. Training then needs no second model and no
+extra forward per step.
+
+The table is cached in the data's index cache directory (--data-cache-path, else beside the data) as
+`PREFIX-reference-KEY.npy`, KEY a digest of what determines it: the reference weights (the checkpoint's sha256
+fingerprint or the seed), the model, the precision and the sequence length. A checkpoint names the KEY and file it
+trained against (meta.json "dpo_reference"); a resume reads that file, and recomputes it only where it still can:
+a LoRA run whose adapters started at zero, whose reference is its frozen base with the adapters switched off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..adapters.lora import adapters_off
+from ..checkpoint.reader import fingerprint, resolve_checkpoint
+from ..data.batches import micro_batches_for_rank, to_device
+from ..data.cache import cache_key
+from ..data.preference_dataset import PreferenceDataset, PreferencePairs
+from ..data.samples import index_cache_dir
+from ..errors import CheckpointError, DataError
+from ..models.transformer import batch_inputs
+from ..objectives.preference import PreferenceObjective
+from ..parallel.mesh import sum_from_last_stage
+from ..parallel.pipeline import pipeline_forward_each
+from .engine import Engine
+
+REFERENCE_KEY = "dpo_reference"
+
+
+class _ReferenceSamples:
+    """Every sequence the run reads, in record order: 2j and 2j+1 are `records[j]`'s chosen and rejected."""
+
+    def __init__(self, pairs: PreferencePairs, records: np.ndarray, seq_length: int):
+        self.pairs, self.records, self.capacity = pairs, records, seq_length + 1
+
+    def __len__(self) -> int:
+        return 2 * self.records.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return self.pairs.sequence(int(self.records[index // 2]), index % 2, self.capacity)
+
+
+def reference_cache_key(engine: Engine, weights: str, pairs: PreferencePairs) -> str:
+    """What determines the table: the reference weights, the model, precision, sequence length and the data."""
+    cfg = engine.cfg
+    sizes = [d.sizes for d in pairs.tokens]
+    model = sorted(dataclasses.asdict(engine.model_cfg).items())
+    return cache_key("dpo-reference", weights, model, engine.derived.dtype_name, cfg.data.seq_length, *sizes)
+
+
+def reference_weights(engine: Engine) -> str:
+    """What the reference weights are: the loaded checkpoint's fingerprint, else the initialisation's seed."""
+    t = engine.cfg.train
+    if t.load:
+        return fingerprint(resolve_checkpoint(t.load))
+    return f"initialisation, seed {t.seed}"
+
+
+@torch.no_grad()
+def compute_reference_logps(engine: Engine, samples: _ReferenceSamples, base: bool = False) -> np.ndarray:
+    """The log-probability of each of `samples` (float64) under the engine's weights, or with `base` its LoRA
+    adapters switched off; a collective over every rank."""
+    objective = engine.objective
+    assert isinstance(objective, PreferenceObjective)  # --objective dpo builds it (engine._objective)
+    cfg, mesh = engine.cfg, engine.mesh
+    size, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    n = len(samples)
+    table = torch.zeros(n, dtype=torch.float64, device=engine.device)
+    start_of: dict[int, int] = {}  # a micro-batch (by id) -> the index of its first sequence
+
+    def store(model, logits: torch.Tensor, mb: dict) -> None:
+        logps, _ = objective.sequence_logps(logits, mb["labels"])
+        index = torch.arange(start_of[id(mb)], start_of[id(mb)] + logps.numel(), device=logps.device)
+        keep = index < n  # the last round wraps around to sequences already counted
+        table[index[keep]] = logps[keep].double()
+
+    for first in range(0, n, size):
+        batches = to_device(micro_batches_for_rank(samples, first, size, mbs, mesh), engine.device)
+        per_rank = size // mesh.dp
+        start_of.clear()
+        start_of.update({id(mb): first + mesh.dp_rank * per_rank + k * mbs for k, mb in enumerate(batches)})
+        with adapters_off(engine.chunks) if base else nullcontext():
+            if mesh.pp > 1:
+                pipeline_forward_each(engine, batches, store)
+            else:
+                model = engine.chunks[0]
+                was_training = model.training
+                model.eval()
+                for mb in batches:
+                    store(model, model(mb["input_ids"], **batch_inputs(mb)), mb)
+                model.train(was_training)
+    return sum_from_last_stage(table, mesh).cpu().numpy()
+
+
+def _read_table(path: str, records: int) -> np.ndarray | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        table = np.load(path, allow_pickle=False)  # data, never code
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: unreadable reference log-probs ({err}); delete it to compute them again") from None
+    if table.shape != (records, 2) or table.dtype != np.float64:
+        raise DataError(
+            f"{path}: reference log-probs of shape {table.shape}, expected ({records}, 2): delete it to compute "
+            "them again"
+        )
+    return table
+
+
+def attach_reference(
+    engine: Engine, datasets: list[PreferenceDataset], resumed: dict[str, Any] | None, zero_adapters: bool
+) -> dict[str, Any]:
+    """Give the preference datasets their reference log-probs: read from the cache, else computed now (a
+    collective). `resumed`: the loaded checkpoint's "dpo_reference" entry when resuming a DPO run;
+    `zero_adapters`: a fresh LoRA run's adapters start at zero. Returns the entry its checkpoints record."""
+    cfg, mesh = engine.cfg, engine.mesh
+    pairs = datasets[0].pairs
+    if resumed is None:
+        resumed = {"key": reference_cache_key(engine, reference_weights(engine), pairs), "base": zero_adapters}
+        fresh = True
+    else:
+        fresh = False
+    key = _checked_entry(resumed)
+    directory = index_cache_dir(pairs.prefix, cfg.data.data_cache_path)
+    path = os.path.join(directory, f"{os.path.basename(pairs.prefix)}-reference-{key}.npy")
+    table = _read_table(path, len(pairs))
+    if table is None:
+        if not fresh and not resumed["base"]:
+            raise CheckpointError(
+                f"the reference log-probs this DPO run trained against ({path}) are gone, and the weights they came "
+                "from are no longer the model's: put the file back, or start again from the reference checkpoint"
+            )
+        records = np.unique(np.concatenate([ds.records for ds in datasets]))
+        samples = _ReferenceSamples(pairs, records, cfg.data.seq_length)
+        logps = compute_reference_logps(engine, samples, base=not fresh)
+        table = np.zeros((len(pairs), 2), dtype=np.float64)
+        table[records] = logps.reshape(-1, 2)
+        if mesh.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            temporary = f"{path}.tmp-{os.getpid()}"
+            with open(temporary, "wb") as f:
+                np.save(f, table)
+            os.replace(temporary, path)
+        if mesh.is_logging_rank:
+            print(f"reference log-probs of {records.size:,} pairs computed, cached in {path}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    for ds in datasets:
+        ds.reference = table
+    return {"key": key, "file": path, "base": bool(resumed["base"])}
+
+
+def _checked_entry(entry: Any) -> str:
+    """The cache key of a checkpoint's "dpo_reference" entry (a hex digest: it names a file)."""
+    key = entry.get("key") if isinstance(entry, dict) else None
+    if not isinstance(key, str) or not key.isalnum() or not isinstance(entry.get("base"), bool):
+        raise CheckpointError(f"meta.json: malformed {REFERENCE_KEY} entry {entry!r}; resume from another checkpoint")
+    return key
+
+
+__all__ = ["REFERENCE_KEY", "attach_reference", "compute_reference_logps"]

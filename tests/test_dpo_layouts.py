@@ -1,0 +1,120 @@
+"""DPO under parallel layouts equals the single process (fp32, gloo): per-step loss and grad norm, each layout
+computing its own reference pass (its own --data-cache-path). Resumes continue exactly, read the reference table
+the run started with, and recompute it only where the base is the reference (LoRA from zero adapters)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from layout import assert_matches, run_train
+
+from llamatron.data.indexed import IndexedDatasetWriter
+from llamatron.data.preference import response_prefix
+from llamatron.data.sft import mask_prefix
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "all-linear"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> str:
+    """Preference pairs written directly (token ids below llama-test's 256): the chosen response repeats the
+    prompt's last tokens, the rejected one is random; both fit --seq-length 32."""
+    prefix = str(tmp_path_factory.mktemp("pairs") / "p_pref")
+    rng = np.random.default_rng(0)
+    writers = {}
+    for response in ("chosen", "rejected"):
+        writers[response] = IndexedDatasetWriter(response_prefix(prefix, response), np.uint16)
+        writers[f"{response}_mask"] = IndexedDatasetWriter(mask_prefix(response_prefix(prefix, response)), np.uint8)
+    for _ in range(64):
+        prompt = rng.integers(3, 256, int(rng.integers(4, 12)))
+        n = int(rng.integers(2, prompt.size + 1))
+        for response, reply in (("chosen", prompt[-n:][::-1]), ("rejected", rng.integers(3, 256, n))):
+            writers[response].add_document(np.concatenate([prompt, reply]))
+            writers[f"{response}_mask"].add_document(np.r_[np.zeros(prompt.size), np.ones(n)].astype(np.uint8))
+    for writer in writers.values():
+        writer.finalize()
+    return prefix
+
+
+def dpo(pairs: str, workdir) -> list[str]:
+    return ["--objective", "dpo", "--preference-data", pairs, "--data-cache-path", str(workdir), "--lr", "1e-2"]
+
+
+# name -> (flags, processes)
+LAYOUTS = {
+    "dp2-distopt": (["--distributed-optimizer"], 2),
+    "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
+    "pp2": (["--pp", "2"], 2),
+    "lora-dp2": (LORA, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(pairs, tmp_path_factory):
+    cache: dict[bool, list[dict]] = {}
+
+    def get(lora: bool) -> list[dict]:
+        if lora not in cache:
+            d = tmp_path_factory.mktemp("dpo-single")
+            cache[lora] = run_train([*dpo(pairs, d), *(LORA if lora else [])], 1, d, mock_data=False)
+        return cache[lora]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dpo_layout_matches_single_process(name, pairs, reference, tmp_path):
+    flags, nproc = LAYOUTS[name]
+    got = run_train([*dpo(pairs, tmp_path), *flags], nproc, tmp_path, mock_data=False)
+    single = reference(flags == LORA)
+    assert_matches(single, got)
+    # the layout's own reference pass gives its first step the starting model's log-probs: a tie, log 2
+    assert abs(got[0]["loss"] - math.log(2)) < 1e-6 and got[0]["rewards_margin"] == 0
+
+
+def _losses(path) -> dict[int, float]:
+    records = map(json.loads, path.read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r.get("split") is None}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_dpo_run_resumes_exactly(pairs, tmp_path, lora):
+    """From step 3 of a 6-step run: the same losses; with the reference table deleted, a LoRA run from zero
+    adapters recomputes it from the base (adapters off), a full fine-tuning run is refused in one line."""
+    from test_train import llamatron
+
+    flags = [*dpo(pairs, tmp_path), *(LORA if lora else []), "--model", "llama-test", "--device", "cpu"]
+    flags += ["--precision", "fp32", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8"]
+    flags += ["--no-progress", "--log-interval", "1", "--eval-interval", "0", "--warmup-steps", "0"]
+    whole = tmp_path / "whole.jsonl"
+    llamatron(
+        "train",
+        *flags,
+        "--train-steps",
+        "6",
+        "--save",
+        "ckpt",
+        "--save-interval",
+        "3",
+        "--metrics-file",
+        str(whole),
+        cwd=tmp_path,
+    )
+    after_3 = {s: v for s, v in _losses(whole).items() if s > 3}
+    resume = ["--load", "ckpt/step-3", "--train-steps", "6"]
+    if not lora:  # the table is read back
+        llamatron("train", *flags, *resume, "--metrics-file", str(tmp_path / "read.jsonl"), cwd=tmp_path)
+        assert _losses(tmp_path / "read.jsonl") == after_3
+    (table,) = tmp_path.glob("*-reference-*.npy")
+    table.unlink()
+    proc = llamatron(
+        "train", *flags, *resume, "--metrics-file", str(tmp_path / "again.jsonl"), cwd=tmp_path, check=False
+    )
+    if lora:
+        assert proc.returncode == 0, proc.stderr
+        assert _losses(tmp_path / "again.jsonl") == after_3
+    else:
+        assert proc.returncode == 2 and "are gone" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
