@@ -4,7 +4,7 @@
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity,
-#           lora7, lora70
+#           lora7, lora70, lora_fp8, dpo
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -48,6 +48,22 @@ for group in ${@:-single dp tests}; do
       for n in ${LORA_LAYERS:-20 40 80}; do
         ROW_TAG="70b-$n-lora16" one 0 --model llama2-70b --num-layers $n --seq-length 4096 --global-batch-size 2 \
           --micro-batch-size 1 --steps 2 --warmup 1 --compile --recompute full --lora-rank 16 --lora-alpha 32
+      done ;;
+    lora_fp8)  # issue 36: LoRA with the frozen base's matmuls in FP8 (tensorwise) against bf16, 7B; 70B's shape, 20 layers
+      ROW_TAG=lora16 one 0 $B7 --micro-batch-size 1 --compile --lora-rank 16 --lora-alpha 32
+      ROW_TAG=lora16-fp8 one 0 $B7 --micro-batch-size 1 --compile --lora-rank 16 --lora-alpha 32 --fp8 tensorwise
+      for f in none tensorwise; do
+        ROW_TAG="70b-20-lora16-fp8-$f" one 0 --model llama2-70b --num-layers 20 --seq-length 4096 --global-batch-size 2 \
+          --micro-batch-size 1 --steps 2 --warmup 1 --compile --recompute full --lora-rank 16 --lora-alpha 32 --fp8 $f
+      done ;;
+    dpo)  # issue 36: DPO trains on GPU (llama-1b, bf16, compiled): full and LoRA, on synthetic pairs of 1024 tokens
+      python3 benchmarks/synthetic_pairs.py /tmp/pairs/p_pref --pairs 4096 --vocab 32000 --length 1024 >>"$OUT/log.txt"
+      for lora in "" "--lora-rank 16 --lora-alpha 32"; do
+        tag=dpo${lora:+-lora}
+        timeout 500 python3 -m llamatron train --model llama-1b --objective dpo --preference-data /tmp/pairs/p_pref \
+          --seq-length 1023 --micro-batch-size 8 --global-batch-size 32 --train-steps 60 --lr 5e-5 --warmup-steps 5 \
+          --eval-interval 0 --log-interval 10 --no-progress $lora --metrics-file "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1
+        echo "== $tag -> rc $?" >>"$OUT/log.txt"
       done ;;
     fp8_parity)  # issue 19: bf16, tensorwise and rowwise trained side by side on GPU 0 on real text
       # PARITY_DATA: the --data prefix of benchmarks/code_corpus.py's corpus

@@ -68,7 +68,6 @@ def test_a_lora_run_resumes_exactly(runs):
     "flags, message",
     [
         (["--lora-targets", "qkv"], "--lora-targets qkv names no linear"),
-        (["--fp8", "tensorwise", "--fp8-emulate", "--precision", "bf16"], "--lora-rank does not run with --fp8"),
         (["--lora-rank", "-1"], "--lora-rank"),
     ],
 )

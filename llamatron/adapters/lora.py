@@ -16,7 +16,7 @@ is summed over the ranks with the base's partial output, by the reduction the ba
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -73,10 +73,12 @@ def _adapter_params(module: nn.Module, a_shape: tuple[int, int], b_shape: tuple[
 
 class LoraLinear(nn.Module):
     """A linear's own weight and bias (frozen, under their names: checkpoints and weight rules see the same
-    tensors) plus scale * B_full A (`segment`: each output row's adapter, -1 for none)."""
+    tensors) plus scale * B_full A (`segment`: each output row's adapter, -1 for none). `base_matmul` computes
+    the frozen part (x, weight, bias -> output): F.linear, or FP8's (training/fp8.py)."""
 
     lora_a: nn.Parameter
     lora_b: nn.Parameter
+    base_matmul: Callable[..., torch.Tensor] = staticmethod(F.linear)
 
     def __init__(self, base: nn.Linear, segment: torch.Tensor, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
@@ -91,7 +93,7 @@ class LoraLinear(nn.Module):
         return self.scale * b_full(self.lora_b, self.onehot) @ self.lora_a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        base = self.base_matmul(x, self.weight, self.bias)
         if not self.scale:  # adapters off (adapters_off)
             return base
         return base + self.scale * low_rank_update(
@@ -101,7 +103,8 @@ class LoraLinear(nn.Module):
 
 class LoraMatmul:
     """A tensor-parallel linear's matmul (its `linear`: x, weight[, bias] -> its local output) plus the LoRA
-    update of the adapters registered on the same module, on the same local input."""
+    update of the adapters registered on the same module, on the same local input. `inner` is the frozen part's
+    matmul (the layer's own, or FP8's)."""
 
     def __init__(self, module: ParallelLinear, inner, onehot: _OneHot, scale: float, dropout: float):
         self.module, self.inner, self.onehot, self.scale, self.dropout = module, inner, onehot, scale, dropout

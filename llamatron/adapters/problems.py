@@ -9,8 +9,8 @@ from .peft_format import peft_dir_problems
 from .targets import find_targets, requested
 
 
-def lora_problems(lora: LoraConfig, model: ModelConfig, fp8: str) -> list[str]:
-    """LoRA's rules: targets that name linears of the model; an adapter to start from that fits them; no FP8 yet."""
+def lora_problems(lora: LoraConfig, model: ModelConfig) -> list[str]:
+    """LoRA's rules: targets that name linears of the model; an adapter to start from that fits them."""
     if lora.lora_rank == 0:
         return ["--lora-init-from needs --lora-rank (the adapters' rank)"] if lora.lora_init_from else []
     try:
@@ -18,14 +18,7 @@ def lora_problems(lora: LoraConfig, model: ModelConfig, fp8: str) -> list[str]:
     except ConfigError as e:
         return [str(e)]
     if lora.lora_init_from:
-        problems = peft_dir_problems(lora.lora_init_from, lora.lora_rank, lora.lora_alpha, found)
-        if problems:
-            return problems
-    if fp8 != "none":
-        return [
-            f"--lora-rank does not run with --fp8 {fp8} yet (the adapters would be dropped from the FP8 matmul); "
-            "train LoRA in bf16"
-        ]
+        return peft_dir_problems(lora.lora_init_from, lora.lora_rank, lora.lora_alpha, found)
     return []
 
 

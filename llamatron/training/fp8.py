@@ -9,9 +9,11 @@ they are without FP8 (bf16 / fp32), so checkpoints do not change and FP8 can be 
 Plain `nn.Linear` layers become torchao's `Float8Linear` (its public `convert_to_float8_training`; the module
 keeps its parameters, so their names and specs stay). Tensor parallelism's `ColumnParallelLinear` and
 `RowParallelLinear` are not `nn.Linear`s: they get an `FP8Matmul` as their `linear` and run it on their local
-shards. That is written here because torchao's tensor-parallel support is for DTensor, which llamatron's layers
-do not use; it calls torchao's own FP8 matmul (the autograd function `Float8Linear` runs), so the numerics are
-torchao's. A sharded layer scales its local shard (tensorwise: its own amax), which is at least as precise.
+shards. Under LoRA (adapters/lora.py) the frozen base's matmul runs FP8 (a `LoraLinear`'s `base_matmul`, a
+`LoraMatmul`'s `inner`) and the adapters' small matmuls stay bf16. That is written here because torchao's
+tensor-parallel support is for DTensor, which llamatron's layers do not use; it calls torchao's own FP8 matmul
+(the autograd function `Float8Linear` runs), so the numerics are torchao's. A sharded layer scales its local
+shard (tensorwise: its own amax), which is at least as precise.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import logging
 import torch
 from torch import nn
 
+from ..adapters.lora import LoraLinear, LoraMatmul
 from ..models.config import ModelConfig
 from ..models.transformer import Transformer
 from ..parallel.tensor import padded_vocab_size
@@ -151,6 +154,17 @@ class FP8Matmul:
         return f"FP8Matmul({self.recipe})"
 
 
+def _runs_fp8(module: nn.Module) -> bool:
+    if type(module).__name__ == "Float8Linear":
+        return True
+    if isinstance(module, LoraLinear):
+        return isinstance(module.base_matmul, FP8Matmul)
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        inner = module.linear.inner if isinstance(module.linear, LoraMatmul) else module.linear
+        return isinstance(inner, FP8Matmul)
+    return False
+
+
 def _decoder_linear(module: nn.Module, name: str) -> bool:
     """The linears torchao converts: those inside decoder layers (not the head), exactly nn.Linear; not a MoE
     router (num_experts outputs, a small matmul whose logits pick the experts: kept in bf16). A MoE layer's
@@ -171,19 +185,21 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool =
     if head and isinstance(model, Transformer) and model.is_last_stage:  # a stage with the head
         model.head_matmul = matmul
     for name, module in model.named_modules():
-        if name.startswith("layers.") and isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            module.linear = matmul
+        if not name.startswith("layers."):
+            continue
+        if isinstance(module, LoraLinear):  # LoRA: the frozen part in FP8, the adapters in bf16
+            module.base_matmul = matmul
+        elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            if isinstance(module.linear, LoraMatmul):
+                module.linear.inner = matmul
+            else:
+                module.linear = matmul
     convert_to_float8_training(model, module_filter_fn=_decoder_linear, config=float8_config(recipe, emulate))
     return fp8_layers(model)
 
 
 def fp8_layers(model: nn.Module) -> list[str]:
     """Names of the layers of `model` that run FP8 matmuls (after apply_fp8), in the model's order."""
-    names = [
-        name
-        for name, module in model.named_modules()
-        if type(module).__name__ == "Float8Linear"
-        or (isinstance(module, ColumnParallelLinear | RowParallelLinear) and isinstance(module.linear, FP8Matmul))
-    ]
+    names = [name for name, module in model.named_modules() if _runs_fp8(module)]
     fp8_head = isinstance(model, Transformer) and isinstance(model.head_matmul, FP8Matmul)
     return names + ["head"] if fp8_head else names

@@ -76,7 +76,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     _raise_if(kernel_problems(KernelFlags.of(t, o), p.tp, model, device, dtype_name))
     tokens = t.micro_batch_size * d.seq_length // p.cp
     _raise_if(fp8_problems(t.fp8, t.fp8_emulate, device, dtype_name, model, p.tp, tokens, head=t.fp8_head))
-    _raise_if(lora_problems(cfg.lora, model, t.fp8))
+    _raise_if(lora_problems(cfg.lora, model))
     document_flags = [
         f"--{n.replace('_', '-')}"
         for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
