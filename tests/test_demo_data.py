@@ -65,3 +65,24 @@ def test_the_demo_summary_shows_progress_only_between_two_evaluations():
     assert validation_summary([first]) == "validation loss 8.371 at step 0, the only evaluation of this run"
     later = {"step": 250, "split": "valid", "loss": 2.5, "consumed_samples": 2000}
     assert validation_summary([first, later]).startswith("validation loss 8.371 at step 0 -> 2.500 at step 250 (")
+
+
+def test_the_dpo_demos_pairs_are_real_against_swapped_continuations(tmp_path):
+    from llamatron.data.demo_preference import prepare_demo_pairs
+    from llamatron.data.preference_dataset import PreferencePairs
+
+    corpus = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=200_000)
+    prefix = prepare_demo_pairs(str(tmp_path / "demo"), corpus["prefix"], count=50, prompt=16, reply=8)
+    pairs, text = PreferencePairs(prefix), IndexedDataset(corpus["prefix"])
+    assert len(pairs) == 50
+    joined = np.concatenate([text[i] for i in range(len(text))])
+    for i in range(50):
+        chosen, rejected = pairs.tokens[0][i], pairs.tokens[1][i]
+        assert pairs.masks[0][i].tolist() == pairs.masks[1][i].tolist() == [0] * 16 + [1] * 8
+        windows = np.lib.stride_tricks.sliding_window_view(joined, 24)
+        assert (windows == chosen).all(axis=1).any()  # a real stretch of the corpus
+        assert (chosen[:16] == rejected[:16]).all() and sorted(chosen[16:]) == sorted(rejected[16:])
+        assert 0 < (chosen != rejected).sum() <= 4 or (chosen == rejected).all()  # two swaps (of equal tokens: none)
+    marker = os.path.getmtime(prefix + ".json")
+    assert prepare_demo_pairs(str(tmp_path / "demo"), corpus["prefix"], count=50, prompt=16, reply=8) == prefix
+    assert os.path.getmtime(prefix + ".json") == marker  # reused

@@ -118,3 +118,24 @@ def test_a_dpo_run_resumes_exactly(pairs, tmp_path, lora):
         assert _losses(tmp_path / "again.jsonl") == after_3
     else:
         assert proc.returncode == 2 and "are gone" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_reference_table_is_reused_for_the_same_data_and_not_for_rewritten_data(pairs, tmp_path):
+    """Pairs rewritten with the same lengths are other pairs: their reference is computed again."""
+    import shutil
+    from pathlib import Path
+
+    for f in Path(pairs).parent.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    prefix = str(tmp_path / Path(pairs).name)
+    args = [*dpo(prefix, tmp_path), "--train-steps", "1"]
+    first = run_train(args, 1, tmp_path, mock_data=False)
+    assert len(list(tmp_path.glob("*-reference-*.npy"))) == 1
+    again = run_train(args, 1, tmp_path, mock_data=False)  # the same table read back
+    assert [r["loss"] for r in again] == [r["loss"] for r in first]
+    assert len(list(tmp_path.glob("*-reference-*.npy"))) == 1
+    chosen = tmp_path / (Path(response_prefix(prefix, "chosen")).name + ".bin")
+    tokens = np.fromfile(chosen, dtype=np.uint16)
+    (255 - tokens % 200).astype(np.uint16).tofile(chosen)  # other token ids, the same sizes
+    run_train(args, 1, tmp_path, mock_data=False)
+    assert len(list(tmp_path.glob("*-reference-*.npy"))) == 2

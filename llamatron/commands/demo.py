@@ -1,18 +1,22 @@
 """The demo: `llamatron train` with no data trains llama-tiny on a corpus that needs no download
-(data/demo_corpus.py builds it).
+(data/demo_corpus.py builds it); `llamatron train --objective dpo` with no data then aligns that model with DPO
+on pairs built from the same corpus (the real continuation of a source file against the same continuation with
+a few tokens swapped, data/demo_preference.py).
 
-The demo's own settings (`DEMO_DEFAULTS`, where the user gave none), its checkpoint directory (a new demo run
-replaces the previous one's) and the summary it prints at the end are here.
+The demos' own settings (`DEMO_DEFAULTS`, `DPO_DEMO_DEFAULTS`, where the user gave none), their checkpoint
+directories (a new demo run replaces the previous one's) and the summaries they print at the end are here.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from typing import Any
 
 from ..config.settings import RunConfig, section_of
-from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR
+from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR, prepare_demo_data
+from ..data.demo_preference import PAIRS_NAME, prepare_demo_pairs
 from ..data.tokenizer import load_tokenizer
 from ..inference.generate import load_for_generation, sample
 from ..training.evaluation import format_metrics
@@ -32,6 +36,23 @@ DEMO_DEFAULTS = {
 }
 
 
+# The DPO demo's: from the language-model demo's checkpoint when there is one (else from initialisation), 8 pairs
+# a step of a 64-token prompt and a 32-token reply, each pair new (no validation split: the training pairs are
+# unseen when they come).
+DPO_DEMO_DEFAULTS = {
+    "seq_length": 95,
+    "micro_batch_size": 8,
+    "global_batch_size": 16,
+    "train_steps": 100,
+    "lr": 1e-4,
+    "min_lr": 1e-5,
+    "warmup_steps": 10,
+    "split": "100,0,0",
+    "log_interval": 5,
+    "save": os.path.join(DEMO_DIR, "dpo-checkpoint"),
+}
+
+
 def is_demo(cfg: RunConfig) -> bool:
     """No data of any kind given: the demo corpus."""
     d = cfg.data
@@ -39,15 +60,39 @@ def is_demo(cfg: RunConfig) -> bool:
 
 
 def apply_demo_defaults(cfg: RunConfig) -> None:
-    for key, value in DEMO_DEFAULTS.items():
+    dpo = cfg.objective.objective == "dpo"
+    for key, value in (DPO_DEMO_DEFAULTS if dpo else DEMO_DEFAULTS).items():
         if key not in cfg.explicit:
             setattr(getattr(cfg, section_of(key)), key, value)
+    if dpo:
+        _prepare_dpo_demo(cfg)
+
+
+def _prepare_dpo_demo(cfg: RunConfig) -> None:
+    """The pairs (rank 0 builds them, the other ranks wait for them), and the language-model demo's checkpoint as
+    the start and reference when it exists."""
+    if os.environ.get("RANK", "0") == "0":
+        corpus = prepare_demo_data(DEMO_DATA_DIR)
+        prefix = prepare_demo_pairs(DEMO_DATA_DIR, corpus["prefix"])
+    else:
+        prefix = os.path.join(os.path.abspath(DEMO_DATA_DIR), PAIRS_NAME)
+        while not os.path.isfile(prefix + ".json"):
+            time.sleep(1)
+    cfg.data.preference_data = prefix
+    cfg.data.tokenizer = os.path.abspath(os.path.join(DEMO_DATA_DIR, "tokenizer"))
+    start = os.path.join(DEMO_DIR, "checkpoint")
+    if cfg.train.load or "load" in cfg.explicit:
+        return
+    if os.path.isfile(os.path.join(start, "latest")):
+        cfg.train.load, cfg.train.finetune = start, True
+    elif os.environ.get("RANK", "0") == "0":
+        print(f"no language-model demo checkpoint in {start} (run `llamatron train` first): DPO from initialisation")
 
 
 def clear_previous_demo_checkpoint(cfg: RunConfig) -> bool:
     """The demo's own checkpoint directory (no --save given) holds the previous demo run: a new run replaces it,
     where a run saving into another run's directory is refused (train.check_save_dir)."""
-    if "save" in cfg.explicit or cfg.train.load:
+    if "save" in cfg.explicit or "load" in cfg.explicit:
         return False
     save = str(cfg.train.save)  # apply_demo_defaults set it
     if os.environ.get("RANK", "0") == "0" and os.path.isdir(save) and os.listdir(save):
@@ -67,6 +112,21 @@ def validation_summary(valid: list[dict[str, Any]]) -> str | None:
     return (
         f"validation loss {first['loss']:.3f} at step {first['step']} -> {last['loss']:.3f} at step "
         f"{last['step']} ({format_metrics(metrics)})"
+    )
+
+
+def print_dpo_demo_summary(records: list[dict[str, Any]], checkpoint: str) -> None:
+    """The reward accuracy and margin from the first logged step to the last: each step's pairs are new to the
+    model (4,000 pairs, 8 a step), so the accuracy is on pairs it has not trained on. (At step 1 the policy is
+    the reference: margin 0, accuracy 0.)"""
+    first, last = records[0], records[-1]
+    accuracy = sum(r["rewards_accuracy"] for r in records) / len(records)
+    print(
+        f"reward accuracy {accuracy:.2f} on average over the {len(records)} logged steps (each step's share of its "
+        f"pairs where the real continuation gained more than the corrupted one); reward margin "
+        f"{first['rewards_margin']:.3f} at step {first['step']} -> {last['rewards_margin']:.3f} at step "
+        f"{last['step']}, "
+        f"DPO loss {first['loss']:.3f} -> {last['loss']:.3f} (log 2 = 0.693 at the start)\ncheckpoint: {checkpoint}"
     )
 
 

@@ -17,7 +17,9 @@ def register(sub) -> None:
         "train",
         help="train a model (no data given: the embedded demo corpus)",
         description="Train a model. With no --data and no --mock-data it trains llama-tiny on the "
-        "Python standard library's source (the demo), then samples from it.",
+        "Python standard library's source (the demo), then samples from it; with --objective dpo and no data it "
+        "aligns that model with DPO on real continuations of the same source against ones with tokens swapped "
+        "(the DPO demo).",
     )
     add_config_arguments(p)
     add_launch_argument(p)
@@ -37,5 +39,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         replace_save = demo.clear_previous_demo_checkpoint(cfg)
     result = run_training(cfg, replace_save=replace_save, faults=args.faults)
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
-        demo.print_demo_summary(result.valid, result.checkpoint)
+        if cfg.objective.objective == "dpo":
+            demo.print_dpo_demo_summary(result.records, result.checkpoint)
+        else:
+            demo.print_demo_summary(result.valid, result.checkpoint)
     return STOPPED_EARLY_EXIT if result.stopped_early else 0

@@ -10,8 +10,9 @@ extra forward per step.
 
 The table is cached in the data's index cache directory (--data-cache-path, else beside the data) as
 `PREFIX-reference-KEY.npy`, KEY a digest of what determines it: the reference weights (the checkpoint's sha256
-fingerprint or the seed), the model, the precision and the sequence length. A checkpoint names the KEY and file it
-trained against (meta.json "dpo_reference"); a resume reads that file, and recomputes it only where it still can:
+fingerprint or the seed), the model, the precision, the sequence length and the data files (size and time). A
+checkpoint names the KEY and file it trained against (meta.json "dpo_reference"); a resume reads that file, and
+recomputes it only where it still can:
 a LoRA run whose adapters started at zero, whose reference is its frozen base with the adapters switched off.
 """
 
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from ..adapters.lora import adapters_off
 from ..checkpoint.reader import fingerprint, resolve_checkpoint
 from ..data.batches import micro_batches_for_rank, to_device
-from ..data.cache import cache_key
+from ..data.cache import cache_key, file_signature
+from ..data.indexed import data_path
 from ..data.preference_dataset import PreferenceDataset, PreferencePairs
 from ..data.samples import index_cache_dir
 from ..errors import CheckpointError, DataError
@@ -58,9 +60,11 @@ class _ReferenceSamples:
 def reference_cache_key(engine: Engine, weights: str, pairs: PreferencePairs) -> str:
     """What determines the table: the reference weights, the model, precision, sequence length and the data."""
     cfg = engine.cfg
-    sizes = [d.sizes for d in pairs.tokens]
+    # the data by its files' sizes and modification times (as the index caches): rewritten pairs of the same
+    # lengths are other pairs
+    files = [file_signature(data_path(d.prefix)) for d in (*pairs.tokens, *pairs.masks)]
     model = sorted(dataclasses.asdict(engine.model_cfg).items())
-    return cache_key("dpo-reference", weights, model, engine.derived.dtype_name, cfg.data.seq_length, *sizes)
+    return cache_key("dpo-reference", weights, model, engine.derived.dtype_name, cfg.data.seq_length, *files)
 
 
 def reference_weights(engine: Engine) -> str:
