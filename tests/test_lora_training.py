@@ -69,6 +69,7 @@ def test_a_lora_run_resumes_exactly(runs):
     [
         (["--lora-targets", "qkv"], "--lora-targets qkv names no linear"),
         (["--lora-rank", "-1"], "--lora-rank"),
+        (["--lora-rank", "0"], "--lora-alpha, --lora-targets set up LoRA adapters, but --lora-rank is 0"),
     ],
 )
 def test_what_lora_cannot_do_is_one_line(tmp_path, flags, message):
@@ -147,7 +148,7 @@ def test_lora_init_from_starts_the_adapters_from_a_peft_directory(runs, tmp_path
     "flags, message",
     [
         (["--lora-alpha", "16"], "train with --lora-rank 4 --lora-alpha 8.0 --lora-targets down_proj,q_proj,v_proj"),
-        (["--lora-rank", "0"], "--lora-init-from needs --lora-rank"),
+        (["--lora-rank", "0"], "--lora-init-from set up LoRA adapters, but --lora-rank is 0"),
     ],
 )
 def test_an_adapter_that_does_not_fit_is_one_line(runs, tmp_path, flags, message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..config.settings import LoraConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, build_model
@@ -9,10 +11,19 @@ from .peft_format import peft_dir_problems
 from .targets import find_targets, requested
 
 
-def lora_problems(lora: LoraConfig, model: ModelConfig) -> list[str]:
-    """LoRA's rules: targets that name linears of the model; an adapter to start from that fits them."""
+def lora_problems(lora: LoraConfig, model: ModelConfig, given: Sequence[str] = ()) -> list[str]:
+    """LoRA's rules: adapter settings (`given`: the --lora-* settings the user set) only with a rank; targets that
+    name linears of the model; an adapter to start from that fits them."""
     if lora.lora_rank == 0:
-        return ["--lora-init-from needs --lora-rank (the adapters' rank)"] if lora.lora_init_from else []
+        flags = [f"--{name.replace('_', '-')}" for name in given if name != "lora_rank"]
+        if lora.lora_init_from and "--lora-init-from" not in flags:
+            flags.append("--lora-init-from")
+        if flags:
+            return [
+                f"{', '.join(flags)} set up LoRA adapters, but --lora-rank is 0 (no LoRA): give --lora-rank R "
+                "(e.g. 16), or drop them"
+            ]
+        return []
     try:
         found = find_targets(build_model(model, device="meta"), model, requested(lora.lora_targets))
     except ConfigError as e:

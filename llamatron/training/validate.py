@@ -7,6 +7,8 @@ mesh, the recompute bound a sound layer split); no rule is written here.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from ..adapters.problems import lora_problems
 from ..config.settings import Derived, RunConfig, range_problems
 from ..data.batch_rampup import BatchSizes, rampup_problems
@@ -76,7 +78,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     _raise_if(kernel_problems(KernelFlags.of(t, o), p.tp, model, device, dtype_name))
     tokens = t.micro_batch_size * d.seq_length // p.cp
     _raise_if(fp8_problems(t.fp8, t.fp8_emulate, device, dtype_name, model, p.tp, tokens, head=t.fp8_head))
-    _raise_if(lora_problems(cfg.lora, model))
+    _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit]))
     document_flags = [
         f"--{n.replace('_', '-')}"
         for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
