@@ -254,7 +254,8 @@ def test_a_bad_preference_record_is_one_line(world, tmp_path, record, message):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--objective", "dpo"], "--objective dpo needs --preference-data"),
+        # (--objective dpo with no data at all is the DPO demo)
+        (["--objective", "dpo", "--sft-data", "data/p_pref"], "--objective dpo needs --preference-data"),
         (
             [
                 "--objective",

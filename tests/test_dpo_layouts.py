@@ -48,6 +48,7 @@ LAYOUTS = {
     "dp2-distopt": (["--distributed-optimizer"], 2),
     "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
     "pp2": (["--pp", "2"], 2),
+    "cp2": (["--cp", "2"], 2),
     "lora-dp2": (LORA, 2),
 }
 
@@ -59,7 +60,7 @@ def reference(pairs, tmp_path_factory):
     def get(lora: bool) -> list[dict]:
         if lora not in cache:
             d = tmp_path_factory.mktemp("dpo-single")
-            cache[lora] = run_train([*dpo(pairs, d), *(LORA if lora else [])], 1, d, mock_data=False)
+            cache[lora] = run_train([*dpo(pairs, d), *(LORA if lora else [])], 1, d, mock_data=False, include_eval=True)
         return cache[lora]
 
     return get
@@ -68,9 +69,12 @@ def reference(pairs, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dpo_layout_matches_single_process(name, pairs, reference, tmp_path):
     flags, nproc = LAYOUTS[name]
-    got = run_train([*dpo(pairs, tmp_path), *flags], nproc, tmp_path, mock_data=False)
-    single = reference(flags == LORA)
+    everything = run_train([*dpo(pairs, tmp_path), *flags], nproc, tmp_path, mock_data=False, include_eval=True)
+    got, single = ([r for r in rs if r.get("split") is None] for rs in (everything, reference(flags == LORA)))
     assert_matches(single, got)
+    # evaluation's DPO metrics on the validation pairs (their reference computed by the same pass)
+    (valid,), (single_valid,) = ([r for r in rs if r.get("split")] for rs in (everything, reference(flags == LORA)))
+    assert_matches([single_valid], [valid], keys=("dpo_loss", "rewards_chosen", "rewards_rejected"))
     # the layout's own reference pass gives its first step the starting model's log-probs: a tie, log 2
     assert abs(got[0]["loss"] - math.log(2)) < 1e-6 and got[0]["rewards_margin"] == 0
 

@@ -40,7 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = run_training(cfg, replace_save=replace_save, faults=args.faults)
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         if cfg.objective.objective == "dpo":
-            demo.print_dpo_demo_summary(result.records, result.checkpoint)
+            demo.print_dpo_demo_summary(result.valid, result.checkpoint)
         else:
             demo.print_demo_summary(result.valid, result.checkpoint)
     return STOPPED_EARLY_EXIT if result.stopped_early else 0

@@ -14,6 +14,8 @@ import torch
 
 
 class Objective(Protocol):
+    eval_width: int  # how many sums eval_sums gives (0: none)
+
     def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 loss of each token (0 where it has no label): evaluation's `loss` metric."""
         ...
@@ -38,6 +40,14 @@ class Objective(Protocol):
 
     def stat_fields(self, values: list[float]) -> dict[str, Any]:
         """The logged record's fields of `step_stats`' values (read on the host)."""
+        ...
+
+    def eval_sums(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Evaluation's sums of the objective's own metrics over micro-batch `mb` (float64, eval_width of them)."""
+        ...
+
+    def eval_fields(self, sums: list[float]) -> dict[str, float]:
+        """The evaluation record's fields of the sums over the validation set (all ranks, all batches)."""
         ...
 
 

@@ -129,5 +129,13 @@ class LanguageModelObjective:
     def stat_fields(self, values: list[float]) -> dict[str, Any]:
         return RouterTraining.fields(values)
 
+    eval_width = 0  # evaluation's token metrics are this objective's
+
+    def eval_sums(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64, device=logits.device)
+
+    def eval_fields(self, sums: list[float]) -> dict[str, float]:
+        return {}
+
 
 __all__ = ["LanguageModelObjective", "RouterTraining", "per_token_loss"]

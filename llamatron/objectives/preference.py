@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 from ..models import IGNORE_INDEX, ModelConfig, Transformer
@@ -32,7 +33,7 @@ _STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chose
 
 
 def preference_problems(
-    objective: str, preference_data: str | None, other_data: list[str], micro_batch_size: int, cp: int
+    objective: str, preference_data: str | None, other_data: list[str], micro_batch_size: int
 ) -> list[str]:
     """--objective dpo needs preference data, and micro-batches of whole pairs; other_data: the other data flags
     given (--data, --sft-data, --mock-data)."""
@@ -52,8 +53,6 @@ def preference_problems(
             f"--objective dpo: --micro-batch-size {micro_batch_size} must be even (a micro-batch holds whole "
             f"pairs of a chosen and a rejected sequence); use {micro_batch_size + 1}"
         )
-    if cp > 1:
-        problems.append("--objective dpo does not run under context parallelism yet; use --cp 1")
     return problems
 
 
@@ -107,20 +106,27 @@ class PreferenceObjective:
 
     def sequence_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(each sequence's log-probability of its response tokens, fp32; the number of those tokens)."""
-        return -self.per_token_loss(logits, labels).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+        logps, tokens = -self.per_token_loss(logits, labels).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+        if self.mesh.cp > 1:  # each context-parallel rank holds part of every sequence: sum the parts
+            # (autograd's all-reduce: its backward sums the ranks' gradients, each rank's loss being 1/cp of it,
+            # as the normaliser counts every pair once per context-parallel rank)
+            logps = dist_nn.all_reduce(logps, group=self.mesh.cp_group)
+            tokens = all_reduce(tokens.clone(), self.mesh.cp_group)
+        return logps, tokens
 
     def normaliser(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The pairs of the whole global batch."""
+        """The pairs of the whole global batch, times the context-parallel size (each cp rank holds every pair)."""
         pairs = sum(int(mb["input_ids"].shape[0]) // 2 for mb in micro_batches)
         local = torch.tensor(float(pairs), device=self.device)
         return all_reduce(local, self.mesh.replica_group).clamp_min(1.0)
 
-    def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+    def _pairs(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each pair's loss, the sums of _STATS over the micro-batch's pairs)."""
         logps, tokens = self.sequence_logps(logits, mb["labels"])
         ratios = logps - mb["ref_logps"].to(logps.dtype)
         with torch.no_grad():
             rewards = self.beta * ratios
-            self.stats += torch.stack(
+            sums = torch.stack(
                 [
                     rewards[0::2].sum(),
                     rewards[1::2].sum(),
@@ -129,7 +135,27 @@ class PreferenceObjective:
                     logps[1::2].sum(),
                 ]
             )
-        return pair_losses(self.kind, self.beta, ratios, tokens).sum() / normaliser
+        return pair_losses(self.kind, self.beta, ratios, tokens), sums
+
+    def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
+        losses, sums = self._pairs(logits, mb)
+        self.stats += sums
+        return losses.sum() / normaliser
+
+    eval_width = len(_STATS) + 2
+
+    def eval_sums(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[the DPO loss, then _STATS, summed over the micro-batch's pairs; the pairs] (float64)."""
+        losses, sums = self._pairs(logits, mb)
+        pairs = torch.tensor([losses.numel()], device=losses.device)
+        return torch.cat([losses.detach().sum().reshape(1), sums, pairs]).double()
+
+    def eval_fields(self, sums: list[float]) -> dict[str, float]:
+        """Evaluation's DPO metrics on the validation pairs: each a mean over them."""
+        pairs = max(sums[-1], 1.0)
+        out = {"dpo_loss": sums[0] / pairs, **{k: v / pairs for k, v in zip(_STATS, sums[1:-1])}}
+        out["rewards_margin"] = out["rewards_chosen"] - out["rewards_rejected"]
+        return out
 
     def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
         self.stats.zero_()
@@ -138,11 +164,11 @@ class PreferenceObjective:
 
     def step_stats(self, sequences: int) -> torch.Tensor:
         """The step's means over its pairs (_STATS), then a mixture of experts' router statistics: a collective
-        over every rank (the last pipeline stage computed them; tensor-parallel ranks computed the same)."""
+        over every rank (the last pipeline stage computed them; tensor- and context-parallel ranks the same)."""
         flat = self.stats.clone()
         if self.mesh.world_size > 1:
             torch.distributed.all_reduce(flat)
-        flat = flat / (self.mesh.tp * max(sequences // 2, 1))
+        flat = flat / (self.mesh.tp * self.mesh.cp * max(sequences // 2, 1))
         return flat if self.router is None else torch.cat([flat, self.router.step_stats(sequences, self.mesh)])
 
     def stat_fields(self, values: list[float]) -> dict[str, Any]:

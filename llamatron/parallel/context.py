@@ -57,8 +57,9 @@ def split_for_context(mb: dict[str, torch.Tensor], cp: int, cp_rank: int) -> dic
     index = load_balanced_index(seq, cp, cp_rank)
     out: dict[str, torch.Tensor] = {k: mb[k][:, index] for k in ("input_ids", "labels", "position_ids") if k in mb}
     out.setdefault("position_ids", index.expand(batch, -1).contiguous())
-    if "document_ids" in mb:
-        out["document_ids"] = mb["document_ids"]
+    for key in ("document_ids", "ref_logps"):  # whole: the documents' ids, a sequence's reference log-prob (DPO)
+        if key in mb:
+            out[key] = mb[key]
     return out
 
 

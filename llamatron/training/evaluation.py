@@ -174,9 +174,14 @@ def evaluate(
             dataset, start_sample + it * t.global_batch_size, t.global_batch_size, t.micro_batch_size, mesh
         )
 
+    # the objective's own metrics (DPO's), summed over the batches
+    objective_sums = torch.zeros(engine.objective.eval_width, dtype=torch.float64, device=engine.device)
+
     def add(model, logits: torch.Tensor, mb: dict) -> None:
         labels = mb["labels"]
         totals.add(EvalBatch(model, logits, labels, engine.objective.per_token(logits, labels)))
+        if objective_sums.numel():
+            objective_sums.add_(engine.objective.eval_sums(logits, mb))
 
     if cfg.parallel.pp > 1:  # the last stage sees the logits; it sums, then tells the other stages
         pipeline_forward_each(
@@ -191,7 +196,15 @@ def evaluate(
                 add(model, model(mb["input_ids"], **batch_inputs(mb)), mb)
         model.train(was_training)
     sum_from_last_stage(totals.sums, mesh)
-    return _with_derived(names, totals.values())
+    return {**_with_derived(names, totals.values()), **_objective_metrics(engine, objective_sums)}
+
+
+def _objective_metrics(engine: Engine, sums: torch.Tensor) -> dict[str, float]:
+    """The objective's own evaluation metrics (Objective.eval_sums / eval_fields), the same on every rank: summed
+    like the token metrics (over the replicas where the last pipeline stage computed them)."""
+    if not sums.numel():
+        return {}
+    return engine.objective.eval_fields(sum_from_last_stage(sums, engine.mesh).tolist())
 
 
 class Evaluation:

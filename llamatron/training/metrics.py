@@ -182,10 +182,9 @@ class MetricsLog:
             for (s, o, n), loss, done in zip(self.pending, losses.tolist(), after)
         ]
 
-    def write_steps(self, steps: list[dict], skipped_total: int, consumed: int) -> dict:
+    def write_steps(self, steps: list[dict], skipped_total: int, consumed: int) -> None:
         """The record of the logged step, steps[-1]: the loss averaged over `steps` (their number in
-        `steps_in_record`, skipped ones left out), the rest as of the logged step; then a new interval. Returns
-        the record."""
+        `steps_in_record`, skipped ones left out), the rest as of the logged step; then a new interval."""
         speed = throughput(
             self.seq_length * sum(r["samples"] for r in steps),
             self.train_seconds,
@@ -214,7 +213,6 @@ class MetricsLog:
         self._show(record, speed)
         self.pending, self.train_seconds = [], 0.0
         self.timer.reset()
-        return record
 
     def _show(self, record: dict, speed: dict) -> None:
         if self.progress is not None:

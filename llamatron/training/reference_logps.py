@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from contextlib import nullcontext
 from typing import Any
 
@@ -91,7 +92,8 @@ def compute_reference_logps(engine: Engine, samples: _ReferenceSamples, base: bo
         logps, _ = objective.sequence_logps(logits, mb["labels"])
         index = torch.arange(start_of[id(mb)], start_of[id(mb)] + logps.numel(), device=logps.device)
         keep = index < n  # the last round wraps around to sequences already counted
-        table[index[keep]] = logps[keep].double()
+        if mesh.cp_rank == 0:  # every context-parallel rank holds the whole sums; the table adds the replicas'
+            table[index[keep]] = logps[keep].double()
 
     for first in range(0, n, size):
         batches = to_device(micro_batches_for_rank(samples, first, size, mbs, mesh), engine.device)
@@ -155,18 +157,32 @@ def attach_reference(
         table = np.zeros((len(pairs), 2), dtype=np.float64)
         table[records] = logps.reshape(-1, 2)
         if mesh.rank == 0:
-            os.makedirs(directory, exist_ok=True)
-            temporary = f"{path}.tmp-{os.getpid()}"
-            with open(temporary, "wb") as f:
-                np.save(f, table)
-            os.replace(temporary, path)
-        if mesh.is_logging_rank:
-            print(f"reference log-probs of {records.size:,} pairs computed, cached in {path}", flush=True)
+            _write_table(path, table, records.size)
     if dist.is_initialized():
         dist.barrier()
     for ds in datasets:
         ds.reference = table
     return {"key": key, "file": path, "base": bool(resumed["base"])}
+
+
+def _write_table(path: str, table: np.ndarray, pairs: int) -> None:
+    """Cache the table (every rank holds it already); a directory that cannot be written costs a later resume
+    only, so it is a warning."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "wb") as f:
+            np.save(f, table)
+        os.replace(temporary, path)
+    except OSError as err:
+        print(
+            f"warning: reference log-probs of {pairs:,} pairs computed but not cached ({err}); a resume of this run "
+            "will need them: give --data-cache-path a writable directory",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    print(f"reference log-probs of {pairs:,} pairs computed, cached in {path}", flush=True)
 
 
 def _checked_entry(entry: Any) -> str:

@@ -59,7 +59,6 @@ class TrainResult:
     consumed_samples: int
     losses: list[float] = field(default_factory=list)
     valid: list[dict[str, Any]] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)  # the logged steps' records
     checkpoint: str | None = None
     stopped_early: str | None = None  # why the run stopped before --train-steps (a stop signal, a time limit)
 
@@ -359,7 +358,7 @@ class Trainer:
         for record in steps:  # every step counts for the skipped-step checks
             self.guard.count(record)
             self.result.losses.append(record["loss"])
-        self.result.records.append(self.log.write_steps(steps, self.guard.skipped_total, self.consumed))
+        self.log.write_steps(steps, self.guard.skipped_total, self.consumed)
         self.guard.check_skipped(on_abort=self.log.close)
 
     def _evaluate(self, step: int) -> None:

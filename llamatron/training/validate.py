@@ -89,7 +89,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
         flag for flag, given in (("--data", d.data), ("--sft-data", d.sft_data), ("--mock-data", d.mock_data)) if given
     ]
     ob = cfg.objective
-    _raise_if(preference_problems(ob.objective, d.preference_data, other_data, t.micro_batch_size, p.cp))
+    _raise_if(preference_problems(ob.objective, d.preference_data, other_data, t.micro_batch_size))
     resolve_eval_metrics(t.eval_metrics)
     check_sink_dependencies(t.tensorboard_dir, t.wandb_project)
     check_output_paths(t.metrics_file, t.tensorboard_dir)
