@@ -133,6 +133,41 @@ def split_rows(sizes: list[int]) -> Callable[[torch.Tensor], list[torch.Tensor]]
     return lambda t: list(t.split(sizes, dim=0))
 
 
+def _check_alike(parts: list[torch.Tensor]) -> None:
+    odd = [p for p in parts if p.shape != parts[0].shape or p.dtype != parts[0].dtype]
+    if odd:
+        raise HFConversionError(
+            f"the experts of one layer differ: {tuple(parts[0].shape)} {parts[0].dtype} vs {tuple(odd[0].shape)} "
+            f"{odd[0].dtype}; every expert of a layer has the same shape and dtype"
+        )
+
+
+def stack_experts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-expert matrices -> (E, rows, columns)."""
+    _check_alike(parts)
+    return torch.stack(parts)
+
+
+def stack_gate_up(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[gate_0, up_0, gate_1, up_1, ...] -> (E, 2·ffn, hidden), each expert's rows [gate; up], written in place
+    (one copy of the layer's experts besides the parts, no per-expert temporaries)."""
+    _check_alike(parts)
+    ffn, hidden = parts[0].shape
+    out = parts[0].new_empty((len(parts) // 2, 2 * ffn, hidden))
+    for i, part in enumerate(parts):
+        out[i // 2, (i % 2) * ffn : (i % 2 + 1) * ffn].copy_(part)
+    return out
+
+
+def split_gate_up(ffn: int) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """stack_gate_up's inverse for experts `ffn` wide."""
+    return lambda t: [p for x in t for p in x.split([ffn, ffn])]
+
+
+def unstack(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.unbind(0))
+
+
 @dataclass(frozen=True)
 class TensorRule:
     """One llamatron tensor and the Hugging Face tensors it is made of."""

@@ -22,7 +22,7 @@ import torch
 
 from ....errors import HFConversionError
 from ...config import ModelConfig
-from ...hf_format import itself, only
+from ...hf_format import itself, only, split_gate_up, stack_experts, stack_gate_up, unstack
 
 # transformers' MixtralConfig defaults for keys a config.json may leave out (4.x and 5.x agree on these); those
 # of the attention differ from Llama's (kv heads = heads, 2048 positions, eps 1e-6, theta 10000).
@@ -121,34 +121,9 @@ def expert_tensors(cfg: ModelConfig, layer: int, stacked: bool = False) -> list[
     ffn = cfg.ffn_hidden_size
     return [
         (f"{L}.mlp.router.weight", (f"{h}.block_sparse_moe.gate.weight",), only, itself),
-        (f"{L}.mlp.experts.gate_up", gate_up, _stack_gate_up, lambda t: [p for x in t for p in x.split([ffn, ffn])]),
-        (f"{L}.mlp.experts.down", down, _stack, lambda t: list(t.unbind(0))),
+        (f"{L}.mlp.experts.gate_up", gate_up, stack_gate_up, split_gate_up(ffn)),
+        (f"{L}.mlp.experts.down", down, stack_experts, unstack),
     ]
-
-
-def _check_alike(parts: list[torch.Tensor]) -> None:
-    odd = [p for p in parts if p.shape != parts[0].shape or p.dtype != parts[0].dtype]
-    if odd:
-        raise HFConversionError(
-            f"the experts of one layer differ: {tuple(parts[0].shape)} {parts[0].dtype} vs {tuple(odd[0].shape)} "
-            f"{odd[0].dtype}; every expert of a Mixtral layer has the same shape and dtype"
-        )
-
-
-def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    _check_alike(parts)
-    return torch.stack(parts)
-
-
-def _stack_gate_up(parts: list[torch.Tensor]) -> torch.Tensor:
-    """[w1_0, w3_0, w1_1, w3_1, ...] -> (E, 2·ffn, hidden), each expert's rows [w1; w3], written in place (one
-    copy of the layer's experts besides the parts, no per-expert temporaries)."""
-    _check_alike(parts)
-    ffn, hidden = parts[0].shape
-    out = parts[0].new_empty((len(parts) // 2, 2 * ffn, hidden))
-    for i, part in enumerate(parts):
-        out[i // 2, (i % 2) * ffn : (i % 2 + 1) * ffn].copy_(part)
-    return out
 
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""The qwen family's Hugging Face format: model_types qwen2 (Qwen2, Qwen2.5: Qwen2ForCausalLM) and qwen3
-(Qwen3ForCausalLM).
+"""The qwen family's Hugging Face format: model_types qwen2 (Qwen2, Qwen2.5: Qwen2ForCausalLM), qwen3
+(Qwen3ForCausalLM) and qwen3_moe (Qwen3MoeForCausalLM: Qwen3's attention, a mixture of experts for every MLP,
+hf_moe.py).
 
 Their layers are Llama's pre-norm decoder layers with two differences: Qwen2 has biases on the query, key and
 value projections (not on the output projection or the MLP); Qwen3 has none, but an RMSNorm over each query and
@@ -10,6 +11,7 @@ every released model) are not supported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -22,11 +24,16 @@ from ...hf_format import (
     decoder_layer_rules,
     decoder_rules,
 )
+from .hf_moe import expert_rules, moe_config_from_hf, moe_config_to_hf
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    if hf.get("model_type") == "qwen3_moe":
+        # Qwen3's attention; transformers' Qwen3-MoE derives head_dim from hidden_size / heads when it is left out
+        dense = config_from_hf({**hf, "model_type": "qwen3", "head_dim": hf.get("head_dim") or _derived(hf)})
+        return dataclasses.replace(dense, **moe_config_from_hf(hf))
     qwen3 = hf.get("model_type") == "qwen3"
     sliding = [t for t in hf.get("layer_types") or () if t != "full_attention"]
     if hf.get("use_sliding_window") or sliding:
@@ -42,8 +49,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     )
 
 
+def _derived(hf: Mapping[str, Any]) -> Any:
+    heads = hf.get("num_attention_heads")
+    return hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None
+
+
 def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
-    model_type = "qwen3" if cfg.qk_norm else "qwen2"
+    model_type = ("qwen3_moe" if cfg.is_moe else "qwen3") if cfg.qk_norm else "qwen2"
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -53,13 +65,17 @@ def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
         "max_window_layers": cfg.num_layers,
         "layer_types": ["full_attention"] * cfg.num_layers,
     }
-    if model_type == "qwen3":
+    if model_type != "qwen2":
         out["attention_bias"] = False
+    if model_type == "qwen3_moe":
+        out.update(moe_config_to_hf(cfg))
     return out
 
 
 def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
-    layers = [
-        decoder_layer_rules(cfg, i, qkv_bias=cfg.qkv_bias, o_bias=False, mlp_bias=False) for i in range(cfg.num_layers)
-    ]
+    """`names`: the Hugging Face tensors at hand (import), which decide the layout of Qwen3-MoE's experts."""
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = decoder_layer_rules(cfg, i, qkv_bias=cfg.qkv_bias, o_bias=False, mlp_bias=False, mlp=not cfg.is_moe)
+        layers.append(layer + (expert_rules(cfg, i, names) if cfg.is_moe else []))
     return decoder_rules(cfg, layers)

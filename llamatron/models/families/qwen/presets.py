@@ -1,4 +1,5 @@
-"""Qwen2.5 and Qwen3 (dense) with their published shapes (the base models' config.json), and tiny ones for tests."""
+"""Qwen2.5, Qwen3 (dense) and Qwen3-MoE with their published shapes (the base models' config.json), and tiny ones for
+tests."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def _qwen3(h: int, layers: int, heads: int, ffn: int, tie: bool, kv: int = 8, **
     return _qwen(h, layers, heads, kv, ffn, kw.pop("vocab"), kw.pop("seq"), tie, qk_norm=True, **kw)
 
 
+_MOE = {"num_experts": 128, "experts_per_token": 8, "router_aux_loss_coef": 0.001}
+_MOE_TEST = {"num_experts": 8, "experts_per_token": 2, "router_aux_loss_coef": 0.001}
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "qwen2.5-0.5b": lambda: _qwen25(896, 24, 14, 2, 4864, 151936, 32768, True),
     "qwen2.5-1.5b": lambda: _qwen25(1536, 28, 12, 2, 8960, 151936, 131072, True),
@@ -49,9 +53,13 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "qwen3-8b": lambda: _qwen3(4096, 36, 32, 12288, False),
     "qwen3-14b": lambda: _qwen3(5120, 40, 40, 17408, False),
     "qwen3-32b": lambda: _qwen3(5120, 64, 64, 25600, False),
+    # Qwen3-MoE: every layer's MLP is 128 experts (the ffn is an expert's), top 8, renormalised
+    "qwen3-30b-a3b": lambda: _qwen3(2048, 48, 32, 768, False, kv=4, **_MOE),
+    "qwen3-235b-a22b": lambda: _qwen3(4096, 94, 64, 1536, False, kv=4, **_MOE),
     # Tiny shapes for tests: Qwen2.5's tied embeddings and q/k/v biases; Qwen3's q/k norms and a head_dim that is
     # not hidden_size / heads (64 / 4 = 16, heads of 32)
     "qwen2-test": lambda: _qwen(64, 2, 4, 2, 160, 256, 128, True, qkv_bias=True),
     "qwen3-test": lambda: _qwen(64, 2, 4, 2, 160, 256, 128, False, qk_norm=True, head_dim=32),
     "qwen3-test4": lambda: _qwen(64, 4, 4, 2, 160, 256, 128, False, qk_norm=True, head_dim=32),  # pipeline tests
+    "qwen3-moe-test": lambda: _qwen(64, 2, 4, 2, 32, 256, 128, False, qk_norm=True, head_dim=32, **_MOE_TEST),
 }

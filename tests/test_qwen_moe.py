@@ -1,0 +1,124 @@
+"""Qwen3-MoE (issue 34, first step): exact to transformers' Qwen3MoeForCausalLM on configs it never saw, imported
+and exported bitwise under the Hub's per-expert names, the published sizes, what it cannot represent refused in one
+line, and expert and tensor parallelism equal to the single process."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hf_fixtures import make_random_model
+from layout import assert_matches, run_train
+from safetensors.torch import load_file
+from test_qwen import _run
+
+from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron
+from llamatron.errors import HFConversionError
+from llamatron.models import build_model, get_preset
+from llamatron.models.inventory import active_params, num_params
+
+pytest.importorskip("transformers")
+
+
+def random_config(seed: int) -> dict:
+    """A Qwen3-MoE config.json no test wrote by hand: experts, top-k, widths, heads, head_dim, tying drawn from
+    `seed`."""
+    rng = random.Random(seed)
+    kv = rng.choice([1, 2])
+    experts = rng.choice([4, 6, 8])
+    return dict(
+        vocab_size=rng.choice([97, 128]),
+        hidden_size=rng.choice([48, 64]),
+        intermediate_size=rng.choice([64, 96]),  # the dense width: unused when every layer is sparse
+        moe_intermediate_size=rng.choice([16, 24, 32]),
+        num_experts=experts,
+        num_experts_per_tok=rng.choice([1, 2, 3]),
+        norm_topk_prob=True,
+        num_hidden_layers=rng.choice([1, 2]),
+        num_attention_heads=kv * rng.choice([1, 2, 4]),
+        num_key_value_heads=kv,
+        head_dim=rng.choice([8, 16]) * 2,
+        max_position_embeddings=128,
+        rms_norm_eps=rng.choice([1e-6, 1e-5]),
+        rope_theta=rng.choice([1e4, 1e6]),
+        tie_word_embeddings=rng.random() < 0.5,
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_logits_of_unseen_random_configs_match_transformers(seed):
+    hf_model = make_random_model("Qwen3Moe", random_config(seed), seed=seed)
+    hf_config = hf_model.config.to_dict()
+    cfg = config_from_hf(hf_config)
+    c = hf_model.config
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.ffn_hidden_size) == (
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+    )
+    model = build_model(cfg, device="cpu")
+    model.load_state_dict(hf_to_llamatron(hf_model.state_dict(), cfg, hf_config), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected, got = hf_model(tokens).logits, model.eval()(tokens)
+    assert expected.abs().max() > 0.1
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert num_params(cfg) == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_import_export_round_trip_is_bitwise_under_the_hubs_expert_names(tmp_path):
+    hf_model = make_random_model("Qwen3Moe", random_config(7), seed=7)
+    hf_model.save_pretrained(tmp_path / "hf")
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert any(".mlp.experts.0.gate_proj.weight" in n for n in saved)  # the Hub's per-expert layout
+    assert _run("import-hf", tmp_path / "hf", tmp_path / "ck") == 0
+    assert _run("verify", tmp_path / "ck", "--hf", tmp_path / "hf", "--batches", "2") == 0
+    assert _run("export-hf", tmp_path / "ck", tmp_path / "out") == 0
+    exported = {}
+    for f in sorted((tmp_path / "out").glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    saved.pop("lm_head.weight", None) if hf_model.config.tie_word_embeddings else None
+    assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["norm_topk_prob"] is True
+    assert _run("verify", tmp_path / "ck", "--hf", tmp_path / "out", "--batches", "2") == 0
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"mlp_only_layers": [0]}, "dense layers among the mixture-of-experts ones"),
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+        ({"num_experts_per_tok": 9}, "1 <= num_experts_per_tok <= num_experts"),
+    ],
+)
+def test_configs_llamatron_cannot_represent_are_refused_in_one_line(change, words):
+    base = make_random_model("Qwen3Moe", random_config(0)).config.to_dict()
+    with pytest.raises(HFConversionError, match=words):
+        config_from_hf({**base, **change})
+
+
+def test_presets_have_the_published_sizes():
+    """Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active; Qwen3-235B-A22B: 235 B, 22 B (the model cards)."""
+    for name, total, active in (("qwen3-30b-a3b", 30.5, 3.3), ("qwen3-235b-a22b", 235.1, 22.2)):
+        cfg = get_preset(name)
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.head_dim, cfg.qk_norm) == (128, 8, 128, True)
+        assert num_params(cfg) / 1e9 == pytest.approx(total, abs=0.05)
+        assert active_params(cfg) / 1e9 == pytest.approx(active, abs=0.06)
+
+
+LAYOUTS = {"ep2": (["--ep", "2"], 2), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2)}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run_train([], 1, tmp_path_factory.mktemp("qwen-moe"), model="qwen3-moe-test")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_match_the_single_process(name, single, tmp_path):
+    flags, nproc = LAYOUTS[name]
+    assert_matches(single, run_train(flags, nproc, tmp_path, model="qwen3-moe-test"))
