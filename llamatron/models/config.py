@@ -8,6 +8,9 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# a mixture of experts' settings: options only of a model with experts
+_MOE_SETTINGS = ("experts_per_token", "router_aux_loss_coef", "router_z_loss_coef", "moe_renormalize")
+
 
 @dataclass
 class RopeScaling:
@@ -64,6 +67,9 @@ class ModelConfig:
     experts_per_token: int = 2
     router_aux_loss_coef: float = 0.02  # weight of the load-balancing loss (Mixtral's 0.02)
     router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE); 0: off
+    # the chosen experts' softmax weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); False:
+    # the softmax over all experts as it is (Qwen2-MoE)
+    moe_renormalize: bool = True
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -144,7 +150,7 @@ class ModelConfig:
             return [
                 f"{name} {getattr(self, name)} is a mixture-of-experts setting, but this model is dense "
                 "(num_experts 0): remove it, or give the model experts"
-                for name in ("experts_per_token", "router_aux_loss_coef", "router_z_loss_coef")
+                for name in _MOE_SETTINGS
                 if getattr(self, name) != defaults[name]
             ]
         out = []
@@ -189,7 +195,7 @@ class ModelConfig:
             if f.name == "head_dim":
                 if value != self.hidden_size // max(self.num_heads, 1):
                     out.append(f.name)
-            elif f.name in ("experts_per_token", "router_aux_loss_coef", "router_z_loss_coef"):
+            elif f.name in _MOE_SETTINGS:
                 if self.num_experts and value != f.default:
                     out.append(f.name)
             elif value != f.default:

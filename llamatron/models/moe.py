@@ -1,6 +1,7 @@
 """A sparse mixture-of-experts MLP (Mixtral): a router sends each token to k of E SwiGLU experts.
 
-Routing is Mixtral's: softmax over all experts, the top k, their weights renormalised to sum to 1. It is
+Routing is Mixtral's: softmax over all experts, the top k, their weights renormalised to sum to 1 (without
+`moe_renormalize`, Qwen2-MoE's: the top k's softmax weights as they are). It is
 dropless: every token reaches its k experts, however unevenly they are chosen. The tokens are sorted by
 expert so that each expert's tokens are one contiguous run, and the experts run as two grouped GEMMs over
 the runs (`torch._grouped_mm`, on CUDA in bf16) or, as the reference, a loop over the experts.
@@ -161,6 +162,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+        self.renormalize = cfg.moe_renormalize
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
         self.dispatch: Dispatch = local_dispatch
@@ -182,7 +184,7 @@ class MoE(nn.Module):
         logits = self.router(tokens)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (top / top.sum(-1, keepdim=True)).to(full.dtype)
+        weights = (top / top.sum(-1, keepdim=True) if self.renormalize else top).to(full.dtype)
         routing = route(chosen, self.num_experts)
         out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
         if self.router_loss_weight is not None and torch.is_grad_enabled():

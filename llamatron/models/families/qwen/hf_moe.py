@@ -2,8 +2,8 @@
 
 Attention and norms are Qwen3's (q/k RMSNorm, head_dim of its own); each layer's MLP is a router picking the top
 `num_experts_per_tok` of `num_experts` SwiGLU experts `moe_intermediate_size` wide, by a softmax over all experts
-whose top-k weights are renormalised (`norm_topk_prob`: true in every released Qwen3-MoE; the same routing as
-Mixtral's, models/moe.py). llamatron stacks the experts:
+whose top-k weights are renormalised (`norm_topk_prob` true, as in every released Qwen3-MoE: Mixtral's routing) or
+not (ModelConfig.moe_renormalize, models/moe.py). llamatron stacks the experts:
   layers.N.mlp.router.weight   (E, hidden)          <- mlp.gate.weight
   layers.N.mlp.experts.gate_up (E, 2·ffn, hidden)   <- per expert e: rows [gate_proj; up_proj]
   layers.N.mlp.experts.down    (E, hidden, ffn)     <- per expert e: down_proj
@@ -11,7 +11,7 @@ The Hub stores the per-expert tensors (mlp.experts.{e}.gate_proj.weight, ...); t
 in memory (mlp.experts.gate_up_proj, mlp.experts.down_proj), which reads too. Export writes the Hub's names.
 
 Not yet represented, refused in one line: dense layers among the sparse ones (decoder_sparse_step > 1,
-mlp_only_layers), unrenormalised top-k weights (norm_topk_prob false), Qwen2-MoE's shared expert.
+mlp_only_layers), Qwen2-MoE's shared expert.
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
             f"{get.get('mlp_only_layers')!r}: dense layers among the mixture-of-experts ones are not supported yet "
             "(every released Qwen3-MoE has every layer sparse)"
         )
-    if get["norm_topk_prob"] is not True:
-        raise HFConversionError(
-            "config.json has norm_topk_prob=false (or leaves it out: transformers' default): top-k router weights "
-            "that are not renormalised are not supported yet (every released Qwen3-MoE sets it true)"
-        )
     # transformers 5 writes num_experts as num_local_experts (its attribute map); the Hub's configs say num_experts
     experts, top_k = get.get("num_local_experts", get["num_experts"]), get["num_experts_per_tok"]
     if not (isinstance(experts, int) and isinstance(top_k, int) and 1 <= top_k <= experts):
@@ -62,6 +57,7 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         "ffn_hidden_size": get["moe_intermediate_size"],  # every layer's MLP is experts of this width
         "router_aux_loss_coef": float(get["router_aux_loss_coef"]),
         "router_z_loss_coef": float(get.get("router_z_loss_coef", 0.0)),  # llamatron's own key, as for Mixtral
+        "moe_renormalize": bool(get["norm_topk_prob"]),
     }
 
 
@@ -70,7 +66,7 @@ def moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.experts_per_token,
         "moe_intermediate_size": cfg.ffn_hidden_size,
-        "norm_topk_prob": True,
+        "norm_topk_prob": cfg.moe_renormalize,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
