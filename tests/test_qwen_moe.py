@@ -22,12 +22,30 @@ from llamatron.models.inventory import active_params, num_params
 pytest.importorskip("transformers")
 
 
-def random_config(seed: int) -> dict:
-    """A Qwen3-MoE config.json no test wrote by hand: experts, top-k, widths, heads, head_dim, tying drawn from
-    `seed`."""
+def random_config(seed: int, kind: str = "Qwen3Moe") -> dict:
+    """A Qwen3-MoE (or Qwen2-MoE) config.json no test wrote by hand: experts, top-k, widths, heads, head_dim, tying
+    drawn from `seed`."""
     rng = random.Random(seed)
     kv = rng.choice([1, 2])
     experts = rng.choice([4, 6, 8])
+    if kind == "Qwen2Moe":  # Qwen2's attention (head_dim from hidden / heads), a gated shared expert
+        heads = kv * rng.choice([1, 2, 4])
+        return dict(
+            vocab_size=rng.choice([97, 128]),
+            hidden_size=heads * rng.choice([8, 16]),
+            intermediate_size=64,
+            moe_intermediate_size=rng.choice([16, 24]),
+            shared_expert_intermediate_size=rng.choice([32, 48]),
+            num_experts=experts,
+            num_experts_per_tok=rng.choice([1, 2, 3]),
+            norm_topk_prob=seed == 1,
+            num_hidden_layers=rng.choice([1, 2]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            max_position_embeddings=128,
+            rope_theta=rng.choice([1e4, 1e6]),
+            tie_word_embeddings=rng.random() < 0.5,
+        )
     return dict(
         vocab_size=rng.choice([97, 128]),
         hidden_size=rng.choice([48, 64]),
@@ -47,9 +65,9 @@ def random_config(seed: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_logits_of_unseen_random_configs_match_transformers(seed):
-    hf_model = make_random_model("Qwen3Moe", random_config(seed), seed=seed)
+@pytest.mark.parametrize("kind, seed", [(k, s) for k in ("Qwen3Moe", "Qwen2Moe") for s in range(3)])
+def test_logits_of_unseen_random_configs_match_transformers(kind, seed):
+    hf_model = make_random_model(kind, random_config(seed, kind), seed=seed)
     hf_config = hf_model.config.to_dict()
     cfg = config_from_hf(hf_config)
     c = hf_model.config
@@ -66,10 +84,12 @@ def test_logits_of_unseen_random_configs_match_transformers(seed):
     assert expected.abs().max() > 0.1
     assert (got - expected).abs().max().item() <= 1e-4
     assert num_params(cfg) == sum(p.numel() for p in hf_model.parameters())
+    assert bool(cfg.shared_expert_ffn) == (kind == "Qwen2Moe")
 
 
-def test_import_export_round_trip_is_bitwise_under_the_hubs_expert_names(tmp_path):
-    hf_model = make_random_model("Qwen3Moe", random_config(7), seed=7)
+@pytest.mark.parametrize("kind", ["Qwen3Moe", "Qwen2Moe"])
+def test_import_export_round_trip_is_bitwise_under_the_hubs_expert_names(kind, tmp_path):
+    hf_model = make_random_model(kind, random_config(7, kind), seed=7)
     hf_model.save_pretrained(tmp_path / "hf")
     saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert any(".mlp.experts.0.gate_proj.weight" in n for n in saved)  # the Hub's per-expert layout
@@ -82,7 +102,8 @@ def test_import_export_round_trip_is_bitwise_under_the_hubs_expert_names(tmp_pat
     saved.pop("lm_head.weight", None) if hf_model.config.tie_word_embeddings else None
     assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["norm_topk_prob"] is True
+    assert config["model_type"] == kind.lower().replace("moe", "_moe")
+    assert config["norm_topk_prob"] == hf_model.config.norm_topk_prob
     assert _run("verify", tmp_path / "ck", "--hf", tmp_path / "out", "--batches", "2") == 0
 
 
@@ -109,15 +130,36 @@ def test_presets_have_the_published_sizes():
         assert active_params(cfg) / 1e9 == pytest.approx(active, abs=0.06)
 
 
-LAYOUTS = {"ep2": (["--ep", "2"], 2), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2)}
+# name -> (flags, processes, model)
+LAYOUTS = {
+    "ep2": (["--ep", "2"], 2, "qwen3-moe-test"),
+    "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, "qwen3-moe-test"),
+    "shared-ep2": (["--ep", "2"], 2, "qwen2-moe-test"),
+    "shared-pp2-dp2": (["--pp", "2", "--micro-batch-size", "1"], 4, "qwen2-moe-test"),
+}
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return run_train([], 1, tmp_path_factory.mktemp("qwen-moe"), model="qwen3-moe-test")
+    runs: dict[str, list[dict]] = {}
+
+    def get(model: str) -> list[dict]:
+        if model not in runs:
+            runs[model] = run_train([], 1, tmp_path_factory.mktemp(model), model=model)
+        return runs[model]
+
+    return get
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_the_single_process(name, single, tmp_path):
-    flags, nproc = LAYOUTS[name]
-    assert_matches(single, run_train(flags, nproc, tmp_path, model="qwen3-moe-test"))
+    flags, nproc, model = LAYOUTS[name]
+    assert_matches(single(model), run_train(flags, nproc, tmp_path, model=model))
+
+
+def test_a_shared_expert_under_tensor_parallelism_is_one_line(tmp_path):
+    from test_train import llamatron
+
+    flags = ["--model", "qwen2-moe-test", "--mock-data", "--tp", "2", "--nproc-per-node", "2"]
+    proc = llamatron("train", *flags, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "shared expert" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

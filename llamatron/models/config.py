@@ -8,8 +8,15 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-# a mixture of experts' settings: options only of a model with experts
-_MOE_SETTINGS = ("experts_per_token", "router_aux_loss_coef", "router_z_loss_coef", "moe_renormalize")
+# a mixture of experts' settings: options only of a model with experts (a family lists those it can change)
+MOE_SETTINGS = (
+    "experts_per_token",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+    "moe_renormalize",
+    "shared_expert_ffn",
+    "shared_expert_gate",
+)
 
 
 @dataclass
@@ -70,6 +77,10 @@ class ModelConfig:
     # the chosen experts' softmax weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); False:
     # the softmax over all experts as it is (Qwen2-MoE)
     moe_renormalize: bool = True
+    # a shared expert (Qwen2-MoE): a SwiGLU of this width every token goes through beside its routed experts (0:
+    # none), scaled by a sigmoid gate of the token with shared_expert_gate
+    shared_expert_ffn: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -150,7 +161,7 @@ class ModelConfig:
             return [
                 f"{name} {getattr(self, name)} is a mixture-of-experts setting, but this model is dense "
                 "(num_experts 0): remove it, or give the model experts"
-                for name in _MOE_SETTINGS
+                for name in MOE_SETTINGS
                 if getattr(self, name) != defaults[name]
             ]
         out = []
@@ -158,9 +169,11 @@ class ModelConfig:
             out.append(f"num_experts {self.num_experts} must be >= 0 (0: a dense MLP)")
         elif not 1 <= self.experts_per_token <= self.num_experts:
             out.append(f"experts_per_token {self.experts_per_token} must be in 1..num_experts ({self.num_experts})")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "shared_expert_ffn"):
             if not getattr(self, name) >= 0:
                 out.append(f"{name} {getattr(self, name)} must be >= 0")
+        if self.shared_expert_gate and not self.shared_expert_ffn:
+            out.append("shared_expert_gate needs a shared expert: give shared_expert_ffn > 0")
         return out
 
     @property
@@ -195,7 +208,7 @@ class ModelConfig:
             if f.name == "head_dim":
                 if value != self.hidden_size // max(self.num_heads, 1):
                     out.append(f.name)
-            elif f.name in _MOE_SETTINGS:
+            elif f.name in MOE_SETTINGS:
                 if self.num_experts and value != f.default:
                     out.append(f.name)
             elif value != f.default:

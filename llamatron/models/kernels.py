@@ -16,7 +16,7 @@ from ..triton_check import TRITON_SETTINGS
 from .attention import ATTENTION_BACKENDS
 from .blocks import SwiGLU
 from .layers import Attention, RMSNorm
-from .moe import Experts
+from .moe import Experts, SharedExpert
 
 
 @dataclass(frozen=True)
@@ -54,5 +54,5 @@ def apply_kernels(model: nn.Module, choices: KernelChoices) -> None:
             module.backend, module.rope_backend = choices.attention, choices.rope
         elif isinstance(module, SwiGLU):
             module.backend = choices.swiglu
-        elif isinstance(module, Experts):
+        elif isinstance(module, (Experts, SharedExpert)):
             module.swiglu_backend = choices.swiglu

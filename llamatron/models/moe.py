@@ -1,5 +1,7 @@
 """A sparse mixture-of-experts MLP (Mixtral): a router sends each token to k of E SwiGLU experts.
 
+A shared expert (`shared_expert_ffn`, Qwen2-MoE's, optionally gated) runs on every token beside the routed ones.
+
 Routing is Mixtral's: softmax over all experts, the top k, their weights renormalised to sum to 1 (without
 `moe_renormalize`, Qwen2-MoE's: the top k's softmax weights as they are). It is
 dropless: every token reaches its k experts, however unevenly they are chosen. The tokens are sorted by
@@ -110,6 +112,22 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU every token goes through beside its routed experts (Qwen2-MoE's shared expert), its output scaled
+    by sigmoid(gate(x)) when `gated`. It belongs to every rank like a dense MLP (expert parallelism leaves it)."""
+
+    def __init__(self, hidden: int, ffn: int, gated: bool):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.gate = nn.Linear(hidden, 1, bias=False) if gated else None
+        self.swiglu_backend = "auto"  # models/kernels.py
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(swiglu(self.gate_up(x), self.swiglu_backend))
+        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+
+
 # (tokens, chosen experts, routing, experts) -> the experts' outputs for the sorted choices; see MoE.dispatch
 Dispatch = Callable[[torch.Tensor, Routing, Experts], torch.Tensor]
 
@@ -165,6 +183,9 @@ class MoE(nn.Module):
         self.renormalize = cfg.moe_renormalize
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
+        self.shared: SharedExpert | None = None
+        if cfg.shared_expert_ffn:
+            self.shared = SharedExpert(cfg.hidden_size, cfg.shared_expert_ffn, cfg.shared_expert_gate)
         self.dispatch: Dispatch = local_dispatch
         # Tensor parallelism: the whole sequence in, this rank's partial sum out (identities on one rank), and
         # each tp rank's share of the router losses' gradient (every one of them computes the whole loss).
@@ -187,6 +208,8 @@ class MoE(nn.Module):
         weights = (top / top.sum(-1, keepdim=True) if self.renormalize else top).to(full.dtype)
         routing = route(chosen, self.num_experts)
         out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
             out = self._attach_router_losses(out, logits, probs, chosen, routing.counts, batch)
         out = self.reduce_output(out.view(batch, seq, hidden))
@@ -230,4 +253,15 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-__all__ = ["MoE", "MoEStats", "Experts", "Routing", "combine", "local_dispatch", "route", "router_losses", "unpermute"]
+__all__ = [
+    "MoE",
+    "MoEStats",
+    "Experts",
+    "SharedExpert",
+    "Routing",
+    "combine",
+    "local_dispatch",
+    "route",
+    "router_losses",
+    "unpermute",
+]

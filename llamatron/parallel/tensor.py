@@ -113,6 +113,11 @@ def tensor_parallel_problems(cfg: ModelConfig, tp: int, sequence_parallel: bool 
         out.append(f"num_kv_heads={kv} and tp={tp}: one must divide the other (tp in {ok})")
     if cfg.ffn_hidden_size % tp:
         out.append(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by tp={tp}")
+    if cfg.shared_expert_ffn and tp > 1:
+        out.append(
+            "a shared expert (Qwen2-MoE's) does not run under tensor parallelism yet: use --tp 1 (expert, data, "
+            "pipeline and context parallelism take it)"
+        )
     return out
 
 

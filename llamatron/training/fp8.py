@@ -167,9 +167,10 @@ def _runs_fp8(module: nn.Module) -> bool:
 
 def _decoder_linear(module: nn.Module, name: str) -> bool:
     """The linears torchao converts: those inside decoder layers (not the head), exactly nn.Linear; not a MoE
-    router (num_experts outputs, a small matmul whose logits pick the experts: kept in bf16). A MoE layer's
+    router (num_experts outputs, a small matmul whose logits pick the experts: kept in bf16), nor a shared expert's
+    gate (one output). A MoE layer's
     experts are grouped GEMMs, not linears: they stay bf16 too."""
-    return type(module) is nn.Linear and name.startswith("layers.") and not name.endswith(".router")
+    return type(module) is nn.Linear and name.startswith("layers.") and not name.endswith((".router", ".shared.gate"))
 
 
 def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool = False) -> list[str]:

@@ -1,45 +1,33 @@
 """The qwen family: Qwen2/Qwen2.5 (biases on q, k and v), Qwen3 dense (q/k RMSNorm, its own head_dim) and
-Qwen3-MoE (Qwen3's attention, a mixture of experts for every MLP), built of the pre-norm decoder layers of
-models/blocks.py."""
+Qwen3-MoE and Qwen2-MoE (Qwen3's or Qwen2's attention, a mixture of experts for every MLP, Qwen2-MoE's with a
+gated shared expert), built of the pre-norm decoder layers of models/blocks.py."""
 
 from __future__ import annotations
 
 from ...blocks import decoder_block, rms_norm
-from ...config import ModelConfig
+from ...config import MOE_SETTINGS, ModelConfig
 from ...family import Family, HFAdapter
 from . import hf
 from .presets import PRESETS
 
 
 def problems(cfg: ModelConfig) -> list[str]:
-    """A Qwen model is Qwen2 (qkv_bias) or Qwen3 (qk_norm): exactly one of them; experts only with Qwen3's."""
+    """A Qwen model is Qwen2 (qkv_bias) or Qwen3 (qk_norm): exactly one of them."""
     if cfg.qkv_bias == cfg.qk_norm:
         return [
             f"qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}: a qwen model is Qwen2/2.5 (qkv_bias: true) or "
             "Qwen3 (qk_norm: true), exactly one"
         ]
-    if cfg.is_moe and not cfg.qk_norm:
-        return ["num_experts with qkv_bias: Qwen2-MoE (its shared expert) is not supported yet; Qwen3-MoE has qk_norm"]
     return []
 
 
 FAMILY = Family(
     name="qwen",
-    description="Qwen2, Qwen2.5, Qwen3, Qwen3-MoE",
+    description="Qwen2, Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE",
     block=decoder_block,
     final_norm=rms_norm,
     presets=PRESETS,
-    hf=HFAdapter(("qwen2", "qwen3", "qwen3_moe"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
-    options=frozenset(
-        {
-            "head_dim",
-            "qkv_bias",
-            "qk_norm",
-            "num_experts",
-            "experts_per_token",
-            "router_aux_loss_coef",
-            "router_z_loss_coef",
-        }
-    ),
+    hf=HFAdapter(("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
+    options=frozenset({"head_dim", "qkv_bias", "qk_norm", "num_experts", *MOE_SETTINGS}),
     problems=problems,
 )

@@ -1,6 +1,6 @@
 """The qwen family's Hugging Face format: model_types qwen2 (Qwen2, Qwen2.5: Qwen2ForCausalLM), qwen3
-(Qwen3ForCausalLM) and qwen3_moe (Qwen3MoeForCausalLM: Qwen3's attention, a mixture of experts for every MLP,
-hf_moe.py).
+(Qwen3ForCausalLM), qwen3_moe and qwen2_moe (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM: Qwen3's or Qwen2's
+attention, a mixture of experts for every MLP, Qwen2-MoE's with a gated shared expert: hf_moe.py).
 
 Their layers are Llama's pre-norm decoder layers with two differences: Qwen2 has biases on the query, key and
 value projections (not on the output projection or the MLP); Qwen3 has none, but an RMSNorm over each query and
@@ -26,7 +26,12 @@ from ...hf_format import (
 )
 from .hf_moe import expert_rules, moe_config_from_hf, moe_config_to_hf
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
@@ -34,6 +39,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         # Qwen3's attention; transformers' Qwen3-MoE derives head_dim from hidden_size / heads when it is left out
         dense = config_from_hf({**hf, "model_type": "qwen3", "head_dim": hf.get("head_dim") or _derived(hf)})
         return dataclasses.replace(dense, **moe_config_from_hf(hf))
+    if hf.get("model_type") == "qwen2_moe":  # Qwen2's attention, experts and a shared expert for the MLP
+        return dataclasses.replace(config_from_hf({**hf, "model_type": "qwen2"}), **moe_config_from_hf(hf))
     qwen3 = hf.get("model_type") == "qwen3"
     sliding = [t for t in hf.get("layer_types") or () if t != "full_attention"]
     if hf.get("use_sliding_window") or sliding:
@@ -55,7 +62,7 @@ def _derived(hf: Mapping[str, Any]) -> Any:
 
 
 def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
-    model_type = ("qwen3_moe" if cfg.is_moe else "qwen3") if cfg.qk_norm else "qwen2"
+    model_type = ("qwen3" if cfg.qk_norm else "qwen2") + ("_moe" if cfg.is_moe else "")
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -65,9 +72,9 @@ def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
         "max_window_layers": cfg.num_layers,
         "layer_types": ["full_attention"] * cfg.num_layers,
     }
-    if model_type != "qwen2":
+    if cfg.qk_norm:
         out["attention_bias"] = False
-    if model_type == "qwen3_moe":
+    if cfg.is_moe:
         out.update(moe_config_to_hf(cfg))
     return out
 

@@ -1,9 +1,16 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`, model_type qwen3_moe) <-> llamatron: the experts of the config and weights.
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`, model_type qwen3_moe) and Qwen2-MoE (`Qwen2MoeForCausalLM`, qwen2_moe) <->
+llamatron: the experts of the config and weights.
 
-Attention and norms are Qwen3's (q/k RMSNorm, head_dim of its own); each layer's MLP is a router picking the top
-`num_experts_per_tok` of `num_experts` SwiGLU experts `moe_intermediate_size` wide, by a softmax over all experts
-whose top-k weights are renormalised (`norm_topk_prob` true, as in every released Qwen3-MoE: Mixtral's routing) or
-not (ModelConfig.moe_renormalize, models/moe.py). llamatron stacks the experts:
+Qwen2-MoE's attention is Qwen2's (q/k/v biases); beside the routed experts every token goes through a shared
+expert `shared_expert_intermediate_size` wide whose output a sigmoid gate scales:
+  layers.N.mlp.shared.gate_up (2·ffn, hidden)   <- mlp.shared_expert.gate_proj, up_proj
+  layers.N.mlp.shared.down    (hidden, ffn)     <- mlp.shared_expert.down_proj
+  layers.N.mlp.shared.gate    (1, hidden)       <- mlp.shared_expert_gate
+Qwen3-MoE's attention and norms are Qwen3's (q/k RMSNorm, head_dim of its own). In both, each layer's MLP is a
+router picking the top `num_experts_per_tok` of `num_experts` SwiGLU experts `moe_intermediate_size` wide, by a
+softmax over all experts whose top-k weights are renormalised (`norm_topk_prob` true, as in every released
+Qwen3-MoE: Mixtral's routing) or not (Qwen2-MoE's default; ModelConfig.moe_renormalize, models/moe.py).
+llamatron stacks the experts:
   layers.N.mlp.router.weight   (E, hidden)          <- mlp.gate.weight
   layers.N.mlp.experts.gate_up (E, 2·ffn, hidden)   <- per expert e: rows [gate_proj; up_proj]
   layers.N.mlp.experts.down    (E, hidden, ffn)     <- per expert e: down_proj
@@ -11,7 +18,7 @@ The Hub stores the per-expert tensors (mlp.experts.{e}.gate_proj.weight, ...); t
 in memory (mlp.experts.gate_up_proj, mlp.experts.down_proj), which reads too. Export writes the Hub's names.
 
 Not yet represented, refused in one line: dense layers among the sparse ones (decoder_sparse_step > 1,
-mlp_only_layers), Qwen2-MoE's shared expert.
+mlp_only_layers).
 """
 
 from __future__ import annotations
@@ -21,23 +28,37 @@ from typing import Any
 
 from ....errors import HFConversionError
 from ...config import ModelConfig
-from ...hf_format import TensorRule, itself, only, split_gate_up, stack_experts, stack_gate_up, unstack
+from ...hf_format import (
+    TensorRule,
+    cat,
+    itself,
+    linear,
+    only,
+    split_gate_up,
+    split_rows,
+    stack_experts,
+    stack_gate_up,
+    unstack,
+)
 
-# transformers' Qwen3MoeConfig defaults for keys a config.json may leave out
-DEFAULTS: dict[str, Any] = {
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": False,
-    "router_aux_loss_coef": 0.001,
-    "decoder_sparse_step": 1,
+# transformers' Qwen3MoeConfig and Qwen2MoeConfig defaults for keys a config.json may leave out
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "qwen2_moe": {
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+    },
 }
+_BOTH = {"norm_topk_prob": False, "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1}
 
 
 def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a qwen3_moe config.json's experts and router (HFConversionError if llamatron
     cannot compute what transformers would)."""
-    get = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    defaults = {**_BOTH, **DEFAULTS[str(hf.get("model_type"))]}
+    get = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
     if get["decoder_sparse_step"] != 1 or get.get("mlp_only_layers"):
         raise HFConversionError(
             f"config.json has decoder_sparse_step={get['decoder_sparse_step']!r}, mlp_only_layers="
@@ -51,7 +72,14 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
             f"config.json has num_experts={experts!r}, num_experts_per_tok={top_k!r}: they must be integers with "
             "1 <= num_experts_per_tok <= num_experts"
         )
+    shared: dict[str, Any] = {}
+    if hf.get("model_type") == "qwen2_moe":  # transformers' Qwen2-MoE always has the gated shared expert
+        width = get["shared_expert_intermediate_size"]
+        if not (isinstance(width, int) and width > 0):
+            raise HFConversionError(f"config.json has shared_expert_intermediate_size={width!r}: it must be > 0")
+        shared = {"shared_expert_ffn": width, "shared_expert_gate": True}
     return {
+        **shared,
         "num_experts": experts,
         "experts_per_token": top_k,
         "ffn_hidden_size": get["moe_intermediate_size"],  # every layer's MLP is experts of this width
@@ -73,6 +101,10 @@ def moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.router_z_loss_coef:  # not transformers': kept for a round trip
         out["router_z_loss_coef"] = cfg.router_z_loss_coef
+    if cfg.shared_expert_ffn:
+        if not cfg.shared_expert_gate:
+            raise HFConversionError("Qwen2-MoE's shared expert is gated; this model's is not (shared_expert_gate)")
+        out["shared_expert_intermediate_size"] = cfg.shared_expert_ffn
     return out
 
 
@@ -84,17 +116,29 @@ def expert_rules(cfg: ModelConfig, layer: int, names: Collection[str] = ()) -> l
     if any(n.endswith(".mlp.experts.gate_up_proj") for n in names):
         return [
             router,
+            *_shared_rules(cfg, h, L),
             TensorRule(f"{L}.experts.gate_up", (f"{h}.experts.gate_up_proj",)),
             TensorRule(f"{L}.experts.down", (f"{h}.experts.down_proj",)),
         ]
+    rules = [router, *_shared_rules(cfg, h, L)]
     e = range(cfg.num_experts)
     gate_up = tuple(f"{h}.experts.{i}.{w}_proj.weight" for i in e for w in ("gate", "up"))
     down = tuple(f"{h}.experts.{i}.down_proj.weight" for i in e)
     return [
-        router,
+        *rules,
         TensorRule(f"{L}.experts.gate_up", gate_up, stack_gate_up, split_gate_up(cfg.ffn_hidden_size)),
         TensorRule(f"{L}.experts.down", down, stack_experts, unstack),
     ]
+
+
+def _shared_rules(cfg: ModelConfig, h: str, L: str) -> list[TensorRule]:
+    """Qwen2-MoE's shared expert and its gate (none for Qwen3-MoE)."""
+    if not cfg.shared_expert_ffn:
+        return []
+    s, ffn = f"{h}.shared_expert", cfg.shared_expert_ffn
+    rules = linear(f"{L}.shared.gate_up", f"{s}.gate_proj|{s}.up_proj", False, fuse=cat, split=split_rows([ffn, ffn]))
+    rules += linear(f"{L}.shared.down", f"{s}.down_proj", False)
+    return rules + linear(f"{L}.shared.gate", f"{h}.shared_expert_gate", False)
 
 
 __all__ = ["expert_rules", "moe_config_from_hf", "moe_config_to_hf"]

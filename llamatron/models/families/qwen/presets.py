@@ -37,6 +37,14 @@ def _qwen3(h: int, layers: int, heads: int, ffn: int, tie: bool, kv: int = 8, **
 
 
 _MOE = {"num_experts": 128, "experts_per_token": 8, "router_aux_loss_coef": 0.001}
+_QWEN2_MOE_TEST = {
+    "num_experts": 8,
+    "experts_per_token": 2,
+    "router_aux_loss_coef": 0.001,
+    "moe_renormalize": False,
+    "shared_expert_ffn": 48,
+    "shared_expert_gate": True,
+}
 _MOE_TEST = {"num_experts": 8, "experts_per_token": 2, "router_aux_loss_coef": 0.001}
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -61,5 +69,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "qwen2-test": lambda: _qwen(64, 2, 4, 2, 160, 256, 128, True, qkv_bias=True),
     "qwen3-test": lambda: _qwen(64, 2, 4, 2, 160, 256, 128, False, qk_norm=True, head_dim=32),
     "qwen3-test4": lambda: _qwen(64, 4, 4, 2, 160, 256, 128, False, qk_norm=True, head_dim=32),  # pipeline tests
+    # Qwen2-MoE's shape: Qwen2's attention, 8 experts of 32, top 2 unrenormalised, a gated shared expert of 48
+    "qwen2-moe-test": lambda: _qwen(64, 4, 4, 2, 32, 256, 128, True, qkv_bias=True, **_QWEN2_MOE_TEST),
     "qwen3-moe-test": lambda: _qwen(64, 2, 4, 2, 32, 256, 128, False, qk_norm=True, head_dim=32, **_MOE_TEST),
 }
