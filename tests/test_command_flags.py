@@ -155,7 +155,14 @@ def test_bench_help_lists_only_the_flags_bench_uses():
     commands = _commands()
     bench, train = commands["bench"].format_help(), commands["train"].format_help()
     ignored = ["--save", "--load", "--train-steps", "--eval-interval", "--metrics-file", "--wandb-project"]
-    ignored += ["--log-interval", "--keep-last", "--max-skipped-steps", "--progress"]
+    ignored += [
+        "--log-interval",
+        "--keep-last",
+        "--max-skipped-steps",
+        "--progress",
+        "--objective",
+        "--preference-data",
+    ]
     for flag in ignored:
         assert re.search(rf"{flag}\b(?!-)", train), flag
         assert not re.search(rf"{flag}\b(?!-)", bench), flag

@@ -281,3 +281,11 @@ def test_bad_dpo_settings_are_one_line(world, tmp_path, flags, message):
     )
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_bench_ignores_the_objective_and_times_the_language_model_step(tmp_path):
+    flags = ["--model", "llama-test", "--device", "cpu", "--seq-length", "16", "--global-batch-size", "2"]
+    flags += ["--micro-batch-size", "2", "--steps", "1", "--warmup", "0", "--objective", "dpo", "--dpo-beta", "0.5"]
+    proc = llamatron("bench", *flags, "--json", cwd=tmp_path, check=False)
+    assert proc.returncode == 0 and "ignoring --dpo-beta, --objective" in proc.stderr, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["data"] == "mock"

@@ -37,6 +37,12 @@ _TRAIN_ONLY = frozenset(
         "wandb_mode",
         "exit_duration_mins",
         "max_skipped_steps",
+        # DPO's step is the language model's forward and backward on pairs, after a reference pass bench has no
+        # use for: bench times the step of --objective lm
+        "objective",
+        "dpo_beta",
+        "dpo_loss",
+        "preference_data",
     }
 )
 
@@ -76,6 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     cfg = load_config(args)
     ignored = sorted(cfg.explicit & _TRAIN_ONLY)
+    cfg.objective.objective, cfg.data.preference_data = "lm", None
     cfg.data.mock_data = cfg.data.data is None and cfg.data.sft_data is None
     cfg.train.train_steps = args.warmup + args.steps + 2
     status = relaunch_if_asked(args, cfg)
