@@ -232,7 +232,7 @@ def test_fp8_trains_qwen3_close_to_bf16_and_its_layouts_match(tmp_path):
     assert_matches(single, tp, rtol=1e-3, keys=("loss",))
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-72b", "qwen3-32b"])
+@pytest.mark.parametrize("name", ["qwen2.5-72b", "qwen3-32b", "qwen3-30b-a3b"])
 def test_the_planner_and_simulator_know_qwen(name):
     """plan: the parameters it counts are the model's (one source: the layers built on meta), layouts fit, and the
     simulator steps the fastest of them on H100s."""
