@@ -11,8 +11,7 @@ import argparse
 import numpy as np
 
 from llamatron.data.indexed import IndexedDatasetWriter
-from llamatron.data.preference import RESPONSES, response_prefix
-from llamatron.data.sft import mask_prefix
+from llamatron.data.preference import preference_outputs
 
 
 def main() -> None:
@@ -23,12 +22,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1024, help="tokens of prompt + reply")
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    writers = {}
-    for response in RESPONSES:
-        writers[response] = IndexedDatasetWriter(response_prefix(args.prefix, response), np.int32)
-        writers[response + "_mask"] = IndexedDatasetWriter(
-            mask_prefix(response_prefix(args.prefix, response)), np.uint8
-        )
+    writers = {name: IndexedDatasetWriter(*out) for name, out in preference_outputs(args.prefix, np.int32).items()}
     reply = args.length // 4
     mask = np.r_[np.zeros(args.length - reply), np.ones(reply)].astype(np.uint8)
     for _ in range(args.pairs):

@@ -58,11 +58,17 @@ CASES = [(kind, seed) for kind in ("Qwen2", "Qwen3") for seed in range(3)]
 @pytest.mark.parametrize("kind, seed", CASES)
 def test_logits_of_unseen_random_configs_match_transformers(kind, seed):
     hf_model = make_random_model(kind, random_config(kind, seed), seed=seed)
-    hf_config = hf_model.config.to_dict()
-    cfg = config_from_hf(hf_config)
+    cfg = assert_imports_exactly(hf_model, seed)
     assert (cfg.qk_norm, cfg.qkv_bias) == (kind == "Qwen3", kind == "Qwen2")
     if kind == "Qwen3":
-        assert cfg.head_dim == hf_config["head_dim"]
+        assert cfg.head_dim == hf_model.config.head_dim
+
+
+def assert_imports_exactly(hf_model, seed: int):
+    """Import `hf_model`'s config and weights: llamatron's logits are transformers' within 1e-4 (fp32) on random
+    tokens, and it has as many parameters. Returns the imported config."""
+    hf_config = hf_model.config.to_dict()
+    cfg = config_from_hf(hf_config)
     model = build_model(cfg, device="cpu")
     model.load_state_dict(hf_to_llamatron(hf_model.state_dict(), cfg, hf_config), strict=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
@@ -71,6 +77,7 @@ def test_logits_of_unseen_random_configs_match_transformers(kind, seed):
     assert expected.abs().max() > 0.1
     assert (got - expected).abs().max().item() <= 1e-4
     assert num_params(cfg) == sum(p.numel() for p in hf_model.parameters())
+    return cfg
 
 
 def _run(*args) -> int:

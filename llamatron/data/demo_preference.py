@@ -15,8 +15,7 @@ import numpy as np
 
 from .cache import file_signature
 from .indexed import IndexedDataset, IndexedDatasetWriter, index_path
-from .preference import RESPONSES, response_prefix
-from .sft import mask_prefix
+from .preference import preference_outputs
 
 PAIRS_NAME = "demo_pref"
 
@@ -45,10 +44,7 @@ def prepare_demo_pairs(
     long_enough = np.flatnonzero(corpus.sizes >= prompt + reply)
     rng = np.random.default_rng(seed)
     mask = np.r_[np.zeros(prompt), np.ones(reply)].astype(np.uint8)
-    writers = []
-    for response in RESPONSES:
-        writers.append(IndexedDatasetWriter(response_prefix(prefix, response), corpus.dtype))
-        writers.append(IndexedDatasetWriter(mask_prefix(response_prefix(prefix, response)), np.uint8))
+    writers = [IndexedDatasetWriter(*out) for out in preference_outputs(prefix, corpus.dtype).values()]
     for _ in range(count):
         doc = int(rng.choice(long_enough))
         start = int(rng.integers(0, int(corpus.sizes[doc]) - prompt - reply + 1))

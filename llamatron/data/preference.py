@@ -29,7 +29,7 @@ import numpy as np
 
 from llamatron.data.indexed import best_token_dtype
 from llamatron.data.preprocess import RecordError, run_encoder
-from llamatron.data.sft import ChatRenderer, Message, Segment, checked_messages, mask_prefix
+from llamatron.data.sft import ChatRenderer, Message, Segment, checked_messages, mask_prefix, tokens_and_mask
 from llamatron.data.tokenizer import load_tokenizer
 
 RESPONSES = ("chosen", "rejected")
@@ -42,6 +42,17 @@ def preference_output_prefix(output_prefix: str) -> str:
 def response_prefix(prefix: str, response: str) -> str:
     """The token dataset of one response ("chosen" or "rejected") of the preference data ``prefix``."""
     return f"{prefix}_{response}"
+
+
+def preference_outputs(prefix: str, dtype: np.dtype | type) -> dict[str, tuple[str, np.dtype]]:
+    """The four datasets of preference data `prefix`, in the order of a record's arrays: name -> (their prefix,
+    dtype): chosen, chosen_mask, rejected, rejected_mask."""
+    out: dict[str, tuple[str, np.dtype]] = {}
+    for response in RESPONSES:
+        tokens = response_prefix(prefix, response)
+        out[response] = (tokens, np.dtype(dtype))
+        out[f"{response}_mask"] = (mask_prefix(tokens), np.dtype(np.uint8))
+    return out
 
 
 def _messages(value: Any, key: str, default_role: str) -> list[Message]:
@@ -96,19 +107,10 @@ class PreferenceEncoder:
         self.token_outputs = RESPONSES
 
     def outputs(self, output_prefix: str) -> dict[str, tuple[str, np.dtype]]:
-        prefix = preference_output_prefix(output_prefix)
-        out: dict[str, tuple[str, np.dtype]] = {}
-        for response in RESPONSES:
-            tokens = response_prefix(prefix, response)
-            out[response] = (tokens, self.dtype)
-            out[f"{response}_mask"] = (mask_prefix(tokens), np.dtype(np.uint8))
-        return out
+        return preference_outputs(preference_output_prefix(output_prefix), self.dtype)
 
     def _encode(self, segments: list[Segment]) -> list[np.ndarray]:
-        pieces = [(self.tokenizer.encode(text), trained) for text, trained in segments]
-        tokens = np.fromiter((t for piece, _ in pieces for t in piece), dtype=self.dtype)
-        mask = np.concatenate([np.full(len(piece), trained, dtype=np.uint8) for piece, trained in pieces])
-        return [tokens, mask]
+        return tokens_and_mask([(self.tokenizer.encode(text), trained) for text, trained in segments], self.dtype)
 
     def encode(self, records: list[dict]) -> list[list[np.ndarray] | RecordError]:
         out: list[Any] = []
@@ -151,4 +153,10 @@ def preprocess_preferences(
     return summary
 
 
-__all__ = ["PreferenceEncoder", "preference_from_record", "preprocess_preferences", "response_prefix"]
+__all__ = [
+    "PreferenceEncoder",
+    "preference_from_record",
+    "preference_outputs",
+    "preprocess_preferences",
+    "response_prefix",
+]

@@ -342,6 +342,13 @@ class ChatRenderer:
 # --- Encoding records (runs in preprocess workers) ---
 
 
+def tokens_and_mask(pieces: Sequence[tuple[Sequence[int], bool]], dtype: np.dtype) -> list[np.ndarray]:
+    """[tokens, 0/1 loss mask] of tokenized segments (ids, trained), joined."""
+    tokens = np.fromiter((t for piece, _ in pieces for t in piece), dtype=dtype)
+    mask = np.concatenate([np.full(len(piece), trained, dtype=np.uint8) for piece, trained in pieces])
+    return [tokens, mask]
+
+
 class ConversationEncoder:
     """Preprocess encoder for conversations: outputs tokens and the 0/1 loss mask."""
 
@@ -381,10 +388,7 @@ class ConversationEncoder:
             if isinstance(result, RecordError):
                 out.append(result)
                 continue
-            pieces = [(next(ids), trained) for _, trained in result]
-            tokens = np.fromiter((t for piece, _ in pieces for t in piece), dtype=self.dtype)
-            mask = np.concatenate([np.full(len(piece), trained, dtype=np.uint8) for piece, trained in pieces])
-            out.append([tokens, mask])
+            out.append(tokens_and_mask([(next(ids), trained) for _, trained in result], self.dtype))
         return out
 
 

@@ -37,7 +37,7 @@ from ..parallel.loss_scale import DynamicLossScaler
 from ..parallel.mesh import Mesh
 from ..parallel.optimizer import DistributedAdamW, lr_at
 from ..parallel.param_spec import ParamSpec, ParamSpecs, param_specs
-from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward
+from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward, pipeline_forward_each
 from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 from .fp8 import apply_fp8
 from .kernel_settings import KernelFlags, kernel_choices
@@ -303,6 +303,23 @@ def _trains_experts(chunk: Transformer, specs: ParamSpecs) -> bool:
 
 def _is_expert(experts: bool, spec: ParamSpec) -> bool:
     return spec.is_expert == experts
+
+
+def forward_each(engine: Engine, micro_batches: list[dict], on_output: Callable[[nn.Module, torch.Tensor, dict], None]):
+    """Forward every micro-batch (no backward, eval mode) and call on_output(chunk, its logits, the micro-batch):
+    through the pipeline's forward-only schedule (on its last stage), or the one chunk. Evaluation and DPO's
+    reference pass use it."""
+    if engine.mesh.pp > 1:
+        pipeline_forward_each(engine, micro_batches, on_output)
+        return
+    model = engine.chunks[0]
+    was_training = model.training
+    model.eval()
+    try:
+        for mb in micro_batches:
+            on_output(model, model(mb["input_ids"], **batch_inputs(mb)), mb)
+    finally:
+        model.train(was_training)
 
 
 def forward_backward_no_pipeline(engine: Engine, micro_batches: list[dict], normaliser: torch.Tensor) -> torch.Tensor:

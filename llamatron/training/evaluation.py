@@ -37,11 +37,9 @@ import torch
 from ..data.batches import Samples, micro_batches_for_rank, to_device
 from ..errors import ConfigError
 from ..models import IGNORE_INDEX, Transformer
-from ..models.transformer import batch_inputs
 from ..parallel.mesh import sum_from_last_stage
-from ..parallel.pipeline import pipeline_forward_each
 from ..parallel.tensor_layers import vocab_argmax
-from .engine import Engine
+from .engine import Engine, forward_each
 
 
 @dataclass
@@ -183,18 +181,8 @@ def evaluate(
         if objective_sums.numel():
             objective_sums.add_(engine.objective.eval_sums(logits, mb))
 
-    if cfg.parallel.pp > 1:  # the last stage sees the logits; it sums, then tells the other stages
-        pipeline_forward_each(
-            engine, to_device([mb for it in range(iters) for mb in batches_of(it)], engine.device), add
-        )
-    else:
-        model = engine.chunks[0]
-        was_training = model.training
-        model.eval()
-        for it in range(iters):
-            for mb in to_device(batches_of(it), engine.device):
-                add(model, model(mb["input_ids"], **batch_inputs(mb)), mb)
-        model.train(was_training)
+    for it in range(iters):  # under a pipeline the last stage sees the logits; it sums, then tells the others
+        forward_each(engine, to_device(batches_of(it), engine.device), add)
     sum_from_last_stage(totals.sums, mesh)
     return {**_with_derived(names, totals.values()), **_objective_metrics(engine, objective_sums)}
 

@@ -36,11 +36,9 @@ from ..data.indexed import data_path
 from ..data.preference_dataset import PreferenceDataset, PreferencePairs
 from ..data.samples import index_cache_dir
 from ..errors import CheckpointError, DataError
-from ..models.transformer import batch_inputs
 from ..objectives.preference import PreferenceObjective
 from ..parallel.mesh import sum_from_last_stage
-from ..parallel.pipeline import pipeline_forward_each
-from .engine import Engine
+from .engine import Engine, forward_each
 
 REFERENCE_KEY = "dpo_reference"
 
@@ -101,15 +99,7 @@ def compute_reference_logps(engine: Engine, samples: _ReferenceSamples, base: bo
         start_of.clear()
         start_of.update({id(mb): first + mesh.dp_rank * per_rank + k * mbs for k, mb in enumerate(batches)})
         with adapters_off(engine.chunks) if base else nullcontext():
-            if mesh.pp > 1:
-                pipeline_forward_each(engine, batches, store)
-            else:
-                model = engine.chunks[0]
-                was_training = model.training
-                model.eval()
-                for mb in batches:
-                    store(model, model(mb["input_ids"], **batch_inputs(mb)), mb)
-                model.train(was_training)
+            forward_each(engine, batches, store)
     return sum_from_last_stage(table, mesh).cpu().numpy()
 
 
@@ -136,11 +126,9 @@ def attach_reference(
     `zero_adapters`: a fresh LoRA run's adapters start at zero. Returns the entry its checkpoints record."""
     cfg, mesh = engine.cfg, engine.mesh
     pairs = datasets[0].pairs
+    fresh = resumed is None
     if resumed is None:
         resumed = {"key": reference_cache_key(engine, reference_weights(engine), pairs), "base": zero_adapters}
-        fresh = True
-    else:
-        fresh = False
     key = _checked_entry(resumed)
     directory = index_cache_dir(pairs.prefix, cfg.data.data_cache_path)
     path = os.path.join(directory, f"{os.path.basename(pairs.prefix)}-reference-{key}.npy")
