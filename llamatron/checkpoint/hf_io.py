@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +25,13 @@ from ..data.sft import CHAT_FORMATS, LLAMA3, ChatRenderer, chat_template
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
+from ..models.families import family_for_model_type
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
 from .meta_consolidated import MetaSource, is_meta_checkpoint
 from .reader import META_FILE, MODEL_FILE, CheckpointReader, inside, open_weights, read_meta, resolve_checkpoint
-from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
+from .tensor_io import PrefixedSource, StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -90,7 +92,8 @@ def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: di
 def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Convert a Hugging Face (or Meta) directory into the llamatron checkpoint `out`; returns OUT/step-0."""
     check_hf_files(hf_dir, tokenizer=True)  # before anything is converted or written
-    hf, source, fmt = open_hf_dir(hf_dir)
+    whole, files, fmt = open_hf_dir(hf_dir)
+    hf, source = _text_model_of(whole, files, hf_dir)
     generation = Path(hf_dir) / "generation_config.json"
     return write_imported(
         hf,
@@ -101,6 +104,23 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
         tokenizer=Path(hf_dir),
         generation_config=read_hf_json(generation) if generation.is_file() else None,
     )
+
+
+def _text_model_of(hf: dict[str, Any], source: WeightSource, where: str | Path) -> tuple[dict[str, Any], WeightSource]:
+    """A multimodal checkpoint's text model (its family says which, `HFAdapter.text_model`), with a one-line notice;
+    any other checkpoint as it is."""
+    family = family_for_model_type(hf.get("model_type"))
+    text = family.hf.text_model(hf) if family is not None else None
+    if text is None:
+        return hf, source
+    text_hf, prefix = text
+    left = sum(not n.startswith(prefix) for n in source.keys())
+    print(
+        f"{where}: a {hf.get('model_type')} model with a vision tower; importing its text model only "
+        f"({text_hf.get('model_type')}; {left} vision tensors left out)",
+        file=sys.stderr,
+    )
+    return text_hf, PrefixedSource(source, prefix)
 
 
 def write_imported(

@@ -1,7 +1,9 @@
 """The attention core and its masks: which keys each query sees, built once per forward and shared by all layers.
 
 One rule says what a query sees (`_keep`): keys at or before it, in its document when document ids are given,
-and within the sliding window when there is one. It is applied three ways:
+within the sliding window when there is one, and in its own chunk of `chunk` tokens when the layer attends in
+chunks (Llama 4's chunked local attention: positions [c·chunk, (c+1)·chunk) see only each other). It is applied
+three ways:
 
 - no mask at all for plain causal attention over the local sequence (the fastest kernels: cuDNN, FA4);
 - on CUDA a flex-attention BlockMask, whose kernel skips the blocks the rule masks out; without document ids it
@@ -62,7 +64,9 @@ class AttentionMask:
     first_key: int | None = None
 
 
-def _keep(query_index: torch.Tensor | None, documents: torch.Tensor | None, window: int | None) -> Callable:
+def _keep(
+    query_index: torch.Tensor | None, documents: torch.Tensor | None, window: int | None, chunk: int | None = None
+) -> Callable:
     """The rule as a flex-attention mask_mod: does query q (of batch row b) see key kv?"""
 
     def keep(b, h, q, kv):
@@ -72,6 +76,8 @@ def _keep(query_index: torch.Tensor | None, documents: torch.Tensor | None, wind
             out = out & (documents[b, qi] == documents[b, kv])
         if window is not None:
             out = out & (qi - kv < window)
+        if chunk is not None:
+            out = out & (qi // chunk == kv // chunk)
         return out
 
     return keep
@@ -89,29 +95,32 @@ def attention_mask(
     context: tuple[int, int] = (1, 0),
     flex: bool | None = None,
     offset: int = 0,
+    chunk: int | None = None,
 ) -> AttentionMask | None:
     """The mask of one forward over `seq_len` local queries (None: plain causal attention, no mask needed).
 
     document_ids: (batch, whole sequence) ids, equal within a document; under context parallelism they cover the
     whole sequence (the keys), not only this rank's queries. context: (cp size, cp rank). flex: build a BlockMask
     (default: on CUDA), else a dense mask. offset: tokens in a KV cache before these queries (none with document
-    ids or context parallelism)."""
+    ids or context parallelism). chunk: attend within chunks of this many tokens (None: no chunks)."""
     if offset:
         if document_ids is not None or context != (1, 0):
             raise ValueError("a KV cache offset works without document ids and context parallelism only")
-        return _mask_after_cache(seq_len, offset, window, device, flex)
+        return _mask_after_cache(seq_len, offset, window, device, flex, chunk)
     size, rank = context
     keys = seq_len * size
     if window is not None and window >= keys:
         window = None  # a window as long as the sequence is plain causal attention
-    if document_ids is None and size == 1 and window is None:
+    if chunk is not None and chunk >= keys:
+        chunk = None  # one chunk: plain causal attention
+    if document_ids is None and size == 1 and window is None and chunk is None:
         return None
     flex = device.type == "cuda" if flex is None else flex
-    key = (seq_len, window, str(device), size, rank, flex)
+    key = (seq_len, window, chunk, str(device), size, rank, flex)
     if document_ids is None and key in _CACHE:
         return _CACHE[key]
     query_index = load_balanced_index(keys, size, rank, device) if size > 1 else None
-    rule = _keep(query_index, document_ids, window)
+    rule = _keep(query_index, document_ids, window, chunk)
     batch = None if document_ids is None else document_ids.shape[0]
     if flex:
         # _compile builds the block structure without materialising a (queries, keys) mask.
@@ -119,7 +128,7 @@ def attention_mask(
         mask = AttentionMask(block=block)
     else:
         mask = AttentionMask(dense=create_mask(rule, batch or 1, 1, seq_len, keys, device=device))
-    if document_ids is None and size == 1:
+    if document_ids is None and size == 1 and chunk is None:
         mask = AttentionMask(mask.block, mask.dense, window)
     if document_ids is None:
         if len(_CACHE) >= _CACHE_SIZE:
@@ -129,13 +138,14 @@ def attention_mask(
 
 
 def _mask_after_cache(
-    seq_len: int, offset: int, window: int | None, device: torch.device, flex: bool | None
+    seq_len: int, offset: int, window: int | None, device: torch.device, flex: bool | None, chunk: int | None
 ) -> AttentionMask:
     """Queries at positions [offset, offset + seq_len) over the keys [0, offset + seq_len)."""
     keys = offset + seq_len
-    if seq_len == 1:  # the rule for one query: every key up to it, within the window
-        return AttentionMask(first_key=0 if window is None else max(0, keys - window))
-    rule = _keep(torch.arange(offset, keys, device=device), None, window)
+    if seq_len == 1:  # the rule for one query: every key up to it, within the window or its chunk
+        first = 0 if window is None else max(0, keys - window)
+        return AttentionMask(first_key=first if chunk is None else (keys - 1) // chunk * chunk)
+    rule = _keep(torch.arange(offset, keys, device=device), None, window, chunk)
     if device.type == "cuda" if flex is None else flex:
         return AttentionMask(block=create_block_mask(rule, None, None, seq_len, keys, device=device))
     return AttentionMask(dense=create_mask(rule, 1, 1, seq_len, keys, device=device))

@@ -80,6 +80,7 @@ class Transformer(nn.Module):
             )
         ids = range(cfg.num_layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): family.block(cfg, i) for i in ids})
+        self.attention_chunks = {str(i): cfg.layer_attention_chunk(i) for i in ids}
         self.norm: nn.Module | None = family.final_norm(cfg) if head else None
         # Tied embeddings: the embedding is the head; a last pipeline stage without the embedding holds a copy of
         # it as its head (parallel/pipeline.py: its spec names it embed.weight, their gradients are summed).
@@ -139,11 +140,16 @@ class Transformer(nn.Module):
                 index = torch.arange(offset, offset + seq, device=h.device)
             position_ids = index.expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
-        mask = attention_mask(
-            seq, self.cfg.sliding_window, document_ids, h.device, self.parallel.context, offset=offset
-        )
+        masks = {  # one per kind of attention among the layers (Llama 4: chunked and whole-context)
+            chunk: attention_mask(
+                seq, self.cfg.sliding_window, document_ids, h.device, self.parallel.context, offset=offset, chunk=chunk
+            )
+            for chunk in set(self.attention_chunks.values())
+        }
         for name, layer in self.layers.items():
-            h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache.layer(name))
+            mask = masks[self.attention_chunks[name]]
+            layer_cache = None if cache is None else cache.layer(name)
+            h = layer(h, cos, sin, mask, layer_cache, position_ids)
         if cache is not None:
             cache.advance(seq)
         if self.norm is None:

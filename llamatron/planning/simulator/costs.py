@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...models import ModelConfig
-from ...models.inventory import layers
+from ...models.inventory import layers, mean_mlp_width, moe_layer_share
 from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .hardware import Hardware
@@ -105,18 +105,28 @@ class LayerCost:
 
 
 def linear_params(model: ModelConfig) -> tuple[float, float]:
-    """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts)."""
-    layer = layers(model)[0]
-    moe = layer.params("router") + layer.params("expert") * model.experts_per_token / max(model.num_experts, 1)
-    return float(layer.params("matmul")), float(moe)
+    """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts), each
+    averaged over the layers (dense layers among MoE ones differ)."""
+    all_layers = layers(model)
+    share = model.experts_per_token / max(model.num_experts, 1)
+    moe = sum(layer.params("router") + layer.params("expert") * share for layer in all_layers)
+    return sum(float(layer.params("matmul")) for layer in all_layers) / len(all_layers), moe / len(all_layers)
 
 
 def keys_per_query(model: ModelConfig, seq: int) -> float:
-    """Mean keys a query attends to under the causal mask (and the sliding window, if any)."""
-    w = model.sliding_window
-    if w is None or w >= seq:
-        return (seq + 1) / 2
-    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+    """Mean keys a query attends to under the causal mask (and the sliding window or attention chunks, if any),
+    averaged over the layers."""
+    total = 0.0
+    for i in range(model.num_layers):
+        w, chunk = model.sliding_window, model.layer_attention_chunk(i)
+        if chunk is not None and chunk < seq:  # whole chunks of causal attention, and the rest
+            full, rest = divmod(seq, chunk)
+            total += (full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq
+        elif w is None or w >= seq:
+            total += (seq + 1) / 2
+        else:
+            total += (w * (w + 1) / 2 + (seq - w) * w) / seq
+    return total / model.num_layers
 
 
 class Costs:
@@ -150,20 +160,22 @@ class Costs:
         m, s = self.model, self.s
         flops = 3 * 4 * (m.num_heads * m.head_dim / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
         efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length, m.head_dim)
-        if m.sliding_window is not None and m.sliding_window < s.seq_length:  # flex's block mask or FA4's local kernel
+        windowed = m.sliding_window is not None and m.sliding_window < s.seq_length
+        chunked = m.attention_chunk_size is not None and m.attention_chunk_size < s.seq_length
+        if windowed or chunked:  # flex's block mask or FA4's local kernel
             efficiency *= self.cal.attention_window_factor
         return flops / (self.peak * efficiency)
 
     def elementwise_total(self) -> float:
         m, s, c = self.model, self.s, self.cal
-        f = m.ffn_hidden_size * (m.experts_per_token if m.is_moe else 1)
+        f = mean_mlp_width(m)
         qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
         per_token = s.act_bytes * (
             c.elementwise_per_hidden * m.hidden_size / (s.tp if s.sequence_parallel else 1)
             + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
         )
-        if m.is_moe:  # permuting tokens to their experts and back, forward and backward
-            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size
+        if m.is_moe:  # permuting tokens to their experts and back, forward and backward (in MoE layers)
+            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size * moe_layer_share(m)
         t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
         return t * (1 if s.compiled else c.eager_factor)
 
