@@ -223,7 +223,27 @@ def _idle(t: Table) -> dict[Path_, float]:
     return {("step", "idle_share"): statistics.mean(shares)}
 
 
-DERIVATIONS: list[Callable[[Table], dict[Path_, float]]] = [_gemm, _attention, _elementwise, _optimizer, _nccl, _idle]
+# NVIDIA NeMo nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py,
+# userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192: the SMs each overlapped GEMM's collective takes (ring-exchange
+# ones none: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad; bulk: qkv_dgrad 4, qkv_wgrad 24, fc1_dgrad 2, fc1_wgrad 4;
+# pipelined: proj_fprop 24, fc2_fprop 16), and an H100 SXM's SMs (NVIDIA H100 datasheet: 132).
+USERBUFFERS_SMS = [0, 0, 0, 0, 4, 24, 2, 4, 24, 16]
+H100_SMS = 132
+
+
+def _userbuffers(t: Table) -> dict[Path_, float]:
+    return {("tensor_parallel", "userbuffers_sm_share"): statistics.mean(USERBUFFERS_SMS) / H100_SMS}
+
+
+DERIVATIONS: list[Callable[[Table], dict[Path_, float]]] = [
+    _gemm,
+    _attention,
+    _elementwise,
+    _optimizer,
+    _nccl,
+    _idle,
+    _userbuffers,
+]
 # Numbers that only the derivations read: moving one moves what they derive (the per_* are bytes at this efficiency).
 DERIVATION_INPUTS: list[Path_] = [("elementwise", "hbm_efficiency")]
 

@@ -51,6 +51,7 @@ class Calibration:
     network: Curve
     contention_bandwidth: float
     tp_slowdown: float
+    tp_userbuffers_sm_share: float  # of the GPU's SMs an overlapped userbuffers collective takes from the GEMM
     idle_share: float
     planner: dict[str, Any]
 
@@ -134,6 +135,7 @@ def calibration_from(d: dict[str, Any]) -> Calibration:
         network=Curve(float(c["network"]["efficiency"]), float(c["nvlink"]["all_gather"]["half_mib"]) * MiB),
         contention_bandwidth=float(c["contention_gbps"]) * 1e9,
         tp_slowdown=float(t["slowdown"]),
+        tp_userbuffers_sm_share=float(t["userbuffers_sm_share"]),
         idle_share=float(d["step"]["idle_share"]),
         planner=_planner(d["planner"]),
     )
