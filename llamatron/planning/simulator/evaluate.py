@@ -42,6 +42,7 @@ class Simulation:
     result: StepResult
     other: StepResult  # the same step with the data-parallel overlap switched the other way
     all_to_all_bytes: float  # per rank and step (MoE)
+    precision: Precision = Precision()
 
     @property
     def with_overlap(self) -> StepResult:
@@ -163,4 +164,4 @@ def simulate_layout(
         per_layer = Costs(model, shape, hw, cal or load_calibration()).all_to_all_bytes()
         layers = model.num_layers / lay.pp
         a2a = per_layer * layers * lay.micro_batches * (4 + (2 if lay.recompute == "full" else 0))
-    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a)
+    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision)
