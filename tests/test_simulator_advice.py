@@ -40,3 +40,13 @@ def test_exposed_tensor_parallel_traffic_gets_the_overlap_and_a_smaller_tp():
     sim = simulate_layout(MODEL, _layout(tp=8, pp=1, dp=1, sequence_parallel=True, global_batch_size=8), 4096, HW)
     lines = [x for x in suggestions(sim) if x.startswith("  tp")]
     assert any("userbuffers" in x for x in lines) and any("--tp 4" in x for x in lines)
+
+
+def test_a_change_the_batch_cannot_take_is_said_not_simulated():
+    """One micro-batch per rank: halving the pipeline would leave dp 4 ranks half a micro-batch each."""
+    sim = simulate_layout(MODEL, _layout(global_batch_size=2), 4096, HW)
+    lines = suggestions(sim)
+    line = next(x for x in lines if "--pp 2" in x)
+    assert "not possible here" in line and "not a multiple" in line
+    interleave = next(x for x in lines if "--vpp 2" in x)  # 2 micro-batches on 4 stages: the trainer refuses it
+    assert "not possible here" in interleave and "multiple of pp=4" in interleave

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ...errors import ConfigError
+from ...parallel.schedules import check_micro_batches
 from ..plan import Layout
 from .evaluate import Simulation, simulate_layout
 
@@ -16,9 +17,16 @@ Change = tuple[str, Callable[[Simulation], Simulation]]
 
 
 def _with(sim: Simulation, layout: Layout | None = None, **settings: object) -> Simulation:
+    lay = layout or sim.layout
+    if lay.global_batch_size % (lay.micro_batch_size * lay.dp):
+        raise ConfigError(
+            f"global batch {lay.global_batch_size} is not a multiple of micro-batch x dp = "
+            f"{lay.micro_batch_size * lay.dp}"
+        )
+    check_micro_batches(lay.micro_batches, lay.pp, lay.vpp)  # the trainer's own rule for the schedule
     return simulate_layout(
         sim.model,
-        layout or sim.layout,
+        lay,
         sim.seq_length,
         sim.hardware,
         sim.precision,
