@@ -184,11 +184,15 @@ class Costs:
         curve = c.nvlink[kind]
         bus = curve.bus_bandwidth(hw.link.bandwidth, size)
         latency = (ranks - 1) * hw.link.latency
-        if ranks > per_node:  # a ring through per_node GPUs of each node: their NICs carry it together
-            net = c.network.bus_bandwidth(per_node * hw.nic_bandwidth_per_gpu(), size)
-            bus = min(bus, net)
-            latency = (ranks - 1) * hw.network.latency
         volume = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
+        if ranks > per_node:  # across nodes: the NICs of the group's per_node GPUs of each node carry it together
+            nics = per_node * hw.nic_bandwidth_per_gpu()
+            latency = (ranks - 1) * hw.network.latency
+            if kind == "all_reduce":  # NCCL's tree: the buffer leaves and enters each node once, beside the node's
+                # own reduce-scatter + all-gather over its GPU link (pipelined with it)
+                inside = size * 2 * (per_node - 1) / per_node / bus if per_node > 1 else 0.0
+                return latency + max(inside, size / c.network_all_reduce.bus_bandwidth(nics, size))
+            bus = min(bus, c.network.bus_bandwidth(nics, size))  # a ring: (ranks-1)/ranks of it over each link
         return latency + size * volume / bus
 
     def _group_per_node(self, stride: int, size: int) -> int:
