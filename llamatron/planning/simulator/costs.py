@@ -52,6 +52,12 @@ class Shape:
     fp8: str = "none"
     attention: str = "auto"
     tp_comm_overlap: bool = True
+    # Every tensor-parallel collective overlapped with the GEMM beside it, forward too (Megatron-core's userbuffers,
+    # tp_comm_overlap in NeMo's H100 recipes); llamatron overlaps only the backward's two (tp_comm_overlap above).
+    tp_overlap_all: bool = False
+    # The weight-gradient GEMMs accumulate straight into the fp32 gradient (Megatron-core's
+    # gradient_accumulation_fusion, on in NeMo's GPT configs): no separate accumulation kernel per micro-batch.
+    fused_grad_accumulation: bool = False
 
     @property
     def tokens(self) -> float:
@@ -190,11 +196,15 @@ class Costs:
         curve = c.nvlink[kind]
         bus = curve.bus_bandwidth(hw.link.bandwidth, size)
         latency = (ranks - 1) * hw.link.latency
-        if ranks > per_node:  # a ring through per_node GPUs of each node: their NICs carry it together
-            net = c.network.bus_bandwidth(per_node * hw.nic_bandwidth_per_gpu(), size)
-            bus = min(bus, net)
-            latency = (ranks - 1) * hw.network.latency
         volume = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
+        if ranks > per_node:  # across nodes: the NICs of the group's per_node GPUs of each node carry it together
+            nics = per_node * hw.nic_bandwidth_per_gpu()
+            latency = (ranks - 1) * hw.network.latency
+            if kind == "all_reduce":  # NCCL's tree: the buffer leaves and enters each node once, beside the node's
+                # own reduce-scatter + all-gather over its GPU link (pipelined with it)
+                inside = size * 2 * (per_node - 1) / per_node / bus if per_node > 1 else 0.0
+                return latency + max(inside, size / c.network_all_reduce.bus_bandwidth(nics, size))
+            bus = min(bus, c.network.bus_bandwidth(nics, size))  # a ring: (ranks-1)/ranks of it over each link
         return latency + size * volume / bus
 
     def _group_per_node(self, stride: int, size: int) -> int:
@@ -257,7 +267,12 @@ class Costs:
         tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
         fwd = Piece()
         fwd.add("compute", gemm + a_fwd + 0.4 * elem)
-        fwd.add("tp", (TP_SP_FORWARD if s.sequence_parallel else 2) * tp_one)
+        n_fwd = TP_SP_FORWARD if s.sequence_parallel else 2
+        if s.tp_overlap_all and s.tp > 1:  # each collective runs under its GEMM: exposed only what outlasts them
+            fwd.add("tp", max(0.0, n_fwd * tp_one - gemm))
+            fwd.add("contention", n_fwd * tp_one * c.tp_userbuffers_sm_share)
+        else:
+            fwd.add("tp", n_fwd * tp_one)
         fwd.add("cp", cp_one)
         fwd.add("ep", 2 * a2a)
         back = Piece()
@@ -267,8 +282,12 @@ class Costs:
         weight = Piece({"compute": gemm})
         exposed = TP_SP_BACKWARD_EXPOSED if s.sequence_parallel else 1
         overlapped = TP_SP_BACKWARD_OVERLAPPED if s.sequence_parallel else 1
-        back.add("tp", exposed * tp_one)
-        if s.tp > 1:
+        if s.tp_overlap_all and s.tp > 1:  # under the input- and weight-gradient GEMMs together
+            back.add("tp", max(0.0, (exposed + overlapped) * tp_one - 2 * gemm))
+            back.add("contention", (exposed + overlapped) * tp_one * c.tp_userbuffers_sm_share)
+        else:
+            back.add("tp", exposed * tp_one)
+        if s.tp > 1 and not s.tp_overlap_all:
             if s.tp_comm_overlap:  # hidden behind the weight-gradient GEMMs, as far as they last
                 back.add("tp", max(0.0, overlapped * tp_one - gemm))
                 back.add("contention", overlapped * self.tp_bytes() / c.contention_bandwidth)
@@ -296,6 +315,8 @@ class Costs:
 
     def grad_accumulate(self, params: float) -> float:
         """Adding one micro-batch's bf16 gradients of `params` parameters into the fp32 buffers."""
+        if self.s.fused_grad_accumulation:
+            return 0.0
         return params * self.cal.grad_accumulate_bytes / (self.hw.gpu.hbm_bw * self.cal.elementwise_hbm_efficiency)
 
     def optimizer(self, owned: float) -> float:
