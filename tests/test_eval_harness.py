@@ -89,6 +89,11 @@ def test_loglikelihoods_equal_hflm_on_the_exported_model(models):
     got_rolling = ours.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]))
     want_rolling = theirs.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]))
     np.testing.assert_allclose(got_rolling, want_rolling, rtol=0, atol=1e-4)
+    # the Hugging Face directory itself, converted as it loads, is the same model
+    from_hf = LlamatronLM(load_model(str(models[1])), ours.tok, batch_size=3)
+    np.testing.assert_allclose(
+        from_hf.loglikelihood_rolling(requests("loglikelihood_rolling", [(TEXT,)])), want_rolling[1:2], atol=1e-4
+    )
 
 
 def write_tasks(directory) -> list[str]:
@@ -196,6 +201,8 @@ def test_perplexity_on_an_indexed_set_equals_transformers_loss(models, tmp_path)
     assert result["tokens"] == count == len(stream) - 1 and result["windows"] == math.ceil(count / seq)
     assert result["loss"] == pytest.approx(total / count, rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert run("eval", "--load", hf_dir, "--data-path", tmp_path / "set", "--seq-length", seq, "--output", out) == 0
+    assert json.loads(out.read_text())["perplexity"]["loss"] == pytest.approx(total / count, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -232,3 +239,75 @@ def test_bad_input_is_one_line_before_the_model_loads(models, tmp_path, monkeypa
     assert run("eval", *[paths.get(a, a) for a in args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_eval_tasks_during_training_are_the_saved_models_results(models, tmp_path, monkeypatch, capsys):
+    """--eval-tasks at --eval-interval: the task metrics are in the evaluation records (and on the console), and
+    those after the last step equal `llamatron eval` of the checkpoint saved there; the weights change between
+    evaluations and so do the numbers."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tok = models[2]
+    tasks = write_tasks(tmp_path / "tasks")[:2]
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: llama-test\nmodel_overrides: {{vocab_size: 320, max_seq_length: {CONTEXT}}}\n")
+    metrics = tmp_path / "metrics.jsonl"
+    train = ["train", "--config", config, "--tokenizer", tok, "--mock-data", "--device", "cpu", "--seq-length", "16"]
+    train += ["--micro-batch-size", "2", "--global-batch-size", "2", "--train-steps", "2", "--lr", "1e-2"]
+    train += ["--eval-interval", "1", "--eval-iters", "1", "--eval-tasks", ",".join(tasks), "--eval-limit", "3"]
+    train += ["--eval-include-path", tmp_path / "tasks", "--metrics-file", metrics, "--save", tmp_path / "ck"]
+    assert run(*train, "--no-progress") == 0
+    assert "local_mc/acc" in capsys.readouterr().out
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("split") == "valid"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    out = tmp_path / "results.json"
+    args = ["--tasks", ",".join(tasks), "--include-path", tmp_path / "tasks", "--limit", "3", "--output", out]
+    assert run("eval", "--load", tmp_path / "ck", *args) == 0
+    saved = json.loads(out.read_text())["results"]
+    for name in ("local_mc/acc", "local_mc/acc_norm", "local_pages/word_perplexity", "local_pages/bits_per_byte"):
+        task, metric = name.split("/")
+        assert evals[-1][name] == pytest.approx(saved[task][f"{metric},none"], rel=1e-6), name
+    assert evals[0]["local_pages/bits_per_byte"] != evals[-1]["local_pages/bits_per_byte"]
+    assert "loss" in evals[-1]  # the validation metrics stay
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"tp": 2}, "--eval-tasks runs lm-eval on a whole model per rank, which --tp 2 splits"),
+        ({"pp": 2}, "which --pp 2 splits"),
+        ({"eval_tasks": []}, "--eval-include-path applies to lm-eval tasks: add --eval-tasks NAMES"),
+        ({"tokenizer": None}, "--eval-tasks: lm-eval's tasks are text; give the model's --tokenizer"),
+        ({"eval_tasks": ["no_such_task"]}, "--eval-tasks: unknown task no_such_task"),
+    ],
+)
+def test_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path, flags, message):
+    """Under tp or pp no rank holds the whole model: refused in one line before anything is built; so are the task
+    flags without tasks, tasks without a tokenizer and unknown task names. Data parallelism is accepted."""
+    from llamatron.config.settings import RunConfig
+    from llamatron.errors import ConfigError
+    from llamatron.training.validate import validate
+
+    cfg = RunConfig()
+    cfg.train.model, cfg.data.mock_data, cfg.train.device = "llama-test4", True, "cpu"
+    cfg.data.tokenizer, cfg.train.eval_tasks, cfg.train.eval_limit = str(models[2]), ["local_mc"], 2
+    cfg.train.eval_include_path = str(tmp_path / "tasks")
+    write_tasks(tmp_path / "tasks")
+    for key, value in flags.items():
+        setattr(cfg.parallel if key in ("tp", "pp") else cfg.data if key == "tokenizer" else cfg.train, key, value)
+    cfg.train.global_batch_size = cfg.train.micro_batch_size = 2
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=2 if {"tp", "pp"} & set(flags) else 1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_eval_tasks_accepted_under_data_parallelism(models, tmp_path):
+    from llamatron.config.settings import RunConfig
+    from llamatron.training.validate import validate
+
+    cfg = RunConfig()
+    cfg.train.model, cfg.data.mock_data, cfg.train.device = "llama-test", True, "cpu"
+    cfg.data.tokenizer, cfg.train.eval_tasks = str(models[2]), ["local_mc"]
+    cfg.train.eval_include_path = str(tmp_path / "tasks")
+    write_tasks(tmp_path / "tasks")
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 2
+    assert validate(cfg, world_size=2).dp == 2

@@ -52,27 +52,26 @@ def task_problems(names: Sequence[str], include_path: str | None, flag: str = "-
 def task_manager(names: Sequence[str], include_path: str | None) -> TaskManager:
     """lm-eval's task index holding every name: the --include-path tasks alone where they hold them all (indexing
     lm-eval's ~15,000 built-in tasks takes seconds; the include path takes precedence over them anyway), else
-    both. ConfigError naming the unknown ones. Built once per (names, include path): validation and the run
-    share it."""
-    return _task_manager(tuple(names), include_path)
-
-
-@functools.lru_cache(maxsize=4)
-def _task_manager(names: tuple[str, ...], include_path: str | None) -> TaskManager:
+    lm-eval's own with the include path's. ConfigError naming the unknown ones. Each index is built once per
+    process: validation and the run share them."""
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # lm-eval's INFO lines are its own business
-    if include_path is not None:
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if not _unknown(names, local):
-            return local
-    manager = TaskManager(include_path=include_path)
-    unknown = _unknown(names, manager)
+    local = _indexed(include_path, False) if include_path is not None else None
+    if local is not None and not _unknown(names, local):
+        return local
+    builtin = _indexed(None, True)
+    unknown = [n for n in _unknown(names, builtin) if local is None or n in _unknown(names, local)]
     if unknown:
-        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, manager)) else n for n in unknown]
+        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, builtin)) else n for n in unknown]
         where = (
             f"lm-eval's tasks or {include_path}" if include_path else "lm-eval's tasks (add yours with --include-path)"
         )
         raise ConfigError(f"--tasks: unknown task{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: not in {where}")
-    return manager
+    return builtin if include_path is None else _indexed(include_path, True)
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed(include_path: str | None, builtin: bool) -> TaskManager:
+    return TaskManager(include_path=include_path, include_defaults=builtin)
 
 
 def _unknown(names: Sequence[str], manager: TaskManager) -> list[str]:
