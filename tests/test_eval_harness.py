@@ -25,6 +25,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from llamatron.cli import main  # noqa: E402
 from llamatron.data.indexed import IndexedDatasetWriter  # noqa: E402
 from llamatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer  # noqa: E402
+from llamatron.errors import DataError  # noqa: E402
 from llamatron.inference.harness import LlamatronLM  # noqa: E402
 from llamatron.inference.model_source import load_model  # noqa: E402
 
@@ -37,8 +38,11 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("eval"))
+
+
+def build_models(workdir):
     """(llamatron checkpoint, its export-hf directory, tokenizer directory): llama-test with a 32-token context."""
-    workdir = tmp_path_factory.mktemp("eval")
     tok = workdir / "tok"
     train_bpe_tokenizer([TEXT * 20], 300, str(tok))
     ckpt = train_with_tokenizer(workdir, tok, 320, overrides=f", max_seq_length: {CONTEXT}")
@@ -89,6 +93,8 @@ def test_loglikelihoods_equal_hflm_on_the_exported_model(models):
     got_rolling = ours.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]))
     want_rolling = theirs.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]))
     np.testing.assert_allclose(got_rolling, want_rolling, rtol=0, atol=1e-4)
+    with pytest.raises(DataError, match="longer than the model's context of 32"):  # HFLM asserts
+        ours.loglikelihood(requests("loglikelihood", [("A", TEXT * 2)]))
     # the Hugging Face directory itself, converted as it loads, is the same model
     from_hf = LlamatronLM(load_model(str(models[1])), ours.tok, batch_size=3)
     np.testing.assert_allclose(

@@ -23,6 +23,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from ..data.tokenizer import Tokenizer
+from ..errors import DataError
 from ..models import Transformer
 from .generate import StopStrings, sample
 
@@ -94,6 +95,12 @@ class LlamatronLM(TemplateLM):
         """One forward over the batch, right-padded: each continuation's log-probability and whether greedy
         decoding would produce it. A sequence longer than the context loses tokens from the left."""
         window = self.max_length
+        longest_continuation = max(len(cont) for _, _, cont in batch)
+        if longest_continuation > window:
+            raise DataError(
+                f"an lm-eval request scores a continuation of {longest_continuation} tokens, longer than the model's "
+                f"context of {window}: this task does not fit the model"
+            )
         inputs = [(ctx + cont)[-(window + 1) :][:-1] for _, ctx, cont in batch]
         longest = max(len(x) for x in inputs)
         ids = torch.zeros(len(batch), longest, dtype=torch.long, device=self._device)
