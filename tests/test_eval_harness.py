@@ -247,35 +247,6 @@ def test_bad_input_is_one_line_before_the_model_loads(models, tmp_path, monkeypa
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_eval_tasks_during_training_are_the_saved_models_results(models, tmp_path, monkeypatch, capsys):
-    """--eval-tasks at --eval-interval: the task metrics are in the evaluation records (and on the console), and
-    those after the last step equal `llamatron eval` of the checkpoint saved there; the weights change between
-    evaluations and so do the numbers."""
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    tok = models[2]
-    tasks = write_tasks(tmp_path / "tasks")[:2]
-    config = tmp_path / "run.yaml"
-    config.write_text(f"model: llama-test\nmodel_overrides: {{vocab_size: 320, max_seq_length: {CONTEXT}}}\n")
-    metrics = tmp_path / "metrics.jsonl"
-    train = ["train", "--config", config, "--tokenizer", tok, "--mock-data", "--device", "cpu", "--seq-length", "16"]
-    train += ["--micro-batch-size", "2", "--global-batch-size", "2", "--train-steps", "2", "--lr", "1e-2"]
-    train += ["--eval-interval", "1", "--eval-iters", "1", "--eval-tasks", ",".join(tasks), "--eval-limit", "3"]
-    train += ["--eval-include-path", tmp_path / "tasks", "--metrics-file", metrics, "--save", tmp_path / "ck"]
-    assert run(*train, "--no-progress") == 0
-    assert "local_mc/acc" in capsys.readouterr().out
-    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("split") == "valid"]
-    assert [r["step"] for r in evals] == [0, 1, 2]
-    out = tmp_path / "results.json"
-    args = ["--tasks", ",".join(tasks), "--include-path", tmp_path / "tasks", "--limit", "3", "--output", out]
-    assert run("eval", "--load", tmp_path / "ck", *args) == 0
-    saved = json.loads(out.read_text())["results"]
-    for name in ("local_mc/acc", "local_mc/acc_norm", "local_pages/word_perplexity", "local_pages/bits_per_byte"):
-        task, metric = name.split("/")
-        assert evals[-1][name] == pytest.approx(saved[task][f"{metric},none"], rel=1e-6), name
-    assert evals[0]["local_pages/bits_per_byte"] != evals[-1]["local_pages/bits_per_byte"]
-    assert "loss" in evals[-1]  # the validation metrics stay
-
-
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -286,9 +257,10 @@ def test_eval_tasks_during_training_are_the_saved_models_results(models, tmp_pat
         ({"eval_tasks": ["no_such_task"]}, "--eval-tasks: unknown task no_such_task"),
     ],
 )
-def test_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path, flags, message):
-    """Under tp or pp no rank holds the whole model: refused in one line before anything is built; so are the task
-    flags without tasks, tasks without a tokenizer and unknown task names. Data parallelism is accepted."""
+def test_train_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path, flags, message):
+    """--eval-tasks under tp or pp (no rank holds the whole model) is refused in one line before anything is built,
+    as are the task flags without tasks, tasks without a tokenizer and unknown task names (here, in the process
+    that already indexed lm-eval's tasks for `eval`'s unknown name)."""
     from llamatron.config.settings import RunConfig
     from llamatron.errors import ConfigError
     from llamatron.training.validate import validate
@@ -304,16 +276,3 @@ def test_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path, flag
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=2 if {"tp", "pp"} & set(flags) else 1)
     assert message in str(err.value) and "\n" not in str(err.value)
-
-
-def test_eval_tasks_accepted_under_data_parallelism(models, tmp_path):
-    from llamatron.config.settings import RunConfig
-    from llamatron.training.validate import validate
-
-    cfg = RunConfig()
-    cfg.train.model, cfg.data.mock_data, cfg.train.device = "llama-test", True, "cpu"
-    cfg.data.tokenizer, cfg.train.eval_tasks = str(models[2]), ["local_mc"]
-    cfg.train.eval_include_path = str(tmp_path / "tasks")
-    write_tasks(tmp_path / "tasks")
-    cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 2
-    assert validate(cfg, world_size=2).dp == 2

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -49,10 +50,18 @@ def continue_greedily(
 
 
 class LlamatronLM(TemplateLM):
-    """A llamatron model (one device) as lm-eval's LM. batch_size: sequences per forward."""
+    """A llamatron model (one device) as lm-eval's LM. batch_size: sequences per forward.
+
+    data_parallel: every process of the default process group holds the same whole model; lm-eval then gives each
+    its share of the requests and gathers the metrics on rank 0 (these collectives are the ones it asks for)."""
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, add_bos_token: bool | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        batch_size: int = 8,
+        add_bos_token: bool | None = None,
+        data_parallel: bool = False,
     ):
         super().__init__()
         if tokenizer.eod_id is None:
@@ -60,6 +69,27 @@ class LlamatronLM(TemplateLM):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.add_bos = tokenizer.adds_bos if add_bos_token is None else add_bos_token
         self._device = next(model.parameters()).device
+        if data_parallel and dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor, concatenated along dim 0 (0-d tensors stacked), as accelerate's gather."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
 
     @property
     def eot_token_id(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lm_eval import evaluator
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
@@ -90,7 +91,8 @@ def run_tasks(
     num_fewshot: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """lm-eval's results dict (results, groups, configs, versions, n-shot, ...) of `names` on `lm`."""
+    """lm-eval's results dict (results, groups, configs, versions, n-shot, ...) of `names` on `lm`; on every rank
+    where `lm` is data-parallel."""
     results = evaluator.simple_evaluate(
         model=lm,
         tasks=list(names),
@@ -103,7 +105,11 @@ def run_tasks(
         torch_random_seed=seed,
         fewshot_random_seed=seed,
     )
-    assert results is not None  # None only on ranks other than lm's rank 0; this LM is one process
+    if lm.world_size > 1:  # lm-eval gathers the results on rank 0: every rank gets them
+        box = [results]
+        dist.broadcast_object_list(box, src=0)
+        results = box[0]
+    assert results is not None
     return results
 
 
@@ -113,15 +119,18 @@ def results_table(results: dict[str, Any]) -> str:
     return table + ("\n" + lm_utils.make_table(results, "groups") if results.get("groups") else "")
 
 
+_NOT_METRICS = ("alias", "name", "sample_len", "sample_count")  # what lm-eval's table leaves out too
+
+
 def task_metrics(results: dict[str, Any]) -> dict[str, float]:
     """{"TASK/METRIC": value} for the metric records: each task's (and group's) numbers, the filter named where
-    it is not lm-eval's default ("none"); standard errors left out."""
+    it is not lm-eval's default ("none"); standard errors and sample counts left out."""
     out = {}
     for section in ("results", "groups"):
         for task, values in results.get(section, {}).items():
             for key, value in values.items():
                 metric, _, flt = key.partition(",")
-                if metric.endswith("_stderr") or not isinstance(value, int | float) or isinstance(value, bool):
+                if metric in _NOT_METRICS or metric.endswith("_stderr") or not isinstance(value, int | float):
                     continue
                 name = f"{task}/{metric}" + (f"/{flt}" if flt and flt != "none" else "")
                 out[name] = float(value) if math.isfinite(value) else math.nan

@@ -2,10 +2,10 @@
 through the same adapter as `llamatron eval` (inference/harness.py), their metrics logged as TASK/METRIC in the
 evaluation records.
 
-The adapter runs one whole model: under data parallelism every rank holds it and runs the same requests (the
-same numbers, no communication; only the logging rank writes them). Under tensor, pipeline, context or expert
-parallelism no rank holds the whole model, so --eval-tasks is refused there (`eval_task_problems`): evaluate a
-saved checkpoint with `llamatron eval --load` instead.
+The adapter runs one whole model: under data parallelism every rank holds it, lm-eval gives each rank its share
+of the requests and gathers the metrics (its own scheme: `LlamatronLM(data_parallel=True)`), and every rank gets
+the results. Under tensor, pipeline, context or expert parallelism no rank holds the whole model, so --eval-tasks
+is refused there (`eval_task_problems`): evaluate a saved checkpoint with `llamatron eval --load` instead.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class EvalTasks:
         assert engine.cfg.data.tokenizer is not None  # eval_task_problems: given, or the demo corpus's
         self.model = engine.chunks[0]
         tokenizer = load_tokenizer(engine.cfg.data.tokenizer)
-        self.lm = self.harness.LlamatronLM(self.model, tokenizer, t.micro_batch_size)
+        self.lm = self.harness.LlamatronLM(self.model, tokenizer, t.micro_batch_size, data_parallel=True)
         self.limit, self.seed = t.eval_limit, t.seed
 
     def run(self) -> dict[str, float]:
