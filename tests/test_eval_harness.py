@@ -276,3 +276,33 @@ def test_train_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=2 if {"tp", "pp"} & set(flags) else 1)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bos_as_hflm_adds_it(models, tmp_path):
+    """A tokenizer whose post-processor puts BOS first (as Llama 3's does): the adapter's texts start with it as
+    HFLM's (transformers' add_special_tokens=True) do, and the log-likelihoods stay equal."""
+    import shutil
+
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    ckpt, hf_dir, tok_dir = models
+    bos_dir = tmp_path / "hf-bos"
+    shutil.copytree(hf_dir, bos_dir)
+    raw = RawTokenizer.from_file(str(bos_dir / "tokenizer.json"))
+    raw.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    raw.save(str(bos_dir / "tokenizer.json"))
+    config = json.loads((bos_dir / "tokenizer_config.json").read_text())
+    (bos_dir / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|endoftext|>"}))
+    ours = LlamatronLM(load_model(str(ckpt)), load_tokenizer(str(bos_dir)), batch_size=3)
+    theirs = HFLM(pretrained=str(bos_dir), dtype="float32", batch_size=3, device="cpu")
+    assert ours.add_bos and ours.tok_encode("The fox")[0] == 0
+    assert [ours.tok_encode(t) for t in TEXTS] == [theirs.tok_encode(t) for t in TEXTS]
+    got = [lp for lp, _ in ours.loglikelihood(requests("loglikelihood", PAIRS))]
+    np.testing.assert_allclose(got, [lp for lp, _ in theirs.loglikelihood(requests("loglikelihood", PAIRS))], atol=1e-4)
+    rolling = [(t,) for t in TEXTS]
+    np.testing.assert_allclose(
+        ours.loglikelihood_rolling(requests("loglikelihood_rolling", rolling)),
+        theirs.loglikelihood_rolling(requests("loglikelihood_rolling", rolling)),
+        atol=1e-4,
+    )
