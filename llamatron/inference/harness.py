@@ -13,7 +13,8 @@ Importing this module imports lm_eval (the `eval` extra); callers import it wher
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ def continue_greedily(
     max_new_tokens: int,
     stop_ids: set[int],
     stop_strings: Sequence[str],
-    decode,
+    decode: Callable[[list[int]], str],
 ) -> list[list[int]]:
     """The greedy continuation of each prompt: at most max_new_tokens, ending after a token of `stop_ids` or once
     the decoded continuation holds a stop string. The one place evaluation decodes (one prompt at a time
@@ -69,6 +70,7 @@ class LlamatronLM(TemplateLM):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.add_bos = tokenizer.adds_bos if add_bos_token is None else add_bos_token
         self._device = next(model.parameters()).device
+        self._told_greedy = False
         if data_parallel and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
@@ -192,6 +194,9 @@ class LlamatronLM(TemplateLM):
         out = []
         for chunk in order.get_batched(n=self.batch_size):
             kwargs = normalize_gen_kwargs(chunk[0][1], 256)
+            if kwargs.get("do_sample") and not self._told_greedy and self.rank == 0:
+                print(f"llamatron eval: a task asks to sample ({chunk[0][1]}); decoding greedily", file=sys.stderr)
+                self._told_greedy = True
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = min(int(kwargs["max_gen_toks"]), self.max_length - 1)
             prompts = [
