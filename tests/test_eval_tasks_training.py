@@ -71,11 +71,12 @@ def test_eval_tasks_during_training_are_the_saved_models_results(single, tmp_pat
 
 
 def test_eval_tasks_under_data_parallelism_equal_the_single_process(models, single, tmp_path):
-    """dp 2 (gloo, fp32): lm-eval splits the requests between the ranks and gathers the metrics; every evaluation
-    equals the single process's (step 0 exactly: the same initial weights)."""
+    """dp 2 with the distributed optimizer (gloo, fp32): lm-eval splits the requests between the ranks and gathers
+    the metrics; every evaluation equals the single process's (step 0 exactly: the same initial weights)."""
     write_tasks(tmp_path / "tasks")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "llamatron", *map(str, train_args(models, tmp_path, "dp2")), "--nproc-per-node", "2"]
+    argv.append("--distributed-optimizer")  # the weights' all-gather overlaps the next forward: an evaluation's
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     dp = evaluations(tmp_path / "dp2.jsonl")
