@@ -76,7 +76,7 @@ def test_eval_tasks_under_data_parallelism_equal_the_single_process(models, sing
     write_tasks(tmp_path / "tasks")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "llamatron", *map(str, train_args(models, tmp_path, "dp2")), "--nproc-per-node", "2"]
-    argv.append("--distributed-optimizer")  # the weights' all-gather overlaps the next forward: an evaluation's
+    argv.append("--distributed-optimizer")  # its weight all-gather overlaps the next forward, an evaluation too
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     dp = evaluations(tmp_path / "dp2.jsonl")
