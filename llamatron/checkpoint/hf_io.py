@@ -30,6 +30,7 @@ from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
 from .meta_consolidated import MetaSource, is_meta_checkpoint
+from .pieces import Box
 from .reader import META_FILE, MODEL_FILE, CheckpointReader, inside, open_weights, read_meta, resolve_checkpoint
 from .tensor_io import PrefixedSource, StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
@@ -69,6 +70,23 @@ def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | Meta
     raise CheckpointError(
         f"{d}: no weights; expected model.safetensors, pytorch_model.bin or their *.index.json with shards"
     )
+
+
+class HFWeights:
+    """The weights of a Hugging Face (or Meta) directory read as a checkpoint's model tensors (loading.BoxReader),
+    each converted when it is read: a model evaluated straight from such a directory, nothing written."""
+
+    def __init__(self, hf_dir: str | Path):
+        check_hf_files(hf_dir, tokenizer=False)
+        hf, self.source, _ = open_hf_dir(hf_dir)
+        self.cfg = config_from_hf(hf)
+        rules = weight_rules(self.cfg, hf, self.source.keys())
+        check_hf_names(rules, self.source.keys(), self.cfg, str(hf_dir))
+        self.rules = {r.name: r for r in rules}
+
+    def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor:
+        t = self.rules[name].fuse([self.source.get(n) for n in self.rules[name].hf_names])
+        return t if box is None else t[box.slices_within(Box.whole(tuple(t.shape)))]
 
 
 def _weight_map(index: Path) -> dict[str, str]:
