@@ -105,10 +105,10 @@ class Decoder:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(3):
+            for step in (self._step, self._step_fn, self._step_fn):  # eager first: it allocates the cache
                 assert self.cache.positions is not None
                 self.cache.positions.zero_()
-                self._step_fn()
+                step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

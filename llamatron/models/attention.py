@@ -220,7 +220,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     batch, heads, _, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     q = q.reshape(batch * kv_heads, heads // kv_heads, dim)
-    bias = bias.repeat_interleave(kv_heads, dim=0)  # (batch * kv heads, 1, keys): broadcast over the group
+    bias = bias.expand(batch, kv_heads, keys).reshape(-1, 1, keys)  # each KV head's group of queries sees the row's
     scores = torch.baddbmm(bias, q, k.reshape(-1, keys, dim).transpose(1, 2), alpha=dim**-0.5)
     out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(-1, keys, dim))
     return out.view(batch, heads, 1, dim)
