@@ -14,7 +14,7 @@ from test_decode import PROMPTS, TOKENS
 from llamatron.inference.decode import Decoder
 from llamatron.inference.generate import generate_batch, sample
 from llamatron.inference.sampling import Sampling
-from llamatron.models import build_model, get_preset, materialize
+from llamatron.models import RopeScaling, build_model, get_preset, materialize
 
 pytestmark = pytest.mark.gpu
 
@@ -79,3 +79,18 @@ def test_a_batch_of_32_decodes_each_prompt_as_alone_fp32():
     prompts = [TOKENS[: 1 + i % 11] * (1 + i // 11) for i in range(32)]  # lengths 1 to 33
     together = generate_batch(model, prompts, 48)
     assert together == [generate_batch(model, [p], 48, cuda_graph=False)[0] for p in prompts]
+
+
+def test_models_the_graph_cannot_hold_decode_eagerly_on_cuda():
+    """Dynamic NTK rope (a host read of the positions) and a mixture of experts run the same step eagerly."""
+    shapes = {
+        "dynamic": dict(rope_scaling=RopeScaling("dynamic", 2.0, 96)),
+        "moe": dict(num_experts=4, experts_per_token=2),
+    }
+    for changes in shapes.values():
+        cfg = dataclasses.replace(get_preset("llama-test"), init_std=0.3, **changes)
+        model = materialize(build_model(cfg), cfg, 1, "cuda", torch.float32).eval()
+        decoder = Decoder(model, len(PROMPTS), 11 + 32)
+        assert not decoder.cuda_graph
+        for prompt, tokens in zip(PROMPTS, decoder.generate(PROMPTS, 32)):
+            assert tokens == sample(model, prompt, 32, temperature=0, use_cache=False)

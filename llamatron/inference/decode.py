@@ -20,9 +20,11 @@ torch.cuda.CUDAGraph (not torch.compile's mode="reduce-overhead"): the graph is 
 module says, on the step as it runs eagerly (the Triton kernels of training included), with no dependence on
 what Inductor and its CUDA-graph trees do with a step that mutates a cache (they skip graphs for mutated inputs
 not marked static, and their rules moved between torch releases); `compile=True` fuses the step's small kernels
-with torch.compile (no CUDA graphs of its own) before the same capture. On CPU, under tensor parallelism (each
-step all-gathers the logits) and for a mixture of experts (the reference expert loop reads counts on the host)
-the same step runs eagerly. Every rank of a tensor-parallel group runs the same loop and draws the same tokens.
+with torch.compile (no CUDA graphs of its own) before the same capture. The same step runs eagerly on CPU, under
+tensor parallelism (each step all-gathers the logits; not captured yet), for a mixture of experts (its fp32 expert
+loop reads counts on the host; the bf16 grouped GEMMs are not checked under capture yet) and under dynamic NTK rope
+scaling (which reads the longest position on the host). Every rank of a tensor-parallel group runs the same loop and
+draws the same tokens.
 
 Stopping rules are checked on the host every `check_every` steps (1 on CPU; on GPU reading the tokens is a
 synchronisation, so every 16: a finished row may run a few steps more, its output cut where it stopped).
@@ -77,7 +79,9 @@ class Decoder:
         on_gpu = self.device.type == "cuda"
         if cuda_graph and not on_gpu:
             raise ValueError(f"cuda_graph=True on {self.device}: CUDA graphs need a CUDA device")
-        default = on_gpu and not cfg.is_moe and model.parallel.vocab is None
+        # dynamic NTK rope reads the longest position on the host (models/layers.rope_cos_sin): no capture
+        dynamic_rope = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic"
+        default = on_gpu and not cfg.is_moe and not dynamic_rope and model.parallel.vocab is None
         self.cuda_graph = default if cuda_graph is None else cuda_graph
         self.check_every = GPU_CHECK_EVERY if on_gpu else 1
         self.cache = KVCache(max_length)
