@@ -164,9 +164,10 @@ class Decoder:
         out[:, 0] = self._prefill(prompts, generator)
         ends: list[int | None] = [None] * len(prompts)
         checked = [0] * len(prompts)
+        every = self.check_every if stop_ids or stop is not None else max_new_tokens  # no rule: no reads on the way
         made = 1
         while True:
-            if made == max_new_tokens or made % self.check_every == 0:
+            if made == max_new_tokens or made % every == 0:
                 self._check_stops(out[: len(prompts), :made].tolist(), ends, checked, stop_ids, stop)
                 if made == max_new_tokens or all(e is not None for e in ends):
                     break
