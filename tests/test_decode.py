@@ -8,11 +8,12 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llamatron.inference.decode import Decoder
 from llamatron.inference.generate import generate_batch, sample
 from llamatron.inference.sampling import Sampling
-from llamatron.models import build_model, get_preset, materialize
+from llamatron.models import RopeScaling, build_model, get_preset, materialize
 from llamatron.models.kv_cache import KVCache
 
 PRESETS = ["llama-test", "mistral-test", "qwen3-test"]  # mistral-test: a window of 16 < 6 + 24 tokens
@@ -177,3 +178,43 @@ def test_a_decoder_refuses_what_it_cannot_hold():
         Decoder(model, 1, 10, cuda_graph=True)
     # past the context generate_batch recomputes (the sequence slides), as sample always has
     assert len(generate_batch(model, [TOKENS], 128)[0]) == 128
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that read a tensor's value on the host or whose output shape depends on it: a CUDA graph cannot
+    capture them (on a GPU they synchronise, and a replay would not redo the host's part)."""
+
+    READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.removeprefix("aten::") in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "falcon-test"])
+def test_the_decoding_step_never_reads_a_value_on_the_host(preset):
+    """What makes the step capturable, checked on CPU: no host read from the tokens to the next ones (sampling with
+    every processor), and the positions advance on the device."""
+    model = tiny(preset)
+    sampling = Sampling(temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.2)
+    decoder = Decoder(model, 4, 11 + NEW, sampling)
+    decoder.generate(PROMPTS, 2)  # a prefill, a step
+    before = decoder.cache.positions.clone()
+    with torch.no_grad(), HostReads() as reads:
+        decoder._step()
+    assert reads.seen == [] and torch.equal(decoder.cache.positions, before + 1)
+
+
+def test_the_host_read_check_finds_one():
+    """Dynamic NTK rope reads the longest position on the host (the Decoder captures no graph for it)."""
+    cfg = dataclasses.replace(get_preset("llama-test"), rope_scaling=RopeScaling("dynamic", 2.0, 96))
+    dynamic = Decoder(materialize(build_model(cfg), cfg, 1, "cpu", torch.float32).eval(), 4, 11 + NEW)
+    dynamic.generate(PROMPTS, 2)
+    with torch.no_grad(), HostReads() as reads:
+        dynamic._step()
+    assert reads.seen == ["aten._local_scalar_dense.default"]
