@@ -77,8 +77,12 @@ def test_a_decoder_is_reused_across_batches_and_fewer_prompts():
     model = tiny("mistral-test")
     decoder = Decoder(model, batch=4, max_length=11 + NEW)
     first = decoder.generate(PROMPTS, NEW)
+    layer = decoder.cache.layer("0")
+    buffers = [t.data_ptr() for t in (layer.keys, layer.values, decoder.cache.positions, decoder.tokens)]
     assert decoder.generate(PROMPTS[2:], NEW) == first[2:]  # two dummy rows
     assert decoder.generate(PROMPTS, NEW) == first
+    # what a captured graph reads and writes stays where it was
+    assert [t.data_ptr() for t in (layer.keys, layer.values, decoder.cache.positions, decoder.tokens)] == buffers
 
 
 @pytest.mark.parametrize(
