@@ -16,15 +16,17 @@ host:
   sampling noise (drawn from the seeded generator before each replay, inference/sampling.py) and each row's
   seen tokens (the repetition penalty); the next token is chosen inside the step.
 
-torch.cuda.CUDAGraph (not torch.compile's mode="reduce-overhead"): the graph is captured where and when this
-module says, on the step as it runs eagerly (the Triton kernels of training included), with no dependence on
-what Inductor and its CUDA-graph trees do with a step that mutates a cache (they skip graphs for mutated inputs
-not marked static, and their rules moved between torch releases); `compile=True` fuses the step's small kernels
-with torch.compile (no CUDA graphs of its own) before the same capture. The same step runs eagerly on CPU, under
-tensor parallelism (each step all-gathers the logits; not captured yet), for a mixture of experts (its fp32 expert
-loop reads counts on the host; the bf16 grouped GEMMs are not checked under capture yet) and under dynamic NTK rope
-scaling (which reads the longest position on the host). Every rank of a tensor-parallel group runs the same loop and
-draws the same tokens.
+torch.cuda.CUDAGraph, not torch.compile(mode="reduce-overhead"): the graph is captured where and when this module
+says, on the step as it runs eagerly (training's Triton kernels included), in every torch this project supports
+(2.11 to 2.13); Inductor's CUDA-graph trees decide for themselves whether to graph a function, skip it when it
+mutates inputs they do not know to be static (the KV cache here: transformers marks its static cache's tensors
+with torch._dynamo.mark_static_address for them) and have changed those rules between releases. `compile=True`
+fuses the step's small kernels with torch.compile (no CUDA graphs of its own) before the same capture.
+
+The same step runs eagerly on CPU, under tensor parallelism (each step all-gathers the logits; not captured yet), for
+a mixture of experts (its fp32 expert loop reads counts on the host; the bf16 grouped GEMMs are not checked under
+capture yet) and under dynamic NTK rope scaling (which reads the longest position on the host). Every rank of a
+tensor-parallel group runs the same loop and draws the same tokens.
 
 Stopping rules are checked on the host every `check_every` steps (1 on CPU; on GPU reading the tokens is a
 synchronisation, so every 16: a finished row may run a few steps more, its output cut where it stopped).
