@@ -59,6 +59,7 @@ def test_per_row_steps_give_the_full_recompute_logits(preset):
 def test_batched_prompts_decode_as_each_alone_and_as_the_recompute(preset):
     model = tiny(preset)
     batched = generate_batch(model, PROMPTS, NEW)
+    assert generate_batch(model, PROMPTS, NEW, batch_size=3) == batched  # one decoder: a batch of 3, then of 1
     for prompt, tokens in zip(PROMPTS, batched):
         assert tokens == sample(model, prompt, NEW, temperature=0, use_cache=False)  # recompute every token
         assert tokens == generate_batch(model, [prompt], NEW)[0]  # alone, through the decoder
@@ -157,6 +158,7 @@ def test_all_rows_stopped_ends_the_decoding():
         (dict(prompts=[]), "no prompts: give at least one"),
         (dict(prompts=[[1], []]), "prompt 1 is empty"),
         (dict(max_new_tokens=0), "max_new_tokens=0: must be >= 1"),
+        (dict(batch_size=0), "batch_size=0: must be >= 1"),
         (dict(sampling=Sampling(top_p=0.0)), "top_p=0.0: must be in (0, 1]"),
         (dict(sampling=Sampling(top_p=1.5)), "top_p=1.5: must be in (0, 1]"),
         (dict(sampling=Sampling(repetition_penalty=0.0)), "repetition_penalty=0.0: must be > 0"),

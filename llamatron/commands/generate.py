@@ -278,14 +278,10 @@ def _generate(args: argparse.Namespace, model, prompts: list[list[int]], stop_id
             for p in prompts
         ]
     graph = None if args.cuda_graph else False  # None: where it runs (inference/decode.py)
-    out = []
-    for start in range(0, len(prompts), args.batch_size):
-        batch = prompts[start : start + args.batch_size]
-        out += generate_batch(
-            model, batch, args.max_new_tokens, sampling, args.seed, stop_ids=stop_ids, stop=stops,
-            cuda_graph=graph, compile=args.compile,
-        )  # fmt: skip
-    return out
+    return generate_batch(
+        model, prompts, args.max_new_tokens, sampling, args.seed, stop_ids=stop_ids, stop=stops, cuda_graph=graph,
+        compile=args.compile, batch_size=args.batch_size,
+    )  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -104,10 +104,11 @@ def generate_batch(
     stop: Callable[[list[int]], bool] | None = None,
     cuda_graph: bool | None = None,
     compile: bool = False,
+    batch_size: int | None = None,
 ) -> list[list[int]]:
-    """Up to `max_new_tokens` new tokens after each prompt (greedy by default), all prompts decoded together. A
-    prompt's output ends after a token in `stop_ids` (the last one returned) or once `stop(its new tokens)` holds.
-    cuda_graph, compile: inference/decode.Decoder's."""
+    """Up to `max_new_tokens` new tokens after each prompt (greedy by default), the prompts decoded together, up to
+    `batch_size` at a time (default: all). A prompt's output ends after a token in `stop_ids` (the last one
+    returned) or once `stop(its new tokens)` holds. cuda_graph, compile: inference/decode.Decoder's."""
     sampling = sampling if sampling is not None else Sampling(temperature=0)
     problems = sampling.problems()
     if not prompts:
@@ -115,12 +116,16 @@ def generate_batch(
     problems += [f"prompt {i} is empty: start it from a token (e.g. BOS)" for i, p in enumerate(prompts) if not p]
     if max_new_tokens < 1:
         problems.append(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if batch_size is not None and batch_size < 1:
+        problems.append(f"batch_size={batch_size}: must be >= 1")
     if problems:
         raise ValueError("; ".join(problems))
     longest = max(len(p) for p in prompts)
     if fits_fixed_cache(model.cfg, longest + max_new_tokens):
-        decoder = Decoder(model, len(prompts), longest + max_new_tokens, sampling, cuda_graph, compile)
-        return decoder.generate(prompts, max_new_tokens, seed, stop_ids, stop)
+        size = min(batch_size or len(prompts), len(prompts))
+        decoder = Decoder(model, size, longest + max_new_tokens, sampling, cuda_graph, compile)  # one for every batch:
+        batches = (prompts[start : start + size] for start in range(0, len(prompts), size))  # one capture on GPU
+        return [out for batch in batches for out in decoder.generate(batch, max_new_tokens, seed, stop_ids, stop)]
     return [_one_prompt(model, p, max_new_tokens, sampling, seed, stop_ids, stop, True) for p in prompts]
 
 
