@@ -26,17 +26,20 @@ import argparse
 import datetime
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from llamatron.checkpoint.hf import config_to_hf, llamatron_to_hf
-from llamatron.dtypes import DTYPES
-from llamatron.inference.decode import Decoder
-from llamatron.models import build_model, get_preset, materialize
-from llamatron.training.validate import resolve_device
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's llamatron, not an installed one
+
+from llamatron.checkpoint.hf import config_to_hf, llamatron_to_hf  # noqa: E402
+from llamatron.dtypes import DTYPES  # noqa: E402
+from llamatron.inference.decode import Decoder  # noqa: E402
+from llamatron.models import build_model, get_preset, materialize  # noqa: E402
+from llamatron.training.validate import resolve_device  # noqa: E402
 
 SYSTEMS = ("llamatron", "llamatron-compile", "llamatron-eager", "hf-eager", "hf-static")
 CASES = "llama-1b:1,llama2-7b:1,llama-1b:32"  # targets on one H200: >= 1,000, >= 150, >= 15,000 tokens/s
@@ -148,7 +151,7 @@ def main() -> None:
                 agree = next((i for i, (a, b) in enumerate(zip(out[0], first)) if a != b), len(first))
                 record.update(tokens_per_sec=round(int(batch) * args.new_tokens / seconds, 1))
                 record.update(seconds=round(seconds, 4), warmup_seconds=round(warmup, 2), agree=agree)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 record["error"] = f"{type(e).__name__}: {e}"[:2000]
             record.update(common, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
             print(json.dumps(record), flush=True)
