@@ -17,6 +17,8 @@ from llamatron.models import RopeScaling, build_model, get_preset, materialize
 from llamatron.models.kv_cache import KVCache
 
 PRESETS = ["llama-test", "mistral-test", "qwen3-test"]  # mistral-test: a window of 16 < 6 + 24 tokens
+# llama4-test: chunks of 16 tokens, a NoPE layer whose temperature changes every 8 positions, MoE layers
+RECOMPUTED = [*PRESETS, "llama4-test"]
 TOKENS = [5, 17, 99, 3, 42, 7, 200, 11, 64, 128, 31]
 PROMPTS = [TOKENS[:3], TOKENS[:11], TOKENS[:1], TOKENS[:6]]  # lengths 3, 11, 1, 6
 NEW = 24
@@ -32,7 +34,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids]))[0, -1]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", RECOMPUTED)
 @torch.no_grad()
 def test_per_row_steps_give_the_full_recompute_logits(preset):
     """The cache itself: a right-padded prefill, then one token per row at each row's own position."""
@@ -55,7 +57,7 @@ def test_per_row_steps_give_the_full_recompute_logits(preset):
     assert all(len(set(ids[len(p) :])) >= 4 for ids, p in zip(seqs, PROMPTS))  # depends on the context
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", RECOMPUTED)
 def test_batched_prompts_decode_as_each_alone_and_as_the_recompute(preset):
     model = tiny(preset)
     batched = generate_batch(model, PROMPTS, NEW)

@@ -27,7 +27,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from ..data.tokenizer import Tokenizer
 from ..errors import DataError
 from ..models import Transformer
-from .generate import StopStrings, sample
+from .generate import StopStrings, generate_batch
 
 # (request key for the cache, context tokens, continuation tokens): what TemplateLM hands _loglikelihood_tokens
 TokenRequest = tuple[Any, list[int], list[int]]
@@ -42,12 +42,10 @@ def continue_greedily(
     decode: Callable[[list[int]], str],
 ) -> list[list[int]]:
     """The greedy continuation of each prompt: at most max_new_tokens, ending after a token of `stop_ids` or once
-    the decoded continuation holds a stop string. The one place evaluation decodes (one prompt at a time
-    through `sample` today; batched decoding replaces it here)."""
+    the decoded continuation holds a stop string. The one place evaluation decodes: the prompts together, through
+    the batched decoder (inference/decode.py)."""
     stop = StopStrings(decode, [s for s in stop_strings if s]) if any(stop_strings) else None
-    return [
-        sample(model, ids, max_new_tokens, temperature=0.0, top_k=None, stop_ids=stop_ids, stop=stop) for ids in prompts
-    ]
+    return generate_batch(model, prompts, max_new_tokens, stop_ids=stop_ids, stop=stop)
 
 
 class LlamatronLM(TemplateLM):
