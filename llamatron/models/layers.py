@@ -7,6 +7,7 @@ those attributes, so it runs unchanged on a shard.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -78,10 +79,23 @@ def rope_depends_on_length(cfg: ModelConfig, seq_len: int) -> bool:
     return r is not None and r.kind == "dynamic" and seq_len > r.original_max_position
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}  # a model's frequencies, once per device: decoding asks every token
+
+
 def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (batch, seq, head_dim) for the given positions."""
-    seq_len = int(position_ids.max()) + 1 if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic" else 0
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, seq_len, position_ids.device)
+    dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic"
+    if dynamic:  # the frequencies change with the length
+        seq_len = int(position_ids.max()) + 1
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, seq_len, position_ids.device)
+    else:
+        scaling = None if cfg.rope_scaling is None else dataclasses.astuple(cfg.rope_scaling)
+        key = (cfg.head_dim, cfg.rope_theta, scaling, str(position_ids.device))
+        if key not in _INV_FREQ:
+            if len(_INV_FREQ) > 64:
+                _INV_FREQ.clear()
+            _INV_FREQ[key] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 0, position_ids.device)
+        inv_freq = _INV_FREQ[key]
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
