@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -83,9 +83,8 @@ def fsdp_problems(
     }
     problems += [why for name, why in meaningless.items() if name in given]
     not_yet = [
-        (pp > 1, f"--pp {pp}"),
-        (ep > 1, f"--ep {ep}"),
         (lora_rank > 0, "LoRA (--lora-rank)"),
+        (ep > 1 and shard_group is not None, f"--ep {ep} and --fsdp-shard-group"),
     ]
     problems += [f"--fsdp does not compose with {what} yet; drop one of the two" for bad, what in not_yet if bad]
     return problems
@@ -108,7 +107,7 @@ class ShardedBucket:
     staging: torch.Tensor | None = None  # this micro-batch's full gradient, until it is reduce-scattered
     reduce: tuple | None = None  # (handle, output shard, input kept alive) of the reduce-scatter in flight
     reduced_this_step: bool = False
-    users: list[str] = field(default_factory=list)
+    deferred: bool = False  # holds a tied embedding: summed over pipeline stages before it is reduced
 
     @property
     def numel(self) -> int:
@@ -136,12 +135,15 @@ class ShardedBuffer:
         prefetch: bool = True,
         replicate_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        select: Callable[[ParamSpec], bool] | None = None,
     ):
         """module: on the meta device; its parameters are replaced by views of the gathered buckets. initial: a
         parameter's initial local (tensor-parallel) tensor from its spec, drawn one parameter at a time.
         dp_group, dp: the ranks sharding the weights; replicate_group: hybrid sharding's ranks holding the same
         shard (their gradients are all-reduced; the first of them writes checkpoints). tp_group: where the
-        gradients each tensor-parallel rank holds part of are summed (tensor.sync_tensor_parallel_grads)."""
+        gradients each tensor-parallel rank holds part of are summed (tensor.sync_tensor_parallel_grads).
+        select: which parameters this buffer holds (default: all; expert parallelism gives the experts a buffer of
+        their own, sharded over their own replicas)."""
         self.module, self.dp_group, self.dp = module, dp_group, dp
         self.replica_rank = dist.get_rank(dp_group) if dp_group is not None and dp > 1 else 0
         self.replicate_group, self.tp_group = replicate_group, tp_group
@@ -149,7 +151,7 @@ class ShardedBuffer:
         self.reduce_dtype, self.keep_params_in_backward, self.prefetch = reduce_dtype, keep_params_in_backward, prefetch
         self.stats = CommStats()
         self.is_last_microbatch = True  # every micro-batch's gradients are reduce-scattered: not read
-        bucket_units = self._lay_out(module, specs, dtype, device)
+        bucket_units = self._lay_out(module, specs, dtype, device, select)
         if not self.buckets:
             raise ValueError("a model chunk without trainable parameters")
         wrong = [s.global_name for p, s in self.spec_of.items() if s.local_shape != tuple(p.shape)]
@@ -187,7 +189,12 @@ class ShardedBuffer:
         self.zero_grad()
 
     def _lay_out(
-        self, module: nn.Module, specs: ParamSpecs, dtype: torch.dtype, device: torch.device
+        self,
+        module: nn.Module,
+        specs: ParamSpecs,
+        dtype: torch.dtype,
+        device: torch.device,
+        select: Callable[[ParamSpec], bool] | None,
     ) -> list[nn.Module]:
         """One bucket per forward unit, its parameters (new, views of the bucket's `full`) in place of the meta
         ones; returns the unit module of each bucket (where its hooks go)."""
@@ -208,7 +215,10 @@ class ShardedBuffer:
                 p
                 for m in unit_modules
                 for p in m.parameters()
-                if p.requires_grad and id(p) not in seen and not seen.add(id(p))  # type: ignore[func-returns-value]
+                if p.requires_grad
+                and id(p) not in seen
+                and not seen.add(id(p))  # type: ignore[func-returns-value]
+                and (select is None or select(specs[local_name[id(p)]]))
             ]
             if not meta:
                 continue
@@ -227,6 +237,7 @@ class ShardedBuffer:
                 params.append(new)
                 pos += p.numel()
             bucket = ShardedBucket(len(self.buckets), start, end, params, names[id(unit_modules[0])], full)
+            bucket.deferred = any(self.spec_of[p].defer_grad_reduce for p in params)
             self.buckets.append(bucket)
             bucket_units.append(unit_modules[0])
             for p in params:
@@ -327,7 +338,26 @@ class ShardedBuffer:
     # ---- gradients -------------------------------------------------------------------------------
 
     def grad(self, param: nn.Parameter) -> torch.Tensor:
-        raise ValueError("--fsdp holds gradient shards only: read grad_data through the optimizer's segments")
+        """The whole gradient of a parameter whose reduction waits for the end of backward (a tied embedding's
+        pipeline copies, summed by pipeline.sum_tied_embedding_grads), or of any parameter with one rank."""
+        b = self.bucket_of[param]
+        s, e = self.param_range[param]
+        if self.dp == 1:
+            return self.grad_data[s:e].view_as(param)
+        if not b.deferred:
+            raise ValueError("--fsdp holds gradient shards only: read grad_data through the optimizer's segments")
+        return self._staging(b)[s - b.start : e - b.start].view_as(param)
+
+    def zero_if_unwritten(self, param: nn.Parameter) -> None:
+        if param in self._unwritten:
+            s, e = self.param_range[param]
+            self.grad_data[s:e].zero_()
+            self._unwritten.discard(param)
+
+    def _staging(self, b: ShardedBucket) -> torch.Tensor:
+        if b.staging is None:  # zeros: the padding, and parameters this micro-batch did not use
+            b.staging = torch.zeros(b.numel, dtype=self.grad_data.dtype, device=self.grad_data.device)
+        return b.staging
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         b = self.bucket_of[param]
@@ -337,15 +367,16 @@ class ShardedBuffer:
             target = self.grad_data[s:e]
             overwrite = param in self._unwritten
             self._unwritten.discard(param)
-        else:
-            if b.staging is None:  # zeros: the padding, and parameters this micro-batch did not use
-                b.staging = torch.zeros(b.numel, dtype=self.grad_data.dtype, device=self.grad_data.device)
-            target, overwrite = b.staging[s - b.start : e - b.start], True
+        else:  # a deferred bucket's staging collects every micro-batch's gradient (it starts at zero)
+            target, overwrite = self._staging(b)[s - b.start : e - b.start], not b.deferred
         accumulate_grad(target.view_as(param), param.grad, overwrite=overwrite)
         param.grad = None
         b.pending -= 1
         if b.pending == 0:
-            self._start_reduce(b, "backward")
+            if b.deferred:
+                b.pending = len(b.params)
+            else:
+                self._start_reduce(b, "backward")
             self._free(b.index, "backward")
 
     def _start_reduce(self, b: ShardedBucket, when: str) -> None:

@@ -285,6 +285,7 @@ def _buffer(
             prefetch=p.fsdp_prefetch,
             replicate_group=mesh.fsdp_replicate_group,
             tp_group=mesh.tp_group if mesh.tp > 1 else None,
+            select=None if experts is None else partial(_is_expert, experts),
         )
     return GradBuffer(
         chunk,
