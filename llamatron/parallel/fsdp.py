@@ -444,10 +444,6 @@ class ShardedBuffer:
     def finish_param_gather(self) -> None:
         pass
 
-    def gathered_numel(self) -> int:
-        """Elements of the gathered parameter copies alive now (for the memory test and reports)."""
-        return sum(b.full.untyped_storage().nbytes() // b.full.element_size() for b in self.buckets if self.dp > 1)
-
 
 def _point_at(b: ShardedBucket, param_range: dict[nn.Parameter, tuple[int, int]]) -> None:
     """Make the bucket's parameters views of `b.full` again (after it was replaced by the shard itself)."""

@@ -85,6 +85,8 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "cp": mesh.cp,
         "sp": p.sequence_parallel,
         "dist_opt": p.distributed_optimizer,
+        "fsdp": p.fsdp,
+        "fsdp_shard_group": p.fsdp_shard_group if p.fsdp else None,
         "recompute": t.recompute,
         "compile": derived.compile,
         "precision": derived.dtype_name,
@@ -199,6 +201,7 @@ def format_row(row: dict) -> str:
         f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']}"
         + (" sp" if row["sp"] else "")
         + (" distopt" if row["dist_opt"] else "")
+        + (" fsdp" if row.get("fsdp") else "")
         + (f" rc={row['recompute']}" if row["recompute"] != "none" else "")
     )
     phases = " ".join(
