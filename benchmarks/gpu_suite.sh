@@ -4,7 +4,7 @@
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity,
-#           lora7, lora70, lora_fp8, dpo, fsdp1
+#           lora7, lora70, lora_fp8, dpo, generate, fsdp1
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -183,6 +183,15 @@ for group in ${@:-single dp tests}; do
           done
         done
       done ;;
+    generate)  # issue 37: decoding tokens/s, llamatron against transformers' generate; one case a process
+      for c in llama-1b:1 llama2-7b:1 llama-1b:32; do
+        CUDA_VISIBLE_DEVICES=0 timeout 580 python3 benchmarks/generate_speed.py --cases $c --out "$OUT/generate.jsonl" \
+          >>"$OUT/log.txt" 2>&1
+        echo "== generate_speed $c -> rc $?" >>"$OUT/log.txt"
+      done
+      CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest -q -m gpu tests/test_decode_gpu.py tests/test_kv_cache_gpu.py \
+        -p no:cacheprovider -n 0 >>"$OUT/pytest_decode_gpu.txt" 2>&1
+      echo "== pytest -m gpu (decoding) rc $?" >>"$OUT/log.txt" ;;
     plan)  # the planner's prediction against measured peak memory
       plan_check ;;
     masks)  # issue 18: every mask kind beside plain causal on one GPU; real documents from CORPUS (default
@@ -231,4 +240,4 @@ for group in ${@:-single dp tests}; do
     *) echo "gpu_suite.sh: unknown group '$group' (see the header for the groups)" >&2; exit 2 ;;
   esac
 done
-cat "$OUT"/bench.jsonl "$OUT"/overlap.jsonl "$OUT"/plan.jsonl 2>/dev/null; tail -5 "$OUT/pytest_gpu.txt" 2>/dev/null; grep "==" "$OUT/log.txt"
+cat "$OUT"/bench.jsonl "$OUT"/overlap.jsonl "$OUT"/plan.jsonl "$OUT"/generate.jsonl 2>/dev/null; tail -5 "$OUT/pytest_gpu.txt" 2>/dev/null; grep "==" "$OUT/log.txt"

@@ -223,7 +223,45 @@ def _idle(t: Table) -> dict[Path_, float]:
     return {("step", "idle_share"): statistics.mean(shares)}
 
 
-DERIVATIONS: list[Callable[[Table], dict[Path_, float]]] = [_gemm, _attention, _elementwise, _optimizer, _nccl, _idle]
+# NVIDIA NeMo nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py,
+# userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192: the SMs each overlapped GEMM's collective takes (ring-exchange
+# ones none: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad; bulk: qkv_dgrad 4, qkv_wgrad 24, fc1_dgrad 2, fc1_wgrad 4;
+# pipelined: proj_fprop 24, fc2_fprop 16), and an H100 SXM's SMs (NVIDIA H100 datasheet: 132).
+USERBUFFERS_SMS = [0, 0, 0, 0, 4, 24, 2, 4, 24, 16]
+H100_SMS = 132
+
+
+# nccl-tests all_reduce_perf, 2 nodes x 8 H100 (GCP A3 Mega: 8 x 200 Gb/s = 200 GB/s per node),
+# github.com/lessizzmore/create-a3mega-ztan-fork, ztan-NCCL-test-result: algorithm bandwidth (GB/s) by size (MiB)
+A3MEGA_ALL_REDUCE_ALGBW = {1024: 158.86, 8192: 180.71}
+A3MEGA_NODE_GBPS = 200.0
+
+
+def _network_all_reduce(t: Table) -> dict[Path_, float]:
+    """The tree's curve through the two points: algbw = node x efficiency x size / (size + half)."""
+    (s1, b1), (s2, b2) = sorted(A3MEGA_ALL_REDUCE_ALGBW.items())
+    r = b2 / b1  # = (s2 / (s2 + half)) / (s1 / (s1 + half))
+    half = s1 * s2 * (r - 1) / (s2 - s1 * r)
+    return {
+        ("collectives", "network_all_reduce", "half_mib"): half,
+        ("collectives", "network_all_reduce", "efficiency"): b2 / A3MEGA_NODE_GBPS * (s2 + half) / s2,
+    }
+
+
+def _userbuffers(t: Table) -> dict[Path_, float]:
+    return {("tensor_parallel", "userbuffers_sm_share"): statistics.mean(USERBUFFERS_SMS) / H100_SMS}
+
+
+DERIVATIONS: list[Callable[[Table], dict[Path_, float]]] = [
+    _gemm,
+    _attention,
+    _elementwise,
+    _optimizer,
+    _nccl,
+    _idle,
+    _userbuffers,
+    _network_all_reduce,
+]
 # Numbers that only the derivations read: moving one moves what they derive (the per_* are bytes at this efficiency).
 DERIVATION_INPUTS: list[Path_] = [("elementwise", "hbm_efficiency")]
 

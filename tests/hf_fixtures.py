@@ -180,13 +180,14 @@ def train_with_bpe_tokenizer(workdir, ckpt_name: str = "ckpt"):
     return train_with_tokenizer(workdir, tok_dir, 320, ckpt_name), tok_dir  # room for the tokenizer's 300
 
 
-def train_with_tokenizer(workdir, tok_dir, vocab_size: int, ckpt_name: str = "ckpt"):
-    """A llama-test checkpoint (vocabulary `vocab_size`) trained one step from scratch on mock data that records
-    the tokenizer `tok_dir`; returns the checkpoint directory."""
+def train_with_tokenizer(workdir, tok_dir, vocab_size: int, ckpt_name: str = "ckpt", overrides: str = ""):
+    """A llama-test checkpoint (vocabulary `vocab_size`; `overrides`: more model_overrides, e.g. ", max_seq_length:
+    32") trained one step from scratch on mock data that records the tokenizer `tok_dir`; returns the checkpoint
+    directory."""
     from llamatron.cli import main
 
     config = workdir / f"{ckpt_name}.yaml"
-    config.write_text(f"model: llama-test\nmodel_overrides: {{vocab_size: {vocab_size}}}\n")
+    config.write_text(f"model: llama-test\nmodel_overrides: {{vocab_size: {vocab_size}{overrides}}}\n")
     args = [
         "train",
         "--config",

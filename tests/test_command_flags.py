@@ -8,6 +8,7 @@ from llamatron.cli import main
 PLAN = ["plan", "--model", "llama-1b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-length", "4096"]
 VERIFY = ["verify", "--load", "nowhere", "--hf", "nowhere"]
 GENERATE = ["generate", "--load", "nowhere", "--prompt", "x"]
+EVAL = ["eval", "--load", "nowhere", "--tasks", "x"]
 
 
 @pytest.mark.parametrize(
@@ -23,6 +24,10 @@ GENERATE = ["generate", "--load", "nowhere", "--prompt", "x"]
         ([*VERIFY, "--seed", "-1"], "--seed"),
         ([*GENERATE, "--temperature", "inf"], "--temperature"),
         ([*GENERATE, "--seed", str(2**40)], "--seed"),
+        ([*EVAL, "--batch-size", "0"], "--batch-size"),
+        ([*EVAL, "--limit", "0"], "--limit"),
+        ([*EVAL, "--num-fewshot", "-1"], "--num-fewshot"),
+        ([*EVAL, "--seq-length", "0"], "--seq-length"),
         (["preprocess", "--input", "x", "--output-prefix", "y", "--tokenizer", "t", "--workers", "0"], "--workers"),
     ],
 )

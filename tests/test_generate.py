@@ -56,6 +56,17 @@ def run(*args) -> int:
         # issue 39: a command-line byte that is not UTF-8 arrives as a lone surrogate; it ended in a traceback
         (["--prompt", "def \udcff"], "--prompt holds bytes that are not UTF-8 (character 4); give UTF-8 text"),
         (["--prompt", "x", "--stop", "\udcfe"], "--stop holds bytes that are not UTF-8"),
+        # issue 37: the sampling settings, the batch and the context
+        (["--prompt", "x", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1] (1: no nucleus cut)"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+        (["--prompt", "x", "--repetition-penalty", "0"], "--repetition-penalty 0.0: must be > 0 and finite"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--prompt", "x", "--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (
+            ["--prompt", "x", "--max-new-tokens", "200"],
+            "--max-new-tokens 200 after a prompt of 1 tokens passes the "
+            "model's context of 128 tokens; give at most 127",
+        ),  # fmt: skip
     ],
 )
 def test_bad_arguments_fail_before_the_model_loads(trained, monkeypatch, capsys, args, message):
@@ -68,10 +79,13 @@ def test_bad_arguments_fail_before_the_model_loads(trained, monkeypatch, capsys,
 def test_empty_prompt_starts_from_bos_and_edge_values_sample(trained, monkeypatch, capsys):
     ckpt, with_bos = trained
     prompts = []
-    real_sample = generate.sample
+    real_generate = generate.generate_batch
     monkeypatch.setattr(
-        generate, "sample", lambda model, ids, *a, **k: prompts.append(ids) or real_sample(model, ids, *a, **k)
+        generate,
+        "generate_batch",
+        lambda model, ids, *a, **k: prompts.extend(ids) or real_generate(model, ids, *a, **k),
     )
+    real_sample = generate.sample
     assert run("--load", ckpt, "--tokenizer", with_bos, "--max-new-tokens", "3") == 0
     assert prompts == [[0]]  # <|endoftext|>
     assert run("--load", ckpt, "--prompt", "def", "--max-new-tokens", "3", "--top-k", "1", "--temperature", "0") == 0
@@ -134,7 +148,10 @@ def test_stop_strings_end_sampling_and_cut_the_output(reference, monkeypatch, ca
     k = first_word_token(tok, ids, 4)
     stop, text = tok.decode(ids[k : k + 1]), tok.decode(ids)
     lengths = []
-    monkeypatch.setattr(generate, "sample", lambda *a, **kw: lengths.append(len(out := sample(*a, **kw))) or out)
+    real_generate = generate.generate_batch
+    monkeypatch.setattr(
+        generate, "generate_batch", lambda *a, **kw: lengths.append(len((out := real_generate(*a, **kw))[0])) or out
+    )
     assert greedy("--load", ckpt, "--prompt", PROMPT, "--stop", "never in it", "--stop", stop) == 0
     assert capsys.readouterr().out == PROMPT + text[: text.index(stop)] + "\n"
     assert lengths == [k + 1]  # no token sampled after the one that completed the stop string
@@ -143,8 +160,8 @@ def test_stop_strings_end_sampling_and_cut_the_output(reference, monkeypatch, ca
 def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monkeypatch, capsys):
     ckpt, tok_dir, _ = reference
     calls = []
-    monkeypatch.setattr(generate, "sample", lambda model, ids, *a, **kw: calls.append((ids, kw)) or [])
-    assert run("--load", ckpt, "--chat", "--system", "be brief", "--prompt", "hi") == 0
+    monkeypatch.setattr(generate, "generate_batch", lambda model, ids, *a, **kw: calls.append((ids[0], kw)) or [[]])
+    assert run("--load", ckpt, "--chat", "--system", "be brief", "--prompt", "hi", "--max-new-tokens", 8) == 0
     ids, kwargs = calls[-1]
     tok = load_tokenizer(str(tok_dir))
     assert tok.decode(ids) == (
@@ -159,7 +176,7 @@ def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monke
     raw.add_special_tokens(["<|im_end|>"])
     shutil.copytree(tok_dir, tmp_path / "t")
     raw.save(str(tmp_path / "t" / "tokenizer.json"))
-    assert run("--load", ckpt, "--chat", "--prompt", "hi", "--tokenizer", tmp_path / "t") == 0
+    assert run("--load", ckpt, "--chat", "--prompt", "hi", "--tokenizer", tmp_path / "t", "--max-new-tokens", 8) == 0
     assert calls[-1][1]["stop_ids"] == {0, raw.token_to_id("<|im_end|>")} and calls[-1][1]["stop"] is None
 
 
@@ -204,10 +221,15 @@ def _generate_on_rank(rank: int, world: int, argv: list[str], out_dir: Path) -> 
 
 
 def test_tensor_parallel_generation_matches_one_process(reference, tmp_path, capsys):
+    """Two prompts of different lengths decoded together on each rank, with sampling (every rank draws the same
+    tokens): the one-process output."""
     ckpt, _, _ = reference
-    args = ["generate", "--load", str(ckpt), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW)]
-    assert greedy("--load", ckpt, "--prompt", PROMPT) == 0
+    prompts = ["--prompt", PROMPT, "--prompt", "return x + 1 if x else"]
+    flags = ["--temperature", "0.9", "--top-p", "0.9", "--max-new-tokens", str(NEW), "--seed", "5"]
+    args = ["generate", "--load", str(ckpt), *prompts, *flags]
+    assert run("--load", ckpt, *prompts, *flags) == 0
     single = capsys.readouterr().out
+    assert len(single.splitlines()) == 2
     spawn(_generate_on_rank, 2, [*args, "--tp", "2", "--device", "cpu"], tmp_path)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["printed"] == single and ranks[1]["printed"] == ""
@@ -224,3 +246,58 @@ def test_a_chat_template_that_rejects_the_conversation_is_one_line(reference, tm
     err = capsys.readouterr().err
     assert err.startswith("llamatron generate: data error: --chat with tokenizer") and "no system role here" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([], "holds no prompts; give one JSON string per line"),
+        (["", "  "], "holds no prompts"),
+        (['"ok"', "not json"], 'line 2: not a JSON string or an object with a "prompt" string'),
+        (['{"text": "x"}'], "line 1: not a JSON string or an object"),
+    ],
+)
+def test_a_bad_prompts_file_is_one_line(trained, tmp_path, monkeypatch, capsys, lines, message):
+    monkeypatch.setattr(generate, "load_for_generation", lambda *a: pytest.fail("the model was loaded"))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines))
+    assert run("--load", trained[0], "--prompts-file", path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llamatron generate: data error: --prompts-file") and message in err
+    assert len(err.splitlines()) == 1
+    assert run("--load", trained[0], "--prompts-file", tmp_path / "missing.jsonl") == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_batched_prompts_print_each_ones_text_as_if_alone(reference, tmp_path, capsys):
+    """--prompt (repeated) and --prompts-file decode together, in batches of --batch-size: each result is the
+    text of that prompt run alone; the results are JSON lines in order."""
+    ckpt = reference[0]
+    prompts = [PROMPT, "return x", "def g(y):\n    return", "x"]
+    alone = []
+    for prompt in prompts:
+        assert greedy("--load", ckpt, "--prompt", prompt) == 0
+        alone.append(capsys.readouterr().out[len(prompt) : -1])
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": prompts[2]}) + "\n\n" + json.dumps(prompts[3]) + "\n")
+    for batch in ("32", "3"):
+        assert greedy("--load", ckpt, "--prompt", prompts[0], "--prompt", prompts[1], "--prompts-file", path,
+                      "--batch-size", batch) == 0  # fmt: skip
+        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert printed == [{"prompt": p, "text": t} for p, t in zip(prompts, alone)]
+    assert len(set(alone)) == len(alone)
+
+
+def test_an_imported_generation_configs_eos_list_stops(reference, tmp_path, capsys):
+    """A checkpoint imported from Hugging Face stops at every id of its generation_config.json's eos_token_id."""
+    ckpt, tok_dir, ids = reference
+    tok = load_tokenizer(str(tok_dir))
+    k = first_word_token(tok, ids, 3)
+    imported = tmp_path / "imported"
+    shutil.copytree(ckpt, imported)
+    step = next(imported.glob("step-*")) if list(imported.glob("step-*")) else imported
+    meta = json.loads((step / "meta.json").read_text())
+    meta["hf"] = {"config": {"eos_token_id": 1}, "generation_config": {"eos_token_id": [299, ids[k]]}}
+    (step / "meta.json").write_text(json.dumps(meta))
+    assert greedy("--load", imported, "--prompt", PROMPT) == 0
+    assert capsys.readouterr().out == PROMPT + tok.decode(ids[:k]) + "\n"

@@ -66,20 +66,20 @@ def test_a_llama3_user_goes_from_meta_files_to_transformers(tmp_path, monkeypatc
 
     # generate --chat: Llama 3's prompt, the KV cache, a stop at <|eot_id|>
     seen = {}
-    real_sample = generate.sample
+    real_generate = generate.generate_batch
 
-    def spy(model, ids, *args, **kwargs):
-        seen.update(prompt=ids, **kwargs)
-        return real_sample(model, ids, *args, **kwargs)
+    def spy(model, prompts, *args, **kwargs):
+        seen.update(prompt=prompts[0], **kwargs)
+        return real_generate(model, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(generate, "sample", spy)
+    monkeypatch.setattr(generate, "generate_batch", spy)
     run("generate", "--load", tmp_path / "tuned", "--chat", "--prompt", "Name a colour.", "--max-new-tokens", "8",
         "--temperature", "0", "--device", "cpu")  # fmt: skip
     assert tok.decode(seen["prompt"]).endswith(
         "<|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
-    assert eot[0] in seen["stop_ids"] and seen.get("use_cache", True)
+    assert eot[0] in seen["stop_ids"]
 
     # export-hf: transformers loads the weights and the tokenizer, and both agree with llamatron's
     run("export-hf", tmp_path / "tuned", tmp_path / "hf")

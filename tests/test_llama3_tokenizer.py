@@ -115,9 +115,11 @@ def test_generate_with_the_tiktoken_tokenizer(trained, tok_dir, monkeypatch, cap
     from llamatron.commands import generate
 
     prompts = []
-    real_sample = generate.sample
+    real_generate = generate.generate_batch
     monkeypatch.setattr(
-        generate, "sample", lambda model, ids, *a, **kw: prompts.append(ids) or real_sample(model, ids, *a, **kw)
+        generate,
+        "generate_batch",
+        lambda model, ids, *a, **kw: prompts.extend(ids) or real_generate(model, ids, *a, **kw),
     )
     for prompt in ("The quick <|eot_id|>", ""):  # an empty prompt starts from <|begin_of_text|>
         with pytest.raises(SystemExit) as done:

@@ -189,3 +189,11 @@ def test_flops_per_token_counts_the_keys_a_query_attends_to():
     assert flops_per_token(plain, 64) == n + attention * 64
     assert flops_per_token(cfg, 64) == n + attention * 16
     assert flops_per_token(cfg, 8) == flops_per_token(plain, 8) == n + attention * 8
+
+
+def test_llama31_405b_preset_has_the_published_parameter_count():
+    """Llama 3.1 405B (Dubey et al. 2024, Table 3): 405.85B parameters as the released checkpoint counts them."""
+    from llamatron.models import get_preset
+    from llamatron.models.inventory import num_params
+
+    assert num_params(get_preset("llama3.1-405b")) == pytest.approx(405.85e9, rel=0.001)

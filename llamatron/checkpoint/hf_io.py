@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +25,14 @@ from ..data.sft import CHAT_FORMATS, LLAMA3, ChatRenderer, chat_template
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
+from ..models.families import family_for_model_type
 from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
 from .meta_consolidated import MetaSource, is_meta_checkpoint
+from .pieces import Box
 from .reader import META_FILE, MODEL_FILE, CheckpointReader, inside, open_weights, read_meta, resolve_checkpoint
-from .tensor_io import StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
+from .tensor_io import PrefixedSource, StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -69,6 +72,23 @@ def open_hf_dir(hf_dir: str | Path) -> tuple[dict[str, Any], TensorSource | Meta
     )
 
 
+class HFWeights:
+    """The weights of a Hugging Face (or Meta) directory read as a checkpoint's model tensors (loading.BoxReader),
+    each converted when it is read: a model evaluated straight from such a directory, nothing written."""
+
+    def __init__(self, hf_dir: str | Path):
+        check_hf_files(hf_dir, tokenizer=False)
+        hf, self.source, _ = open_hf_dir(hf_dir)
+        self.cfg = config_from_hf(hf)
+        rules = weight_rules(self.cfg, hf, self.source.keys())
+        check_hf_names(rules, self.source.keys(), self.cfg, str(hf_dir))
+        self.rules = {r.name: r for r in rules}
+
+    def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor:
+        t = self.rules[name].fuse([self.source.get(n) for n in self.rules[name].hf_names])
+        return t if box is None else t[box.slices_within(Box.whole(tuple(t.shape)))]
+
+
 def _weight_map(index: Path) -> dict[str, str]:
     data = read_hf_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -90,7 +110,8 @@ def _check_rules_fit_model(rules: list[TensorRule], cfg: ModelConfig, shapes: di
 def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Convert a Hugging Face (or Meta) directory into the llamatron checkpoint `out`; returns OUT/step-0."""
     check_hf_files(hf_dir, tokenizer=True)  # before anything is converted or written
-    hf, source, fmt = open_hf_dir(hf_dir)
+    whole, files, fmt = open_hf_dir(hf_dir)
+    hf, source = _text_model_of(whole, files, hf_dir)
     generation = Path(hf_dir) / "generation_config.json"
     return write_imported(
         hf,
@@ -101,6 +122,23 @@ def import_hf(hf_dir: str | Path, out: str | Path, dtype: torch.dtype | None = N
         tokenizer=Path(hf_dir),
         generation_config=read_hf_json(generation) if generation.is_file() else None,
     )
+
+
+def _text_model_of(hf: dict[str, Any], source: WeightSource, where: str | Path) -> tuple[dict[str, Any], WeightSource]:
+    """A multimodal checkpoint's text model (its family says which, `HFAdapter.text_model`), with a one-line notice;
+    any other checkpoint as it is."""
+    family = family_for_model_type(hf.get("model_type"))
+    text = family.hf.text_model(hf) if family is not None else None
+    if text is None:
+        return hf, source
+    text_hf, prefix = text
+    left = sum(not n.startswith(prefix) for n in source.keys())
+    print(
+        f"{where}: a {hf.get('model_type')} model with a vision tower; importing its text model only "
+        f"({text_hf.get('model_type')}; {left} vision tensors left out)",
+        file=sys.stderr,
+    )
+    return text_hf, PrefixedSource(source, prefix)
 
 
 def write_imported(

@@ -75,6 +75,22 @@ class TensorSource:
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
+class PrefixedSource:
+    """The tensors of `source` under `prefix`, named without it (a multimodal checkpoint's text model)."""
+
+    def __init__(self, source: WeightSource, prefix: str):
+        self.source, self.prefix = source, prefix
+
+    def keys(self) -> set[str]:
+        return {n[len(self.prefix) :] for n in self.source.keys() if n.startswith(self.prefix)}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.source.get(self.prefix + name)
+
+    def meta(self, name: str) -> torch.Tensor:
+        return self.source.meta(self.prefix + name)
+
+
 def load_pickled(path: Path) -> dict[str, torch.Tensor]:
     try:
         try:  # zip-format files (torch >= 1.6) map lazily: a tensor is read when it is used
@@ -174,4 +190,12 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-__all__ = ["StreamingSafetensorsWriter", "TensorSource", "WeightSource", "TensorSpec", "load_pickled", "parse_size"]
+__all__ = [
+    "PrefixedSource",
+    "StreamingSafetensorsWriter",
+    "TensorSource",
+    "WeightSource",
+    "TensorSpec",
+    "load_pickled",
+    "parse_size",
+]

@@ -225,6 +225,13 @@ class TrainConfig:
         ["loss", "perplexity", "accuracy"],
         "evaluation metrics by name (llamatron.training.evaluation; MODULE:NAME imports MODULE first)",
     )
+    eval_tasks: list[str] = _f(
+        [],
+        "lm-evaluation-harness tasks (names or globs) run at every evaluation, logged as TASK/METRIC; needs "
+        "--tokenizer and the eval extra (pip install 'llamatron[eval]'); refused under --tp, --pp, --cp, --ep",
+    )
+    eval_include_path: str | None = _f(None, "with --eval-tasks: a directory of task YAML files beside lm-eval's own")
+    eval_limit: int | None = _f(None, "with --eval-tasks: examples per task (default: all)", allowed=at_least(1))
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files of the metric records here")
     wandb_project: str | None = _f(None, "log the metric records to this Weights & Biases project")
     wandb_mode: str | None = _f(

@@ -119,6 +119,21 @@ class Tokenizer:
         with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether this tokenizer's own default (transformers' add_special_tokens=True) puts a BOS token first:
+        tokenizer_config.json's add_bos_token where it says, else what a tokenizer.json's post-processor does to an
+        empty text (Llama 3's adds BOS, Qwen's nothing); SentencePiece and tiktoken ones (Llama 1/2, Mistral,
+        Llama 3) add it. ``encode`` itself never adds it."""
+        if self.bos_id is None:
+            return False
+        configured = (self._config or {}).get("add_bos_token")
+        if isinstance(configured, bool):
+            return configured
+        if self.kind == "huggingface":
+            return self._backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
+        return True
+
     def _find_eod_id(self) -> int | None:
         if self.kind == "sentencepiece":
             eos = self._backend.eos_id()

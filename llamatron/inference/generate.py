@@ -1,11 +1,12 @@
-"""Sampling from a trained model: a KV cache, stopping rules, on one device or tensor-parallel ranks.
+"""Generating text from a trained model, on one device or tensor-parallel ranks: the library's entry points.
 
-The prompt runs once (the prefill) and fills a KV cache (models/kv_cache.py); each new token then runs alone,
-attending to the cached keys. The tokens are those of recomputing the whole sequence for every token, which
-`use_cache=False` still does (the reference the cache is tested against). Where the cached keys are not what
-the whole sequence would compute, the cache is refilled from the whole (cropped) sequence instead: past the
-model's context, where the sequence is cut to its last `max_seq_length` tokens and every position shifts, and
-under dynamic NTK rope scaling past the trained context, where the frequencies change with the length.
+`generate_batch` runs a batch of prompts through the decoder of inference/decode.py (a KV cache of fixed shape,
+per-row positions, the step captured in a CUDA graph on GPU); `sample` is one prompt. Where a fixed cache cannot
+hold what the whole sequence would compute, each prompt runs alone through `next_token_logits`, which refills a
+growing cache from the whole (cropped) sequence: past the model's context, where the sequence is cut to its last
+`max_seq_length` tokens and every position shifts, and under dynamic NTK rope scaling past the trained context,
+where the frequencies change with the length. `use_cache=False` recomputes the whole sequence for every token (the
+reference the caches are tested against). All of them draw tokens the same way (inference/sampling.py).
 
 Under tensor parallelism every rank runs the same loop on its shard of the model (and holds its KV heads'
 cache); the logits of the whole vocabulary are gathered on every rank, so every rank draws the same token.
@@ -19,7 +20,7 @@ import torch
 
 from ..adapters.merge import open_model_weights
 from ..checkpoint import load_model_weights, read_model_config
-from ..models import Transformer, build_model
+from ..models import ModelConfig, Transformer, build_model
 from ..models.kv_cache import KVCache
 from ..models.layers import rope_depends_on_length
 from ..parallel.expert import apply_expert_parallel
@@ -27,23 +28,11 @@ from ..parallel.mesh import Mesh
 from ..parallel.param_spec import param_specs
 from ..parallel.tensor import apply_tensor_parallel
 from ..parallel.tensor_layers import gather_vocab
+from .decode import Decoder
+from .sampling import Sampling, draw_noise, next_tokens
+from .stops import StopStrings
 
-
-class StopStrings:
-    """Stop once the generated text holds one of `strings`; `cut` ends the text before the first of them."""
-
-    def __init__(self, decode: Callable[[list[int]], str], strings: Sequence[str]):
-        if any(not s for s in strings):
-            raise ValueError("a stop string is empty: it would stop before the first token")
-        self.decode, self.strings = decode, list(strings)
-
-    def __call__(self, ids: list[int]) -> bool:
-        text = self.decode(ids)
-        return any(s in text for s in self.strings)
-
-    def cut(self, text: str) -> str:
-        ends = [i for i in (text.find(s) for s in self.strings) if i >= 0]
-        return text[: min(ends)] if ends else text
+__all__ = ["StopStrings", "fits_fixed_cache", "generate_batch", "load_for_generation", "next_token_logits", "sample"]
 
 
 def next_token_logits(model: Transformer, ids: list[int], cache: KVCache | None) -> torch.Tensor:
@@ -63,14 +52,81 @@ def next_token_logits(model: Transformer, ids: list[int], cache: KVCache | None)
     return gather_vocab(logits, model.parallel.vocab).float()  # tensor parallelism: each rank holds a shard
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+def fits_fixed_cache(cfg: ModelConfig, length: int) -> bool:
+    """Whether `length` tokens (a prompt and its new tokens) decode with the fixed KV cache of inference/decode.py:
+    within the context, and before dynamic NTK scaling changes the rotary frequencies."""
+    return length <= cfg.max_seq_length and not rope_depends_on_length(cfg, length)
+
+
+def _one_prompt(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    stop_ids: Collection[int],
+    stop: Callable[[list[int]], bool] | None,
+    use_cache: bool,
+) -> list[int]:
+    """One prompt, one token at a time: the growing cache where it is exact, else (and with use_cache=False) the
+    whole (cropped) sequence for every token. The reference, and what runs past the fixed cache's reach."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    vocab = model.cfg.vocab_size
+    cache = KVCache(min(len(prompt_ids) + max_new_tokens, model.cfg.max_seq_length)) if use_cache else None
+    seen = torch.zeros(1, vocab, dtype=torch.bool, device=device) if sampling.needs_seen else None
+    if seen is not None:
+        seen[0, list(prompt_ids)] = True
+    noise = None if sampling.greedy else torch.empty(1, vocab, device=device)
+    ids, new = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = next_token_logits(model, ids, cache)[None]
+        if noise is not None:
+            draw_noise(noise, generator)
+        next_id = int(next_tokens(logits, sampling, seen, noise)[0])
+        ids.append(next_id)
+        new.append(next_id)
+        if seen is not None:
+            seen[0, next_id] = True
+        if next_id in stop_ids or (stop is not None and stop(new)):
+            break
+    return new
+
+
+@torch.no_grad()
+def generate_batch(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    stop_ids: Collection[int] = (),
+    stop: Callable[[list[int]], bool] | None = None,
+    cuda_graph: bool | None = None,
+    compile: bool = False,
+    batch_size: int | None = None,
+) -> list[list[int]]:
+    """Up to `max_new_tokens` new tokens after each prompt (greedy by default), the prompts decoded together, up to
+    `batch_size` at a time (default: all). A prompt's output ends after a token in `stop_ids` (the last one
+    returned) or once `stop(its new tokens)` holds. cuda_graph, compile: inference/decode.Decoder's."""
+    sampling = sampling if sampling is not None else Sampling(temperature=0)
+    problems = sampling.problems()
+    if not prompts:
+        problems.append("no prompts: give at least one")
+    problems += [f"prompt {i} is empty: start it from a token (e.g. BOS)" for i, p in enumerate(prompts) if not p]
+    if max_new_tokens < 1:
+        problems.append(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if batch_size is not None and batch_size < 1:
+        problems.append(f"batch_size={batch_size}: must be >= 1")
+    if problems:
+        raise ValueError("; ".join(problems))
+    longest = max(len(p) for p in prompts)
+    if fits_fixed_cache(model.cfg, longest + max_new_tokens):
+        size = min(batch_size or len(prompts), len(prompts))
+        decoder = Decoder(model, size, longest + max_new_tokens, sampling, cuda_graph, compile)  # one for every batch:
+        batches = (prompts[start : start + size] for start in range(0, len(prompts), size))  # one capture on GPU
+        return [out for batch in batches for out in decoder.generate(batch, max_new_tokens, seed, stop_ids, stop)]
+    return [_one_prompt(model, p, max_new_tokens, sampling, seed, stop_ids, stop, True) for p in prompts]
 
 
 @torch.no_grad()
@@ -84,26 +140,23 @@ def sample(
     stop_ids: Collection[int] = (),
     stop: Callable[[list[int]], bool] | None = None,
     use_cache: bool = True,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
 ) -> list[int]:
     """Up to `max_new_tokens` new tokens after the prompt; temperature <= 0: greedy. Ends after a token in
     `stop_ids` (which is then the last one returned) or once `stop(new tokens)` is true. use_cache=False:
     recompute the whole sequence for every token (the reference)."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: start from at least one token (e.g. the tokenizer's BOS)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k}: must be >= 1, or None for no top-k cut")
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    length = min(len(prompt_ids) + max_new_tokens, model.cfg.max_seq_length)
-    cache = KVCache(length) if use_cache else None
-    ids, new = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        next_id = _pick(next_token_logits(model, ids, cache), temperature, top_k, gen)
-        ids.append(next_id)
-        new.append(next_id)
-        if next_id in stop_ids or (stop is not None and stop(new)):
-            break
-    return new
+    sampling = Sampling(temperature, top_k, top_p, repetition_penalty)
+    problems = sampling.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    if max_new_tokens < 1:
+        return []
+    if use_cache:
+        return generate_batch(model, [prompt_ids], max_new_tokens, sampling, seed, stop_ids, stop)[0]
+    return _one_prompt(model, prompt_ids, max_new_tokens, sampling, seed, stop_ids, stop, use_cache=False)
 
 
 def load_for_generation(

@@ -1,13 +1,17 @@
 """The attention core and its masks: which keys each query sees, built once per forward and shared by all layers.
 
 One rule says what a query sees (`_keep`): keys at or before it, in its document when document ids are given,
-and within the sliding window when there is one. It is applied three ways:
+within the sliding window when there is one, and in its own chunk of `chunk` tokens when the layer attends in
+chunks (Llama 4's chunked local attention: positions [c·chunk, (c+1)·chunk) see only each other). It is applied
+three ways:
 
 - no mask at all for plain causal attention over the local sequence (the fastest kernels: cuDNN, FA4);
 - on CUDA a flex-attention BlockMask, whose kernel skips the blocks the rule masks out; without document ids it
   depends only on the shape, so it is cached across steps (FA4 runs a plain window natively instead, when chosen);
 - off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against;
-- a slice of the keys for one query decoding after a KV cache (models/kv_cache.py): it sees a contiguous range.
+- a slice of the keys for one query decoding after a KV cache (models/kv_cache.py): it sees a contiguous range;
+- an additive bias over a static KV cache for batched decoding, one query per row at that row's own position
+  (`decode_mask`, `decode_attention`): rows of different lengths, the step's shapes fixed (a CUDA graph replays it).
 
 Context parallelism (parallel/context.py) gives each rank two chunks of every sequence (`load_balanced_index`)
 and the whole sequence's keys; the rule then reads each query's index in the whole sequence. Queries after a KV cache
@@ -60,9 +64,12 @@ class AttentionMask:
     dense: torch.Tensor | None = None
     window: int | None = None
     first_key: int | None = None
+    rows: torch.Tensor | None = None  # (batch, 1, keys) additive bias: one query per row (decode_mask)
 
 
-def _keep(query_index: torch.Tensor | None, documents: torch.Tensor | None, window: int | None) -> Callable:
+def _keep(
+    query_index: torch.Tensor | None, documents: torch.Tensor | None, window: int | None, chunk: int | None = None
+) -> Callable:
     """The rule as a flex-attention mask_mod: does query q (of batch row b) see key kv?"""
 
     def keep(b, h, q, kv):
@@ -72,6 +79,8 @@ def _keep(query_index: torch.Tensor | None, documents: torch.Tensor | None, wind
             out = out & (documents[b, qi] == documents[b, kv])
         if window is not None:
             out = out & (qi - kv < window)
+        if chunk is not None:
+            out = out & (qi // chunk == kv // chunk)
         return out
 
     return keep
@@ -89,29 +98,32 @@ def attention_mask(
     context: tuple[int, int] = (1, 0),
     flex: bool | None = None,
     offset: int = 0,
+    chunk: int | None = None,
 ) -> AttentionMask | None:
     """The mask of one forward over `seq_len` local queries (None: plain causal attention, no mask needed).
 
     document_ids: (batch, whole sequence) ids, equal within a document; under context parallelism they cover the
     whole sequence (the keys), not only this rank's queries. context: (cp size, cp rank). flex: build a BlockMask
     (default: on CUDA), else a dense mask. offset: tokens in a KV cache before these queries (none with document
-    ids or context parallelism)."""
+    ids or context parallelism). chunk: attend within chunks of this many tokens (None: no chunks)."""
     if offset:
         if document_ids is not None or context != (1, 0):
             raise ValueError("a KV cache offset works without document ids and context parallelism only")
-        return _mask_after_cache(seq_len, offset, window, device, flex)
+        return _mask_after_cache(seq_len, offset, window, device, flex, chunk)
     size, rank = context
     keys = seq_len * size
     if window is not None and window >= keys:
         window = None  # a window as long as the sequence is plain causal attention
-    if document_ids is None and size == 1 and window is None:
+    if chunk is not None and chunk >= keys:
+        chunk = None  # one chunk: plain causal attention
+    if document_ids is None and size == 1 and window is None and chunk is None:
         return None
     flex = device.type == "cuda" if flex is None else flex
-    key = (seq_len, window, str(device), size, rank, flex)
+    key = (seq_len, window, chunk, str(device), size, rank, flex)
     if document_ids is None and key in _CACHE:
         return _CACHE[key]
     query_index = load_balanced_index(keys, size, rank, device) if size > 1 else None
-    rule = _keep(query_index, document_ids, window)
+    rule = _keep(query_index, document_ids, window, chunk)
     batch = None if document_ids is None else document_ids.shape[0]
     if flex:
         # _compile builds the block structure without materialising a (queries, keys) mask.
@@ -119,7 +131,7 @@ def attention_mask(
         mask = AttentionMask(block=block)
     else:
         mask = AttentionMask(dense=create_mask(rule, batch or 1, 1, seq_len, keys, device=device))
-    if document_ids is None and size == 1:
+    if document_ids is None and size == 1 and chunk is None:
         mask = AttentionMask(mask.block, mask.dense, window)
     if document_ids is None:
         if len(_CACHE) >= _CACHE_SIZE:
@@ -129,13 +141,14 @@ def attention_mask(
 
 
 def _mask_after_cache(
-    seq_len: int, offset: int, window: int | None, device: torch.device, flex: bool | None
+    seq_len: int, offset: int, window: int | None, device: torch.device, flex: bool | None, chunk: int | None
 ) -> AttentionMask:
     """Queries at positions [offset, offset + seq_len) over the keys [0, offset + seq_len)."""
     keys = offset + seq_len
-    if seq_len == 1:  # the rule for one query: every key up to it, within the window
-        return AttentionMask(first_key=0 if window is None else max(0, keys - window))
-    rule = _keep(torch.arange(offset, keys, device=device), None, window)
+    if seq_len == 1:  # the rule for one query: every key up to it, within the window or its chunk
+        first = 0 if window is None else max(0, keys - window)
+        return AttentionMask(first_key=first if chunk is None else (keys - 1) // chunk * chunk)
+    rule = _keep(torch.arange(offset, keys, device=device), None, window, chunk)
     if device.type == "cuda" if flex is None else flex:
         return AttentionMask(block=create_block_mask(rule, None, None, seq_len, keys, device=device))
     return AttentionMask(dense=create_mask(rule, 1, 1, seq_len, keys, device=device))
@@ -179,6 +192,8 @@ def attention_core(
     """Attention over (batch, heads, queries, head_dim) with the keys `mask` allows (None: causal); k/v may have
     fewer heads (GQA/MQA) and, under context parallelism or after a KV cache, more positions than q. backend: one of
     ATTENTION_BACKENDS (the layer's choice)."""
+    if mask is not None and mask.rows is not None:
+        return decode_attention(q, k, v, mask.rows)
     gqa = q.shape[1] != k.shape[1]
     if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -195,3 +210,29 @@ def attention_core(
     if mask.block is not None:
         return flex_attention(q, k, v, mask.block, gqa)
     return _sdpa(q, k, v, backend, attn_mask=mask.dense, enable_gqa=gqa)
+
+
+def decode_mask(
+    positions: torch.Tensor, keys: int, window: int | None, dtype: torch.dtype, chunk: int | None = None
+) -> AttentionMask:
+    """One query per batch row, at that row's own position `positions[b]`, over a static KV cache of `keys` slots
+    (batched decoding of prompts of different lengths): the keys it sees by the same rule, as an additive bias
+    (batch, 1, keys) of 0 and -inf. Device ops only, no host read: a CUDA graph replays it with new positions."""
+    key_index = torch.arange(keys, device=positions.device)
+    seen = _keep(None, None, window, chunk)(None, None, positions[:, None], key_index)
+    bias = torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill(~seen, float("-inf"))
+    return AttentionMask(rows=bias[:, None, :])
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q (batch, heads, 1, dim) over a static cache's k/v (batch, kv heads, keys, dim) under `bias` (decode_mask).
+
+    The query heads sharing a KV head are one batched matmul against it (no copy of the cache per query head,
+    which SDPA's kernels that take a mask would make for GQA), the scale and bias ride in its epilogue."""
+    batch, heads, _, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    q = q.reshape(batch * kv_heads, heads // kv_heads, dim)
+    bias = bias.expand(batch, kv_heads, keys).reshape(-1, 1, keys)  # each KV head's group of queries sees the row's
+    scores = torch.baddbmm(bias, q, k.reshape(-1, keys, dim).transpose(1, 2), alpha=dim**-0.5)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(-1, keys, dim))
+    return out.view(batch, heads, 1, dim)

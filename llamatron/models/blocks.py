@@ -22,10 +22,12 @@ class SwiGLU(nn.Module):
 
     tp_plan = {"gate_up": "gate_up", "down": "row"}  # each rank: the same slice of gate and of up
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn: int | None = None):
+        """ffn: the width (default cfg.ffn_hidden_size)."""
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=cfg.bias)
-        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+        ffn = cfg.ffn_hidden_size if ffn is None else ffn
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * ffn, bias=cfg.bias)
+        self.down = nn.Linear(ffn, cfg.hidden_size, bias=cfg.bias)
         self.backend = "auto"  # auto, triton or torch: this model's choice (models/kernels.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,14 +45,15 @@ class SwiGLU(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(...)): the pre-norm layer."""
+    """x + attn(norm(x)), then + mlp(norm(...)): the pre-norm layer. Layer `index` of the model: whether it has
+    experts, its MLP's width and whether it rotates come from the config (ModelConfig.is_moe_layer, ...)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, rope=cfg.layer_has_rope(index))
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp: SwiGLU | MoE = MoE(cfg) if cfg.is_moe else SwiGLU(cfg)
+        self.mlp: SwiGLU | MoE = MoE(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg, cfg.layer_ffn(index))
 
     def forward(
         self,
@@ -59,14 +62,16 @@ class DecoderBlock(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask | None = None,
         cache: LayerKVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x, normed = self.mlp_norm.add_and_norm(x, self.attn(self.attn_norm(x), cos, sin, mask, cache))
+        attn = self.attn(self.attn_norm(x), cos, sin, mask, cache, positions)
+        x, normed = self.mlp_norm.add_and_norm(x, attn)
         return self.mlp(normed, residual=x)
 
 
 def decoder_block(cfg: ModelConfig, index: int) -> DecoderBlock:
     """Layer `index` of a model made of pre-norm decoder layers (a Family's `block`)."""
-    return DecoderBlock(cfg)
+    return DecoderBlock(cfg, index)
 
 
 def rms_norm(cfg: ModelConfig) -> RMSNorm:

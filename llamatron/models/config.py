@@ -16,7 +16,12 @@ MOE_SETTINGS = (
     "moe_renormalize",
     "shared_expert_ffn",
     "shared_expert_gate",
+    "moe_layer_step",
+    "dense_ffn_hidden_size",
+    "router_score",
+    "router_weights_input",
 )
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -81,6 +86,25 @@ class ModelConfig:
     # none), scaled by a sigmoid gate of the token with shared_expert_gate
     shared_expert_ffn: int = 0
     shared_expert_gate: bool = False
+    # Layer i has experts when (i + 1) % moe_layer_step == 0 (Llama 4's interleave_moe_layer_step, Qwen's
+    # decoder_sparse_step); the others are dense SwiGLUs dense_ffn_hidden_size wide (0: ffn_hidden_size)
+    moe_layer_step: int = 1
+    dense_ffn_hidden_size: int = 0
+    # The chosen experts' weights: softmax over all experts (Mixtral, Qwen) or the sigmoid of each chosen logit
+    # (Llama 4, DeepSeek-V3); router_weights_input: the weight scales each expert's input instead of its output
+    # (Llama 4)
+    router_score: str = "softmax"
+    router_weights_input: bool = False
+    # Attention of Llama 4: every nope_layer_interval-th layer has no rotary embedding (0: every layer has it); the
+    # other layers attend within chunks of attention_chunk_size tokens (None: the whole causal context) and, with
+    # qk_l2_norm, RMS-normalise (no weight) each query and key head after the rotary embedding. NoPE layers scale
+    # their queries by 1 + attn_temperature_scale * log(1 + floor((position + 1) / attn_temperature_floor))
+    # (attention temperature tuning; 0: off)
+    nope_layer_interval: int = 0
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    attn_temperature_floor: int = 0
+    attn_temperature_scale: float = 0.1
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -108,7 +132,7 @@ class ModelConfig:
             return out
         if not self.init_std >= 0:
             out.append(f"init_std {self.init_std} must be >= 0")
-        out += self._moe_problems()
+        out += self._moe_problems() + self._attention_problems()
         out += [
             f"{name} {getattr(self, name)} must be >= 1"
             for name in (
@@ -151,8 +175,8 @@ class ModelConfig:
                 out.append(f"rope_scaling kind {r.kind!r} must be linear, dynamic or llama3")
             if not (r.factor > 0 and r.factor < float("inf")):
                 out.append(f"rope_scaling factor {r.factor} must be a positive number")
-            if r.kind == "llama3" and not 0 < r.low_freq_factor < r.high_freq_factor:
-                out.append("rope_scaling llama3 needs 0 < low_freq_factor < high_freq_factor")
+            if r.kind == "llama3" and not 0 < r.low_freq_factor <= r.high_freq_factor:
+                out.append("rope_scaling llama3 needs 0 < low_freq_factor <= high_freq_factor")
         return out
 
     def _moe_problems(self) -> list[str]:
@@ -174,11 +198,59 @@ class ModelConfig:
                 out.append(f"{name} {getattr(self, name)} must be >= 0")
         if self.shared_expert_gate and not self.shared_expert_ffn:
             out.append("shared_expert_gate needs a shared expert: give shared_expert_ffn > 0")
+        if not self.moe_layer_step >= 1:
+            out.append(f"moe_layer_step {self.moe_layer_step} must be >= 1 (1: experts in every layer)")
+        elif self.moe_layer_step > self.num_layers:
+            out.append(f"moe_layer_step {self.moe_layer_step} > num_layers {self.num_layers}: no layer has experts")
+        if not self.dense_ffn_hidden_size >= 0:
+            out.append(f"dense_ffn_hidden_size {self.dense_ffn_hidden_size} must be >= 0 (0: ffn_hidden_size)")
+        if self.router_score not in ROUTER_SCORES:
+            out.append(f"router_score {self.router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
+        return out
+
+    def _attention_problems(self) -> list[str]:
+        out = []
+        if not self.nope_layer_interval >= 0:
+            out.append(f"nope_layer_interval {self.nope_layer_interval} must be >= 0 (0: rotary in every layer)")
+        if self.attention_chunk_size is not None:
+            if not self.attention_chunk_size >= 1:
+                out.append(f"attention_chunk_size {self.attention_chunk_size} must be >= 1 (or null: no chunks)")
+            if self.sliding_window is not None:
+                out.append("attention_chunk_size and sliding_window are both set: a layer attends one way; drop one")
+        if not self.attn_temperature_floor >= 0:
+            out.append(f"attn_temperature_floor {self.attn_temperature_floor} must be >= 0 (0: no tuning)")
+        if not self.attn_temperature_scale >= 0:
+            out.append(f"attn_temperature_scale {self.attn_temperature_scale} must be >= 0")
         return out
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has experts (else a dense SwiGLU)."""
+        return self.is_moe and (index + 1) % self.moe_layer_step == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def layer_ffn(self, index: int) -> int:
+        """The width of layer `index`'s SwiGLU (of each expert in a MoE layer)."""
+        if self.is_moe_layer(index) or not self.dense_ffn_hidden_size:
+            return self.ffn_hidden_size
+        return self.dense_ffn_hidden_size
+
+    def layer_has_rope(self, index: int) -> bool:
+        return not (self.nope_layer_interval and (index + 1) % self.nope_layer_interval == 0)
+
+    def layer_attention_chunk(self, index: int) -> int | None:
+        """The chunk layer `index` attends within (None: the whole causal context): rotary layers only."""
+        return self.attention_chunk_size if self.layer_has_rope(index) else None
+
+    def layer_variant(self, index: int) -> tuple:
+        """What sets layer `index`'s shape and attention apart from the others (equal for layers built alike)."""
+        return (self.is_moe_layer(index), self.layer_ffn(index), self.layer_has_rope(index))
 
     @property
     def attention_width(self) -> int:

@@ -25,8 +25,9 @@ def no_problems(cfg: ModelConfig) -> list[str]:
     return []
 
 
-def same_layers(cfg: ModelConfig, index: int) -> int:
-    return 0
+def same_layers(cfg: ModelConfig, index: int) -> tuple:
+    """Layers differ only where the config's per-layer options say (experts or not, width, rotary or not)."""
+    return cfg.layer_variant(index)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class HFAdapter:
     config_to_hf: Callable[[ModelConfig, Mapping[str, Any]], dict[str, Any]]
     # (cfg, config.json, the Hugging Face tensor names at hand or ()) -> every llamatron tensor's rule, in order
     weight_rules: Callable[[ModelConfig, Mapping[str, Any], Collection[str]], list[TensorRule]]
+    # A multimodal config.json of one of model_types -> (its text model's config.json, the prefix of the text model's
+    # tensors), which import-hf converts alone; None for a text model's config.json
+    text_model: Callable[[Mapping[str, Any]], tuple[dict[str, Any], str] | None] = lambda hf: None
 
 
 @dataclass(frozen=True)

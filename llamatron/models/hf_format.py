@@ -203,7 +203,7 @@ def decoder_layer_rules(
 ) -> list[TensorRule]:
     """Layer `i` of such a decoder under transformers' names (model.layers.i.self_attn.q_proj, ...): norms,
     attention (with the q/k norms where cfg.qk_norm) and, with `mlp`, the SwiGLU MLP."""
-    qkv, gate_up = qkv_and_gate_up(cfg)
+    qkv, gate_up = qkv_and_gate_up(cfg, cfg.layer_ffn(i))
     h, L = f"model.layers.{i}", f"layers.{i}"
     q, k, v = (f"{h}.self_attn.{x}_proj" for x in "qkv")
     rules = [TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",))]
@@ -229,11 +229,13 @@ def decoder_rules(cfg: ModelConfig, layers: list[list[TensorRule]]) -> list[Tens
     return rules
 
 
-def qkv_and_gate_up(cfg: ModelConfig) -> tuple[Callable, Callable]:
-    """The splits of llamatron's fused [Q; K; V] and [gate; up] rows back into Hugging Face's separate ones."""
+def qkv_and_gate_up(cfg: ModelConfig, ffn: int | None = None) -> tuple[Callable, Callable]:
+    """The splits of llamatron's fused [Q; K; V] and [gate; up] rows (`ffn` wide: default cfg.ffn_hidden_size) back
+    into Hugging Face's separate ones."""
     d = cfg.head_dim
     qkv = split_rows([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
-    return qkv, split_rows([cfg.ffn_hidden_size, cfg.ffn_hidden_size])
+    ffn = cfg.ffn_hidden_size if ffn is None else ffn
+    return qkv, split_rows([ffn, ffn])
 
 
 __all__ = [

@@ -87,7 +87,8 @@ def _kind_of(module: nn.Module, leaf: str, name: str) -> str:
 def _describe(layer: nn.Module) -> Layer:
     plans = {}
     for prefix, module in layer.named_modules():
-        for child, style in getattr(type(module), "tp_plan", {}).items():
+        styles = {**getattr(type(module), "tp_plan", {}), **getattr(type(module), "tp_split", {})}
+        for child, style in styles.items():
             plans[f"{prefix}.{child}" if prefix else child] = style
     modules = dict(layer.named_modules())
     weights = []
@@ -182,14 +183,38 @@ def expert_params(cfg: ModelConfig) -> int:
     return sum(layer.params("expert") for layer in layers(cfg))
 
 
+def mean_mlp_width(cfg: ModelConfig) -> float:
+    """The MLP width one token runs through, averaged over the layers: a dense layer's ffn, or experts_per_token
+    experts' in a MoE layer (models with dense layers among the MoE ones differ by layer)."""
+    widths = [cfg.layer_ffn(i) * (cfg.experts_per_token if cfg.is_moe_layer(i) else 1) for i in range(cfg.num_layers)]
+    return sum(widths) / cfg.num_layers
+
+
+def moe_layer_share(cfg: ModelConfig) -> float:
+    """The fraction of decoder layers with experts."""
+    return cfg.num_moe_layers / cfg.num_layers
+
+
+def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
+    """The keys a query's attention score matrix spans, averaged over the layers (the S of the FLOP formula): the
+    sequence, the sliding window or the attention chunk where shorter."""
+    spans = []
+    for i in range(cfg.num_layers):
+        span = seq_length
+        for limit in (cfg.sliding_window, cfg.layer_attention_chunk(i)):
+            span = min(span, limit) if limit is not None else span
+        spans.append(span)
+    return sum(spans) / len(spans)
+
+
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
     6·(N - input-embedding params) + 12·L·(heads·head_dim)·S, as PaLM and torchtitan count them
     (docs/design.md; heads·head_dim is hidden_size unless head_dim says otherwise). S is the keys a query attends
-    to: the sequence length, or the sliding window when it is shorter (else windowed models report MFU above
-    100%). N of a mixture of experts is its active parameters (experts_per_token experts per layer, as
-    Megatron-core and torchtitan count MoE FLOPs)."""
-    keys = min(seq_length, cfg.sliding_window) if cfg.sliding_window is not None else seq_length
+    to: the sequence length, or the sliding window (or Llama 4's attention chunk) when it is shorter (else windowed
+    models report MFU above 100%), averaged over layers. N of a mixture of experts is its active parameters
+    (experts_per_token experts per layer, as Megatron-core and torchtitan count MoE FLOPs)."""
+    keys = mean_keys(cfg, seq_length)
     matmul_params = active_params(cfg) - input_embedding_params(cfg)
     return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.attention_width * keys
 
@@ -204,5 +229,8 @@ __all__ = [
     "flops_per_token",
     "input_embedding_params",
     "layers",
+    "mean_keys",
+    "mean_mlp_width",
+    "moe_layer_share",
     "num_params",
 ]

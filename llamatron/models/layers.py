@@ -98,6 +98,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in fp32, no weight (Llama 4's q/k norm)."""
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
+class TemperatureTuning(nn.Module):
+    """Queries scaled by 1 + scale · log(1 + floor((position + 1) / floor)): attention sharpens at long range
+    (Llama 4's NoPE layers; 1 for the first `floor` - 1 positions)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.floor, self.scale = cfg.attn_temperature_floor, cfg.attn_temperature_scale
+
+    def forward(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q: (batch, heads, seq, head_dim); positions: (batch, seq)."""
+        factor = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor)) * self.scale + 1.0
+        return (q * factor[:, None, :, None]).to(q.dtype)
+
+
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]; optionally an RMSNorm over
     each query and key head before the rotary embedding (`cfg.qk_norm`, Qwen3)."""
@@ -107,7 +126,8 @@ class Attention(nn.Module):
     tp_plan = {"qkv": "qkv", "o": "row", "q_norm": "replicated_partial", "k_norm": "replicated_partial"}
     core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rope: bool = True):
+        """rope: this layer rotates its queries and keys (False: a NoPE layer of Llama 4)."""
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -117,6 +137,11 @@ class Attention(nn.Module):
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        # Llama 4: rotary layers RMS-normalise q and k after rotating (no weight); NoPE layers tune the queries'
+        # temperature by position
+        self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm and rope else None
+        self.temperature = None if rope or not cfg.attn_temperature_floor else TemperatureTuning(cfg)
         self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
         # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
         self.backend = "auto"
@@ -129,14 +154,16 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask | None = None,
         cache: LayerKVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """cache: this layer's KV cache; the new keys and values join the cached ones, and the queries see them all
-        (as `mask` says)."""
+        (as `mask` says). positions: (batch, seq) of the queries, for temperature tuning."""
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
         batch, seq, _ = qkv.shape  # sequence parallelism: x is a sequence shard, qkv the whole sequence
-        fused = self.q_norm is None and rope_op.supports_head_dim(d)  # the kernel has no norm between split and rotary
+        # the kernel has no norm between split and rotary
+        fused = self.rope and self.q_norm is None and rope_op.supports_head_dim(d)
         if fused and triton_check.kernels_on(self.rope_backend, qkv):
             # one kernel: split, rotate, (batch, seq, heads, dim) outputs
             q, k, v = rope_op.qkv_rope_op(qkv, cos, sin, self.num_heads, self.num_kv_heads)
@@ -146,7 +173,13 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.rope:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.l2_eps is not None:
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+        if self.temperature is not None:
+            assert positions is not None, "temperature tuning needs the queries' positions"
+            q = self.temperature(q, positions)
         if cache is not None:
             k, v = cache.append(k, v)
         out = self.core(q, k, v, mask, self.backend)

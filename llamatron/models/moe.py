@@ -2,8 +2,11 @@
 
 A shared expert (`shared_expert_ffn`, Qwen2-MoE's, optionally gated) runs on every token beside the routed ones.
 
-Routing is Mixtral's: softmax over all experts, the top k, their weights renormalised to sum to 1 (without
-`moe_renormalize`, Qwen2-MoE's: the top k's softmax weights as they are). It is
+Routing picks the k experts of the highest router logits. Their weights are Mixtral's by default: the softmax
+over all experts, renormalised over the k to sum to 1 (without `moe_renormalize`, Qwen2-MoE's: the top k's softmax
+weights as they are); with `router_score` sigmoid, each chosen logit's sigmoid (Llama 4; renormalised as
+DeepSeek-V3's if `moe_renormalize`). A weight scales its expert's output, or with `router_weights_input` its input
+(Llama 4: expert(w · x) rather than w · expert(x)). It is
 dropless: every token reaches its k experts, however unevenly they are chosen. The tokens are sorted by
 expert so that each expert's tokens are one contiguous run, and the experts run as two grouped GEMMs over
 the runs (`torch._grouped_mm`, on CUDA in bf16) or, as the reference, a loop over the experts.
@@ -116,6 +119,10 @@ class SharedExpert(nn.Module):
     """A SwiGLU every token goes through beside its routed experts (Qwen2-MoE's shared expert), its output scaled
     by sigmoid(gate(x)) when `gated`. It belongs to every rank like a dense MLP (expert parallelism leaves it)."""
 
+    # How tensor parallelism splits it: parallel/expert.py, beside the routed experts (not apply_tensor_parallel's
+    # parallel linears: its partial sum joins theirs before their one reduction); read by models/inventory.py
+    tp_split = {"gate_up": "gate_up", "down": "row"}
+
     def __init__(self, hidden: int, ffn: int, gated: bool):
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
@@ -181,6 +188,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
         self.renormalize = cfg.moe_renormalize
+        self.sigmoid_scores, self.weights_input = cfg.router_score == "sigmoid", cfg.router_weights_input
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
         self.shared: SharedExpert | None = None
@@ -203,17 +211,31 @@ class MoE(nn.Module):
         batch, seq, hidden = full.shape
         tokens = full.reshape(-1, hidden)
         logits = self.router(tokens)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # the load-balancing loss's, whatever the score
+        top, chosen = torch.topk(logits.float() if self.sigmoid_scores else probs, self.top_k, dim=-1)
+        if self.sigmoid_scores:
+            top = torch.sigmoid(top)
         weights = (top / top.sum(-1, keepdim=True) if self.renormalize else top).to(full.dtype)
-        routing = route(chosen, self.num_experts)
-        out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
+        if self.weights_input:
+            out, routing = self._route_weighted_inputs(tokens, chosen, weights)
+        else:
+            routing = route(chosen, self.num_experts)
+            out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
             out = self._attach_router_losses(out, logits, probs, chosen, routing.counts, batch)
         out = self.reduce_output(out.view(batch, seq, hidden))
         return out if residual is None else residual + out
+
+    def _route_weighted_inputs(
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, Routing]:
+        """Each (token, choice) its own row w · x, routed as one choice; the k outputs summed per token."""
+        rows = (tokens.unsqueeze(1) * weights.unsqueeze(-1)).flatten(0, 1)
+        routing = route(chosen.reshape(-1, 1), self.num_experts)
+        out = unpermute(self.dispatch(rows, routing, self.experts), routing.order)
+        return out.view(tokens.shape[0], self.top_k, -1).sum(1), routing  # its counts: the k choices' counts
 
     def _attach_router_losses(
         self,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attention_mask, load_balanced_index
+from .attention import AttentionMask, attention_mask, decode_mask, load_balanced_index
 from .config import ModelConfig
 from .cross_entropy_op import IGNORE_INDEX
 from .families import family_of
@@ -80,6 +80,9 @@ class Transformer(nn.Module):
             )
         ids = range(cfg.num_layers) if layers is None else layers
         self.layers = nn.ModuleDict({str(i): family.block(cfg, i) for i in ids})
+        # one attention mask per kind of layer (Llama 4: chunked and whole-context), built once per forward
+        self.attention_chunks = {str(i): cfg.layer_attention_chunk(i) for i in ids}
+        self._chunks = sorted(set(self.attention_chunks.values()), key=lambda c: c or 0)
         self.norm: nn.Module | None = family.final_norm(cfg) if head else None
         # Tied embeddings: the embedding is the head; a last pipeline stage without the embedding holds a copy of
         # it as its head (parallel/pipeline.py: its spec names it embed.weight, their gradients are summed).
@@ -114,14 +117,18 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
 
         document_ids (batch, seq), when given, confine attention to tokens of the same
         document (packed sequences); under context parallelism they are the whole sequence's.
         cache: the inputs follow the tokens it holds (their positions start at its length) and
-        join them (models/kv_cache.py). Returns the logits (this rank's vocabulary shard under
-        tensor parallelism); a stage without the head returns its hidden states.
+        join them (models/kv_cache.py); a per-row cache takes one token per row at each row's own
+        position. logits_at: (batch,) the one position per row whose logits are wanted (a prefill of
+        prompts of different lengths: each one's last token), the head runs there only.
+        Returns the logits (this rank's vocabulary shard under tensor parallelism); a stage without
+        the head returns its hidden states.
         """
         h = self.embed(inputs) if self.embed is not None else inputs
         batch, seq = h.shape[0], self.full_seq_length(h)
@@ -131,6 +138,10 @@ class Transformer(nn.Module):
                 raise ValueError("a KV cache runs without context and sequence parallelism")
             cache.check_room(seq)
             offset = cache.length
+            if cache.per_row and position_ids is None:
+                if cache.positions is None or seq != 1:
+                    raise ValueError(f"a per-row KV cache decodes one token per row, not {seq}")
+                position_ids = cache.positions[:, None]
         if position_ids is None:
             size, rank = self.parallel.context
             if size > 1:
@@ -139,16 +150,34 @@ class Transformer(nn.Module):
                 index = torch.arange(offset, offset + seq, device=h.device)
             position_ids = index.expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
-        mask = attention_mask(
-            seq, self.cfg.sliding_window, document_ids, h.device, self.parallel.context, offset=offset
-        )
+        masks = {chunk: self._mask(seq, position_ids, document_ids, h, cache, offset, chunk) for chunk in self._chunks}
         for name, layer in self.layers.items():
-            h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache.layer(name))
+            mask = masks[self.attention_chunks[name]]
+            layer_cache = None if cache is None else cache.layer(name)
+            h = layer(h, cos, sin, mask, layer_cache, position_ids)
         if cache is not None:
             cache.advance(seq)
         if self.norm is None:
             return h
+        if logits_at is not None:
+            h = h[torch.arange(batch, device=h.device), logits_at][:, None]
         return self.logits(h)
+
+    def _mask(
+        self,
+        seq: int,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        h: torch.Tensor,
+        cache: KVCache | None,
+        offset: int,
+        chunk: int | None,
+    ) -> AttentionMask | None:
+        """The mask of the layers attending within chunks of `chunk` tokens (None: the whole causal context)."""
+        if cache is not None and cache.per_row:
+            return decode_mask(position_ids[:, 0], cache.max_length, self.cfg.sliding_window, h.dtype, chunk)
+        window, context = self.cfg.sliding_window, self.parallel.context
+        return attention_mask(seq, window, document_ids, h.device, context, offset=offset, chunk=chunk)
 
     def full_seq_length(self, h: torch.Tensor) -> int:
         """Sequence length of the whole sample (sequence parallelism shards h)."""

@@ -39,7 +39,7 @@ class RouterTraining:
         if not model_cfg.is_moe:
             return None
         run = RouterTraining(
-            torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), model_cfg.num_layers
+            torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), model_cfg.num_moe_layers
         )
         for chunk in chunks:
             for m in chunk.modules():

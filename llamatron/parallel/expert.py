@@ -9,7 +9,8 @@ results back with a second; backward runs the same two in reverse, the second of
 going home) beside the experts' gate_up weight gradient. The split sizes depend on the routing, so each layer
 first exchanges its per-expert counts (a host read: dropless routing has no fixed size).
 
-Tensor parallelism splits every expert's ffn as it splits the dense MLP (gate and up by rows, down by columns):
+Tensor parallelism splits every expert's ffn (and a shared expert's) as it splits the dense MLP (gate and up by rows,
+down by columns):
 each tp rank takes the whole sequence (gathered under sequence parallelism), routes it as every other tp rank
 does, computes its slice of each expert and contributes a partial sum (reduce-scattered or all-reduced). Each
 tp rank's router gradient is then a partial sum too (summed by sync_tensor_parallel_grads), and each carries
@@ -27,7 +28,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.config import ModelConfig
-from ..models.moe import Experts, MoE, Routing, unpermute
+from ..models.moe import Experts, MoE, Routing, SharedExpert, unpermute
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
@@ -177,6 +178,26 @@ def _source_major_to_expert_major(grid: list[list[int]], device: torch.device) -
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
+def _split_shared_expert(shared: SharedExpert, prefix: str, mesh: Mesh, specs: ParamSpecs) -> ParamSpecs:
+    """A shared expert's ffn split over tp like the routed experts' (gate and up by rows, down by columns): its output
+    is a partial sum that joins theirs before the one reduction. Its sigmoid gate, whole on every rank, scales a
+    partial sum: its gradient is partial too."""
+    ffn, hidden = shared.down.weight.shape[1], shared.down.weight.shape[0]
+    group, rank = mesh.tp_group, mesh.tp_rank
+    layouts = {
+        "gate_up": (gate_up_layout(ffn, mesh.tp, rank, group, dim=0), (2 * ffn, hidden)),
+        "down": (contiguous_layout(1, ffn, mesh.tp, rank, group), (hidden, ffn)),
+    }
+    for leaf, (layout, full) in layouts.items():
+        name = f"{prefix}.{leaf}.weight"
+        # not partial (as a replicated weight under sequence parallelism would be): each rank's slice is whole
+        specs[name] = replace(specs[name], partial_grad=False).sharded(layout, full)
+        getattr(shared, leaf).weight = nn.Parameter(torch.empty(specs[name].local_shape, device="meta"))
+    if shared.gate is not None:
+        specs[f"{prefix}.gate.weight"] = replace(specs[f"{prefix}.gate.weight"], partial_grad=True)
+    return specs
+
+
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, specs: ParamSpecs) -> ParamSpecs:
     """Split every MoE layer of `model` (on meta, after apply_tensor_parallel) over mesh.ep (experts) and mesh.tp
     (each expert's ffn), in place; returns the specs with the experts' shards."""
@@ -195,6 +216,8 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool,
             specs[names["gate_up"]] = replace(specs[names["gate_up"]], partial_grad=False).sharded(gu, gate_up_full)
             specs[names["down"]] = replace(specs[names["down"]], partial_grad=False).sharded(dn, down_full)
             specs[router] = replace(specs[router], partial_grad=True)  # partial on each tp rank
+            if moe.shared is not None:
+                specs = _split_shared_expert(moe.shared, f"{prefix}.shared", mesh, specs)
             moe.gather_input = partial(to_parallel_input, group=group, sequence_parallel=sequence_parallel)
             moe.reduce_output = partial(from_parallel_output, group=group, sequence_parallel=sequence_parallel)
             moe.router_loss_share = 1.0 / mesh.tp

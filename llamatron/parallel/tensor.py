@@ -63,6 +63,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
+from ..models.moe import MoE
 from ..models.transformer import Transformer, VocabShard
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpec, ParamSpecs, param_specs
@@ -113,11 +114,9 @@ def tensor_parallel_problems(cfg: ModelConfig, tp: int, sequence_parallel: bool 
         out.append(f"num_kv_heads={kv} and tp={tp}: one must divide the other (tp in {ok})")
     if cfg.ffn_hidden_size % tp:
         out.append(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by tp={tp}")
-    if cfg.shared_expert_ffn and tp > 1:
-        out.append(
-            "a shared expert (Qwen2-MoE's) does not run under tensor parallelism yet: use --tp 1 (expert, data, "
-            "pipeline and context parallelism take it)"
-        )
+    for name in ("dense_ffn_hidden_size", "shared_expert_ffn"):
+        if getattr(cfg, name) % tp:
+            out.append(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}")
     return out
 
 
@@ -293,13 +292,11 @@ def _row(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> RowParallel
 
 
 def _check_all_sharded(model: nn.Module) -> None:
-    """A plain Linear/Embedding left behind would silently be replicated: fail instead. A MoE router is replicated
-    on purpose (parallel/expert.py splits its layer)."""
-    left = [
-        name
-        for name, m in model.named_modules()
-        if type(m) in (nn.Linear, nn.Embedding) and not name.endswith(".router")
-    ]
+    """A plain Linear/Embedding left behind would silently be replicated: fail instead. A MoE layer's linears (its
+    router, replicated on purpose; a shared expert) are parallel/expert.py's to split."""
+    moe = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, MoE))
+    kinds = (nn.Linear, nn.Embedding)
+    left = [name for name, m in model.named_modules() if type(m) in kinds and not name.startswith(moe)]
     if left:
         raise ValueError(f"tensor parallelism does not know how to split {left}")
 

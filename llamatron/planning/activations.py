@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import ModelConfig
-from ..models.inventory import layers
+from ..models.inventory import layers, mean_mlp_width, moe_layer_share
 from ..parallel.schedules import max_alive
 from ..parallel.tensor import local_kv_heads
 
@@ -75,7 +75,7 @@ def layer_activation_terms(
     compiled = kernels.compiled
     a, h, d = act_bytes, model.hidden_size, model.head_dim
     q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
-    f = model.ffn_hidden_size // tp
+    f = mean_mlp_width(model) / tp  # k experts' width in a MoE layer
     layer = layers(model)[0]
     if layer.parallel_residual:  # Falcon: LayerNorms (mean, rstd) feeding attention and a GELU MLP in parallel
         layer_norms = layer.norms
@@ -87,9 +87,8 @@ def layer_activation_terms(
         norm_outputs = 2 * a * h
         mlp = (3 if compiled or kernels.swiglu else 4) * a * f
     moe = 0.0
-    if model.is_moe:  # each token through experts_per_token experts, plus its dispatched copies and router scores
-        mlp *= model.experts_per_token
-        moe = 2 * a * model.experts_per_token * h + 4 * model.num_experts
+    if model.is_moe:  # in MoE layers, each token's dispatched copies and router scores
+        moe = (2 * a * model.experts_per_token * h + 4 * model.num_experts) * moe_layer_share(model)
     qkv, rope = a * (q + 2 * kv) * d, 0 if kernels.rope else a * (q + kv) * d
     qk_norm = 0.0
     if layer.qk_norm:  # per query/key head: its rsqrt; eager torch also the normalised heads (and their fp32 copy)

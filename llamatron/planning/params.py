@@ -19,9 +19,13 @@ def local_vocab(model: ModelConfig, tp: int) -> int:
 _SHARDS: dict[tuple, tuple[int, int]] = {}  # a search asks for the same few thousand times
 
 
-def layer_shards(model: ModelConfig, tp: int = 1, ep: int = 1, index: int = 0) -> tuple[int, int]:
+def layer_shards(model: ModelConfig, tp: int = 1, ep: int = 1, index: int | None = None) -> tuple[int, int]:
     """(dense parameters, expert parameters) of decoder layer `index` on one rank: num_experts/ep of a mixture's
-    experts, every one split along its ffn over tp."""
+    experts, every one split along its ffn over tp. index None: the mean layer (layers of a model may differ: dense
+    ones among MoE ones), rounded down."""
+    if index is None:
+        dense, experts = _layer_totals(model, tp, ep)
+        return dense // model.num_layers, experts // model.num_layers
     key = (config_key(model), tp, ep, index)
     if key not in _SHARDS:
         dense = experts = 0
@@ -37,8 +41,17 @@ def layer_shards(model: ModelConfig, tp: int = 1, ep: int = 1, index: int = 0) -
     return _SHARDS[key]
 
 
+def _layer_totals(model: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
+    """layer_shards summed over every decoder layer."""
+    key = (config_key(model), tp, ep, "total")
+    if key not in _SHARDS:
+        shards = [layer_shards(model, tp, ep, i) for i in range(model.num_layers)]
+        _SHARDS[key] = sum(d for d, _ in shards), sum(e for _, e in shards)
+    return _SHARDS[key]
+
+
 def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
-    """Parameters of one decoder layer on one tensor-parallel rank (a mixture of experts: the router and the
+    """Parameters of the mean decoder layer on one tensor-parallel rank (a mixture of experts: the router and the
     num_experts/ep experts this expert-parallel rank holds)."""
     return sum(layer_shards(model, tp, ep))
 
@@ -66,7 +79,8 @@ def largest_layer_param(model: ModelConfig, tp: int) -> int:
     expert's matrix: the backward of the grouped GEMMs makes one expert's gradient at a time)."""
     sizes = [
         shard_numel(w.split, w.shape, model, tp) // (w.shape[0] if w.split == "expert" else 1)
-        for w in layers(model)[0].weights
+        for layer in set(layers(model))
+        for w in layer.weights
     ]
     return max(sizes)
 
@@ -74,7 +88,7 @@ def largest_layer_param(model: ModelConfig, tp: int) -> int:
 def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int, ep: int = 1) -> tuple[int, int]:
     """(parameters on pipeline rank `rank`, the largest single parameter there)."""
     h, vocab = model.hidden_size, local_vocab(model, tp)
-    count = layers * layer_params(model, tp, ep)
+    count = layers * sum(_layer_totals(model, tp, ep)) // model.num_layers  # the mean layer's, unrounded
     largest = largest_layer_param(model, tp) if layers else 0
     if rank == 0:
         count += vocab * h

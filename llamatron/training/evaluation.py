@@ -40,6 +40,7 @@ from ..models import IGNORE_INDEX, Transformer
 from ..parallel.mesh import sum_from_last_stage
 from ..parallel.tensor_layers import vocab_argmax
 from .engine import Engine, forward_each
+from .eval_tasks import EvalTasks
 
 
 @dataclass
@@ -197,24 +198,31 @@ def _objective_metrics(engine: Engine, sums: torch.Tensor) -> dict[str, float]:
 
 class Evaluation:
     """A run's evaluations: every --eval-interval steps, after the last step and, in a fresh run with
-    --eval-interval, before the first; --eval-iters global batches of the validation set each."""
+    --eval-interval, before the first; --eval-iters global batches of the validation set each, and the
+    --eval-tasks of lm-evaluation-harness (eval_tasks.py)."""
 
     def __init__(self, engine: Engine, valid: Samples | None):
         self.engine, self.valid = engine, valid
         self.interval, self.iters = engine.cfg.train.eval_interval, engine.cfg.train.eval_iters
+        self.tasks = EvalTasks(engine) if engine.cfg.train.eval_tasks else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.valid is not None or self.tasks is not None
 
     def at_start(self, start_step: int) -> bool:
         """Evaluate the initial weights first: a fresh run (also --finetune) does, a resumed one does not."""
-        return self.valid is not None and start_step == 0 and bool(self.interval)
+        return self.enabled and start_step == 0 and bool(self.interval)
 
     def due(self, step: int, last: bool) -> bool:
         """Evaluate after (1-based) `step`."""
-        return self.valid is not None and (bool(self.interval and step % self.interval == 0) or last)
+        return self.enabled and (bool(self.interval and step % self.interval == 0) or last)
 
     def run(self) -> dict[str, float]:
-        """The --eval-metrics values, the same on every rank (collective)."""
-        assert self.valid is not None, "no validation set: due() and at_start() are False"
-        return evaluate(self.engine, self.valid, self.iters)
+        """The --eval-metrics values, then the --eval-tasks metrics, the same on every rank (collective)."""
+        assert self.enabled, "nothing to evaluate: due() and at_start() are False"
+        metrics = evaluate(self.engine, self.valid, self.iters) if self.valid is not None else {}
+        return {**metrics, **(self.tasks.run() if self.tasks is not None else {})}
 
 
 def _with_derived(names: list[str], values: dict[str, float]) -> dict[str, float]:

@@ -29,6 +29,7 @@ from ..parallel.schedules import schedule_problems
 from ..parallel.tensor import tensor_parallel_problems
 from .checkpointing import resume_problems
 from .engine import recompute_problems
+from .eval_tasks import eval_task_problems
 from .evaluation import resolve_eval_metrics
 from .fp8 import fp8_problems
 from .kernel_settings import KernelFlags, kernel_problems
@@ -109,6 +110,9 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     ob = cfg.objective
     _raise_if(preference_problems(ob.objective, d.preference_data, other_data, t.micro_batch_size))
     resolve_eval_metrics(t.eval_metrics)
+    layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
+    demo_corpus = not (d.data or d.mock_data or d.sft_data or d.preference_data)  # brings its own tokenizer
+    _raise_if(eval_task_problems(t.eval_tasks, t.eval_include_path, t.eval_limit, layout, d.tokenizer, demo_corpus))
     check_sink_dependencies(t.tensorboard_dir, t.wandb_project)
     check_output_paths(t.metrics_file, t.tensorboard_dir)
     if d.data_cache_path:

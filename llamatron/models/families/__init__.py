@@ -8,9 +8,12 @@ from collections.abc import Callable
 
 from ..config import ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
-from . import falcon, llama, qwen
+from . import falcon, llama, llama4, qwen
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, falcon.FAMILY, qwen.FAMILY)}  # one entry a family
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (llama.FAMILY, falcon.FAMILY, qwen.FAMILY, llama4.FAMILY)  # one entry a family
+}
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {n: p for f in FAMILIES.values() for n, p in f.presets.items()}
 PRESET_NAMES = sorted(_PRESETS)

@@ -49,8 +49,10 @@ class Calibration:
     fp8_gemm_speedup: dict[str, float]
     nvlink: dict[str, Curve]
     network: Curve
+    network_all_reduce: Curve  # NCCL's tree across nodes: each node sends and receives the buffer once
     contention_bandwidth: float
     tp_slowdown: float
+    tp_userbuffers_sm_share: float  # of the GPU's SMs an overlapped userbuffers collective takes from the GEMM
     idle_share: float
     planner: dict[str, Any]
 
@@ -132,8 +134,10 @@ def calibration_from(d: dict[str, Any]) -> Calibration:
         # NCCL's message-size curve is its protocol's (chunks in flight), not the link's: the network's takes
         # the measured all-gather's half-bandwidth size.
         network=Curve(float(c["network"]["efficiency"]), float(c["nvlink"]["all_gather"]["half_mib"]) * MiB),
+        network_all_reduce=_curve(c["network_all_reduce"]),
         contention_bandwidth=float(c["contention_gbps"]) * 1e9,
         tp_slowdown=float(t["slowdown"]),
+        tp_userbuffers_sm_share=float(t["userbuffers_sm_share"]),
         idle_share=float(d["step"]["idle_share"]),
         planner=_planner(d["planner"]),
     )

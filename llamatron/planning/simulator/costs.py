@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...models import ModelConfig
-from ...models.inventory import layers
+from ...models.inventory import layers, mean_mlp_width, moe_layer_share
 from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .hardware import Hardware
@@ -52,6 +52,12 @@ class Shape:
     fp8: str = "none"
     attention: str = "auto"
     tp_comm_overlap: bool = True
+    # Every tensor-parallel collective overlapped with the GEMM beside it, forward too (Megatron-core's userbuffers,
+    # tp_comm_overlap in NeMo's H100 recipes); llamatron overlaps only the backward's two (tp_comm_overlap above).
+    tp_overlap_all: bool = False
+    # The weight-gradient GEMMs accumulate straight into the fp32 gradient (Megatron-core's
+    # gradient_accumulation_fusion, on in NeMo's GPT configs): no separate accumulation kernel per micro-batch.
+    fused_grad_accumulation: bool = False
 
     @property
     def tokens(self) -> float:
@@ -105,18 +111,28 @@ class LayerCost:
 
 
 def linear_params(model: ModelConfig) -> tuple[float, float]:
-    """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts)."""
-    layer = layers(model)[0]
-    moe = layer.params("router") + layer.params("expert") * model.experts_per_token / max(model.num_experts, 1)
-    return float(layer.params("matmul")), float(moe)
+    """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts), each
+    averaged over the layers (dense layers among MoE ones differ)."""
+    all_layers = layers(model)
+    share = model.experts_per_token / max(model.num_experts, 1)
+    moe = sum(layer.params("router") + layer.params("expert") * share for layer in all_layers)
+    return sum(float(layer.params("matmul")) for layer in all_layers) / len(all_layers), moe / len(all_layers)
 
 
 def keys_per_query(model: ModelConfig, seq: int) -> float:
-    """Mean keys a query attends to under the causal mask (and the sliding window, if any)."""
-    w = model.sliding_window
-    if w is None or w >= seq:
-        return (seq + 1) / 2
-    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+    """Mean keys a query attends to under the causal mask (and the sliding window or attention chunks, if any),
+    averaged over the layers."""
+    total = 0.0
+    for i in range(model.num_layers):
+        w, chunk = model.sliding_window, model.layer_attention_chunk(i)
+        if chunk is not None and chunk < seq:  # whole chunks of causal attention, and the rest
+            full, rest = divmod(seq, chunk)
+            total += (full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq
+        elif w is None or w >= seq:
+            total += (seq + 1) / 2
+        else:
+            total += (w * (w + 1) / 2 + (seq - w) * w) / seq
+    return total / model.num_layers
 
 
 class Costs:
@@ -150,20 +166,22 @@ class Costs:
         m, s = self.model, self.s
         flops = 3 * 4 * (m.num_heads * m.head_dim / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
         efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length, m.head_dim)
-        if m.sliding_window is not None and m.sliding_window < s.seq_length:  # flex's block mask or FA4's local kernel
+        windowed = m.sliding_window is not None and m.sliding_window < s.seq_length
+        chunked = m.attention_chunk_size is not None and m.attention_chunk_size < s.seq_length
+        if windowed or chunked:  # flex's block mask or FA4's local kernel
             efficiency *= self.cal.attention_window_factor
         return flops / (self.peak * efficiency)
 
     def elementwise_total(self) -> float:
         m, s, c = self.model, self.s, self.cal
-        f = m.ffn_hidden_size * (m.experts_per_token if m.is_moe else 1)
+        f = mean_mlp_width(m)
         qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
         per_token = s.act_bytes * (
             c.elementwise_per_hidden * m.hidden_size / (s.tp if s.sequence_parallel else 1)
             + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
         )
-        if m.is_moe:  # permuting tokens to their experts and back, forward and backward
-            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size
+        if m.is_moe:  # permuting tokens to their experts and back, forward and backward (in MoE layers)
+            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size * moe_layer_share(m)
         t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
         return t * (1 if s.compiled else c.eager_factor)
 
@@ -178,11 +196,15 @@ class Costs:
         curve = c.nvlink[kind]
         bus = curve.bus_bandwidth(hw.link.bandwidth, size)
         latency = (ranks - 1) * hw.link.latency
-        if ranks > per_node:  # a ring through per_node GPUs of each node: their NICs carry it together
-            net = c.network.bus_bandwidth(per_node * hw.nic_bandwidth_per_gpu(), size)
-            bus = min(bus, net)
-            latency = (ranks - 1) * hw.network.latency
         volume = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
+        if ranks > per_node:  # across nodes: the NICs of the group's per_node GPUs of each node carry it together
+            nics = per_node * hw.nic_bandwidth_per_gpu()
+            latency = (ranks - 1) * hw.network.latency
+            if kind == "all_reduce":  # NCCL's tree: the buffer leaves and enters each node once, beside the node's
+                # own reduce-scatter + all-gather over its GPU link (pipelined with it)
+                inside = size * 2 * (per_node - 1) / per_node / bus if per_node > 1 else 0.0
+                return latency + max(inside, size / c.network_all_reduce.bus_bandwidth(nics, size))
+            bus = min(bus, c.network.bus_bandwidth(nics, size))  # a ring: (ranks-1)/ranks of it over each link
         return latency + size * volume / bus
 
     def _group_per_node(self, stride: int, size: int) -> int:
@@ -245,7 +267,12 @@ class Costs:
         tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
         fwd = Piece()
         fwd.add("compute", gemm + a_fwd + 0.4 * elem)
-        fwd.add("tp", (TP_SP_FORWARD if s.sequence_parallel else 2) * tp_one)
+        n_fwd = TP_SP_FORWARD if s.sequence_parallel else 2
+        if s.tp_overlap_all and s.tp > 1:  # each collective runs under its GEMM: exposed only what outlasts them
+            fwd.add("tp", max(0.0, n_fwd * tp_one - gemm))
+            fwd.add("contention", n_fwd * tp_one * c.tp_userbuffers_sm_share)
+        else:
+            fwd.add("tp", n_fwd * tp_one)
         fwd.add("cp", cp_one)
         fwd.add("ep", 2 * a2a)
         back = Piece()
@@ -255,8 +282,12 @@ class Costs:
         weight = Piece({"compute": gemm})
         exposed = TP_SP_BACKWARD_EXPOSED if s.sequence_parallel else 1
         overlapped = TP_SP_BACKWARD_OVERLAPPED if s.sequence_parallel else 1
-        back.add("tp", exposed * tp_one)
-        if s.tp > 1:
+        if s.tp_overlap_all and s.tp > 1:  # under the input- and weight-gradient GEMMs together
+            back.add("tp", max(0.0, (exposed + overlapped) * tp_one - 2 * gemm))
+            back.add("contention", (exposed + overlapped) * tp_one * c.tp_userbuffers_sm_share)
+        else:
+            back.add("tp", exposed * tp_one)
+        if s.tp > 1 and not s.tp_overlap_all:
             if s.tp_comm_overlap:  # hidden behind the weight-gradient GEMMs, as far as they last
                 back.add("tp", max(0.0, overlapped * tp_one - gemm))
                 back.add("contention", overlapped * self.tp_bytes() / c.contention_bandwidth)
@@ -284,6 +315,8 @@ class Costs:
 
     def grad_accumulate(self, params: float) -> float:
         """Adding one micro-batch's bf16 gradients of `params` parameters into the fp32 buffers."""
+        if self.s.fused_grad_accumulation:
+            return 0.0
         return params * self.cal.grad_accumulate_bytes / (self.hw.gpu.hbm_bw * self.cal.elementwise_hbm_efficiency)
 
     def optimizer(self, owned: float) -> float:

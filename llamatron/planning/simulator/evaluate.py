@@ -11,7 +11,7 @@ from ...models import ModelConfig
 from ...models.inventory import active_params, num_params
 from ..params import expert_layer_params, stage_layers
 from ..plan import GB, Layout, Precision
-from .calibration import load_calibration
+from .calibration import Calibration, load_calibration
 from .costs import Costs, Shape, StepOptions
 from .hardware import Hardware
 from .step import StepResult, simulate_step
@@ -27,6 +27,8 @@ class SimSettings:
     bucket_size: int = 40_000_000
     grad_reduce_dtype: str = "fp32"
     tp_comm_overlap: bool = True
+    tp_overlap_all: bool = False  # Megatron-core's userbuffers: every tp collective under its GEMM (published runs)
+    fused_grad_accumulation: bool = False  # Megatron-core's: the weight-gradient GEMM accumulates in fp32 itself
     pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
 
 
@@ -40,6 +42,7 @@ class Simulation:
     result: StepResult
     other: StepResult  # the same step with the data-parallel overlap switched the other way
     all_to_all_bytes: float  # per rank and step (MoE)
+    precision: Precision = Precision()
 
     @property
     def with_overlap(self) -> StepResult:
@@ -123,6 +126,8 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
         fp8=precision.fp8,
         attention=settings.attention,
         tp_comm_overlap=settings.tp_comm_overlap,
+        tp_overlap_all=settings.tp_overlap_all,
+        fused_grad_accumulation=settings.fused_grad_accumulation,
     )
 
 
@@ -147,14 +152,16 @@ def simulate_layout(
     hw: Hardware,
     precision: Precision = Precision(),
     settings: SimSettings = SimSettings(),
+    cal: Calibration | None = None,
 ) -> Simulation:
-    """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way."""
+    """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way (`cal`:
+    calibration.yaml's numbers unless given)."""
     shape = layout_shape(lay, seq_length, precision, settings)
-    result = simulate_step(model, shape, hw, _options(lay, settings, settings.overlap))
-    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap))
+    result = simulate_step(model, shape, hw, _options(lay, settings, settings.overlap), cal)
+    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap), cal)
     a2a = 0.0
     if model.is_moe and lay.ep > 1:
-        per_layer = Costs(model, shape, hw, load_calibration()).all_to_all_bytes()
+        per_layer = Costs(model, shape, hw, cal or load_calibration()).all_to_all_bytes()
         layers = model.num_layers / lay.pp
         a2a = per_layer * layers * lay.micro_batches * (4 + (2 if lay.recompute == "full" else 0))
-    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a)
+    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision)

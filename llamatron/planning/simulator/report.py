@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ...errors import ConfigError
 from ...models.inventory import active_params, num_params
+from .advice import suggestions
 from .evaluate import Simulation
 from .timeline import Event
 
@@ -60,6 +61,8 @@ def explain_text(sim: Simulation) -> str:
         f"(overlap hides {(off.dp_exposed_seconds - on.dp_exposed_seconds) * 1e3:,.1f} ms; step "
         f"{on.step_seconds * 1e3:,.1f} vs {off.step_seconds * 1e3:,.1f} ms)"
     )
+    lines.append("what would reduce it (each change simulated on the same hardware):")
+    lines.extend(suggestions(sim))
     span = max(e.end for e in r.events)
     lines.append(
         f"timeline, 0 to {span * 1e3:,.1f} ms, {WIDTH} columns (F forward, B backward, w weight gradients, "

@@ -45,6 +45,7 @@ class FalconBlock(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask | None = None,
         cache: LayerKVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn_in = self.attn_norm(x)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in

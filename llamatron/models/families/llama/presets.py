@@ -58,6 +58,10 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama3.1-8b": lambda: _llama(
         4096, 32, 32, 14336, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5, rope_scaling=_llama3_scaling()
     ),
+    # Llama 3.1 405B (Dubey et al. 2024, Table 3: 126 layers, 16384 wide, 128 heads, 8 KV heads, FFN 53248)
+    "llama3.1-405b": lambda: _llama(
+        16384, 126, 128, 53248, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5, rope_scaling=_llama3_scaling()
+    ),
     # Mistral 7B v0.1: GQA + sliding window 4096
     "mistral-7b": lambda: _llama(4096, 32, 32, 14336, kv=8, seq=32768, eps=1e-5, sliding_window=4096),
     # Mixtral: Mistral's attention (no window) with 8 SwiGLU experts per layer, 2 per token; theta 1e6

@@ -28,6 +28,8 @@ FAMILY = Family(
     final_norm=rms_norm,
     presets=PRESETS,
     hf=HFAdapter(("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
-    options=frozenset({"head_dim", "qkv_bias", "qk_norm", "num_experts", *MOE_SETTINGS}),
+    # Qwen's routing is softmax over the outputs (router_score and router_weights_input are Llama 4's)
+    options=frozenset({"head_dim", "qkv_bias", "qk_norm", "num_experts", *MOE_SETTINGS})
+    - {"router_score", "router_weights_input"},
     problems=problems,
 )

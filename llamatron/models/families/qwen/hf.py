@@ -83,6 +83,7 @@ def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str]
     """`names`: the Hugging Face tensors at hand (import), which decide the layout of Qwen3-MoE's experts."""
     layers = []
     for i in range(cfg.num_layers):
-        layer = decoder_layer_rules(cfg, i, qkv_bias=cfg.qkv_bias, o_bias=False, mlp_bias=False, mlp=not cfg.is_moe)
-        layers.append(layer + (expert_rules(cfg, i, names) if cfg.is_moe else []))
+        sparse = cfg.is_moe_layer(i)
+        layer = decoder_layer_rules(cfg, i, qkv_bias=cfg.qkv_bias, o_bias=False, mlp_bias=False, mlp=not sparse)
+        layers.append(layer + (expert_rules(cfg, i, names) if sparse else []))
     return decoder_rules(cfg, layers)

@@ -17,8 +17,9 @@ llamatron stacks the experts:
 The Hub stores the per-expert tensors (mlp.experts.{e}.gate_proj.weight, ...); transformers 5 holds them stacked
 in memory (mlp.experts.gate_up_proj, mlp.experts.down_proj), which reads too. Export writes the Hub's names.
 
-Not yet represented, refused in one line: dense layers among the sparse ones (decoder_sparse_step > 1,
-mlp_only_layers).
+Dense layers among the sparse ones: every decoder_sparse_step-th layer is sparse (ModelConfig.moe_layer_step),
+the others SwiGLUs `intermediate_size` wide (dense_ffn_hidden_size). Refused in one line: mlp_only_layers (dense
+layers at chosen indices; no released model has any).
 """
 
 from __future__ import annotations
@@ -59,12 +60,16 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     cannot compute what transformers would)."""
     defaults = {**_BOTH, **DEFAULTS[str(hf.get("model_type"))]}
     get = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
-    if get["decoder_sparse_step"] != 1 or get.get("mlp_only_layers"):
+    step = get["decoder_sparse_step"]
+    if get.get("mlp_only_layers"):
         raise HFConversionError(
-            f"config.json has decoder_sparse_step={get['decoder_sparse_step']!r}, mlp_only_layers="
-            f"{get.get('mlp_only_layers')!r}: dense layers among the mixture-of-experts ones are not supported yet "
-            "(every released Qwen3-MoE has every layer sparse)"
+            f"config.json has mlp_only_layers={get.get('mlp_only_layers')!r}: dense layers at chosen indices are not "
+            "supported (decoder_sparse_step's every-k-th sparse layer is; every released Qwen-MoE has none)"
         )
+    if not (isinstance(step, int) and step >= 1):
+        raise HFConversionError(f"config.json has decoder_sparse_step={step!r}: it must be an integer >= 1")
+    # dense layers among the sparse ones (every step-th sparse): SwiGLUs intermediate_size wide
+    dense = {"moe_layer_step": step, "dense_ffn_hidden_size": hf["intermediate_size"]} if step > 1 else {}
     # transformers 5 writes num_experts as num_local_experts (its attribute map); the Hub's configs say num_experts
     experts, top_k = get.get("num_local_experts", get["num_experts"]), get["num_experts_per_tok"]
     if not (isinstance(experts, int) and isinstance(top_k, int) and 1 <= top_k <= experts):
@@ -80,6 +85,7 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
         shared = {"shared_expert_ffn": width, "shared_expert_gate": True}
     return {
         **shared,
+        **dense,
         "num_experts": experts,
         "experts_per_token": top_k,
         "ffn_hidden_size": get["moe_intermediate_size"],  # every layer's MLP is experts of this width
@@ -95,10 +101,12 @@ def moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_experts_per_tok": cfg.experts_per_token,
         "moe_intermediate_size": cfg.ffn_hidden_size,
         "norm_topk_prob": cfg.moe_renormalize,
-        "decoder_sparse_step": 1,
+        "decoder_sparse_step": cfg.moe_layer_step,
         "mlp_only_layers": [],
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
+    if cfg.dense_ffn_hidden_size:
+        out["intermediate_size"] = cfg.dense_ffn_hidden_size
     if cfg.router_z_loss_coef:  # not transformers': kept for a round trip
         out["router_z_loss_coef"] = cfg.router_z_loss_coef
     if cfg.shared_expert_ffn:

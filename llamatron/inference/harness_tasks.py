@@ -1,0 +1,137 @@
+"""lm-evaluation-harness tasks: their names resolved (before any model loads), run on a `LlamatronLM`, and the
+results as lm-eval's own dict, its table, and flat metric names for the training records.
+
+Task files and datasets may be local: `--include-path DIR` adds DIR's task YAML files to lm-eval's own, and a
+task whose `dataset_path: json` names `dataset_kwargs: {data_files: ...}` reads local JSON lines through
+`datasets`, with nothing downloaded. Importing this module imports lm_eval (the `eval` extra).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lm_eval import evaluator
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import LM
+from lm_eval.tasks import TaskManager
+
+from ..errors import ConfigError
+from .harness import LlamatronLM
+
+__all__ = ["LlamatronLM", "run_tasks", "results_table", "split_names", "task_manager", "task_metrics", "task_problems"]
+
+
+def split_names(names: Sequence[str] | str | None) -> list[str]:
+    """'a,b c' or ['a', 'b,c'] -> ['a', 'b', 'c'] (lm-eval's --tasks is comma-separated)."""
+    if names is None:
+        return []
+    items = [names] if isinstance(names, str) else list(names)
+    return [n for item in items for n in item.replace(",", " ").split()]
+
+
+def task_problems(names: Sequence[str], include_path: str | None, flag: str = "--tasks") -> list[str]:
+    """What is wrong with the task list: empty, an include path that is no directory, names (or glob patterns)
+    that lm-eval does not know."""
+    if not names:
+        return [f"{flag} is empty: name one or more lm-eval tasks (comma-separated), e.g. {flag} hellaswag,arc_easy"]
+    if include_path is not None and not Path(include_path).is_dir():
+        return [f"--include-path {include_path}: not a directory of task YAML files"]
+    try:
+        task_manager(names, include_path)
+    except ConfigError as e:
+        return [str(e).replace("--tasks", flag)]
+    return []
+
+
+def task_manager(names: Sequence[str], include_path: str | None) -> TaskManager:
+    """lm-eval's task index holding every name: the --include-path tasks alone where they hold them all (indexing
+    lm-eval's ~15,000 built-in tasks takes seconds; the include path takes precedence over them anyway), else
+    lm-eval's own with the include path's. ConfigError naming the unknown ones. Each index is built once per
+    process: validation and the run share them."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # lm-eval's INFO lines are its own business
+    local = _indexed(include_path, False) if include_path is not None else None
+    if local is not None and not _unknown(names, local):
+        return local
+    builtin = _indexed(None, True)
+    unknown = [n for n in _unknown(names, builtin) if local is None or n in _unknown(names, local)]
+    if unknown:
+        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, builtin)) else n for n in unknown]
+        where = (
+            f"lm-eval's tasks or {include_path}" if include_path else "lm-eval's tasks (add yours with --include-path)"
+        )
+        raise ConfigError(f"--tasks: unknown task{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: not in {where}")
+    return builtin if include_path is None else _indexed(include_path, True)
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed(include_path: str | None, builtin: bool) -> TaskManager:
+    return TaskManager(include_path=include_path, include_defaults=builtin)
+
+
+def _unknown(names: Sequence[str], manager: TaskManager) -> list[str]:
+    return [n for n in names if not lm_utils.pattern_match([n], manager.all_tasks)]
+
+
+def _close(name: str, manager: TaskManager) -> list[str]:
+    return difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.75)
+
+
+def run_tasks(
+    lm: LM,
+    manager: TaskManager,
+    names: Sequence[str],
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """lm-eval's results dict (results, groups, configs, versions, n-shot, ...) of `names` on `lm`; on every rank
+    where `lm` is data-parallel."""
+    results = evaluator.simple_evaluate(
+        model=lm,
+        tasks=list(names),
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=False,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    if lm.world_size > 1:  # lm-eval gathers the results on rank 0: every rank gets them
+        box = [results]
+        dist.broadcast_object_list(box, src=0)
+        results = box[0]
+    assert results is not None
+    return results
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """lm-eval's own table of the tasks (and of the groups, where there are any)."""
+    table = lm_utils.make_table(results)
+    return table + ("\n" + lm_utils.make_table(results, "groups") if results.get("groups") else "")
+
+
+_NOT_METRICS = ("alias", "name", "sample_len", "sample_count")  # what lm-eval's table leaves out too
+
+
+def task_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """{"TASK/METRIC": value} for the metric records: each task's (and group's) numbers, the filter named where
+    it is not lm-eval's default ("none"); standard errors and sample counts left out."""
+    out = {}
+    for section in ("results", "groups"):
+        for task, values in results.get(section, {}).items():
+            for key, value in values.items():
+                metric, _, flt = key.partition(",")
+                if metric in _NOT_METRICS or metric.endswith("_stderr") or not isinstance(value, int | float):
+                    continue
+                name = f"{task}/{metric}" + (f"/{flt}" if flt and flt != "none" else "")
+                out[name] = float(value) if math.isfinite(value) else math.nan
+    return out

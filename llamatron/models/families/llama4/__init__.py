@@ -1,0 +1,61 @@
+"""The llama4 family: Llama 4 Scout and Maverick, text only (Llama4ForCausalLM). Pre-norm decoder layers of
+models/blocks.py with Llama 4's options: a mixture of experts with sigmoid-weighted inputs and a shared expert,
+interleaved with dense layers; NoPE layers with attention temperature tuning; chunked local attention with an L2
+q/k norm on the others (hf.py says which config.json key is which)."""
+
+from __future__ import annotations
+
+from ...blocks import decoder_block, rms_norm
+from ...config import ModelConfig
+from ...family import Family, HFAdapter
+from . import hf
+from .presets import PRESETS
+
+# What the Llama 4 format fixes: a model that differs here cannot be written as one
+_FIXED = {"router_score": "sigmoid", "router_weights_input": True, "moe_renormalize": False}
+
+
+def problems(cfg: ModelConfig) -> list[str]:
+    out = [] if cfg.is_moe else ["a llama4 model has experts: give num_experts >= 1"]
+    out += [
+        f"{name}={getattr(cfg, name)!r}: Llama 4's routing has {name}={value!r}"
+        for name, value in _FIXED.items()
+        if getattr(cfg, name) != value
+    ]
+    if cfg.shared_expert_ffn != cfg.ffn_hidden_size:
+        out.append(
+            f"shared_expert_ffn {cfg.shared_expert_ffn} != ffn_hidden_size {cfg.ffn_hidden_size}: Llama 4's shared "
+            "expert is as wide as its routed ones"
+        )
+    return out
+
+
+FAMILY = Family(
+    name="llama4",
+    description="Llama 4 Scout, Maverick (text)",
+    block=decoder_block,
+    final_norm=rms_norm,
+    presets=PRESETS,
+    hf=HFAdapter(("llama4_text", "llama4"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules, hf.text_model),
+    options=frozenset(
+        {
+            "head_dim",
+            "num_experts",
+            "experts_per_token",
+            "router_aux_loss_coef",
+            "router_z_loss_coef",
+            "moe_renormalize",
+            "shared_expert_ffn",
+            "moe_layer_step",
+            "dense_ffn_hidden_size",
+            "router_score",
+            "router_weights_input",
+            "nope_layer_interval",
+            "attention_chunk_size",
+            "qk_l2_norm",
+            "attn_temperature_floor",
+            "attn_temperature_scale",
+        }
+    ),
+    problems=problems,
+)
