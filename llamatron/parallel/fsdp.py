@@ -161,13 +161,11 @@ class ShardedBuffer:
         self.param_data = torch.zeros(self.numel // dp, dtype=dtype, device=device)
         self.grad_data = torch.zeros(self.numel // dp, dtype=grad_dtype, device=device)
         self._initialise(initial)
-        for b in self.buckets:
-            if dp == 1:  # the shard is the bucket: the parameters live in it, always "gathered"
+        if dp == 1:  # the shard is the bucket: the parameters live in it, always "gathered"
+            for b in self.buckets:
                 b.full = self.param_data[b.start : b.end]
                 _point_at(b, self.param_range)
                 b.gathered = True
-            else:
-                b.full.untyped_storage().resize_(0)
         self.buckets[-1].keep_after_forward = True  # backward starts with the last unit
         head = getattr(module, "head_weight", None)
         if callable(head) and getattr(module, "norm", None) is not None:
@@ -236,6 +234,7 @@ class ShardedBuffer:
                 self.param_range[new] = (pos, pos + p.numel())
                 params.append(new)
                 pos += p.numel()
+            full.untyped_storage().resize_(0)  # allocated for one bucket at a time: the views' storage, empty now
             bucket = ShardedBucket(len(self.buckets), start, end, params, names[id(unit_modules[0])], full)
             bucket.deferred = any(self.spec_of[p].defer_grad_reduce for p in params)
             self.buckets.append(bucket)
