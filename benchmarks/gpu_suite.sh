@@ -4,7 +4,7 @@
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity,
-#           lora7, lora70, lora_fp8, dpo, generate
+#           lora7, lora70, lora_fp8, dpo, generate, fsdp1
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -41,6 +41,18 @@ for group in ${@:-single dp tests}; do
       for s in "${settings[@]}"; do
         if [ $group = fp8_7b ]; then ROW_TAG="$s" one 0 $B7 --micro-batch-size 1 $s; else ROW_TAG="$s" one 0 $B1 --micro-batch-size 8 $s; fi
       done ;;
+    fsdp1)  # issue 35: --fsdp with one rank against the default, alternating (A B A B), llama-1b then Llama 2 7B;
+      # the target: within 2%. Then the GPU tests of --fsdp.
+      for r in 1 2; do
+        ROW_TAG=default one 0 $B1 --micro-batch-size 8 --compile
+        ROW_TAG=fsdp one 0 $B1 --micro-batch-size 8 --compile --fsdp
+      done
+      for r in 1 2; do
+        ROW_TAG=default one 0 $B7 --micro-batch-size 1 --compile
+        ROW_TAG=fsdp one 0 $B7 --micro-batch-size 1 --compile --fsdp
+      done
+      CUDA_VISIBLE_DEVICES=0 timeout 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fsdp_gpu.py \
+        >>"$OUT/pytest_fsdp_gpu.txt" 2>&1 ;;
     lora7)  # issue 36: LoRA (rank 16, every linear) against full fine-tuning, Llama 2 7B, seq 4096, mbs 1
       ROW_TAG=full one 0 $B7 --micro-batch-size 1 --compile
       ROW_TAG=lora16 one 0 $B7 --micro-batch-size 1 --compile --lora-rank 16 --lora-alpha 32 ;;

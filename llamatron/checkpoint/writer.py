@@ -2,7 +2,7 @@
 
 Who writes what (each element of every tensor exactly once):
   * data parallel: dp rank r writes the r-th 1/dp of every gradient bucket: with
-    --distributed-optimizer exactly the optimizer shard it owns; without it
+    --distributed-optimizer or --fsdp exactly the shard it owns; without it
     every dp rank holds everything, and the writing is spread the same way;
   * tensor parallel: a sharded parameter's rows by the rank holding them (a
     replicated KV row by its lowest holder, padding rows by nobody); a
@@ -126,6 +126,8 @@ def rank_pieces(engine, frozen: bool = True) -> list[PieceToWrite]:
     segment_of = {id(seg.param): i for i, seg in enumerate(opt.segments)}
     out: list[PieceToWrite] = []
     for buf in engine.buffers:
+        if not buf.writes_checkpoint:  # hybrid sharding: another replica writes this shard
+            continue
         for bucket in buf.buckets:
             share = bucket.numel // buf.dp  # every replica (dp x cp, experts: their own) writes its share
             lo = bucket.start + buf.replica_rank * share
@@ -141,7 +143,7 @@ def rank_pieces(engine, frozen: bool = True) -> list[PieceToWrite]:
                 if first < 0 or first + (b - a) > seg.end - seg.start:
                     raise CheckpointError(f"{spec.global_name}: range [{a}, {b}) is not in this rank's optimizer shard")
                 sources = {
-                    "model": p.detach().reshape(-1)[a:b],
+                    "model": buf.param_data[buf.local(start + a, start + b)],  # p's own elements (fsdp: its shard)
                     "exp_avg": opt.exp_avg[i][first : first + b - a],
                     "exp_avg_sq": opt.exp_avg_sq[i][first : first + b - a],
                 }

@@ -73,6 +73,21 @@ class ParallelConfig:
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
     distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
+    fsdp: bool = _f(
+        False,
+        "fully sharded data parallelism (ZeRO-3): parameters, gradients and optimizer state sharded over the "
+        "data-parallel ranks, each layer's parameters all-gathered just before use and freed after",
+    )
+    fsdp_keep_params_in_backward: bool = _f(
+        False, "with --fsdp, keep each layer's gathered parameters from forward to its backward (no re-gather)"
+    )
+    fsdp_prefetch: bool = _f(True, "with --fsdp, issue the next layer's all-gather before this layer computes")
+    fsdp_shard_group: int | None = _f(
+        None,
+        "with --fsdp, hybrid sharding: shard over groups of this many data-parallel ranks, replicate across them "
+        "(gradients all-reduced between the groups; e.g. the GPUs of one node)",
+        allowed=at_least(2, "or left unset to shard over every data-parallel rank"),
+    )
     tp_comm_overlap: bool = _f(
         True,
         "with --tp > 1, column-parallel backward runs the input gradient's "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,26 @@ def reduce_dtype_problems(dtype_name: str, grad_reduce_dtype: str) -> list[str]:
     if dtype_name == "fp16" and grad_reduce_dtype == "bf16":
         return ["--precision fp16 with --grad-reduce-dtype bf16 mixes two half types; use fp32 reduction"]
     return []
+
+
+class Span(Protocol):
+    """A bucket as the optimizer and checkpoints see it: a range of the flat layout."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def numel(self) -> int: ...
+
+
+class Microbatched(Protocol):
+    """A chunk's buffer, told whether the coming backward is the step's last."""
+
+    module: nn.Module
+    is_last_microbatch: bool
 
 
 @dataclass
@@ -74,6 +95,9 @@ class CommStats:
 
 class GradBuffer:
     """Flat parameter and gradient storage of one model chunk, bucketed for data-parallel reduction."""
+
+    holds_full_params = True  # every parameter whole on this rank (fsdp.ShardedBuffer: its shard only)
+    writes_checkpoint = True  # its share of every bucket (hybrid sharding: one of the replicas holding a shard)
 
     def __init__(
         self,
@@ -187,12 +211,16 @@ class GradBuffer:
         if bucket.pending == 0 and self.overlap_grad_reduce and not bucket.deferred:
             self._start_reduce(bucket, "backward")
 
-    def shard_range(self, bucket: Bucket, dp_rank: int) -> tuple[int, int]:
+    def shard_range(self, bucket: Span, dp_rank: int) -> tuple[int, int]:
         """Element range of the bucket owned by dp_rank (the whole bucket without the distributed optimizer)."""
         if not self.distributed:
             return bucket.start, bucket.end
         size = bucket.numel // self.dp
         return bucket.start + dp_rank * size, bucket.start + (dp_rank + 1) * size
+
+    def local(self, start: int, end: int) -> slice:
+        """Where the flat element range [start, end) lies in param_data and grad_data (they hold every element)."""
+        return slice(start, end)
 
     def _start_reduce(self, bucket: Bucket, when: str) -> None:
         if self.dp == 1 or bucket.reduce_handle is not None:
@@ -296,7 +324,7 @@ class GradBuffer:
         self._wait_gather(list(range(len(self.buckets))), "after forward")
 
 
-def mark_last_microbatch(buffers: Sequence[GradBuffer], chunk: nn.Module, last: bool) -> None:
+def mark_last_microbatch(buffers: Sequence[Microbatched], chunk: nn.Module, last: bool) -> None:
     """Tell the buffers of `chunk` whether the coming backward is the step's last micro-batch's (their buckets
     reduce during it)."""
     for buf in buffers:

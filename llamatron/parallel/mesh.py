@@ -56,6 +56,11 @@ class Mesh:
     mp_group: dist.ProcessGroup | None = None  # tp x pp: one model replica
     ep_group: dist.ProcessGroup | None = None  # the ep dp ranks that together hold every expert
     expert_replica_group: dist.ProcessGroup | None = None  # (dp / ep) x cp: the ranks holding the same experts
+    # Hybrid sharding (--fsdp-shard-group N): the replica group cut into groups of N consecutive replicas, which
+    # shard the weights among them, and the ranks holding the same shard in each, which all-reduce its gradient.
+    fsdp_shard: int = 0  # N; 0: no hybrid sharding
+    fsdp_shard_group: dist.ProcessGroup | None = None
+    fsdp_replicate_group: dist.ProcessGroup | None = None
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
     dp_ranks: list[int] = field(default_factory=lambda: [0])
@@ -165,8 +170,17 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp: int = 1, ep: int = 1) -> Mesh:
+def build_mesh(
+    tp: int = 1,
+    pp: int = 1,
+    dp_comm_max_ctas: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    fsdp_shard: int | None = None,
+) -> Mesh:
     """Groups for the current job (a single process gets a mesh of size 1 with no groups).
+
+    fsdp_shard: --fsdp-shard-group (hybrid sharding's groups).
 
     dp_comm_max_ctas caps the thread blocks NCCL gives the gradient reduction's collectives (the replica group):
     those run beside backward/forward compute, and every SM they take is one the matmuls lose.
@@ -212,6 +226,10 @@ def build_mesh(tp: int = 1, pp: int = 1, dp_comm_max_ctas: int | None = None, cp
     if ep > 1:  # (t, d, p, c): the ep group shares t, p, c and d // ep; expert replicas share t, p and d % ep
         mesh.ep_group = groups_by(lambda c: (c[0], c[1] // ep, c[2], c[3]))[0]
         mesh.expert_replica_group = groups_by(lambda c: (c[0], c[1] % ep, c[2]), max_ctas=dp_comm_max_ctas)[0]
+    if fsdp_shard:  # a replica's index is d * cp + c
+        mesh.fsdp_shard = fsdp_shard
+        mesh.fsdp_shard_group = groups_by(lambda c: (c[0], c[2], (c[1] * cp + c[3]) // fsdp_shard))[0]
+        mesh.fsdp_replicate_group = groups_by(lambda c: (c[0], c[2], (c[1] * cp + c[3]) % fsdp_shard))[0]
     return mesh
 
 

@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from .adamw_kernel import adamw_segment
-from .grad_buffer import GradBuffer
+from .fsdp import Buffer
 from .mesh import Mesh, all_reduce
 from .param_spec import ParamSpec
 
@@ -27,7 +28,7 @@ class Segment:
 
     param: nn.Parameter
     spec: ParamSpec
-    buffer: GradBuffer
+    buffer: Buffer
     start: int  # in the buffer
     end: int
     param_offset: int  # where the segment starts inside the flattened parameter
@@ -38,7 +39,7 @@ class Segment:
 class DistributedAdamW:
     def __init__(
         self,
-        buffers: list[GradBuffer],
+        buffers: list[Buffer],
         mesh: Mesh,
         lr: float,
         weight_decay: float,
@@ -47,8 +48,12 @@ class DistributedAdamW:
         clip_grad: float,
         distributed: bool,
         kernel: str = "torch",
+        shard_group: dist.ProcessGroup | None = None,
     ):
+        """shard_group: the ranks whose shards together hold every element once (default the replica group;
+        hybrid sharding's shard group)."""
         self.buffers, self.mesh, self.kernel = buffers, mesh, kernel
+        self.shard_group = mesh.replica_group if shard_group is None else shard_group
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, betas, eps, clip_grad
         self.distributed = distributed and mesh.replicas > 1
         self.segments: list[Segment] = []
@@ -72,18 +77,18 @@ class DistributedAdamW:
         self.steps = [torch.zeros((), device=device) for _ in self.segments]
 
     def _master_view(self, seg: Segment) -> torch.Tensor:
-        data = seg.buffer.param_data[seg.start : seg.end]
+        data = seg.buffer.param_data[seg.buffer.local(seg.start, seg.end)]
         return data if data.dtype == torch.float32 else data.float()
 
     def grads(self) -> list[torch.Tensor]:
-        return [seg.buffer.grad_data[seg.start : seg.end] for seg in self.segments]
+        return [seg.buffer.grad_data[seg.buffer.local(seg.start, seg.end)] for seg in self.segments]
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all data-, tensor- and pipeline-parallel shards, replicas counted once."""
         dense = self._squares(False)
         experts = self._squares(True)  # each expert-parallel rank holds other experts: summed over the ep group
         if self.distributed:  # every element is one replica's (dp x cp): experts' shards and ep ranks alike
-            sq = all_reduce(dense + experts, self.mesh.replica_group)
+            sq = all_reduce(dense + experts, self.shard_group)
         else:
             sq = dense + all_reduce(experts, self.mesh.ep_group)
         all_reduce(sq, self.mesh.mp_group)
@@ -153,7 +158,7 @@ class DistributedAdamW:
             )
         if not self.master_is_param:
             for seg, master in zip(self.segments, self.master):
-                seg.buffer.param_data[seg.start : seg.end].copy_(master)
+                seg.buffer.param_data[seg.buffer.local(seg.start, seg.end)].copy_(master)
         return norm, found_inf
 
     def _triton_step(
@@ -165,7 +170,7 @@ class DistributedAdamW:
         increment = 1.0 - found_inf
         torch._foreach_add_(self.steps, [increment] * len(self.steps))
         for i, seg in enumerate(self.segments):
-            out = None if self.master_is_param else seg.buffer.param_data[seg.start : seg.end]
+            out = None if self.master_is_param else seg.buffer.param_data[seg.buffer.local(seg.start, seg.end)]
             adamw_segment(
                 self.master[i],
                 grads[i],

@@ -34,7 +34,8 @@ from torch import nn
 from ..errors import ConfigError
 from ..models import ModelConfig, Transformer, build_model
 from ..models.transformer import batch_inputs
-from .grad_buffer import GradBuffer, mark_last_microbatch
+from .fsdp import Buffer
+from .grad_buffer import mark_last_microbatch
 from .mesh import Mesh, new_group
 from .param_spec import ParamSpecs, param_specs
 from .schedules import Action, Message, Step, build_program, input_message, output_message
@@ -142,7 +143,7 @@ def _tied_params(chunk: Transformer) -> list[nn.Parameter]:
     return [p for p in copies if isinstance(p, nn.Parameter) and p.requires_grad]
 
 
-def sum_tied_embedding_grads(chunks: list[Transformer], buffers: list[GradBuffer]) -> None:
+def sum_tied_embedding_grads(chunks: list[Transformer], buffers: Sequence[Buffer]) -> None:
     """Add the first and last stage's gradients of a tied embedding (before the data-parallel reduction)."""
     for chunk, buffer in zip(chunks, buffers):
         for p in _tied_params(chunk):

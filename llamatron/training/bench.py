@@ -38,7 +38,8 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device, cfg.train.dist_timeout)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp, cfg.parallel.ep)
+    p = cfg.parallel
+    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -84,6 +85,8 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "cp": mesh.cp,
         "sp": p.sequence_parallel,
         "dist_opt": p.distributed_optimizer,
+        "fsdp": p.fsdp,
+        "fsdp_shard_group": p.fsdp_shard_group if p.fsdp else None,
         "recompute": t.recompute,
         "compile": derived.compile,
         "precision": derived.dtype_name,
@@ -198,6 +201,7 @@ def format_row(row: dict) -> str:
         f"tp{row['tp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']}"
         + (" sp" if row["sp"] else "")
         + (" distopt" if row["dist_opt"] else "")
+        + (" fsdp" if row.get("fsdp") else "")
         + (f" rc={row['recompute']}" if row["recompute"] != "none" else "")
     )
     phases = " ".join(

@@ -210,7 +210,13 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
     # --finetune from a checkpoint of the plain model: parameters added to it (LoRA's adapters) keep their init.
     fresh = set(added) - reader.names("model") if weights_only else set()
     kept = [(p, spec) for p, spec in engine_params(engine) if spec.global_name not in fresh]
-    read_weights(reader, kept, weights_kind)
+    if all(buf.holds_full_params for buf in engine.buffers):
+        read_weights(reader, kept, weights_kind)
+    else:  # --fsdp: each rank reads only its shard of each parameter (its optimizer segments)
+        with torch.no_grad():
+            for seg in opt.segments:
+                shard = seg.buffer.param_data[seg.buffer.local(seg.start, seg.end)]
+                read_into(reader, weights_kind, seg.spec, shard, seg.param_offset)
     if weights_only:
         if not opt.master_is_param:  # a fresh optimizer, whose master weights start from the loaded ones
             for i, seg in enumerate(opt.segments):

@@ -3,7 +3,8 @@
 Order: plain model (or this rank's pipeline stage chunks) on meta, with their
 parameter specs -> tensor parallelism -> expert parallelism (MoE layers) -> FP8 matmuls (--fp8)
 -> materialise (layout-independent init) -> recompute -> compile -> gradient buffers (the experts' own
-under --ep) -> optimizer. Nothing touches device memory before the config is validated.
+under --ep) -> optimizer. Nothing touches device memory before the config is validated. Under --fsdp the
+chunk stays on meta until its sharded buffer (parallel/fsdp.py) writes this rank's shard of each parameter.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..checkpoint.loading import TensorsInMemory, read_weights
 from ..config.settings import Derived, RunConfig
 from ..dtypes import DTYPES
 from ..models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
+from ..models.init import init_full_tensor
 from ..models.layers import Attention
 from ..models.moe import MoE
 from ..models.transformer import batch_inputs
@@ -32,6 +34,7 @@ from ..objectives.language_model import LanguageModelObjective
 from ..objectives.preference import PreferenceObjective
 from ..parallel.context import apply_context_parallel
 from ..parallel.expert import apply_expert_parallel
+from ..parallel.fsdp import Buffer, ShardedBuffer
 from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
 from ..parallel.loss_scale import DynamicLossScaler
 from ..parallel.mesh import Mesh
@@ -63,7 +66,7 @@ class Engine:
     mesh: Mesh
     model_cfg: ModelConfig
     chunks: list[Transformer]
-    buffers: list[GradBuffer]
+    buffers: list[Buffer]
     optimizer: DistributedAdamW
     device: torch.device
     dtype: torch.dtype
@@ -207,7 +210,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         apply_fp8(
             chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
         )  # keeps the parameters: specs and init unchanged
-        materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
+        if not p.fsdp:  # else the sharded buffer writes this rank's shard of each parameter
+            materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         place_adapters(chunk)  # LoRA's row maps on the device, before any compiled forward
         if adapters is not None:  # before the optimizer: its fp32 master copies start from these
             named = ((p_, specs[i][n]) for n, p_ in chunk.named_parameters())
@@ -219,26 +223,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
             apply_recompute(chunk, cfg.train.recompute, cfg.train.recompute_layers)
         if derived.compile:
             apply_compile(chunk)
-    grad_dtype = torch.float32
-    reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
-
-    def buffer(chunk: Transformer, chunk_specs, experts: bool | None) -> GradBuffer:
-        """experts None: every parameter; False / True: the dense ones / the experts (reduced over their replicas)."""
-        group, replicas = (
-            (mesh.expert_replica_group, mesh.expert_replicas) if experts else (mesh.replica_group, mesh.replicas)
-        )
-        return GradBuffer(
-            chunk,
-            group,
-            replicas,
-            grad_dtype=grad_dtype,
-            bucket_size=p.bucket_size,
-            distributed=p.distributed_optimizer,
-            overlap_grad_reduce=p.overlap_grad_reduce,
-            reduce_dtype=reduce_dtype,
-            specs=chunk_specs,
-            select=None if experts is None else partial(_is_expert, experts),
-        )
+    buffer = partial(_buffer, cfg, mesh, model_cfg, device, dtype)
 
     # One buffer per chunk, in chunk order (the pipeline's tied-embedding sum pairs them); the experts' after them.
     split = mesh.ep > 1
@@ -265,6 +250,57 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     )
 
 
+def _buffer(
+    cfg: RunConfig,
+    mesh: Mesh,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    chunk: Transformer,
+    chunk_specs: ParamSpecs,
+    experts: bool | None,
+) -> Buffer:
+    """The gradient buffer of `chunk` (--fsdp: its sharded buffer, which also materialises it). experts None:
+    every parameter; False / True: the dense ones / the experts (reduced over their replicas)."""
+    p = cfg.parallel
+    group, replicas = (
+        (mesh.expert_replica_group, mesh.expert_replicas) if experts else (mesh.replica_group, mesh.replicas)
+    )
+    if mesh.fsdp_shard:  # hybrid sharding
+        group, replicas = mesh.fsdp_shard_group, mesh.fsdp_shard
+    grad_dtype = torch.float32
+    reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
+    if p.fsdp:
+        return ShardedBuffer(
+            chunk,
+            group,
+            replicas,
+            chunk_specs,
+            partial(_initial_local, model_cfg, cfg.train.seed, device),
+            dtype,
+            device,
+            grad_dtype=grad_dtype,
+            reduce_dtype=reduce_dtype,
+            keep_params_in_backward=p.fsdp_keep_params_in_backward,
+            prefetch=p.fsdp_prefetch,
+            replicate_group=mesh.fsdp_replicate_group,
+            tp_group=mesh.tp_group if mesh.tp > 1 else None,
+            select=None if experts is None else partial(_is_expert, experts),
+        )
+    return GradBuffer(
+        chunk,
+        group,
+        replicas,
+        grad_dtype=grad_dtype,
+        bucket_size=p.bucket_size,
+        distributed=p.distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        reduce_dtype=reduce_dtype,
+        specs=chunk_specs,
+        select=None if experts is None else partial(_is_expert, experts),
+    )
+
+
 def _objective(
     cfg: RunConfig,
     chunks: list[Transformer],
@@ -280,7 +316,7 @@ def _objective(
     return LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernel, compile)
 
 
-def _optimizer(cfg: RunConfig, buffers: list[GradBuffer], mesh: Mesh, adamw_kernel: str) -> DistributedAdamW:
+def _optimizer(cfg: RunConfig, buffers: list[Buffer], mesh: Mesh, adamw_kernel: str) -> DistributedAdamW:
     """AdamW over the buffers' parameters; adamw_kernel auto: the Triton pass on CUDA, measured 2 ms faster of a
     351 ms llama-1b step on an H200 (RESULTS.md run 4)."""
     o = cfg.optim
@@ -292,9 +328,16 @@ def _optimizer(cfg: RunConfig, buffers: list[GradBuffer], mesh: Mesh, adamw_kern
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        distributed=cfg.parallel.distributed_optimizer,
+        distributed=cfg.parallel.distributed_optimizer or cfg.parallel.fsdp,
         kernel=adamw_kernel,
+        shard_group=mesh.fsdp_shard_group,
     )
+
+
+def _initial_local(model_cfg: ModelConfig, seed: int, device: torch.device, spec: ParamSpec) -> torch.Tensor:
+    """A parameter's initial fp32 value as this rank holds it before data-parallel sharding (--fsdp), as
+    models.init.materialize draws it."""
+    return spec.shard(init_full_tensor(spec.global_name, torch.Size(spec.full_shape), model_cfg, seed, device))
 
 
 def _trains_experts(chunk: Transformer, specs: ParamSpecs) -> bool:

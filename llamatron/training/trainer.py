@@ -252,7 +252,8 @@ def _train_on_this_rank(
     cfg: RunConfig, derived: Derived, model_cfg: ModelConfig, faults: FaultInjection
 ) -> TrainResult:
     t = cfg.train
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas, cfg.parallel.cp, cfg.parallel.ep)
+    p = cfg.parallel
+    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None)
     if mesh.rank == 0:
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)

@@ -20,6 +20,7 @@ from ..models.families import model_problems
 from ..objectives.preference import preference_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
+from ..parallel.fsdp import fsdp_problems
 from ..parallel.grad_buffer import reduce_dtype_problems
 from ..parallel.mesh import comm_problems, mesh_problems
 from ..parallel.optimizer import lr_problems
@@ -50,6 +51,23 @@ def _validate_layout(
     _raise_if(tensor_parallel_problems(model, p.tp, p.sequence_parallel) + expert_parallel_problems(model, p.ep, p.cp))
     _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
     _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
+    given = [k for k in asdict(p) if k in cfg.explicit]
+    _raise_if(
+        fsdp_problems(
+            p.fsdp,
+            p.fsdp_keep_params_in_backward,
+            p.fsdp_prefetch,
+            p.fsdp_shard_group,
+            dp * p.cp,
+            given,
+            p.tp,
+            p.pp,
+            p.cp,
+            p.ep,
+            t.fp8,
+            cfg.lora.lora_rank,
+        )
+    )
     largest = max(split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers))
     _raise_if(recompute_problems(t.recompute, t.recompute_layers, largest, p.pp * p.vpp))
     _raise_if(batch_problems(t.global_batch_size, t.micro_batch_size, dp))
