@@ -175,6 +175,9 @@ LAYOUTS = {
     "ep2": (["--ep", "2"], 2),
     "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
     "pp2": (["--pp", "2", "--pp-layers", "1,3", "--micro-batch-size", "1"], 2),
+    # stages of 1 and 1 MoE layers with dense ones between, experts split over 2 ranks of each stage
+    "ep2-pp2": (["--ep", "2", "--pp", "2", "--micro-batch-size", "1"], 4),
+    "ep2-distopt-recompute": (["--ep", "2", "--distributed-optimizer", "--recompute", "full"], 2),
 }
 
 
