@@ -17,8 +17,8 @@ pytestmark = [
 
 def _models(dtype: torch.dtype):
     """The same weights on the CPU (fp32, the reference) and the GPU (`dtype`): chunks of 16 tokens and a
-    temperature step every 8 positions over 96 tokens, head_dim 64 (what flex attention's compiled kernel takes)."""
-    shape = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, init_std=0.1)
+    temperature step every 8 positions over 128 tokens (flex attention's block), head_dim 64."""
+    shape = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, init_std=0.1, max_seq_length=256)
     cfg = dataclasses.replace(get_preset("llama4-test"), **shape)
     cpu = materialize(build_model(cfg), cfg, 0, "cpu", torch.float32)
     return cfg, cpu, copy.deepcopy(cpu).to("cuda", dtype)
@@ -30,7 +30,7 @@ def _tokens(cfg, seq: int, seed: int) -> torch.Tensor:
 
 def test_fp32_on_the_gpu_equals_the_cpu_reference():
     cfg, cpu, gpu = _models(torch.float32)
-    tokens = _tokens(cfg, 96, 0)
+    tokens = _tokens(cfg, 128, 0)
     with torch.no_grad():
         expected, got = cpu.eval()(tokens), gpu.eval()(tokens.cuda()).cpu()
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -41,7 +41,7 @@ def test_bf16_training_step_follows_the_fp32_reference(compiled):
     """bf16 (grouped GEMMs, the flex block mask; compiled or not) within bf16's tolerance of fp32 on the CPU, loss
     and gradients."""
     cfg, cpu, gpu = _models(torch.bfloat16)
-    tokens = _tokens(cfg, 97, 1)
+    tokens = _tokens(cfg, 129, 1)
     losses = []
     for model, device in ((cpu, "cpu"), (torch.compile(gpu) if compiled else gpu, "cuda")):
         t = tokens.to(device)
