@@ -186,18 +186,24 @@ def expert_params(cfg: ModelConfig) -> int:
 def mean_mlp_width(cfg: ModelConfig) -> float:
     """The MLP width one token runs through, averaged over the layers: a dense layer's ffn, or experts_per_token
     experts' in a MoE layer (models with dense layers among the MoE ones differ by layer)."""
+    if cfg.moe_layer_step == 1:  # every layer alike (the planner asks this for every layout it weighs)
+        return float(cfg.ffn_hidden_size * (cfg.experts_per_token if cfg.is_moe else 1))
     widths = [cfg.layer_ffn(i) * (cfg.experts_per_token if cfg.is_moe_layer(i) else 1) for i in range(cfg.num_layers)]
     return sum(widths) / cfg.num_layers
 
 
 def moe_layer_share(cfg: ModelConfig) -> float:
     """The fraction of decoder layers with experts."""
+    if not cfg.is_moe or cfg.moe_layer_step == 1:
+        return float(cfg.is_moe)
     return cfg.num_moe_layers / cfg.num_layers
 
 
 def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
     """The keys a query's attention score matrix spans, averaged over the layers (the S of the FLOP formula): the
     sequence, the sliding window or the attention chunk where shorter."""
+    if cfg.attention_chunk_size is None:  # every layer alike
+        return min(seq_length, cfg.sliding_window) if cfg.sliding_window is not None else seq_length
     spans = []
     for i in range(cfg.num_layers):
         span = seq_length

@@ -122,17 +122,17 @@ def linear_params(model: ModelConfig) -> tuple[float, float]:
 def keys_per_query(model: ModelConfig, seq: int) -> float:
     """Mean keys a query attends to under the causal mask (and the sliding window or attention chunks, if any),
     averaged over the layers."""
-    total = 0.0
-    for i in range(model.num_layers):
-        w, chunk = model.sliding_window, model.layer_attention_chunk(i)
-        if chunk is not None and chunk < seq:  # whole chunks of causal attention, and the rest
-            full, rest = divmod(seq, chunk)
-            total += (full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq
-        elif w is None or w >= seq:
-            total += (seq + 1) / 2
-        else:
-            total += (w * (w + 1) / 2 + (seq - w) * w) / seq
-    return total / model.num_layers
+    chunks = [model.layer_attention_chunk(i) for i in range(model.num_layers)] if model.attention_chunk_size else [None]
+    return sum(_keys_per_query(model.sliding_window, chunk, seq) for chunk in chunks) / len(chunks)
+
+
+def _keys_per_query(window: int | None, chunk: int | None, seq: int) -> float:
+    if chunk is not None and chunk < seq:  # whole chunks of causal attention, and the rest
+        full, rest = divmod(seq, chunk)
+        return (full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / seq
+    if window is None or window >= seq:
+        return (seq + 1) / 2
+    return (window * (window + 1) / 2 + (seq - window) * window) / seq
 
 
 class Costs:
