@@ -23,7 +23,7 @@ With one rank the shard is the whole bucket: nothing is gathered, freed or reduc
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -259,14 +259,9 @@ class ShardedBuffer:
     @torch.no_grad()
     def _initialise(self, initial: Callable[[ParamSpec], torch.Tensor]) -> None:
         """Each parameter's owned part of its initial value into this rank's shard, one full tensor at a time."""
-        for b in self.buckets:
-            lo, hi = self.shard_range(b, self.replica_rank)
-            for p in b.params:
-                s, e = self.param_range[p]
-                a, z = max(s, lo), min(e, hi)
-                if a < z:
-                    value = initial(self.spec_of[p]).reshape(-1)
-                    self.param_data[self.local(a, z)].copy_(value[a - s : z - s])
+        for p, a, z, s in owned_ranges(self):
+            value = initial(self.spec_of[p]).reshape(-1)
+            self.param_data[self.local(a, z)].copy_(value[a - s : z - s])
 
     # ---- the flat layout, as grad_buffer.GradBuffer's ---------------------------------------------
 
@@ -460,3 +455,15 @@ def _replace_parameters(module: nn.Module, new: dict[int, nn.Parameter]) -> None
 
 
 Buffer = GradBuffer | ShardedBuffer  # what the optimizer, the gradient norm and checkpoints read
+
+
+def owned_ranges(buf: Buffer) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+    """(parameter, start, end, its own start) of every flat range [start, end) of a parameter that this rank's shard
+    of `buf` holds: what the optimizer steps and initialisation writes."""
+    for bucket in buf.buckets:
+        lo, hi = buf.shard_range(bucket, buf.replica_rank)
+        for p in bucket.params:
+            first, last = buf.param_range[p]
+            start, end = max(first, lo), min(last, hi)
+            if start < end:
+                yield p, start, end, first

@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
 from .adamw_kernel import adamw_segment
-from .fsdp import Buffer
+from .fsdp import Buffer, owned_ranges
 from .mesh import Mesh, all_reduce
 from .param_spec import ParamSpec
 
@@ -58,17 +58,12 @@ class DistributedAdamW:
         self.distributed = distributed and mesh.replicas > 1
         self.segments: list[Segment] = []
         for buf in buffers:
-            for bucket in buf.buckets:
-                lo, hi = buf.shard_range(bucket, buf.replica_rank)
-                for p in bucket.params:
-                    start, end = buf.param_range[p]
-                    s, e = max(start, lo), min(end, hi)
-                    if s < e:
-                        spec = buf.spec_of[p]
-                        replicated_copy = (mesh.tp_rank > 0 and not spec.tensor_parallel) or spec.shared_replica
-                        self.segments.append(
-                            Segment(p, spec, buf, s, e, s - start, decay=p.ndim > 1, count_in_norm=not replicated_copy)
-                        )
+            for p, s, e, start in owned_ranges(buf):
+                spec = buf.spec_of[p]
+                replicated_copy = (mesh.tp_rank > 0 and not spec.tensor_parallel) or spec.shared_replica
+                self.segments.append(
+                    Segment(p, spec, buf, s, e, s - start, decay=p.ndim > 1, count_in_norm=not replicated_copy)
+                )
         device = buffers[0].grad_data.device
         self.master_is_param = buffers[0].param_data.dtype == torch.float32
         self.master = [self._master_view(seg) for seg in self.segments]
