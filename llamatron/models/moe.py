@@ -46,6 +46,7 @@ class Routing:
     order: torch.Tensor  # (tokens · k,) index into the flattened choices, sorted by expert (stable)
     counts: torch.Tensor  # (experts,) how many choices each expert got
     top_k: int
+    inverse: torch.Tensor  # (tokens · k,) where each flattened choice sits in the sorted order
 
     @property
     def source_tokens(self) -> torch.Tensor:
@@ -57,7 +58,8 @@ def route(chosen: torch.Tensor, num_experts: int) -> Routing:
     """Sort the (tokens, k) expert choices by expert; ties keep token order (the same on every layout)."""
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return Routing(order, expert_counts(flat, num_experts), chosen.shape[1])
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return Routing(order, expert_counts(flat, num_experts), chosen.shape[1], inverse)
 
 
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -74,11 +76,52 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def permute(tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(tokens · k, hidden): each token's k copies, sorted by expert (the experts' input rows)."""
+    return _Permute.apply(tokens, routing.source_tokens, routing.inverse, routing.top_k)
+
+
 def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
     """(tokens, hidden): each token's k expert outputs, back in token order, weighted and summed."""
-    unsorted = unpermute(sorted_out, routing.order)
-    tokens = weights.shape[0]
-    return (unsorted.view(tokens, routing.top_k, -1) * weights.unsqueeze(-1)).sum(1)
+    return _Combine.apply(sorted_out, weights, routing.order, routing.inverse)
+
+
+# The two permutations' backward passes as gathers: autograd's of an index (rows = tokens[source]) or an index
+# assignment scatter-adds with atomics into zeros, and of the weighted sum writes the whole unsorted copy again;
+# knowing the permutation, each gradient reads its rows through the inverse instead (issue 34: routing and
+# permutation were ~13% of a fine-grained MoE step, run 19).
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return tokens[source]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        # each token's k rows, read where they were sorted to, summed
+        return grad[inverse].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(sorted_out, weights, order, inverse)
+        tokens, top_k = weights.shape
+        return (sorted_out[inverse].view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sorted_out, weights, order, inverse = ctx.saved_tensors
+        tokens, top_k = weights.shape
+        grad_sorted = grad[order // top_k] * weights.reshape(-1)[order].unsqueeze(-1)
+        grad_weights = (sorted_out[inverse].view(tokens, top_k, -1) * grad.unsqueeze(1)).sum(-1)
+        return grad_sorted, grad_weights, None, None
 
 
 class Experts(nn.Module):
@@ -141,7 +184,7 @@ Dispatch = Callable[[torch.Tensor, Routing, Experts], torch.Tensor]
 
 def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
     """Every expert on this rank: gather the sorted choices' tokens and run them."""
-    return experts(tokens[routing.source_tokens], routing.counts)
+    return experts(permute(tokens, routing), routing.counts)
 
 
 @dataclass
@@ -283,6 +326,7 @@ __all__ = [
     "Routing",
     "combine",
     "local_dispatch",
+    "permute",
     "route",
     "router_losses",
     "unpermute",

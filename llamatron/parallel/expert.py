@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.config import ModelConfig
-from ..models.moe import Experts, MoE, Routing, SharedExpert, unpermute
+from ..models.moe import Experts, MoE, Routing, SharedExpert, permute, unpermute
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
@@ -155,7 +155,7 @@ class ExpertParallelDispatch:
         # Received rows are by source, then by expert; the experts want them by expert, then source.
         by_expert = _source_major_to_expert_major(grid.tolist(), tokens.device)
         ex = _Exchange(send, receive, by_expert, grid.sum(0), self.group, self.overlap, self.events)
-        gate_up_out = _DispatchAndGateUp.apply(tokens[routing.source_tokens], experts.gate_up, experts, ex)
+        gate_up_out = _DispatchAndGateUp.apply(permute(tokens, routing), experts.gate_up, experts, ex)
         out = experts.finish(gate_up_out, ex.counts)
         return _AllToAll.apply(unpermute(out, by_expert), receive, send, self.group)
 
