@@ -2,7 +2,7 @@
 attention, NoPE layers with temperature tuning, the L2 q/k norm, sigmoid routing of the experts' inputs, a shared
 expert, dense layers among the MoE ones), each of those checked to matter (switched off, the logits leave
 transformers'), imported and exported bitwise, the published sizes, what the format cannot hold refused in one line,
-and expert, tensor and pipeline parallelism equal to the single process."""
+and expert, tensor and pipeline parallelism equal to the single process, resumed across expert layouts."""
 
 from __future__ import annotations
 
@@ -178,6 +178,10 @@ LAYOUTS = {
     # stages of 1 and 1 MoE layers with dense ones between, experts split over 2 ranks of each stage
     "ep2-pp2": (["--ep", "2", "--pp", "2", "--micro-batch-size", "1"], 4),
     "ep2-distopt-recompute": (["--ep", "2", "--distributed-optimizer", "--recompute", "full"], 2),
+    # the shared expert split over tp beside the routed experts' ffn, the routed ones also over ep
+    "ep2-tp2-sp": (["--ep", "2", "--tp", "2", "--sequence-parallel"], 4),
+    # the interleaved schedule, chunks of one layer: stage 0 holds layers 0 and 2 (no MoE), stage 1 layers 1 and 3
+    "ep2-pp2-vpp2": (["--ep", "2", "--pp", "2", "--vpp", "2", "--micro-batch-size", "1"], 4),
 }
 
 
@@ -190,6 +194,16 @@ def single(tmp_path_factory):
 def test_layouts_match_the_single_process(name, single, tmp_path):
     flags, nproc = LAYOUTS[name]
     assert_matches(single, run_train(flags, nproc, tmp_path, model="llama4-test"))
+
+
+def test_resume_across_expert_layouts(single, tmp_path):
+    """Saved at ep 2 with the distributed optimizer after step 2 (of 2: the cosine schedule's first two steps are
+    those of the 5-step run), resumed in one process and at ep 4 (one expert per rank) with the optimizer state
+    resharded: the resumed steps are the uninterrupted single process's. (The ep 4 layout's test too.)"""
+    save = ["--ep", "2", "--distributed-optimizer", "--train-steps", "2", "--save", "ep2"]
+    run_train(save, 2, tmp_path, model="llama4-test")
+    for flags, nproc in (([], 1), (["--ep", "4", "--distributed-optimizer"], 4)):
+        assert_matches(single[2:], run_train(["--load", "ep2", *flags], nproc, tmp_path, model="llama4-test"))
 
 
 def test_a_checkpoint_with_the_vision_tower_imports_its_text_model(tmp_path, capsys):

@@ -143,6 +143,10 @@ LAYOUTS = {
     "shared-ep2": (["--ep", "2"], 2, "qwen2-moe-test"),
     "shared-pp2-dp2": (["--pp", "2", "--micro-batch-size", "1"], 4, "qwen2-moe-test"),
     "shared-tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, "qwen2-moe-test"),
+    # the gated shared expert split over tp beside the routed experts, those also over ep
+    "shared-ep2-tp2-sp": (["--ep", "2", "--tp", "2", "--sequence-parallel"], 4, "qwen2-moe-test"),
+    "ep4": (["--ep", "4"], 4, "qwen3-moe-test"),  # 2 of the 8 fine-grained experts per rank, top 2 renormalised
+    "ep2-distopt-recompute": (["--ep", "2", "--distributed-optimizer", "--recompute", "full"], 2, "qwen3-moe-test"),
 }
 
 
