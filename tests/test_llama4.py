@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from layout import assert_matches, run_train
+from layout import assert_matches, assert_same_weights, run_train
 from test_qwen import _run
 from test_qwen_moe import assert_round_trip_is_bitwise
 
@@ -186,24 +187,40 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return run_train([], 1, tmp_path_factory.mktemp("single"), model="llama4-test")
+def single_run(tmp_path_factory) -> tuple[list[dict], Path]:
+    """The single process's per-step metrics and its final weights."""
+    path = tmp_path_factory.mktemp("single")
+    return run_train(["--save", "ck"], 1, path, model="llama4-test"), path / "ck" / "step-5"
+
+
+@pytest.fixture(scope="module")
+def single(single_run):
+    return single_run[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layouts_match_the_single_process(name, single, tmp_path):
+def test_layouts_match_the_single_process(name, single_run, tmp_path):
+    """Per-step loss and grad norm, and the final weights."""
     flags, nproc = LAYOUTS[name]
-    assert_matches(single, run_train(flags, nproc, tmp_path, model="llama4-test"))
+    records, weights = single_run
+    assert_matches(records, run_train([*flags, "--save", "ck"], nproc, tmp_path, model="llama4-test"))
+    assert_same_weights(weights, tmp_path / "ck" / "step-5")
 
 
-def test_resume_across_expert_layouts(single, tmp_path):
+def test_resume_across_expert_layouts(single_run, tmp_path):
     """Saved at ep 2 with the distributed optimizer after step 2 (of 2: the cosine schedule's first two steps are
     those of the 5-step run), resumed in one process and at ep 4 (one expert per rank) with the optimizer state
-    resharded: the resumed steps are the uninterrupted single process's. (The ep 4 layout's test too.)"""
+    resharded: the resumed steps and final weights are the uninterrupted single process's. (The ep 4 layout's test
+    too.)"""
     save = ["--ep", "2", "--distributed-optimizer", "--train-steps", "2", "--save", "ep2"]
     run_train(save, 2, tmp_path, model="llama4-test")
+    records, weights = single_run
     for flags, nproc in (([], 1), (["--ep", "4", "--distributed-optimizer"], 4)):
-        assert_matches(single[2:], run_train(["--load", "ep2", *flags], nproc, tmp_path, model="llama4-test"))
+        resumed = run_train(
+            ["--load", "ep2", "--save", f"resumed{nproc}", *flags], nproc, tmp_path, model="llama4-test"
+        )
+        assert_matches(records[2:], resumed)
+        assert_same_weights(weights, tmp_path / f"resumed{nproc}" / "step-5")
 
 
 def test_a_checkpoint_with_the_vision_tower_imports_its_text_model(tmp_path, capsys):
