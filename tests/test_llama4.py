@@ -193,11 +193,6 @@ def single_run(tmp_path_factory) -> tuple[list[dict], Path]:
     return run_train(["--save", "ck"], 1, path, model="llama4-test"), path / "ck" / "step-5"
 
 
-@pytest.fixture(scope="module")
-def single(single_run):
-    return single_run[0]
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_the_single_process(name, single_run, tmp_path):
     """Per-step loss and grad norm, and the final weights."""
