@@ -75,8 +75,12 @@ def fp8_problems(
     if torchao_missing():
         return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.18,<0.19')"]
     problems = []
-    if dtype_name != "bf16":
-        problems.append(f"--fp8 runs on top of bf16, not {dtype_name}: use --precision bf16 (or auto on a GPU)")
+    # Emulated, FP8's quantisation also runs on top of fp32: the layout tests' precision (tests/layout.py)
+    if dtype_name != "bf16" and not (emulate and dtype_name == "fp32"):
+        problems.append(
+            f"--fp8 runs on top of bf16, not {dtype_name}: use --precision bf16 (or auto on a GPU; "
+            "fp32 only with --fp8-emulate)"
+        )
     if not emulate:
         if device != "cuda":
             problems.append(
