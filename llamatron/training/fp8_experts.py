@@ -17,9 +17,9 @@ the same reason).
 
 Groups of 16: FP8 grouped GEMMs take expert groups of a multiple of 16 rows, and torchao 0.18's own padding is not
 implemented (it asserts it off). So each expert's rows are copied into a zero-filled buffer of a size fixed by the
-shapes alone (rows + 15 per expert, rounded up to 16: no host read, so it compiles), every group starting at a
-multiple of 16 and the last one running to the buffer's end; the output is read back at the rows' places. Zero rows
-change no scale and add nothing to a weight gradient.
+shapes alone (rows + 16 per expert, rounded up to 16: no host read, so it compiles), every group starting at a
+multiple of 16, at least 16 rows long, and the last one running to the buffer's end; the output is read back at
+the rows' places. Zero rows change no scale and add nothing to a weight gradient.
 
 Emulation (--fp8-emulate; the CPU tests): the same scales and e4m3 rounding, dequantised, the GEMMs in fp32 one
 expert at a time, the output rounded to the input's dtype (torchao's is bf16).
@@ -54,8 +54,10 @@ def padded_groups(counts: torch.Tensor, rows: int, multiple: int = FP8_GROUP_ROW
     """`counts[e]` rows for expert e, in order, padded to groups of `multiple`, on the device (no host read)."""
     counts = counts.long()
     experts = counts.numel()
-    size = -(-(rows + experts * (multiple - 1)) // multiple) * multiple
-    padded = (counts + multiple - 1) // multiple * multiple
+    size = -(-(rows + experts * multiple) // multiple) * multiple
+    # an expert without rows gets a group of zeros too: no GEMM meets an empty group (whose output a kernel may
+    # leave unwritten)
+    padded = ((counts + multiple - 1) // multiple).clamp(min=1) * multiple
     ends = torch.cumsum(padded, 0)
     offsets = torch.cat([ends[:-1], ends.new_full((1,), size)]).to(torch.int32)
     expert = torch.repeat_interleave(torch.arange(experts, device=counts.device), counts, output_size=rows)
