@@ -132,15 +132,15 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> lis
 
 
 @functools.cache
-def _import_torchao() -> None:
-    """Import torchao once, without its import-time warnings: on a build without its CUDA extensions (CPU,
-    emulation) it warns about each one it cannot load, and about an Enum it registers with torch's pytree."""
+def _import_torchao(module: str = "torchao.float8") -> None:
+    """Import torchao's `module` once, without its import-time warnings: on a build without its CUDA extensions
+    (CPU, emulation) it warns about each one it cannot load, and about Enums it registers with torch's pytree."""
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
-        importlib.import_module("torchao.float8")
+        importlib.import_module(module)
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
@@ -216,6 +216,8 @@ def apply_fp8(
         if not name.startswith("layers."):
             continue
         if isinstance(module, Experts) and experts:
+            if not emulate:
+                _import_torchao("torchao.prototype.moe_training")  # fp8_experts calls it
             module.grouped_mm = FP8GroupedMM(emulate)
         elif isinstance(module, LoraLinear):  # LoRA: the frozen part in FP8, the adapters in bf16
             module.base_matmul = matmul
