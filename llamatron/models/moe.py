@@ -92,6 +92,17 @@ class GroupedMatmul(Protocol):
 
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
 
+    def chain(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        between: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """second(between(first(x))): both matmuls at once (FP8's: one padding of the groups around both)."""
+        ...
+
 
 class Experts(nn.Module):
     """E SwiGLU MLPs as two stacked weights: gate_up (E, 2·ffn, hidden) laid out [gate; up] per expert, as the
@@ -109,11 +120,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, hidden) sorted by expert, `counts[e]` rows for local expert e; returns (rows, hidden)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.chain(x, counts, self.gate_up, self.down, self._swiglu)
         return self.finish(self.project(x, self.gate_up, counts), counts)
 
     def finish(self, gate_up_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The rest of each expert after its gate_up matmul: SwiGLU, then down."""
-        return self.project(swiglu(gate_up_out, self.swiglu_backend), self.down, counts)
+        return self.project(self._swiglu(gate_up_out), self.down, counts)
+
+    def _swiglu(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up_out, self.swiglu_backend)
 
     def project(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's rows times its matrix transposed (F.linear per expert): weight (experts, out, in)."""

@@ -31,6 +31,7 @@ two backward GEMMs on their own, quantised as above, so ep computes what one pro
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -187,8 +188,26 @@ class FP8GroupedMM:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         groups = padded_groups(counts, x.shape[0])
-        run = _EmulatedGroupedMM.apply if self.emulate else _torchao_forward
-        return unpad(run(pad(x, groups), weight, groups.offsets), groups)
+        return unpad(self._padded(pad(x, groups), weight, groups.offsets), groups)
+
+    def chain(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        between: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """An expert's two matmuls with `between` (SwiGLU) on the padded rows: the groups padded once, not twice
+        (the intermediate is the widest tensor). Padding rows stay zero through SwiGLU (silu(0) · 0)."""
+        groups = padded_groups(counts, x.shape[0])
+        hidden = between(self._padded(pad(x, groups), first, groups.offsets))
+        return unpad(self._padded(hidden, second, groups.offsets), groups)
+
+    def _padded(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.emulate:
+            return _EmulatedGroupedMM.apply(x, weight, offsets)
+        return _torchao_forward(x, weight, offsets)
 
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The gradient of __call__'s x, given its output's: each expert's rows of grad @ W_e."""
