@@ -144,6 +144,8 @@ def test_fp8_experts_are_refused_where_torchs_scaled_grouped_mm_does_not_run():
     assert "--no-fp8-experts needs --fp8" in alone
     (shared,) = _problems(model=dataclasses.replace(MOE, shared_expert_ffn=40))
     assert "shared_expert_ffn per rank = 40" in shared
+    (experts_ffn,) = _problems(model=MOE, tp=4)  # each expert's ffn 96 split 4 ways: 24 rows per rank
+    assert "ffn_hidden_size per rank = 24" in experts_ffn and "multiple of 16" in experts_ffn
 
 
 PLAIN = ["--precision", "fp32", "--lr", "3e-3", "--train-steps", "4", "--micro-batch-size", "4"]
