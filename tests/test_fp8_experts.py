@@ -140,6 +140,9 @@ def test_fp8_experts_are_refused_where_torchs_scaled_grouped_mm_does_not_run():
         assert _problems(capability=capability, experts=False) == []  # the dense linears alone
     assert _problems(capability=(8, 9), model=get_preset("llama-test")) == []  # no experts
     assert _problems(device="cpu", emulate=True) == []
+    assert _problems(device="cpu", emulate=True, dtype_name="fp32") == []  # emulated on fp32: the layout tests'
+    (fp32,) = _problems(dtype_name="fp32")
+    assert "not fp32" in fp32 and "fp32 only with --fp8-emulate" in fp32
     (alone,) = _problems(recipe="none", experts=False)
     assert "--no-fp8-experts needs --fp8" in alone
     (shared,) = _problems(model=dataclasses.replace(MOE, shared_expert_ffn=40))
