@@ -156,15 +156,16 @@ def test_ep_must_divide_the_data_parallel_size():
     assert mesh_problems(8, 2, 1, 1, 4) == []
 
 
-def test_fp8_converts_the_attention_and_leaves_router_and_experts_in_bf16():
+def test_fp8_converts_the_attention_and_experts_and_leaves_the_router_in_bf16():
     pytest.importorskip("torchao")  # the test extra installs it
-    from llamatron.training.fp8 import apply_fp8
+    from llamatron.training.fp8 import apply_fp8, fp8_layers
 
     model = build_model(get_preset("mixtral-test"))
     apply_fp8(model, "tensorwise", emulate=True)
     layer = model.layers["0"]
     assert type(layer.attn.qkv).__name__ == "Float8Linear"
     assert type(layer.mlp.router) is torch.nn.Linear  # its 4 outputs pick the experts
+    assert "layers.0.mlp.experts" in fp8_layers(model)  # their grouped GEMMs: tests/test_fp8_experts.py
 
 
 def _tp_logits(rank: int, world: int, checkpoint: str) -> None:

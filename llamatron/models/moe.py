@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,28 @@ class _Combine(torch.autograd.Function):
         return grad_sorted, grad_weights, None, None
 
 
+class GroupedMatmul(Protocol):
+    """Another grouped matmul for the experts (FP8's: training/fp8_experts.py), with its two backward GEMMs on
+    their own for expert parallelism's hand-written backward."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def chain(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        between: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """second(between(first(x))): both matmuls at once (FP8's: one padding of the groups around both)."""
+        ...
+
+
 class Experts(nn.Module):
     """E SwiGLU MLPs as two stacked weights: gate_up (E, 2·ffn, hidden) laid out [gate; up] per expert, as the
     dense SwiGLU's, and down (E, hidden, ffn). Expert parallelism keeps a contiguous range of the experts;
@@ -136,17 +159,25 @@ class Experts(nn.Module):
         self.swiglu_backend = "auto"  # models/kernels.py
         # auto: grouped GEMMs where torch has them (CUDA, bf16), else the loop; "loop": always the reference
         self.backend = "auto"
+        self.grouped_mm: GroupedMatmul | None = None  # --fp8 installs FP8's (training/fp8.py)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, hidden) sorted by expert, `counts[e]` rows for local expert e; returns (rows, hidden)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.chain(x, counts, self.gate_up, self.down, self._swiglu)
         return self.finish(self.project(x, self.gate_up, counts), counts)
 
     def finish(self, gate_up_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The rest of each expert after its gate_up matmul: SwiGLU, then down."""
-        return self.project(swiglu(gate_up_out, self.swiglu_backend), self.down, counts)
+        return self.project(self._swiglu(gate_up_out), self.down, counts)
+
+    def _swiglu(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up_out, self.swiglu_backend)
 
     def project(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's rows times its matrix transposed (F.linear per expert): weight (experts, out, in)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm(x, weight, counts)
         if self.backend == "auto" and x.is_cuda and x.dtype == torch.bfloat16:
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
@@ -156,6 +187,25 @@ class Experts(nn.Module):
             outs.append(F.linear(x[start : start + n], weight[e]))
             start += n
         return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The gradient of project's x given its output's (for a backward written by hand: expert parallelism)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.input_grad(grad, weight, counts)
+        return self.project(grad, weight.transpose(-2, -1), counts)
+
+    def weight_grad(
+        self, grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The gradient of project's weight (experts, out, in) given its output's: each expert's grad^T @ x."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.weight_grad(grad, x, counts).to(weight.dtype)
+        grad_weight = torch.zeros_like(weight)  # an expert without rows gets zeros
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # few local experts under ep: one matmul each
+            grad_weight[e] = grad[start : start + n].t() @ x[start : start + n]
+            start += n
+        return grad_weight
 
 
 class SharedExpert(nn.Module):
