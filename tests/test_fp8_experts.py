@@ -113,7 +113,7 @@ def test_experts_pad_once_around_both_matmuls_and_compute_the_same():
 
 def test_fp8_converts_every_layers_experts_unless_told_not_to():
     model = build_model(MOE)
-    assert apply_fp8(model, "rowwise", emulate=True) == fp8_layers(model)
+    assert apply_fp8(model, "rowwise", emulate=True, experts=True) == fp8_layers(model)
     experts = [n for n in fp8_layers(model) if n.endswith("mlp.experts")]
     assert experts == [f"layers.{i}.mlp.experts" for i in range(MOE.num_layers)]
     assert type(model.layers["0"].mlp.router) is torch.nn.Linear  # its outputs pick the experts: bf16
@@ -126,7 +126,7 @@ def test_fp8_converts_every_layers_experts_unless_told_not_to():
 
 
 def _problems(**kw):
-    args = dict(recipe="rowwise", emulate=False, device="cuda", dtype_name="bf16", model=MOE, tp=1)
+    args = dict(recipe="rowwise", emulate=False, device="cuda", dtype_name="bf16", model=MOE, tp=1, experts=True)
     args.update(tokens_per_matmul=64, capability=(9, 0))
     args.update(kw)
     return fp8_problems(**args)
@@ -136,15 +136,15 @@ def test_fp8_experts_are_refused_where_torchs_scaled_grouped_mm_does_not_run():
     assert _problems() == [] and _problems(capability=(10, 0)) == []
     for capability in ((8, 9), (12, 0)):
         (problem,) = _problems(capability=capability)
-        assert "compute capability 9.0 or 10.0" in problem and "--no-fp8-experts" in problem, problem
+        assert "compute capability 9.0 or 10.0" in problem and "leave out --fp8-experts" in problem, problem
         assert _problems(capability=capability, experts=False) == []  # the dense linears alone
     assert _problems(capability=(8, 9), model=get_preset("llama-test")) == []  # no experts
     assert _problems(device="cpu", emulate=True) == []
     assert _problems(device="cpu", emulate=True, dtype_name="fp32") == []  # emulated on fp32: the layout tests'
     (fp32,) = _problems(dtype_name="fp32")
     assert "not fp32" in fp32 and "fp32 only with --fp8-emulate" in fp32
-    (alone,) = _problems(recipe="none", experts=False)
-    assert "--no-fp8-experts needs --fp8" in alone
+    (alone,) = _problems(recipe="none", experts=True)
+    assert "--fp8-experts needs --fp8" in alone
     (shared,) = _problems(model=dataclasses.replace(MOE, shared_expert_ffn=40))
     assert "shared_expert_ffn per rank = 40" in shared
     (experts_ffn,) = _problems(model=MOE, tp=4)  # each expert's ffn 96 split 4 ways: 24 rows per rank
@@ -153,7 +153,7 @@ def test_fp8_experts_are_refused_where_torchs_scaled_grouped_mm_does_not_run():
 
 PLAIN = ["--precision", "fp32", "--lr", "3e-3", "--train-steps", "4", "--micro-batch-size", "4"]
 EP_LOSS_RTOL = 1e-5
-FP8_ARGS = [*PLAIN, "--fp8-emulate", "--fp8", "rowwise"]
+FP8_ARGS = [*PLAIN, "--fp8-emulate", "--fp8-experts", "--fp8", "rowwise"]
 
 
 def test_fp8_experts_train_close_to_fp32_match_under_expert_parallelism_and_resume(tmp_path):
@@ -166,7 +166,7 @@ def test_fp8_experts_train_close_to_fp32_match_under_expert_parallelism_and_resu
     one_batch = ["--global-batch-size", "4"]
     plain = run([*PLAIN, *one_batch])
     fp8 = run([*FP8_ARGS, *one_batch, "--save-interval", "2", "--save", "fp8"])
-    dense_only = run([*FP8_ARGS, *one_batch, "--no-fp8-experts"])
+    dense_only = run([*PLAIN, "--fp8-emulate", "--fp8", "rowwise", *one_batch])  # experts stay bf16 by default
     for got in (fp8, dense_only):
         assert_matches(plain, got, rtol=5e-3, keys=("loss",))
     # the experts did run FP8: each step's loss moves by more than the tolerance the ep run is held to below

@@ -115,7 +115,7 @@ def test_fp8_experts_training_run_on_cuda_tracks_bf16(tmp_path):
     args = ["--device", "cuda", "--precision", "bf16", "--seq-length", "128", "--train-steps", "6", "--lr", "3e-3"]
     args += ["--compile"]
     bf16 = run_train(args, 1, tmp_path, model="mixtral-test")
-    fp8 = run_train([*args, "--fp8", "rowwise"], 1, tmp_path, model="mixtral-test")
-    dense_only = run_train([*args, "--fp8", "rowwise", "--no-fp8-experts"], 1, tmp_path, model="mixtral-test")
+    fp8 = run_train([*args, "--fp8", "rowwise", "--fp8-experts"], 1, tmp_path, model="mixtral-test")
+    dense_only = run_train([*args, "--fp8", "rowwise"], 1, tmp_path, model="mixtral-test")
     assert_matches(bf16, fp8, rtol=2e-2, keys=("loss",))
     assert [r["loss"] for r in fp8] != [r["loss"] for r in dense_only]

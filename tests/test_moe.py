@@ -161,7 +161,7 @@ def test_fp8_converts_the_attention_and_experts_and_leaves_the_router_in_bf16():
     from llamatron.training.fp8 import apply_fp8, fp8_layers
 
     model = build_model(get_preset("mixtral-test"))
-    apply_fp8(model, "tensorwise", emulate=True)
+    apply_fp8(model, "tensorwise", emulate=True, experts=True)
     layer = model.layers["0"]
     assert type(layer.attn.qkv).__name__ == "Float8Linear"
     assert type(layer.mlp.router) is torch.nn.Linear  # its 4 outputs pick the experts

@@ -15,9 +15,10 @@ tensor-parallel support is for DTensor, which llamatron's layers do not use; it 
 (the autograd function `Float8Linear` runs), so the numerics are torchao's. A sharded layer scales its local
 shard (tensorwise: its own amax), which is at least as precise.
 
-A mixture of experts' routed experts are grouped GEMMs, not linears: with `experts` (--fp8-experts, on by default)
-they get an `FP8GroupedMM` (fp8_experts.py: torchao's MoE FP8 rowwise recipe) as their `grouped_mm`;
---no-fp8-experts keeps them bf16 (to measure or compare the dense part alone). The router stays bf16.
+A mixture of experts' routed experts are grouped GEMMs, not linears: with `experts` (--fp8-experts) they get an
+`FP8GroupedMM` (fp8_experts.py: torchao's MoE FP8 rowwise recipe) as their `grouped_mm`. Off by default: on an H200
+it made mixtral-1b's step 1.04x and a 64-expert top-8 shape's 1.38x slower than bf16 experts (RESULTS.md run 21).
+The router stays bf16.
 """
 
 from __future__ import annotations
@@ -60,16 +61,14 @@ def fp8_problems(
     tokens_per_matmul: int,
     capability: tuple[int, int] | None = None,
     head: bool = False,
-    experts: bool = True,
+    experts: bool = False,
 ) -> list[str]:
     """Why --fp8 `recipe` (with the output head when `head`, a MoE's experts when `experts`) cannot train this
     model here (empty: it can).
     `tokens_per_matmul` is the rows of one micro-batch's activations on a rank (micro-batch x sequence / context
     parallel size); `capability` is the GPU's (read from the device when None and the device is cuda)."""
     if recipe == "none":
-        flags = [
-            f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head), ("--no-fp8-experts", not experts)) if on
-        ]
+        flags = [f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head), ("--fp8-experts", experts)) if on]
         verb = "needs" if len(flags) == 1 else "need"
         return [f"{' and '.join(flags)} {verb} --fp8 tensorwise or rowwise"] if flags else []
     if torchao_missing():
@@ -98,7 +97,7 @@ def fp8_problems(
                 problems.append(
                     f"--fp8 {recipe} on a mixture of experts runs its experts' grouped GEMMs in FP8, which "
                     f"torch._scaled_grouped_mm does on compute capability 9.0 or 10.0 only (H100, H200, B200); this "
-                    f"GPU is {major}.{minor}: add --no-fp8-experts to keep the experts in bf16"
+                    f"GPU is {major}.{minor}: leave out --fp8-experts to keep the experts in bf16"
                 )
     problems += _shape_problems(model, tp, tokens_per_matmul, head)
     return problems
@@ -199,7 +198,7 @@ def _decoder_linear(module: nn.Module, name: str) -> bool:
 
 
 def apply_fp8(
-    model: nn.Module, recipe: str, emulate: bool = False, head: bool = False, experts: bool = True
+    model: nn.Module, recipe: str, emulate: bool = False, head: bool = False, experts: bool = False
 ) -> list[str]:
     """Make `model`'s (a Transformer or a pipeline chunk) decoder linears run FP8, its output head with `head` and
     its MoE experts' grouped GEMMs with `experts`; returns their names ("head" for the head). Works on the meta
