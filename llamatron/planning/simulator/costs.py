@@ -58,6 +58,9 @@ class Shape:
     # The weight-gradient GEMMs accumulate straight into the fp32 gradient (Megatron-core's
     # gradient_accumulation_fusion, on in NeMo's GPT configs): no separate accumulation kernel per micro-batch.
     fused_grad_accumulation: bool = False
+    # --fp8 reaches the experts' grouped GEMMs too (Transformer Engine's GroupedLinear under Megatron-core's FP8);
+    # llamatron's --fp8 converts nn.Linear layers only (training/fp8.py), its experts' torch._grouped_mm stays bf16.
+    fp8_experts: bool = False
 
     @property
     def tokens(self) -> float:
@@ -155,12 +158,12 @@ class Costs:
         dense, moe = linear_params(m)
         width = m.hidden_size / s.tp
         fp8 = self.cal.fp8_gemm_speedup.get(s.fp8, 1.0)
-        t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width))
+        t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width)) / fp8
         if moe:
             per_expert = s.tokens * m.experts_per_token * s.ep / m.num_experts
             rate = self._gemm_rate * self.cal.grouped_gemm_efficiency * self._shape_factor(per_expert, width)
-            t += 2 * s.tokens * moe / s.tp / rate
-        return t / fp8
+            t += 2 * s.tokens * moe / s.tp / rate / (fp8 if s.fp8_experts else 1.0)
+        return t
 
     def attention_total(self) -> float:
         m, s = self.model, self.s
