@@ -66,6 +66,7 @@ def llama405_table() -> None:
         {"gpus": 8192, "tp": 8, "pp": 16, "vpp": 1, "cp": 1, "global_batch_size": 2048},
         {"gpus": 8192, "tp": 8, "pp": 16, "vpp": 2, "cp": 1, "global_batch_size": 2048},
         {"gpus": 8192, "tp": 8, "pp": 16, "vpp": 4, "cp": 1, "global_batch_size": 2048},
+        {"gpus": 8192, "tp": 8, "pp": 16, "vpp": 8, "cp": 1, "global_batch_size": 2048},  # the Llama 3 paper's
     ]
     print("| GPUs | layout | llamatron's mechanisms: tokens/s/GPU, MFU | Megatron-core's |")
     print("|---|---|---|---|")

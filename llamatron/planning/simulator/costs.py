@@ -199,6 +199,8 @@ class Costs:
         curve = c.nvlink[kind]
         bus = curve.bus_bandwidth(hw.link.bandwidth, size)
         latency = (ranks - 1) * hw.link.latency
+        if kind == "all_reduce" and ranks <= per_node:  # NVLink SHARP: 5-8 GPUs reduce in the switch
+            bus *= c.nvls_all_reduce.get(hw.link.name, {}).get(ranks, 1.0)
         volume = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
         if ranks > per_node:  # across nodes: the NICs of the group's per_node GPUs of each node carry it together
             nics = per_node * hw.nic_bandwidth_per_gpu()
@@ -215,12 +217,17 @@ class Costs:
         return max(1, min(size, self.hw.gpus_per_node // stride)) if stride <= self.hw.gpus_per_node else 1
 
     def tp_collective(self) -> float:
+        """One tensor-parallel collective of T x hidden on the compute path. llamatron's are NCCL calls launched
+        from the compute stream and waited for: measured at tp_slowdown x NCCL's benchmark time (calibration.yaml,
+        the tp 2 rows). Megatron-core's userbuffers (tp_overlap_all) are not NCCL calls: peer copies beside the GEMM,
+        charged the benchmark's time (no measurement of ours or published says more)."""
         s = self.s
+        slowdown = 1.0 if s.tp_overlap_all else self.cal.tp_slowdown
         size = s.tokens * self.model.hidden_size * s.act_bytes
         if s.sequence_parallel:
             pair = self.collective("all_gather", size, s.tp, s.tp) + self.collective("reduce_scatter", size, s.tp, s.tp)
-            return self.cal.tp_slowdown * pair / 2
-        return self.cal.tp_slowdown * self.collective("all_reduce", size, s.tp, s.tp)
+            return slowdown * pair / 2
+        return slowdown * self.collective("all_reduce", size, s.tp, s.tp)
 
     def tp_bytes(self) -> float:
         s = self.s
