@@ -248,6 +248,16 @@ def _network_all_reduce(t: Table) -> dict[Path_, float]:
     }
 
 
+# nccl-tests all_reduce_perf at 2-4 GiB on one node of 8 H100-SXM (github.com/NVIDIA/nccl issue 1455): bus GB/s
+# with NCCL_ALGO=RING (365-370 for 2 to 8 GPUs: its midpoint) and with NCCL_ALGO=NVLS by GPUs in the group.
+NVLS_RING_BUSBW = 367.5
+NVLS_BUSBW = {5: 420.0, 6: 440.0, 7: 460.0, 8: 480.0}
+
+
+def _nvls(t: Table) -> dict[Path_, float]:
+    return {("collectives", "nvls_all_reduce", "nvlink4", str(n)): b / NVLS_RING_BUSBW for n, b in NVLS_BUSBW.items()}
+
+
 def _userbuffers(t: Table) -> dict[Path_, float]:
     return {("tensor_parallel", "userbuffers_sm_share"): statistics.mean(USERBUFFERS_SMS) / H100_SMS}
 
@@ -261,6 +271,7 @@ DERIVATIONS: list[Callable[[Table], dict[Path_, float]]] = [
     _idle,
     _userbuffers,
     _network_all_reduce,
+    _nvls,
 ]
 # Numbers that only the derivations read: moving one moves what they derive (the per_* are bytes at this efficiency).
 DERIVATION_INPUTS: list[Path_] = [("elementwise", "hbm_efficiency")]

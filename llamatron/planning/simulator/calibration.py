@@ -50,6 +50,7 @@ class Calibration:
     nvlink: dict[str, Curve]
     network: Curve
     network_all_reduce: Curve  # NCCL's tree across nodes: each node sends and receives the buffer once
+    nvls_all_reduce: dict[str, dict[int, float]]  # per link: an in-node all-reduce's bus bandwidth over the ring's
     contention_bandwidth: float
     tp_slowdown: float
     tp_userbuffers_sm_share: float  # of the GPU's SMs an overlapped userbuffers collective takes from the GEMM
@@ -135,6 +136,9 @@ def calibration_from(d: dict[str, Any]) -> Calibration:
         # the measured all-gather's half-bandwidth size.
         network=Curve(float(c["network"]["efficiency"]), float(c["nvlink"]["all_gather"]["half_mib"]) * MiB),
         network_all_reduce=_curve(c["network_all_reduce"]),
+        nvls_all_reduce={
+            link: {int(n): float(g) for n, g in gains.items()} for link, gains in c["nvls_all_reduce"].items()
+        },
         contention_bandwidth=float(c["contention_gbps"]) * 1e9,
         tp_slowdown=float(t["slowdown"]),
         tp_userbuffers_sm_share=float(t["userbuffers_sm_share"]),

@@ -26,8 +26,19 @@ class Chunk:
     last_params: float = 0.0  # head and final norm
 
 
+def chunk_layers(num_layers: int, pp: int, vpp: int, pp_layers: str | None) -> list[int]:
+    """Decoder layers per chunk: the trainer's split (parallel/pipeline.split_layers), or an explicit one that may
+    leave the first chunk only the embedding and the last only the head and loss (a 0), as the Llama 3 paper's
+    pipeline does (section 3.3.2); the trainer has no such chunk, the simulator predicts it."""
+    counts = [int(c) for c in pp_layers.split(",")] if pp_layers else []
+    ends_only = len(counts) == pp * vpp > 2 and 0 in (counts[0], counts[-1]) and min(counts[1:-1]) > 0
+    if ends_only and min(counts) >= 0 and sum(counts) == num_layers:
+        return counts
+    return split_layers(num_layers, pp, vpp, pp_layers)
+
+
 def build_chunks(model: ModelConfig, s: Shape, costs: Costs, vpp: int, pp_layers: str | None) -> list[Chunk]:
-    counts = split_layers(model.num_layers, s.pp, vpp, pp_layers)
+    counts = chunk_layers(model.num_layers, s.pp, vpp, pp_layers)
     vocab = model.vocab_size if s.tp == 1 else padded_vocab_size(model.vocab_size, s.tp) // s.tp
     dense, expert = layer_shards(model, s.tp, s.ep)
     full, bare = costs.layer(True), costs.layer(False)

@@ -58,6 +58,9 @@ class Shape:
     # The weight-gradient GEMMs accumulate straight into the fp32 gradient (Megatron-core's
     # gradient_accumulation_fusion, on in NeMo's GPT configs): no separate accumulation kernel per micro-batch.
     fused_grad_accumulation: bool = False
+    # --fp8 reaches the experts' grouped GEMMs too (Transformer Engine's GroupedLinear under Megatron-core's FP8);
+    # llamatron's --fp8 converts nn.Linear layers only (training/fp8.py), its experts' torch._grouped_mm stays bf16.
+    fp8_experts: bool = False
 
     @property
     def tokens(self) -> float:
@@ -155,12 +158,12 @@ class Costs:
         dense, moe = linear_params(m)
         width = m.hidden_size / s.tp
         fp8 = self.cal.fp8_gemm_speedup.get(s.fp8, 1.0)
-        t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width))
+        t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width)) / fp8
         if moe:
             per_expert = s.tokens * m.experts_per_token * s.ep / m.num_experts
             rate = self._gemm_rate * self.cal.grouped_gemm_efficiency * self._shape_factor(per_expert, width)
-            t += 2 * s.tokens * moe / s.tp / rate
-        return t / fp8
+            t += 2 * s.tokens * moe / s.tp / rate / (fp8 if s.fp8_experts else 1.0)
+        return t
 
     def attention_total(self) -> float:
         m, s = self.model, self.s
@@ -196,6 +199,8 @@ class Costs:
         curve = c.nvlink[kind]
         bus = curve.bus_bandwidth(hw.link.bandwidth, size)
         latency = (ranks - 1) * hw.link.latency
+        if kind == "all_reduce" and ranks <= per_node:  # NVLink SHARP: 5-8 GPUs reduce in the switch
+            bus *= c.nvls_all_reduce.get(hw.link.name, {}).get(ranks, 1.0)
         volume = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
         if ranks > per_node:  # across nodes: the NICs of the group's per_node GPUs of each node carry it together
             nics = per_node * hw.nic_bandwidth_per_gpu()
@@ -212,12 +217,17 @@ class Costs:
         return max(1, min(size, self.hw.gpus_per_node // stride)) if stride <= self.hw.gpus_per_node else 1
 
     def tp_collective(self) -> float:
+        """One tensor-parallel collective of T x hidden on the compute path. llamatron's are NCCL calls launched
+        from the compute stream and waited for: measured at tp_slowdown x NCCL's benchmark time (calibration.yaml,
+        the tp 2 rows). Megatron-core's userbuffers (tp_overlap_all) are not NCCL calls: peer copies beside the GEMM,
+        charged the benchmark's time (no measurement of ours or published says more)."""
         s = self.s
+        slowdown = 1.0 if s.tp_overlap_all else self.cal.tp_slowdown
         size = s.tokens * self.model.hidden_size * s.act_bytes
         if s.sequence_parallel:
             pair = self.collective("all_gather", size, s.tp, s.tp) + self.collective("reduce_scatter", size, s.tp, s.tp)
-            return self.cal.tp_slowdown * pair / 2
-        return self.cal.tp_slowdown * self.collective("all_reduce", size, s.tp, s.tp)
+            return slowdown * pair / 2
+        return slowdown * self.collective("all_reduce", size, s.tp, s.tp)
 
     def tp_bytes(self) -> float:
         s = self.s

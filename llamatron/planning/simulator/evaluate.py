@@ -29,6 +29,7 @@ class SimSettings:
     tp_comm_overlap: bool = True
     tp_overlap_all: bool = False  # Megatron-core's userbuffers: every tp collective under its GEMM (published runs)
     fused_grad_accumulation: bool = False  # Megatron-core's: the weight-gradient GEMM accumulates in fp32 itself
+    fp8_experts: bool = False  # --fp8 on the experts' grouped GEMMs too (Transformer Engine's; not llamatron's)
     pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
 
 
@@ -128,6 +129,7 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
         tp_comm_overlap=settings.tp_comm_overlap,
         tp_overlap_all=settings.tp_overlap_all,
         fused_grad_accumulation=settings.fused_grad_accumulation,
+        fp8_experts=settings.fp8_experts,
     )
 
 
