@@ -52,6 +52,7 @@ from .activations import (
     gathered_kv_bytes,
     layer_activation_bytes,
 )
+from .fsdp_memory import fsdp_buffers, fsdp_state_bytes
 from .layout import Layout as Layout  # re-exported: the planner's public names
 from .layout import Precision as Precision
 from .params import bytes_per_param as bytes_per_param
@@ -161,6 +162,8 @@ def _state_bytes(
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes on pipeline rank `rank`: expert weights' optimizer state is
     sharded over the dp/ep ranks holding the same experts, the rest over dp x cp."""
+    if lay.fsdp:
+        return fsdp_state_bytes(model, lay, prec, layers, rank)
     params = stage_params(model, lay.tp, lay.pp, rank, layers, lay.ep)[0]
     experts = layers * expert_layer_params(model, lay.tp, lay.ep)
     w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.replicas)
@@ -170,8 +173,10 @@ def _state_bytes(
 
 def runtime_memory(lay: Layout) -> float:
     """Memory outside PyTorch's allocator: the CUDA context and libraries, and NCCL's buffers per communicator
-    that moves data: tp, pp, cp and the replicas' (dp x cp; the dp group's own without cp)."""
-    return RUNTIME_BASE + RUNTIME_PER_COMM * sum(1 for n in (lay.tp, lay.pp, lay.cp, lay.replicas) if n > 1)
+    that moves data: tp, pp, cp and the replicas' (dp x cp; the dp group's own without cp; hybrid sharding's
+    shard and replicate groups instead)."""
+    hybrid = 1 if lay.fsdp and lay.fsdp_shard_group else 0
+    return RUNTIME_BASE + RUNTIME_PER_COMM * (sum(1 for n in (lay.tp, lay.pp, lay.cp, lay.replicas) if n > 1) + hybrid)
 
 
 def layout_memory(
@@ -234,8 +239,9 @@ def _rank_memory(
         loss_bytes_per_token(model, lay.tp, prec.compiled, a, prec.fused_loss) * tokens if rank == lay.pp - 1 else 0.0
     )
     temporaries, kind = (loss, "logits/loss") if loss > one_layer else (one_layer, "one layer's backward")
-    reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and lay.replicas > 1 else 0.0
-    gather_staging = a * params / lay.replicas if lay.distributed_optimizer and lay.replicas > 1 else 0.0
+    bucketed = not lay.fsdp and lay.replicas > 1  # --fsdp stages its gradients per layer (fsdp_buffers)
+    reduce_staging = 2.0 * params if prec.grad_reduce_dtype == "bf16" and bucketed else 0.0
+    gather_staging = a * params / lay.replicas if lay.distributed_optimizer and bucketed else 0.0
     during_backward = activations + temporaries + a * largest + reduce_staging
     staging = reduce_staging + max(0.0, gather_staging - during_backward)
     buffers = {
@@ -245,7 +251,10 @@ def _rank_memory(
         # ids and labels of this rank's seq/cp tokens; with cp also their positions (parallel/context.py)
         "batch": (16.0 if lay.cp == 1 else 24.0) * seq_length / lay.cp * lay.global_batch_size / lay.dp,
     }
-    buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest)
+    if lay.fsdp:
+        buffers.update(fsdp_buffers(model, lay, prec, sum(chunks), rank, activations))
+    sharded = buffers.get("gathered", 0.0) + buffers.get("reduce_inputs", 0.0)
+    buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest + sharded)
     buffers["runtime"] = runtime_memory(lay)
     return Memory(
         weights=weights,
@@ -274,6 +283,9 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
         t.recompute_layers,
         p.cp,
         p.ep,
+        p.fsdp,
+        p.fsdp_shard_group if p.fsdp else None,
+        p.fsdp and p.fsdp_keep_params_in_backward,
     )
 
 

@@ -39,7 +39,7 @@ from ..models import ModelConfig
 from ..models.inventory import flops_per_token
 from .activations import gathered_kv_bytes
 from .layout import Layout
-from .params import active_layer_params, stage_params
+from .params import active_layer_params, layer_shards, stage_params
 from .simulator.calibration import Calibration, load_calibration
 from .simulator.hardware import Hardware, resolve_hardware
 
@@ -142,14 +142,17 @@ def estimate_speed(
     if lay.pp > 1:
         bw = hw.nvlink_bw if gpus <= gpus_per_node else hw.internode_bw
         p2p = 2 * lay.vpp * tokens * h * a / (lay.tp if lay.sequence_parallel else 1) / bw
-    per_micro_batch = compute + tp_comm + cp_comm + p2p
+    fsdp_comm = fsdp_comm_seconds(model, lay, compute, gpus_per_node, hw, a) if lay.fsdp else 0.0
+    per_micro_batch = compute + tp_comm + cp_comm + p2p + fsdp_comm
     m = lay.micro_batches
     bubble = (lay.pp - 1) / (m * lay.vpp)
     pipeline = per_micro_batch * m * (1 + bubble)
     params = max(stage_params(model, lay.tp, lay.pp, r, L // lay.pp, lay.ep)[0] for r in range(lay.pp))
-    reduce_exposed, gather_exposed = _replica_comm_exposed(lay, params, per_micro_batch, gpus_per_node, hw, a)
-    owned = params / (lay.replicas if lay.distributed_optimizer else 1)
-    optimizer = (30 * owned + 8 * params) / hw.hbm_bw
+    reduce_exposed, gather_exposed = (
+        _replica_comm_exposed(lay, params, per_micro_batch, gpus_per_node, hw, a) if not lay.fsdp else (0.0, 0.0)
+    )
+    owned = params / lay.dense_shards
+    optimizer = (30 * owned + 8 * (owned if lay.fsdp else params)) / hw.hbm_bw
     step = pipeline + reduce_exposed + gather_exposed + optimizer
     tokens_per_gpu = lay.global_batch_size * seq_length / step / gpus
     return Speed(
@@ -162,6 +165,7 @@ def estimate_speed(
             "tp_comm": tp_comm * m,
             "cp_comm": cp_comm * m,
             "p2p": p2p * m,
+            "fsdp_comm": fsdp_comm * m,
             "bubble": pipeline - per_micro_batch * m,
             "dp_exposed": reduce_exposed + gather_exposed,
             "optimizer": optimizer,
@@ -207,3 +211,29 @@ def _replica_comm_exposed(
         return reduce_exposed, 0.0
     gather = share * params * act_bytes / bw
     return reduce_exposed, max(gather - per_micro_batch / 3, gather * last_bucket)
+
+
+def fsdp_comm_seconds(
+    model: ModelConfig, lay: Layout, compute: float, gpus_per_node: int, hw: SpeedAssumptions, act_bytes: int = 2
+) -> float:
+    """Seconds of --fsdp's traffic per micro-batch on a pipeline rank that compute does not hide (parallel/fsdp.py):
+    every micro-batch all-gathers each layer's weights in forward, prefetched under the previous layer's forward
+    (the first unit's is waited for), again in backward unless --fsdp-keep-params-in-backward, and
+    reduce-scatters each layer's fp32 gradient; in backward the gather of layer i-1 and the reduce-scatter of
+    layer i share the group's stream under layer i-1's backward (2/3 of a layer's compute, forward 1/3). Hybrid
+    sharding all-reduces each shard over the replicate group (across nodes) on the compute stream: exposed."""
+    dense, experts = layer_shards(model, lay.tp, lay.ep)
+    ds, es = lay.dense_shards, lay.expert_shards
+    moved = dense * (ds - 1) / ds + experts * (es - 1) / es  # elements of a layer that come from other ranks
+    if moved == 0:
+        return 0.0
+    bw = hw.nvlink_bw if lay.tp * ds <= gpus_per_node else hw.internode_bw
+    gather, reduce = moved * act_bytes / bw, moved * 4 / bw
+    layers = model.num_layers / lay.pp
+    forward, backward = compute / layers / 3, 2 * compute / layers / 3
+    regather = 0.0 if lay.fsdp_keep_params else gather
+    exposed = gather + layers * (max(0.0, gather - forward) + max(0.0, regather + reduce - backward))
+    if lay.fsdp_shard_group:
+        groups = lay.replicas // lay.fsdp_shard_group
+        exposed += 2 * (groups - 1) / groups * layers * (dense / ds) * 4 / hw.internode_bw
+    return exposed
