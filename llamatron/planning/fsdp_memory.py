@@ -11,11 +11,12 @@ Read from the code, not from ZeRO-3 in general:
              the chunk's last layer) stays from its forward to its backward, and so does a tied embedding that
              the head reads. Under --ep the dense and the expert buffer gather the same layer at once.
              --fsdp-keep-params-in-backward frees nothing before its backward: the whole chunk is gathered.
-  reduce     each unit's whole fp32 gradient (bf16 with --grad-reduce-dtype bf16) is the input of its
-             reduce-scatter, and ShardedBuffer keeps it (with the output shard) until that bucket's next
-             reduce-scatter or the end of the step (`ShardedBucket.reduce`): after the first backward every
-             unit's is alive, a whole chunk's gradient. It coexists with the next micro-batch's activations; with
-             one micro-batch it only counts by how much it exceeds what backward has freed.
+  reduce     each unit's whole fp32 gradient is collected (a zeroed staging buffer) until its last parameter's
+             gradient arrives, then reduce-scattered (from a bf16 copy with --grad-reduce-dtype bf16); the input
+             lives until the reduce-scatter is finished, which ShardedBuffer does for the oldest as soon as more
+             than fsdp.MAX_REDUCING are in flight: at the moment one is issued, MAX_REDUCING + 1 inputs (with
+             their output shards; counted as the largest unit and MAX_REDUCING layers) and the next layer's
+             staging are alive, during backward. The dense and expert buffers each hold theirs.
 A buffer whose shard group is one rank holds the whole bucket as its shard: nothing gathered, nothing reduced.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from ..models import ModelConfig
 from ..models.inventory import final_norm_params
+from ..parallel.fsdp import MAX_REDUCING
 from .layout import Layout, Precision
 from .params import bytes_per_param, expert_layer_params, layer_shards, local_vocab, stage_params
 
@@ -52,12 +54,9 @@ def _whole(model: ModelConfig, lay: Layout, rank: int, layers: int) -> tuple[flo
     return layer, embed, head, dense * dense_gathers * layers + embed + head, experts * expert_gathers * layers
 
 
-def fsdp_buffers(
-    model: ModelConfig, lay: Layout, prec: Precision, layers: int, rank: int, backward_freed: float
-) -> dict[str, float]:
-    """Bytes of the gathered units and of the reduce-scatter inputs kept (module docstring) on pipeline rank
-    `rank`. backward_freed: the activations backward has freed by the time every unit's gradient is reduced (the
-    kept inputs count beyond it only, with one micro-batch and no pipeline)."""
+def fsdp_buffers(model: ModelConfig, lay: Layout, prec: Precision, layers: int, rank: int) -> dict[str, float]:
+    """Bytes of the gathered units and of the gradients being reduced (module docstring) on pipeline rank `rank`,
+    at their peak."""
     layer, embed, head, dense, experts = _whole(model, lay, rank, layers)
     a = prec.act_bytes
     if lay.fsdp_keep_params:
@@ -66,7 +65,14 @@ def fsdp_buffers(
         tied_kept = embed if model.tie_embeddings and lay.pp == 1 else 0.0
         gathered = max(2 * layer, embed + layer, head + layer) + (lay.vpp - 1) * layer + tied_kept
     reduce_bytes = 2 if prec.grad_reduce_dtype == "bf16" else 4
-    kept = reduce_bytes * (dense * (1 + 1 / lay.dense_shards) + experts * (1 + 1 / lay.expert_shards))
-    if lay.micro_batches == 1 and lay.pp == 1:
-        kept = max(0.0, kept - backward_freed)
-    return {"gathered": a * gathered, "reduce_inputs": kept}
+    dense_layer, expert_layer = layer_shards(model, lay.tp, lay.ep)
+    reducing = 0.0
+    # The largest unit (the head's or the embedding's, first and last in backward) with MAX_REDUCING layers beside.
+    for layer_n, largest, shards in (
+        (dense_layer, max(dense_layer, embed, head), lay.dense_shards),
+        (expert_layer, expert_layer, lay.expert_shards),
+    ):
+        if shards > 1 and layer_n > 0:
+            inputs = largest + MAX_REDUCING * layer_n
+            reducing += reduce_bytes * inputs * (1 + 1 / shards) + 4 * layer_n
+    return {"gathered": a * gathered, "reduce_inputs": reducing}

@@ -8,7 +8,8 @@ bf16 params 2 + fp32 grads 4 + (fp32 master 4 + moments 8) / s; fp32 params 4 + 
 replicas holding the same weights, with the distributed optimizer, else 1). Tensor-parallel shards divide by
 tp (KV heads stay >= 1 per rank), norms are replicated, the vocabulary is padded to 128*tp (parallel/tensor.py);
 the embedding sits on the first stage, the head and final norm on the last, and a tied embedding keeps a copy
-there when pp > 1.
+there when pp > 1. --fsdp: every bucket's shard, 2 + 4 + 12 bytes a parameter over the shard group
+(fsdp_memory.py, which also counts the layers gathered and the gradients being reduce-scattered as buffers).
 
 Activations: see plan_activations.py (what autograd saves per layer and chunk, per token). Context parallelism
 (--cp) gives each rank seq/cp tokens of every sequence: activations, the loss and the batch count those, plus
@@ -252,7 +253,7 @@ def _rank_memory(
         "batch": (16.0 if lay.cp == 1 else 24.0) * seq_length / lay.cp * lay.global_batch_size / lay.dp,
     }
     if lay.fsdp:
-        buffers.update(fsdp_buffers(model, lay, prec, sum(chunks), rank, activations))
+        buffers.update(fsdp_buffers(model, lay, prec, sum(chunks), rank))
     sharded = buffers.get("gathered", 0.0) + buffers.get("reduce_inputs", 0.0)
     buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest + sharded)
     buffers["runtime"] = runtime_memory(lay)

@@ -6,6 +6,11 @@ first, and a layout with cp > 1 is listed only when none of them fits or it is e
 do, by CONTEXT_SPEEDUP. cp splits the sequence, not the weights: it pays off for long sequences, whose
 activations do not fit otherwise or whose tensor parallelism would move more than cp's K/V gathers; at short
 ones it mostly adds traffic.
+
+Sharding (`shardings`): with several replicas, each layout is weighed whole, with the distributed optimizer, with
+--fsdp (and --fsdp-keep-params-in-backward), and with hybrid sharding over the replicas of one node when the
+replicas span nodes; training.validate drops what the trainer refuses (--ep with --fsdp-shard-group). The planner
+plans full training only: LoRA, which --fsdp refuses, is never proposed.
 """
 
 from __future__ import annotations

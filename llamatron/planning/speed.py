@@ -20,6 +20,9 @@ llamatron/planning/simulator/calibration.yaml, this one from its `planner:` sect
   data parallelism: the gradient reduction (and the distributed optimizer's all-gather) over the dp x cp
     replicas overlaps the last micro-batch's backward (forward); the rest is exposed, never less than one
     bucket;
+  --fsdp: per micro-batch and layer, the weights' all-gather (forward, and backward unless keep-params) and the
+    gradient's reduce-scatter over the shard group, exposed what outlasts the layer's compute (fsdp_comm_seconds);
+    hybrid sharding's all-reduce exposed in full; no step-end reduction;
   optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter;
   --fp8: the decoder's linear FLOPs (6 x layer parameters per token, 2 more with full recompute) run
     SpeedAssumptions.fp8_gemm_speedup times faster (fitted to RESULTS.md run 9); memory is the bf16 figure (the
