@@ -227,8 +227,52 @@ def test_default_sequence_is_the_context_at_most_8192():
 
 
 def test_scout_on_16_80gb_gpus_cannot_fit_and_the_bound_says_why():
-    """107.8B parameters x 18 bytes / 16 = 121 GB per GPU sharded perfectly; no layout's state is below it."""
+    """107.8B parameters x 18 bytes / 16 = 121 GB per GPU sharded perfectly (fsdp reaches it: ep 2 x 8 holders)."""
     model = get_preset("llama4-scout-17b-16e")
     lay = P.Layout(1, 1, 1, 16, False, False, "full", 1, 16, ep=2, fsdp=True)
     assert P.static_memory(model, lay) == pytest.approx(18 * num_params(model) / 16, rel=1e-6)
     assert P.static_memory(model, lay) > 80 * GB
+
+
+def test_llama3_8b_on_8_gpus_fits_without_recompute_only_with_fsdp():
+    """Why `plan --model llama3.1-8b --gpus 8` proposes --fsdp over all 8: at seq 8192 and micro-batch 1 without
+    recompute, fsdp fits 80 GB where the distributed optimizer (6 + 12/8 bytes a parameter) does not, and it has
+    no pipeline bubble to pay, unlike the pp 4 layout that fits without recompute."""
+    model = get_preset("llama3.1-8b")
+    fsdp = P.Layout(1, 1, 1, 8, False, False, "none", 1, 512, fsdp=True)
+    zero1 = dataclasses.replace(fsdp, fsdp=False, distributed_optimizer=True)
+    piped = P.Layout(1, 4, 2, 2, False, True, "none", 1, 512)
+    assert P.layout_memory(model, fsdp, 8192).total <= 80 * GB < P.layout_memory(model, zero1, 8192).total
+    assert P.layout_memory(model, piped, 8192).total <= 80 * GB
+    speed = [P.estimate_speed(model, lay, 8192, 8, 8).tokens_per_sec_per_gpu for lay in (fsdp, piped)]
+    assert speed[0] > speed[1]
+
+
+def test_qwen3_30b_on_8_gpus_fits_and_fsdp_with_ep_is_perfectly_sharded():
+    """`plan --model qwen3-30b-a3b --gpus 8` (seq 8192): tp 4 x pp 2 with partial recompute fits 80 GB; fsdp with
+    ep 8 stores 18 bytes x 30.5B / 8 = 68.7 GB of state, over 80 GB with the loss's 5 GB of logits at seq 8192."""
+    model = get_preset("qwen3-30b-a3b")
+    proposed = P.Layout(4, 2, 1, 1, True, False, "full", 1, 512, recompute_layers=20)
+    assert P.layout_memory(model, proposed, 8192).total <= 80 * GB
+    ep8 = P.Layout(1, 1, 1, 8, False, False, "full", 1, 512, ep=8, fsdp=True)
+    assert P.static_memory(model, ep8) == pytest.approx(18 * num_params(model) / 8, rel=1e-6)
+    assert P.layout_memory(model, ep8, 4096).total <= 80 * GB < P.layout_memory(model, ep8, 8192).total
+
+
+def test_scout_on_16_h200s_fits_with_fsdp_and_ep():
+    """`plan --model llama4-scout-17b-16e --gpus 16 --gpu h200`: fsdp x ep 8 x pp 2 with partial recompute fits in
+    an H200's 139.8 GiB (150.1 GB); on 80 GB GPUs even perfect sharding needs 121 GB (the explanation's bound)."""
+    model = get_preset("llama4-scout-17b-16e")
+    h200 = resolve_hardware("h200").gpu.memory
+    lay = P.Layout(1, 2, 1, 8, False, False, "full", 1, 512, recompute_layers=22, ep=8, fsdp=True)
+    assert P.layout_memory(model, lay, 8192).total <= h200
+    assert 18 * num_params(model) / 16 > 80 * GB
+
+
+def test_plan_of_a_fixed_fsdp_layout_explains_its_traffic(capsys):
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", "llama-1b", "--gpus", "8", "--fsdp", "--micro-batch-size", "1", "--explain"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "--fsdp traffic per rank and step:" in out and " fsdp " in out

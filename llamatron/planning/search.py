@@ -22,6 +22,7 @@ from ..config.settings import RunConfig, config_from_values
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.inventory import num_params
+from ..parallel.fsdp import fsdp_problems
 from ..parallel.mesh import divisors
 from ..training.validate import validate
 from .params import bytes_per_param
@@ -135,6 +136,23 @@ def candidate_layouts(
     def eps(dp: int) -> list[int]:  # expert parallelism: sizes dividing dp and the experts (MoE models only)
         return [e for e in divisors(dp) if e <= MAX_EP and model.num_experts % e == 0] if model.is_moe else [1]
 
+    checked: dict[Layout, bool] = {}
+
+    def valid(lay: Layout) -> bool:
+        """training.validate on the layout without its sharding (once for all shardings), then what --fsdp adds."""
+        plain = replace(lay, distributed_optimizer=False, fsdp=False, fsdp_shard_group=None, fsdp_keep_params=False)
+        if plain not in checked:
+            try:
+                validate(_run_config(model_name, model_overrides, plain, seq_length), gpus, cuda_available=True)
+                checked[plain] = True
+            except ConfigError:
+                checked[plain] = False
+        keep, group = lay.fsdp_keep_params, lay.fsdp_shard_group
+        refused = lay.fsdp and fsdp_problems(
+            True, keep, True, group, lay.replicas, [], lay.tp, lay.pp, lay.cp, lay.ep, "none", 0
+        )
+        return checked[plain] and not refused
+
     sizes = [
         (tp, cp, pp)
         for tp in divisors(gpus)
@@ -168,11 +186,8 @@ def candidate_layouts(
                 )
                 if worth is not None and not worth(lay):
                     continue
-                try:
-                    validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
-                except ConfigError:
-                    continue
-                yield lay
+                if valid(lay):
+                    yield lay
 
 
 @dataclass
