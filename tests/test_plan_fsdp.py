@@ -276,3 +276,17 @@ def test_plan_of_a_fixed_fsdp_layout_explains_its_traffic(capsys):
         main(["plan", "--model", "llama-1b", "--gpus", "8", "--fsdp", "--micro-batch-size", "1", "--explain"])
     out = capsys.readouterr().out
     assert done.value.code == 0 and "--fsdp traffic per rank and step:" in out and " fsdp " in out
+
+
+def test_plan_llama3_8b_on_8_gpus_proposes_fsdp_and_explains_its_traffic(capsys):
+    """The issue's target: `plan --model llama3.1-8b --gpus 8 --explain` at the default seq 8192 (stated) ranks an
+    --fsdp layout first, suggests it as train flags and prints its simulated traffic."""
+    from llamatron.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", "llama3.1-8b", "--gpus", "8", "--explain", "--top", "3"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "seq 8192: the default" in out
+    flags = out.split("#1 as `llamatron train` flags: ")[1].splitlines()[0]
+    assert "--fsdp" in flags.split() and "--distributed-optimizer" not in flags
+    assert "--fsdp traffic per rank and step:" in out

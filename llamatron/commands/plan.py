@@ -163,6 +163,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if sims:
                 print(f"(simulated on {hw.describe()})")
                 plan_simulate.print_extras(args, sims[id(shown[0])])
+            elif args.explain or args.explain_png:  # the best layout's simulated step, its traffic included
+                model = _model_of(result.model, settings.get("model_overrides"))
+                sim = plan_simulate.simulate(args, model, shown[0], seq_length, hw, precision)
+                print(f"\n#1 simulated on {hw.describe()}:")
+                plan_simulate.print_extras(args, sim)
     return 0 if result.fits else 1
 
 
