@@ -401,16 +401,16 @@ def test_partial_recompute_recomputes_the_fewest_layers_that_fit():
     assert best.speed.tokens_per_sec_per_gpu > everything.tokens_per_sec_per_gpu
 
 
-def test_llama2_70b_minimum_is_32_gpus_with_tp8_pp4():
+def test_llama2_70b_minimum_is_24_gpus_with_fsdp_and_32_with_tp8_pp4():
     result = _fits("llama2-70b", 32, 80, 4096)
     assert any((p.layout.tp, p.layout.pp) == (8, 4) for p in result.fits)
     assert all(p.memory.total <= 80 * GB for p in result.fits)
     assert not _fits("llama2-70b", 16, 80, 4096, explain=False).fits
     eight = _fits("llama2-70b", 8, 80, 4096)
-    assert not eight.fits and "at least 32 GPUs" in eight.explanation
+    assert not eight.fits and "at least 24 GPUs" in eight.explanation  # --fsdp shards what tp x pp cannot
     needed = float(re.search(r"alone need ([0-9.]+) GB per GPU", eight.explanation).group(1))
     assert needed == pytest.approx(18 * num_params(get_preset("llama2-70b")) / 8 / GB, rel=0.02)
-    assert "model-parallel size tp*pp = 8" in eight.explanation
+    assert "even sharded perfectly over all 8 GPUs" in eight.explanation  # 18 bytes a parameter / 8, as --fsdp
 
 
 def test_falcon_40b_minimum_is_16_gpus():
@@ -586,7 +586,8 @@ def test_recompute_that_saves_no_memory_is_not_listed():
             p.layout.pp,
             p.layout.vpp,
             p.layout.dp,
-            p.layout.distributed_optimizer,
+            p.layout.sharding,
+            p.layout.fsdp_keep_params,
             p.layout.micro_batch_size,
         ): p.memory.total
         for p in result.fits
@@ -601,7 +602,8 @@ def test_recompute_that_saves_no_memory_is_not_listed():
                 p.layout.pp,
                 p.layout.vpp,
                 p.layout.dp,
-                p.layout.distributed_optimizer,
+                p.layout.sharding,
+                p.layout.fsdp_keep_params,
                 p.layout.micro_batch_size,
             )
         )

@@ -12,7 +12,7 @@ from ..config.settings import FP8_RECIPES, RunConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..planning.plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
-from ..planning.search import PlanResult, plan
+from ..planning.search import DEFAULT_SEQ_LENGTH, PlanResult, default_seq_length, plan
 from ..planning.simulator.hardware import Hardware
 from . import plan_simulate
 from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
@@ -54,7 +54,7 @@ def register(sub) -> None:
         "--seq-length",
         type=number_arg(int, at_least(1)),
         default=None,
-        help="tokens per sample (default: the model's context length)",
+        help=f"tokens per sample (default: the model's context length, at most {DEFAULT_SEQ_LENGTH})",
     )
     p.add_argument(
         "--global-batch-size",
@@ -87,6 +87,10 @@ def register(sub) -> None:
     fixed.add_argument(
         "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None, help="shard optimizer state"
     )
+    fixed.add_argument("--fsdp", action="store_true", default=None, help="fully sharded data parallelism (ZeRO-3)")
+    fixed.add_argument(
+        "--fsdp-keep-params-in-backward", action="store_true", default=None, help="with --fsdp: no re-gather"
+    )
     fixed.add_argument("--search", action="store_true", help="search layouts even when --config gives one")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan_simulate.add_arguments(p)
@@ -102,11 +106,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("plan needs a model: --model PRESET, or --config FILE with `model:`")
     try:
         model = get_preset(settings["model"])
-        seq_length = settings.get("seq_length") or model.max_seq_length
+        seq_length = settings.get("seq_length") or default_seq_length(model)
     except ValueError as e:  # an unknown preset: its message lists the known ones
         raise ConfigError(str(e)) from None
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
     precision = Precision(compiled=args.compile, fp8=fp8)
+    if not settings.get("seq_length") and not args.json:
+        print(
+            f"seq {seq_length}: the default, the model's context ({model.max_seq_length}) but at most "
+            f"{DEFAULT_SEQ_LENGTH}; --seq-length N plans another"
+        )
     if not args.search and any(k in settings for k in _LAYOUT_KEYS):
         return print_fixed_layout(args, settings, memory, seq_length, hw, precision)
     result = plan(
@@ -154,6 +163,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if sims:
                 print(f"(simulated on {hw.describe()})")
                 plan_simulate.print_extras(args, sims[id(shown[0])])
+            elif args.explain or args.explain_png:  # the best layout's simulated step, its traffic included
+                model = _model_of(result.model, settings.get("model_overrides"))
+                sim = plan_simulate.simulate(args, model, shown[0], seq_length, hw, precision)
+                print(f"\n#1 simulated on {hw.describe()}:")
+                plan_simulate.print_extras(args, sim)
     return 0 if result.fits else 1
 
 
@@ -215,7 +229,7 @@ def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANK
         "vpp",
         "dp",
         "ep",
-        "dist-opt",
+        "sharding",
         "recompute",
         "mb",
         "gbs",
@@ -240,7 +254,7 @@ def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANK
                 str(lay.vpp),
                 str(lay.dp),
                 str(lay.ep),
-                "yes" if lay.distributed_optimizer else "no",
+                lay.sharding + (" keep" if lay.fsdp_keep_params else ""),
                 lay.recompute_label,
                 str(lay.micro_batch_size),
                 str(lay.global_batch_size),
@@ -251,6 +265,9 @@ def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANK
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     note = (
+        "sharding: how the dp x cp replicas hold the weights: no (whole), dist-opt (--distributed-optimizer: the "
+        "optimizer state sharded), fsdp (--fsdp: weights, gradients and optimizer state sharded, each layer "
+        "gathered in use; keep: --fsdp-keep-params-in-backward), hsdp N (--fsdp-shard-group N); "
         "sequence parallelism is on whenever tp > 1; cp = context-parallel ranks per sequence (listed only where "
         "no layout without it fits or it is expected faster than all that do); recompute full:N = --recompute "
         "full --recompute-layers N (the fewest layers per chunk that fit); buffers = logits/loss or backward "

@@ -28,8 +28,10 @@ _LAYOUT_FLAGS: list[tuple[str, type, str]] = [
     ("micro-batch-size", int, "samples per micro-batch"),
     ("recompute", str, "none, selective or full"),
     ("recompute-layers", int, "recompute only the first N layers of each chunk"),
+    ("fsdp-shard-group", int, "with --fsdp: hybrid sharding, shard over groups of N data-parallel ranks"),
 ]
-_LAYOUT_KEYS = [f.replace("-", "_") for f, *_ in _LAYOUT_FLAGS] + ["distributed_optimizer"]
+_SWITCHES = ["distributed_optimizer", "fsdp", "fsdp_keep_params_in_backward"]
+_LAYOUT_KEYS = [f.replace("-", "_") for f, *_ in _LAYOUT_FLAGS] + _SWITCHES
 # What plan reads of a train YAML: the model, its shape and the layout (data, checkpoints and logging are the run's).
 _PLANNED = {"model", "model_overrides", "seq_length", "global_batch_size", "sequence_parallel", "pp_layers", "fp8"}
 
@@ -65,7 +67,7 @@ def evaluate_layout(
     ConfigError as train would)."""
     values = {k: v for k, v in settings.items() if k != "fp8"}  # the recipe's GPU check needs the GPU: not here
     values.setdefault("global_batch_size", max(1, 2**22 // seq_length))  # about 4M tokens, as the search
-    if "distributed_optimizer" not in values:
+    if "distributed_optimizer" not in values and not values.get("fsdp"):
         values["distributed_optimizer"] = gpus > 1
     if values.get("tp", 1) > 1:
         values.setdefault("sequence_parallel", True)

@@ -15,7 +15,9 @@ A step, for unit i: forward pre-hook gathers i (waits for it) and issues the gat
 post-hook frees i (not the last unit, which backward needs at once, nor a unit whose weight the head shares) and
 hooks i's output, whose gradient fires when backward reaches i: gather i again (unless
 --fsdp-keep-params-in-backward kept it) and prefetch i-1. When every parameter of i has its gradient, the bucket's
-full gradient is reduce-scattered into this rank's shard (added to it for a later micro-batch) and i is freed.
+full gradient is reduce-scattered into this rank's shard (added to it for a later micro-batch) and i is freed; at
+most MAX_REDUCING reduce-scatters stay in flight (the oldest is finished as a new one is issued), so the whole
+gradients waiting as their inputs are a few layers', not the chunk's.
 With one rank the shard is the whole bucket: nothing is gathered, freed or reduced, gradients accumulate in place.
 `stats.events` records the order (gather, computed, reduce, free) for tests/test_fsdp.py.
 """
@@ -36,6 +38,10 @@ from .grad_buffer import _ALIGN, CommStats, GradBuffer, Span, _forward_units
 from .mesh import all_gather_flat, reduce_scatter_flat
 from .param_spec import ParamSpec, ParamSpecs
 from .tensor import sync_tensor_parallel_grads
+
+# Reduce-scatters a buffer keeps in flight: the one just issued and the one before it (each holds its unit's whole
+# gradient as input until it is finished).
+MAX_REDUCING = 2
 
 
 def fsdp_problems(
@@ -150,6 +156,7 @@ class ShardedBuffer:
         self.writes_checkpoint = replicate_group is None or dist.get_rank(replicate_group) == 0
         self.reduce_dtype, self.keep_params_in_backward, self.prefetch = reduce_dtype, keep_params_in_backward, prefetch
         self.stats = CommStats()
+        self._reducing: list[ShardedBucket] = []  # buckets whose reduce-scatter is in flight, oldest first
         self.is_last_microbatch = True  # every micro-batch's gradients are reduce-scattered: not read
         bucket_units = self._lay_out(module, specs, dtype, device, select)
         if not self.buckets:
@@ -391,10 +398,16 @@ class ShardedBuffer:
         b.reduce, b.staging = (handle, out, data), None
         self.stats.grad_reductions += 1
         self.stats.events.append(("reduce", b.index, when))
+        # At most MAX_REDUCING in flight: the oldest is finished (its whole-gradient input freed) as a new one is
+        # issued, a layer's backward after it started, instead of living until its bucket's next micro-batch.
+        self._reducing.append(b)
+        while len(self._reducing) > MAX_REDUCING:
+            self._finish_reduce(self._reducing[0])
 
     def _finish_reduce(self, b: ShardedBucket) -> None:
         if b.reduce is None:
             return
+        self._reducing.remove(b)
         handle, out, _ = b.reduce
         handle.wait()
         if self.replicate_group is not None:  # hybrid sharding: summed over the groups holding the same shard

@@ -77,12 +77,15 @@ def expert_layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
 def largest_layer_param(model: ModelConfig, tp: int) -> int:
     """The largest single parameter of a decoder layer on one tensor-parallel rank (a mixture's experts count one
     expert's matrix: the backward of the grouped GEMMs makes one expert's gradient at a time)."""
-    sizes = [
-        shard_numel(w.split, w.shape, model, tp) // (w.shape[0] if w.split == "expert" else 1)
-        for layer in set(layers(model))
-        for w in layer.weights
-    ]
-    return max(sizes)
+    key = (config_key(model), tp, "largest")
+    if key not in _SHARDS:  # a search asks for it per layout and pipeline rank: hashing every layer each time cost
+        sizes = [  # most of a search's time
+            shard_numel(w.split, w.shape, model, tp) // (w.shape[0] if w.split == "expert" else 1)
+            for layer in set(layers(model))
+            for w in layer.weights
+        ]
+        _SHARDS[key] = max(sizes), 0
+    return _SHARDS[key][0]
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int, ep: int = 1) -> tuple[int, int]:

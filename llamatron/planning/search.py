@@ -6,6 +6,11 @@ first, and a layout with cp > 1 is listed only when none of them fits or it is e
 do, by CONTEXT_SPEEDUP. cp splits the sequence, not the weights: it pays off for long sequences, whose
 activations do not fit otherwise or whose tensor parallelism would move more than cp's K/V gathers; at short
 ones it mostly adds traffic.
+
+Sharding (`shardings`): with several replicas, each layout is weighed whole, with the distributed optimizer, with
+--fsdp (and --fsdp-keep-params-in-backward), and with hybrid sharding over the replicas of one node when the
+replicas span nodes; training.validate drops what the trainer refuses (--ep with --fsdp-shard-group). The planner
+plans full training only: LoRA, which --fsdp refuses, is never proposed.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from ..config.settings import RunConfig, config_from_values
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.inventory import num_params
+from ..parallel.fsdp import fsdp_problems
 from ..parallel.mesh import divisors
 from ..training.validate import validate
+from .params import bytes_per_param
 from .plan import (
     GB,
     RUNTIME_BASE,
@@ -33,11 +40,15 @@ from .plan import (
     runtime_memory,
     static_memory,
 )
+from .simulator.hardware import resolve_hardware
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VPP = 8
 MAX_EP = 8  # expert-parallel sizes searched (a node's worth of all-to-all)
+# Without --seq-length: the model's context, at most this (Llama 4 Maverick's 1M-token context would plan
+# million-token sequences; pre-training runs at 4-8k and extends the context afterwards).
+DEFAULT_SEQ_LENGTH = 8192
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step when --global-batch-size is not given
 # A cp layout is listed beside layouts without cp only when expected this much faster than all of them: the
 # speed model is calibrated to ~10%, and under cp attention runs flex attention over a mask of this rank's
@@ -56,7 +67,6 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
         "pp": lay.pp,
         "vpp": lay.vpp,
         "sequence_parallel": lay.sequence_parallel,
-        "distributed_optimizer": lay.distributed_optimizer,
         "recompute": lay.recompute,
         "recompute_layers": lay.recompute_layers,
         "micro_batch_size": lay.micro_batch_size,
@@ -65,9 +75,38 @@ def _run_config(model_name: str, overrides: dict | None, lay: Layout, seq_length
         "precision": "bf16",
         "device": "cuda",
     }
+    if lay.fsdp:  # --fsdp refuses --distributed-optimizer given beside it (it shards the optimizer already)
+        values["fsdp"] = True
+        values["fsdp_shard_group"] = lay.fsdp_shard_group
+        values["fsdp_keep_params_in_backward"] = lay.fsdp_keep_params
+    else:
+        values["distributed_optimizer"] = lay.distributed_optimizer
     if overrides:
         values["model_overrides"] = overrides
     return config_from_values(values)
+
+
+def shardings(replicas: int, tp: int, gpus_per_node: int) -> list[dict]:
+    """How the replicas may hold the weights: whole (with the optimizer state whole or sharded), or --fsdp over
+    all of them (with and without --fsdp-keep-params-in-backward), or hybrid: sharded within the replicas of one
+    node, replicated across nodes (the one hybrid group size searched)."""
+    if replicas == 1:
+        return [{}]
+    out: list[dict] = [
+        {},
+        {"distributed_optimizer": True},
+        {"fsdp": True},
+        {"fsdp": True, "fsdp_keep_params": True},
+    ]
+    node = max(1, gpus_per_node // tp)
+    if 1 < node < replicas and replicas % node == 0:
+        out.append({"fsdp": True, "fsdp_shard_group": node})
+    return out
+
+
+def default_seq_length(model: ModelConfig) -> int:
+    """The sequence length planned when none is given: the model's context, at most DEFAULT_SEQ_LENGTH."""
+    return min(model.max_seq_length, DEFAULT_SEQ_LENGTH)
 
 
 def context_sizes(gpus: int, seq_length: int) -> list[int]:
@@ -97,6 +136,23 @@ def candidate_layouts(
     def eps(dp: int) -> list[int]:  # expert parallelism: sizes dividing dp and the experts (MoE models only)
         return [e for e in divisors(dp) if e <= MAX_EP and model.num_experts % e == 0] if model.is_moe else [1]
 
+    checked: dict[Layout, bool] = {}
+
+    def valid(lay: Layout) -> bool:
+        """training.validate on the layout without its sharding (once for all shardings), then what --fsdp adds."""
+        plain = replace(lay, distributed_optimizer=False, fsdp=False, fsdp_shard_group=None, fsdp_keep_params=False)
+        if plain not in checked:
+            try:
+                validate(_run_config(model_name, model_overrides, plain, seq_length), gpus, cuda_available=True)
+                checked[plain] = True
+            except ConfigError:
+                checked[plain] = False
+        keep, group = lay.fsdp_keep_params, lay.fsdp_shard_group
+        refused = lay.fsdp and fsdp_problems(
+            True, keep, True, group, lay.replicas, [], lay.tp, lay.pp, lay.cp, lay.ep, "none", 0
+        )
+        return checked[plain] and not refused
+
     sizes = [
         (tp, cp, pp)
         for tp in divisors(gpus)
@@ -113,15 +169,25 @@ def candidate_layouts(
             if gbs is None:
                 step = mb * dp * (pp if vpp > 1 else 1)
                 gbs = max(1, round(DEFAULT_BATCH_TOKENS / seq_length / step)) * step
-            for dist_opt, ep in ((d, e) for d in ((False, True) if dp * cp > 1 else (False,)) for e in eps(dp)):
-                lay = Layout(tp, pp, vpp, dp, tp > 1, dist_opt, recompute, mb, gbs, cp=cp, ep=ep)
+            for sharding, ep in ((d, e) for d in shardings(dp * cp, tp, gpus_per_node) for e in eps(dp)):
+                kw = {"distributed_optimizer": False, **sharding}
+                lay = Layout(
+                    tp,
+                    pp,
+                    vpp,
+                    dp,
+                    tp > 1,
+                    recompute=recompute,
+                    micro_batch_size=mb,
+                    global_batch_size=gbs,
+                    cp=cp,
+                    ep=ep,
+                    **kw,
+                )
                 if worth is not None and not worth(lay):
                     continue
-                try:
-                    validate(_run_config(model_name, model_overrides, lay, seq_length), gpus, cuda_available=True)
-                except ConfigError:
-                    continue
-                yield lay
+                if valid(lay):
+                    yield lay
 
 
 @dataclass
@@ -242,7 +308,7 @@ class _ContextFilter:
         return speed.tokens_per_sec_per_gpu > self.to_beat
 
     def _fits_statically(self, lay: Layout) -> bool:
-        key = (lay.tp, lay.cp, lay.pp, lay.vpp, lay.replicas, lay.distributed_optimizer)
+        key = (lay.tp, lay.cp, lay.pp, lay.vpp, lay.replicas, lay.ep, lay.sharding, lay.fsdp_keep_params)
         if key not in self._static_fits:
             try:
                 least = static_memory(self.model, lay, self.precision) + runtime_memory(lay)
@@ -307,6 +373,9 @@ def _drop_dominated_recompute(fits: list[Plan]) -> list[Plan]:
             lay.dp,
             lay.sequence_parallel,
             lay.distributed_optimizer,
+            lay.ep,
+            lay.sharding,
+            lay.fsdp_keep_params,
             lay.micro_batch_size,
             lay.global_batch_size,
         )
@@ -367,10 +436,11 @@ def minimum_gpus(
     ]
 
     def fits(gpus: int) -> bool:
-        # Quick bound: even fully sharded, each GPU holds 2 + 4 bytes per parameter of its share, and the CUDA
-        # runtime (with NCCL's buffers once there are several GPUs), which no GPU count shrinks.
+        # Quick bound: even sharded perfectly (--fsdp over every GPU), each GPU holds the weights, gradients and
+        # optimizer state of 1/gpus of the parameters, and the CUDA runtime (with NCCL's buffers once there are
+        # several GPUs), which no GPU count shrinks.
         runtime = RUNTIME_BASE + (RUNTIME_PER_COMM if gpus > 1 else 0)
-        if num_params(model) * 6 / gpus + runtime > gpu_memory:
+        if num_params(model) * sum(bytes_per_param(precision.dtype, True, 1)) / gpus + runtime > gpu_memory:
             return False
         return bool(
             plan(
@@ -428,11 +498,17 @@ def _explain(
             f"sequence)"
         )
     static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
-    if static_mem.static > gpu_memory:
+    per_param = sum(bytes_per_param(precision.dtype, True, 1))
+    perfect = per_param * num_params(model) / gpus
+    if perfect > gpu_memory:
         why = (
-            f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU even at the largest "
-            f"model-parallel size tp*pp = {static_lay.tp * static_lay.pp} ({static_lay.label}"
-            f"{', distributed optimizer' if static_lay.distributed_optimizer else ''})"
+            f"weights+grads+optimizer alone need {perfect / GB:.1f} GB per GPU even sharded perfectly over all "
+            f"{gpus} GPUs ({per_param:.0f} bytes a parameter / {gpus}, as --fsdp over every GPU would)"
+        )
+    elif static_mem.static > gpu_memory:
+        why = (
+            f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU in the layout that shards "
+            f"them furthest ({static_lay.label}, sharding {static_lay.sharding})"
         )
     else:
         lay, mem = min(rejected, key=lambda r: r[1].total)
@@ -445,4 +521,7 @@ def _explain(
         model_name, gpu_memory, seq_length, gpus_per_node, global_batch_size, overrides, precision, start=gpus + 1
     )
     more = f"; it needs at least {needed} GPUs of this size" if needed else ""
+    h200 = resolve_hardware("h200").gpu.memory
+    if perfect > gpu_memory and perfect + RUNTIME_BASE <= h200:  # the bound is met on a larger GPU
+        more += f"; an H200 (--gpu h200) holds {h200 / GB:.1f} GB, above that bound: plan with it to see what fits"
     return f"{setup}: {why}, and a GPU has {gpu_memory / GB:.1f} GB{more}"

@@ -24,6 +24,7 @@ from ...models import ModelConfig
 from ...models.inventory import layers, mean_mlp_width, moe_layer_share
 from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
+from .fsdp import FsdpOptions
 from .hardware import Hardware
 
 # Tensor-parallel collectives of (tokens x hidden) per layer and micro-batch with sequence parallelism: what
@@ -80,6 +81,7 @@ class StepOptions:
     bucket_size: int = 40_000_000
     schedule: str = "1f1b"  # or "zb-h1"
     pp_layers: str | None = None
+    fsdp: FsdpOptions | None = None  # --fsdp (simulator/fsdp.py): per-layer gathers and reduce-scatters instead
 
 
 @dataclass

@@ -30,7 +30,8 @@ def _overlap(start: float, end: float, busy: list[tuple[float, float]]) -> float
 class DataParallel:
     def __init__(self, model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, costs: Costs, chunks: list[Chunk]):
         self.model, self.s, self.hw, self.opt, self.costs, self.chunks = model, s, hw, opt, costs, chunks
-        self.buckets = [buckets(ch, c, opt.bucket_size) for c, ch in enumerate(chunks)]
+        # --fsdp reduces per layer and micro-batch inside the chunks' pieces (step.py): no buckets at the step's end
+        self.buckets = [[] if opt.fsdp else buckets(ch, c, opt.bucket_size) for c, ch in enumerate(chunks)]
         self.dense_replicas = s.dp * s.cp
         self.expert_replicas = max(1, s.dp * s.cp // s.ep)
         gpn = hw.gpus_per_node
@@ -162,7 +163,9 @@ class DataParallel:
             ch = self.chunks[c]
             dense = sum(ch.dense_params) + ch.first_params + ch.last_params
             expert = sum(ch.expert_params)
-            if self.opt.distributed_optimizer:
+            if self.opt.fsdp is not None:
+                dense, expert = dense / self.opt.fsdp.dense_shards, expert / self.opt.fsdp.expert_shards
+            elif self.opt.distributed_optimizer:
                 dense, expert = dense / self.dense_replicas, expert / self.expert_replicas
             total += dense + expert
         return total

@@ -9,10 +9,11 @@ from typing import Any
 
 from ...models import ModelConfig
 from ...models.inventory import active_params, num_params
-from ..params import expert_layer_params, stage_layers
+from ..params import expert_layer_params, layer_shards, stage_layers
 from ..plan import GB, Layout, Precision
 from .calibration import Calibration, load_calibration
 from .costs import Costs, Shape, StepOptions
+from .fsdp import FsdpOptions
 from .hardware import Hardware
 from .step import StepResult, simulate_step
 
@@ -44,6 +45,7 @@ class Simulation:
     other: StepResult  # the same step with the data-parallel overlap switched the other way
     all_to_all_bytes: float  # per rank and step (MoE)
     precision: Precision = Precision()
+    fsdp: dict[str, float] | None = None  # --fsdp's traffic per rank and step (fsdp_traffic)
 
     @property
     def with_overlap(self) -> StepResult:
@@ -105,6 +107,8 @@ class Simulation:
                 "all_to_all_gb_per_rank_and_step": self.all_to_all_bytes / GB,
                 "all_to_all_seconds_exposed": parts.get("ep", 0.0),
             }
+        if self.fsdp is not None:
+            out["fsdp"] = dict(self.fsdp)
         if train_tokens:
             out["train"] = self.train_cost(train_tokens, price)
         return out
@@ -144,7 +148,33 @@ def _options(lay: Layout, settings: SimSettings, overlap: bool) -> StepOptions:
         bucket_size=settings.bucket_size,
         schedule=settings.schedule,
         pp_layers=settings.pp_layers,
+        fsdp=fsdp_options(lay),
     )
+
+
+def fsdp_options(lay: Layout) -> FsdpOptions | None:
+    """The simulator's view of a layout's --fsdp (None without it)."""
+    if not lay.fsdp:
+        return None
+    replicate = lay.replicas // lay.fsdp_shard_group if lay.fsdp_shard_group else 1
+    return FsdpOptions(lay.dense_shards, lay.expert_shards, replicate, lay.fsdp_keep_params, lay.ep)
+
+
+def fsdp_traffic(model: ModelConfig, lay: Layout, result: StepResult, grad_bytes: int, act_bytes: int) -> dict:
+    """GB a rank all-gathers, reduce-scatters and (hybrid) all-reduces per step, and the seconds exposed."""
+    fs = fsdp_options(lay)
+    assert fs is not None
+    dense, experts = layer_shards(model, lay.tp, lay.ep)
+    layers = max(sum(chunk) for chunk in stage_layers(model, lay.pp, lay.vpp)) * lay.micro_batches
+    off = dense * (fs.dense_shards - 1) / fs.dense_shards + experts * (fs.expert_shards - 1) / fs.expert_shards
+    gathers = 1 if lay.fsdp_keep_params else 2
+    reduce_all = 2 * (fs.replicate - 1) / fs.replicate * dense / fs.dense_shards if fs.replicate > 1 else 0.0
+    return {
+        "all_gather_gb": layers * gathers * off * act_bytes / GB,
+        "reduce_scatter_gb": layers * off * grad_bytes / GB,
+        "all_reduce_gb": layers * reduce_all * grad_bytes / GB,
+        "exposed_seconds": result.parts.get("fsdp", 0.0),
+    }
 
 
 def simulate_layout(
@@ -166,4 +196,6 @@ def simulate_layout(
         per_layer = Costs(model, shape, hw, cal or load_calibration()).all_to_all_bytes()
         layers = model.num_layers / lay.pp
         a2a = per_layer * layers * lay.micro_batches * (4 + (2 if lay.recompute == "full" else 0))
-    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision)
+    grad_bytes = 2 if settings.grad_reduce_dtype == "bf16" else 4
+    fsdp = fsdp_traffic(model, lay, result, grad_bytes, precision.act_bytes) if lay.fsdp else None
+    return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision, fsdp)

@@ -18,6 +18,7 @@ _PARTS = [
     ("tp", "tensor-parallel collectives, exposed"),
     ("cp", "context-parallel K/V gathers, exposed"),
     ("ep", "expert-parallel all-to-alls, exposed"),
+    ("fsdp", "--fsdp's per-layer all-gathers and reduce-scatters (and hybrid all-reduces), exposed"),
     ("contention", "compute slowed by overlapped collectives"),
     ("gather_wait", "first forwards waiting for parameter all-gathers"),
     ("bubble", "pipeline bubble and point-to-point waits"),
@@ -61,6 +62,15 @@ def explain_text(sim: Simulation) -> str:
         f"(overlap hides {(off.dp_exposed_seconds - on.dp_exposed_seconds) * 1e3:,.1f} ms; step "
         f"{on.step_seconds * 1e3:,.1f} vs {off.step_seconds * 1e3:,.1f} ms)"
     )
+    if sim.fsdp is not None:
+        f = sim.fsdp
+        hybrid = f", {f['all_reduce_gb']:,.1f} GB all-reduced over the hybrid groups (not overlapped)"
+        lines.append(
+            f"--fsdp traffic per rank and step: {f['all_gather_gb']:,.1f} GB all-gathered (weights, forward"
+            f"{'' if lay.fsdp_keep_params else ' and backward'}), {f['reduce_scatter_gb']:,.1f} GB "
+            f"reduce-scattered (gradients, every micro-batch){hybrid if f['all_reduce_gb'] else ''}; "
+            f"{f['exposed_seconds'] * 1e3:,.1f} ms exposed"
+        )
     lines.append("what would reduce it (each change simulated on the same hardware):")
     lines.extend(suggestions(sim))
     span = max(e.end for e in r.events)

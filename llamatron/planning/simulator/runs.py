@@ -13,6 +13,7 @@ from ...config.settings import RunConfig
 from ...models import ModelConfig
 from .calibration import Calibration
 from .costs import Shape, StepOptions
+from .fsdp import FsdpOptions
 from .hardware import resolve_hardware
 from .step import StepResult, simulate_step
 
@@ -53,5 +54,6 @@ def simulate_run(run: dict[str, Any], cal: Calibration | None = None) -> StepRes
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
         grad_reduce_bytes=2 if run.get("grad_reduce_dtype") == "bf16" else 4,
+        fsdp=FsdpOptions(run.get("fsdp_shard_group") or dp * run["cp"]) if run.get("fsdp") else None,
     )
     return simulate_step(run_model(run), shape, resolve_hardware("h200"), options, cal)

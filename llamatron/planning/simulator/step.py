@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 from ...models import ModelConfig
 from ...models.inventory import flops_per_token
+from ..params import layer_shards
 from .calibration import Calibration, load_calibration
-from .chunks import build_chunks
+from .chunks import Chunk, build_chunks
 from .costs import Costs, Shape, StepOptions
 from .dataparallel import DataParallel
+from .fsdp import exposed_per_micro_batch, layer_traffic
 from .hardware import Hardware
 from .timeline import ChunkDurations, Event, run_pipeline
 
@@ -56,6 +58,7 @@ def simulate_step(
     cal = cal or load_calibration()
     costs = Costs(model, s, hw, cal)
     chunks = build_chunks(model, s, costs, opt.vpp, opt.pp_layers)
+    fsdp_tail = _add_fsdp(model, s, hw, opt, costs, chunks) if opt.fsdp is not None else 0.0
     zb = opt.schedule == "zb-h1"
     durations = [
         ChunkDurations(
@@ -71,6 +74,9 @@ def simulate_step(
         s.pp, opt.vpp, opt.micro_batches, durations, p2p, zb, dp.first_forward(gathers) if gathers else None
     )
     done = dp.finish(events, gathers, zb)
+    if fsdp_tail:  # the step's last reduce-scatter (the first unit's), waited for before the optimizer
+        done.step_seconds += fsdp_tail
+        done.parts["fsdp"] = done.parts.get("fsdp", 0.0) + fsdp_tail
     # The GPU idles between kernels (host launches, synchronisation) for a share of every measured step.
     idle = done.step_seconds * cal.idle_share / (1 - cal.idle_share)
     return StepResult(
@@ -84,3 +90,27 @@ def simulate_step(
         done.dp_exposed_seconds,
         done.events,
     )
+
+
+def _add_fsdp(model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, costs: Costs, chunks: list[Chunk]) -> float:
+    """--fsdp's per-layer collectives into each chunk's forward and backward (simulator/fsdp.py); returns the
+    exposed tail of the step (the first unit's last reduce-scatter)."""
+    assert opt.fsdp is not None
+    fs, gpn = opt.fsdp, hw.gpus_per_node
+
+    def per_node(stride: int, size: int) -> int:  # consecutive replicas are tp ranks apart
+        step = s.tp * stride
+        return max(1, min(size, gpn // step)) if step <= gpn else 1
+
+    dense, experts = layer_shards(model, s.tp, s.ep)
+    t = layer_traffic(fs, dense, experts, s.act_bytes, opt.grad_reduce_bytes, costs.collective, per_node)
+    layer = costs.layer(s.recompute != "none")
+    backward = layer.backward_input.seconds + layer.backward_weight.seconds + layer.recompute.seconds
+    contention = costs.cal.contention_bandwidth
+    for ch in chunks:
+        fwd, back, c_fwd, c_back = exposed_per_micro_batch(t, fs, ch.layer_forward, backward, contention)
+        ch.forward.add("fsdp", fwd)
+        ch.forward.add("contention", c_fwd)
+        ch.backward.add("fsdp", back)
+        ch.backward.add("contention", c_back)
+    return t.reduce
