@@ -33,9 +33,9 @@ def test_every_recorded_run_is_listed_and_few_are_left_out_each_with_a_reason():
     assert recorded <= listed, sorted(recorded - listed)
     left_out = [r for r in RUNS if r.get("excluded")]
     assert all(len(r["excluded"]) > 20 for r in left_out)
-    # LoRA's rows are a training mode the simulator has no model of yet (frozen weights), not runs it misfits: the
-    # cap bounds the others.
-    misfit = [r for r in left_out if not r["excluded"].startswith("LoRA")]
+    # LoRA's rows and those with FP8 experts are training modes the simulator has no model of yet (frozen weights;
+    # FP8 grouped GEMMs), not runs it misfits: the cap bounds the others.
+    misfit = [r for r in left_out if not r["excluded"].startswith(("LoRA", "FP8 experts"))]
     # 8 before issue 38's run 20, whose three fine-grained MoE rows (Qwen3-30B-A3B's per-rank shape) the simulator
     # predicts 13-29% fast, cause not found: recorded, not hidden
     assert len(misfit) <= 11 and len(CHECKED) >= 150
