@@ -308,3 +308,14 @@ def test_export_of_a_model_with_the_balancing_bias_is_refused():
         config_to_hf(get_preset(preset))  # without the bias: exported
         with pytest.raises(HFConversionError, match="no tensor for the balancing bias"):
             config_to_hf(get_preset(preset).with_changes({"router_expert_bias": True}))
+
+
+def test_megatron_bias_update_rate_flag_sets_the_option():
+    import argparse
+
+    from llamatron.config.settings import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = load_config(parser.parse_args(["--model", "mixtral-test", "--moe-router-bias-update-rate", "0.01"]))
+    assert cfg.model_config().router_bias_update_rate == 0.01

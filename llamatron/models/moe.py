@@ -225,7 +225,8 @@ class MoE(nn.Module):
         # Set by the engine for training (None: no router losses, no statistics, as in evaluation and generation).
         self.router_loss_weight: torch.Tensor | None = None
         self.stats: MoEStats | None = None
-        self.balance: MoEBalance | None = None  # the step's routing counts (set with the router-loss weight)
+        self.balance: MoEBalance | None = None  # the step's routing counts (set with the router-loss weight) ...
+        self.balance_row = 0  # ... this layer's row of them
         self.recomputing = False  # full recompute's second forward: the statistics were counted the first time
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,7 +253,7 @@ class MoE(nn.Module):
         choices = routing.counts if keep is None else expert_counts(chosen, self.num_experts)
         if self.balance is not None and self.balance.routing_pass:
             assert self.balance.global_loads is not None
-            self.balance.global_loads[self.balance.slots[id(self)]].add_(choices)
+            self.balance.global_loads[self.balance_row].add_(choices)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
             out = self._attach_router_losses(out, logits, probs, chosen, choices, batch)
         out = self.reduce_output(out.view(batch, seq, hidden))
@@ -290,14 +291,14 @@ class MoE(nn.Module):
         global_load = None
         if self.global_balance:
             assert self.balance is not None and self.balance.global_loads is not None, "no routing pass"
-            global_load = self.balance.global_loads[self.balance.slots[id(self)]]
+            global_load = self.balance.global_loads[self.balance_row]
         aux, z = router_losses(logits, probs, chosen, batch, self.num_experts, global_load)
         if self.stats is not None and not self.recomputing:
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
             self.stats.choices.add_(counts)
             if self.balance is not None:
-                self.balance.loads[self.balance.slots[id(self)]].add_(counts)
+                self.balance.loads[self.balance_row].add_(counts)
         loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()
         assert self.router_loss_weight is not None
         return _RouterLossGrad.apply(out, loss, self.router_loss_weight * self.router_loss_share)

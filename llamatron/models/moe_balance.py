@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,12 +33,12 @@ class MoEBalance:
     """The per-step routing counts every MoE layer of a rank shares (device tensors), one row per MoE layer here.
 
     loads: the step's token choices of each layer on this rank (the bias update's); global_loads: the global
-    batch's (all ranks), from the routing pass (global-batch balancing only); routing_pass: set while it runs."""
+    batch's (all ranks), from the routing pass (global-batch balancing only); routing_pass: set while it runs. A
+    layer's row is its `balance_row`."""
 
     loads: torch.Tensor
     global_loads: torch.Tensor | None = None
     routing_pass: bool = False
-    slots: dict[int, int] = field(default_factory=dict)  # id(MoE) -> its row
 
     def zero_(self) -> None:
         self.loads.zero_()

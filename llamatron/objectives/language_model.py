@@ -49,7 +49,6 @@ class RouterTraining:
         balance = MoEBalance(
             torch.zeros(shape, device=device),
             torch.zeros(shape, device=device) if global_batch else None,
-            slots={id(m): i for i, m in enumerate(layers)},
         )
         run = RouterTraining(
             torch.zeros((), device=device),
@@ -60,8 +59,8 @@ class RouterTraining:
             global_batch,
             model_cfg.router_bias_update_rate if model_cfg.router_expert_bias else None,
         )
-        for m in layers:
-            m.router_loss_weight, m.stats, m.balance = run.loss_weight, run.stats, balance
+        for row, m in enumerate(layers):
+            m.router_loss_weight, m.stats, m.balance, m.balance_row = run.loss_weight, run.stats, balance, row
         return run
 
     def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
