@@ -183,10 +183,25 @@ def test_capacity_drops_assignments_as_the_rule_says():
     assert not torch.allclose(dropless(x), out, atol=1e-3)  # something was dropped
 
 
-def test_capacity_under_expert_and_tensor_parallelism_matches_single_process(workdir):
+def test_capacity_under_expert_parallelism_matches_single_process(workdir):
     cap = ["--config", "capacity.yaml"]
     whole = run_train(cap, 1, workdir, model="mixtral-test")
     assert_matches(whole, run_train([*cap, "--ep", "2"], 2, workdir, model="mixtral-test"))
+
+
+def test_every_option_together_on_llama4_at_ep_2_x_tp_2_with_sequence_parallelism(workdir):
+    """Llama 4 (sigmoid scores weighting each expert's input, a shared expert) with global-batch balancing, the bias
+    and a capacity dropping by position, one micro-batch of the whole batch against ep 2 x tp 2 + sp with 2
+    accumulated micro-batches (the capacity's groups are sequences: the same drops)."""
+    (workdir / "all.yaml").write_text(
+        "model_overrides:\n  router_aux_loss_scope: global_batch\n  router_expert_bias: true\n"
+        "  router_bias_update_rate: 0.05\n  moe_capacity_factor: 0.75\n  moe_token_drop_policy: position\n"
+    )
+    whole = run_train(["--config", "all.yaml", "--micro-batch-size", "8"], 1, workdir, model="llama4-test")
+    split = run_train(
+        ["--config", "all.yaml", "--ep", "2", "--tp", "2", "--sequence-parallel"], 4, workdir, model="llama4-test"
+    )
+    assert_matches(whole, split, keys=KEYS)
 
 
 def test_capacity_with_weighted_inputs_llama4():
