@@ -8,6 +8,8 @@ included). Systems:
 - llamatron: inference/decode.Decoder, the step captured in a CUDA graph (`llamatron generate`'s default on GPU);
 - llamatron-compile: the same with the step torch.compiled before its capture (`llamatron generate --compile`);
 - llamatron-eager: the same decoder with each step run eagerly (no graph: what a step costs in launches);
+- llamatron-torch-attention: the graph, with each layer's step attention as torch ops (two cache scatters, matmul,
+  softmax, matmul) instead of models/decode_attention_op.py's one kernel: the A/B of that kernel;
 - hf-eager: transformers' generate with its default (dynamic) cache;
 - hf-static: transformers' generate with cache_implementation="static", which it compiles on CUDA
   (torch.compile, mode reduce-overhead: its CUDA graphs).
@@ -23,12 +25,14 @@ on random weights can part at a near tie). One JSON line per (case, system) is a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from llamatron.checkpoint.hf import config_to_hf, llamatron_to_hf  # noqa: E402
 from llamatron.dtypes import DTYPES  # noqa: E402
 from llamatron.inference.decode import Decoder  # noqa: E402
-from llamatron.models import build_model, get_preset, materialize  # noqa: E402
+from llamatron.models import build_model, decode_attention_op, get_preset, materialize  # noqa: E402
 from llamatron.training.validate import resolve_device  # noqa: E402
 
-SYSTEMS = ("llamatron", "llamatron-compile", "llamatron-eager", "hf-eager", "hf-static")
+SYSTEMS = ("llamatron", "llamatron-compile", "llamatron-eager", "llamatron-torch-attention", "hf-eager", "hf-static")
 CASES = "llama-1b:1,llama2-7b:1,llama-1b:32"  # targets on one H200: >= 1,000, >= 150, >= 15,000 tokens/s
 
 
@@ -73,14 +77,36 @@ def hf_model(model, dtype: torch.dtype, device: str):
     return theirs.eval()
 
 
+@contextlib.contextmanager
+def decode_kernel(on: bool) -> Iterator[None]:
+    """The decoding step's attention kernel on (the default) or off (its torch ops), for the A/B."""
+    kept = decode_attention_op.triton_check
+    if not on:
+        decode_attention_op.triton_check = types.SimpleNamespace(kernels_on=lambda backend, x: False)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        decode_attention_op.triton_check = kept
+
+
 def runners(system: str, model, prompts: torch.Tensor, new: int, device: str, dtype: torch.dtype, hf_cache: dict):
     """(build, run) of one system: build once (untimed), then run() returns each row's new tokens."""
     batch, length = prompts.shape
     rows = prompts.tolist()
     if system.startswith("llamatron"):
-        mode = {"llamatron": dict(), "llamatron-compile": dict(compile=True), "llamatron-eager": dict(cuda_graph=False)}
-        decoder = Decoder(model, batch, length + new, **mode[system])  # type: ignore[arg-type]
-        return lambda: decoder.generate(rows, new)
+        mode = {"llamatron-compile": dict(compile=True), "llamatron-eager": dict(cuda_graph=False)}
+        kernel = system != "llamatron-torch-attention"
+        with decode_kernel(kernel):  # captured (or not) now: the graph keeps what it recorded
+            decoder = Decoder(model, batch, length + new, **mode.get(system, {}))  # type: ignore[arg-type]
+            decoder.generate(rows, 2)
+        if kernel:
+            return lambda: decoder.generate(rows, new)
+
+        def run_without_kernel() -> list[list[int]]:
+            with decode_kernel(False):
+                return decoder.generate(rows, new)
+
+        return run_without_kernel
     if "model" not in hf_cache:
         hf_cache["model"] = hf_model(model, dtype, device)
     theirs = hf_cache["model"]

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from llamatron.checkpoint.reader import load_full_tensors
+
 BASE_ARGS = [
     "--mock-data",
     "--device",
@@ -113,3 +115,16 @@ def assert_matches(reference: list[dict], got: list[dict], rtol: float = 1e-4, k
         for key in keys:
             a, b = ref[key], rec[key]
             assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {ref['step']} {key}: reference {a} vs {b}"
+
+
+def assert_same_weights(reference: Path, got: Path, rtol: float = 1e-3) -> None:
+    """Two checkpoints' full tensors agree, each to `rtol` of its norm: catches a wrong gradient of a small weight
+    that the loss and the global grad norm hardly see (Adam normalises its size away: e.g. a gate's gradient left
+    partial under tp). By norm, not element: Adam turns an element's gradient that cancels to about zero into a full
+    step of either sign, so one element in thousands may move by lr-sized noise from the reduction order (seen:
+    1.7e-4 of a zero-initialised bias's norm after 5 steps; a gate's gradient left partial: 0.1)."""
+    want, have = load_full_tensors(reference), load_full_tensors(got)
+    assert want.keys() == have.keys(), sorted(want.keys() ^ have.keys())
+    for name, tensor in want.items():
+        gap = (have[name] - tensor).norm().item() / tensor.norm().item()
+        assert gap <= rtol, f"{name}: {gap:.3g} of its norm from the reference's"

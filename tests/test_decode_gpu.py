@@ -94,3 +94,28 @@ def test_models_the_graph_cannot_hold_decode_eagerly_on_cuda():
         assert not decoder.cuda_graph
         for prompt, tokens in zip(PROMPTS, decoder.generate(PROMPTS, 32)):
             assert tokens == sample(model, prompt, 32, temperature=0, use_cache=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, window, chunk",
+    [(32, 8, 64, None, None), (32, 32, 128, 100, None), (8, 2, 128, None, 64), (12, 4, 80, None, None)],
+)
+def test_the_decode_attention_kernel_matches_its_torch_ops(dtype, heads, kv_heads, dim, window, chunk):
+    """models/decode_attention_op.py's kernel compiled for CUDA against the torch ops it replaces, in fp32
+    (the kernel computes in fp32; its inputs and output in `dtype`)."""
+    from decode_reference import torch_step
+
+    from llamatron.models.decode_attention_op import decode_attention_op
+
+    torch.manual_seed(0)
+    batch, slots = 5, 300
+    positions = torch.tensor([299, 0, 17, 150, 64], device="cuda")
+    q = torch.randn(batch, 1, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
+    k_new, v_new = (torch.randn(batch, kv_heads, 1, dim, device="cuda", dtype=dtype) for _ in range(2))
+    keys, values = (torch.randn(batch, kv_heads, slots, dim, device="cuda", dtype=dtype) for _ in range(2))
+    ref, ref_keys, ref_values = torch_step(q, k_new, v_new, keys, values, positions, window, chunk)
+    out = decode_attention_op(q, k_new, v_new, keys, values, positions, window or 0, chunk or 0)
+    assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)

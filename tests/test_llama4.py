@@ -2,16 +2,17 @@
 attention, NoPE layers with temperature tuning, the L2 q/k norm, sigmoid routing of the experts' inputs, a shared
 expert, dense layers among the MoE ones), each of those checked to matter (switched off, the logits leave
 transformers'), imported and exported bitwise, the published sizes, what the format cannot hold refused in one line,
-and expert, tensor and pipeline parallelism equal to the single process."""
+and expert, tensor and pipeline parallelism equal to the single process, resumed across expert layouts."""
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
-from layout import assert_matches, run_train
+from layout import assert_matches, assert_same_weights, run_train
 from test_qwen import _run
 from test_qwen_moe import assert_round_trip_is_bitwise
 
@@ -178,18 +179,43 @@ LAYOUTS = {
     # stages of 1 and 1 MoE layers with dense ones between, experts split over 2 ranks of each stage
     "ep2-pp2": (["--ep", "2", "--pp", "2", "--micro-batch-size", "1"], 4),
     "ep2-distopt-recompute": (["--ep", "2", "--distributed-optimizer", "--recompute", "full"], 2),
+    # the shared expert split over tp beside the routed experts' ffn, the routed ones also over ep
+    "ep2-tp2-sp": (["--ep", "2", "--tp", "2", "--sequence-parallel"], 4),
+    # the interleaved schedule, chunks of one layer: stage 0 holds layers 0 and 2 (no MoE), stage 1 layers 1 and 3
+    "ep2-pp2-vpp2": (["--ep", "2", "--pp", "2", "--vpp", "2", "--micro-batch-size", "1"], 4),
 }
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return run_train([], 1, tmp_path_factory.mktemp("single"), model="llama4-test")
+def single_run(tmp_path_factory) -> tuple[list[dict], Path]:
+    """The single process's per-step metrics and its final weights."""
+    path = tmp_path_factory.mktemp("single")
+    return run_train(["--save", "ck"], 1, path, model="llama4-test"), path / "ck" / "step-5"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layouts_match_the_single_process(name, single, tmp_path):
+def test_layouts_match_the_single_process(name, single_run, tmp_path):
+    """Per-step loss and grad norm, and the final weights."""
     flags, nproc = LAYOUTS[name]
-    assert_matches(single, run_train(flags, nproc, tmp_path, model="llama4-test"))
+    records, weights = single_run
+    assert_matches(records, run_train([*flags, "--save", "ck"], nproc, tmp_path, model="llama4-test"))
+    assert_same_weights(weights, tmp_path / "ck" / "step-5")
+
+
+def test_resume_across_expert_layouts(single_run, tmp_path):
+    """Saved at ep 2 with the distributed optimizer after step 2 (of 2: the cosine schedule's first two steps are
+    those of the 5-step run), resumed in one process and at ep 4 (one expert per rank) with the optimizer state
+    resharded: the resumed steps and final weights are the uninterrupted single process's. (The ep 4 layout's test
+    too.)"""
+    save = ["--ep", "2", "--distributed-optimizer", "--train-steps", "2", "--save", "ep2"]
+    run_train(save, 2, tmp_path, model="llama4-test")
+    records, weights = single_run
+    for flags, nproc in (([], 1), (["--ep", "4", "--distributed-optimizer"], 4)):
+        resumed = run_train(
+            ["--load", "ep2", "--save", f"resumed{nproc}", *flags], nproc, tmp_path, model="llama4-test"
+        )
+        assert_matches(records[2:], resumed)
+        assert_same_weights(weights, tmp_path / f"resumed{nproc}" / "step-5")
 
 
 def test_a_checkpoint_with_the_vision_tower_imports_its_text_model(tmp_path, capsys):

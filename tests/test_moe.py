@@ -156,15 +156,16 @@ def test_ep_must_divide_the_data_parallel_size():
     assert mesh_problems(8, 2, 1, 1, 4) == []
 
 
-def test_fp8_converts_the_attention_and_leaves_router_and_experts_in_bf16():
+def test_fp8_converts_the_attention_and_experts_and_leaves_the_router_in_bf16():
     pytest.importorskip("torchao")  # the test extra installs it
-    from llamatron.training.fp8 import apply_fp8
+    from llamatron.training.fp8 import apply_fp8, fp8_layers
 
     model = build_model(get_preset("mixtral-test"))
     apply_fp8(model, "tensorwise", emulate=True)
     layer = model.layers["0"]
     assert type(layer.attn.qkv).__name__ == "Float8Linear"
     assert type(layer.mlp.router) is torch.nn.Linear  # its 4 outputs pick the experts
+    assert "layers.0.mlp.experts" in fp8_layers(model)  # their grouped GEMMs: tests/test_fp8_experts.py
 
 
 def _tp_logits(rank: int, world: int, checkpoint: str) -> None:
@@ -186,3 +187,32 @@ def test_tensor_parallel_generation_of_a_mixture_of_experts(tmp_path):
 
     run_train(["--train-steps", "1", "--save", "ck"], 1, tmp_path, model="mixtral-test")
     spawn(_tp_logits, 2, str(tmp_path / "ck"))
+
+
+def test_the_permutations_gradients_equal_autograd_of_the_index_ops():
+    """moe.permute and moe.combine carry their own backward (gathers through the inverse permutation): values and
+    gradients equal autograd's of the plain index ops (tokens[source], out[order] = rows, the weighted sum), fp64,
+    under skewed routing with ties and an expert no token chose."""
+    from llamatron.models.moe import combine, permute, route
+
+    torch.manual_seed(0)
+    tokens_n, hidden, k, experts = 37, 8, 3, 6
+    chosen = torch.stack([torch.randperm(experts - 1)[:k] for _ in range(tokens_n)])  # expert 5: never chosen
+    chosen[:10] = torch.tensor([0, 1, 2])  # skew
+    routing = route(chosen, experts)
+    assert routing.counts[experts - 1] == 0
+    tokens = torch.randn(tokens_n, hidden, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(tokens_n, k, dtype=torch.float64, requires_grad=True)
+    scale = torch.randn(tokens_n * k, hidden, dtype=torch.float64)  # stands in for the experts
+    grad_out = torch.randn(tokens_n, hidden, dtype=torch.float64)
+
+    out = combine(permute(tokens, routing) * scale, routing, weights)
+    ours = torch.autograd.grad(out, (tokens, weights), grad_out)
+    rows = tokens[routing.order // k] * scale
+    unsorted = torch.empty_like(rows)
+    unsorted[routing.order] = rows
+    ref_out = (unsorted.view(tokens_n, k, hidden) * weights.unsqueeze(-1)).sum(1)
+    refs = torch.autograd.grad(ref_out, (tokens, weights), grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    for mine, ref in zip(ours, refs):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-12)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from hf_fixtures import make_random_model
-from layout import assert_matches, run_train
+from layout import assert_matches, assert_same_weights, run_train
 from safetensors.torch import load_file
 from test_qwen import _run, assert_imports_exactly
 
@@ -143,16 +144,23 @@ LAYOUTS = {
     "shared-ep2": (["--ep", "2"], 2, "qwen2-moe-test"),
     "shared-pp2-dp2": (["--pp", "2", "--micro-batch-size", "1"], 4, "qwen2-moe-test"),
     "shared-tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, "qwen2-moe-test"),
+    # the gated shared expert split over tp beside the routed experts, those also over ep; without sp, where the
+    # gate's gradient is partial only by its own spec (under sp every replicated weight's is)
+    "shared-ep2-tp2": (["--ep", "2", "--tp", "2"], 4, "qwen2-moe-test"),
+    "ep4": (["--ep", "4"], 4, "qwen3-moe-test"),  # 2 of the 8 fine-grained experts per rank, top 2 renormalised
+    "ep2-distopt-recompute": (["--ep", "2", "--distributed-optimizer", "--recompute", "full"], 2, "qwen3-moe-test"),
 }
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    runs: dict[str, list[dict]] = {}
+    """model -> the single process's per-step metrics and its final weights."""
+    runs: dict[str, tuple[list[dict], Path]] = {}
 
-    def get(model: str) -> list[dict]:
+    def get(model: str) -> tuple[list[dict], Path]:
         if model not in runs:
-            runs[model] = run_train([], 1, tmp_path_factory.mktemp(model), model=model)
+            path = tmp_path_factory.mktemp(model)
+            runs[model] = run_train(["--save", "ck"], 1, path, model=model), path / "ck" / "step-5"
         return runs[model]
 
     return get
@@ -160,5 +168,8 @@ def single(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_the_single_process(name, single, tmp_path):
+    """Per-step loss and grad norm, and the final weights."""
     flags, nproc, model = LAYOUTS[name]
-    assert_matches(single(model), run_train(flags, nproc, tmp_path, model=model))
+    records, weights = single(model)
+    assert_matches(records, run_train([*flags, "--save", "ck"], nproc, tmp_path, model=model))
+    assert_same_weights(weights, tmp_path / "ck" / "step-5")

@@ -225,3 +225,74 @@ def test_cross_entropy_kernels_match_torch():
         _kernels().forward(x, label, loss, lse)
         torch.testing.assert_close(loss, F.cross_entropy(x, label, reduction="none"), rtol=1e-5, atol=1e-5)
     """)
+
+
+def test_decode_attention_kernel_writes_the_cache_and_matches_the_torch_step():
+    """models/decode_attention_op.py's kernel against the torch ops it replaces (scatter the new key and value into
+    each row's slot, then softmax attention under the rows' bias): GQA groups of 1-8 heads, a head size that is not
+    a power of two, sliding windows, chunks, both, rows at their first and their last slot. fp32 and fp16 (the
+    interpreter's bf16 dots are wrong: bf16 is checked on the GPU, test_decode_gpu.py)."""
+    _run_interpreted("""
+        import os, sys
+        import torch
+        sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
+        from decode_reference import torch_step
+        from llamatron.models.decode_attention_op import _kernels
+
+        torch.manual_seed(0)
+        cases = [  # heads, kv heads, head dim, batch, slots, window, chunk
+            (4, 2, 64, 3, 150, None, None), (8, 1, 48, 2, 70, 16, None), (2, 2, 64, 2, 130, None, 32),
+            (6, 2, 32, 3, 100, 20, 8), (16, 2, 16, 2, 9, None, None),
+        ]
+        for heads, kv_heads, dim, batch, slots, window, chunk in cases:
+            for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+                positions = torch.randint(0, slots, (batch,))
+                positions[0], positions[-1] = slots - 1, 0
+                q = torch.randn(batch, 1, heads, dim, dtype=dtype).transpose(1, 2)  # the rotary kernel's layout
+                k_new, v_new = (torch.randn(batch, kv_heads, 1, dim, dtype=dtype) for _ in range(2))
+                keys, values = (torch.randn(batch, kv_heads, slots, dim, dtype=dtype) for _ in range(2))
+                ref, ref_keys, ref_values = torch_step(q, k_new, v_new, keys, values, positions, window, chunk)
+                out = torch.empty(q.shape, dtype=dtype)
+                _kernels().attend(q, k_new, v_new, keys, values, positions, window or 0, chunk or 0, out)
+                assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+                torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    """)
+
+
+@pytest.mark.parametrize("preset", ["mistral-test", "llama4-test"])
+def test_decoding_through_the_kernel_gives_the_full_recompute_logits(preset):
+    """The kernel inside the model (the strides the layers hand it, the positions the cache holds): per-row steps
+    after a right-padded prefill give the logits of recomputing each whole sequence (a sliding window; Llama 4's
+    chunks and NoPE layer), with only the decode kernel switched on."""
+    _run_interpreted(f"""
+        import dataclasses, types
+        import torch
+        from llamatron.models import build_model, get_preset, materialize
+        from llamatron.models import decode_attention_op
+        from llamatron.models.kv_cache import KVCache
+
+        calls = []
+        def kernel_runs(backend, x):
+            calls.append(1)
+            return True
+        decode_attention_op.triton_check = types.SimpleNamespace(kernels_on=kernel_runs)
+        cfg = dataclasses.replace(get_preset("{preset}"), init_std=0.3)
+        model = materialize(build_model(cfg), cfg, 1, "cpu", torch.float32).eval()
+        prompts = [[5, 17, 99], [5, 17, 99, 3, 42, 7, 200, 11, 64, 128, 31], [5], [5, 17, 99, 3, 42, 7]]
+        lengths = torch.tensor([len(p) for p in prompts])
+        cache = KVCache(40)
+        with torch.no_grad():
+            padded = torch.tensor([p + [0] * (11 - len(p)) for p in prompts])
+            logits = model(padded, cache=cache, logits_at=lengths - 1)[:, -1]
+            cache.continue_rows(lengths)
+            seqs = [list(p) for p in prompts]
+            for step in range(12):
+                for row, ids in enumerate(seqs):
+                    full = model(torch.tensor([ids]))[0, -1]
+                    assert (logits[row] - full).abs().max() <= 1e-5 * full.abs().max(), (step, row)
+                chosen = logits.argmax(-1)
+                for ids, token in zip(seqs, chosen.tolist()):
+                    ids.append(token)
+                logits = model(chosen[:, None], cache=cache)[:, -1]
+        assert len(calls) == 12 * cfg.num_layers, len(calls)
+    """)

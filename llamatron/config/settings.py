@@ -172,6 +172,11 @@ class TrainConfig:
     )
     fp8_emulate: bool = _f(False, "with --fp8: emulate FP8's numerics without FP8 hardware (slow; for tests on CPU)")
     fp8_head: bool = _f(False, "with --fp8: the output head's matmul in FP8 too (faster; the logits lose precision)")
+    fp8_experts: bool = _f(
+        True,
+        "with --fp8 on a mixture of experts: its experts' grouped GEMMs in FP8 too (torchao's rowwise recipe; "
+        "compute capability 9.0/10.0); --no-fp8-experts keeps them bf16",
+    )
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
     recompute_layers: int | None = _f(
         None, "recompute only the first N layers of each chunk (default: all)", allowed=at_least(0)

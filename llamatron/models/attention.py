@@ -10,8 +10,9 @@ three ways:
   depends only on the shape, so it is cached across steps (FA4 runs a plain window natively instead, when chosen);
 - off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against;
 - a slice of the keys for one query decoding after a KV cache (models/kv_cache.py): it sees a contiguous range;
-- an additive bias over a static KV cache for batched decoding, one query per row at that row's own position
-  (`decode_mask`, `decode_attention`): rows of different lengths, the step's shapes fixed (a CUDA graph replays it).
+- a range of slots of a static KV cache for batched decoding, one query per row at that row's own position
+  (`decode_mask`; the attention in models/decode_attention_op.py): rows of different lengths, the step's shapes
+  fixed (a CUDA graph replays it).
 
 Context parallelism (parallel/context.py) gives each rank two chunks of every sequence (`load_balanced_index`)
 and the whole sequence's keys; the rule then reads each query's index in the whole sequence. Queries after a KV cache
@@ -64,7 +65,7 @@ class AttentionMask:
     dense: torch.Tensor | None = None
     window: int | None = None
     first_key: int | None = None
-    rows: torch.Tensor | None = None  # (batch, 1, keys) additive bias: one query per row (decode_mask)
+    rows: DecodeRows | None = None  # one query per row over a static KV cache (decode_mask)
 
 
 def _keep(
@@ -193,7 +194,7 @@ def attention_core(
     fewer heads (GQA/MQA) and, under context parallelism or after a KV cache, more positions than q. backend: one of
     ATTENTION_BACKENDS (the layer's choice)."""
     if mask is not None and mask.rows is not None:
-        return decode_attention(q, k, v, mask.rows)
+        raise ValueError("a decoding step's attention runs in models/decode_attention_op.py, with its KV cache")
     gqa = q.shape[1] != k.shape[1]
     if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -216,23 +217,24 @@ def decode_mask(
     positions: torch.Tensor, keys: int, window: int | None, dtype: torch.dtype, chunk: int | None = None
 ) -> AttentionMask:
     """One query per batch row, at that row's own position `positions[b]`, over a static KV cache of `keys` slots
-    (batched decoding of prompts of different lengths): the keys it sees by the same rule, as an additive bias
-    (batch, 1, keys) of 0 and -inf. Device ops only, no host read: a CUDA graph replays it with new positions."""
-    key_index = torch.arange(keys, device=positions.device)
-    seen = _keep(None, None, window, chunk)(None, None, positions[:, None], key_index)
-    bias = torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill(~seen, float("-inf"))
-    return AttentionMask(rows=bias[:, None, :])
+    (batched decoding of prompts of different lengths). Device ops only, no host read: a CUDA graph replays it
+    with new positions."""
+    return AttentionMask(rows=DecodeRows(positions, keys, window, chunk, dtype))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q (batch, heads, 1, dim) over a static cache's k/v (batch, kv heads, keys, dim) under `bias` (decode_mask).
+class DecodeRows:
+    """The keys each row's one query sees over a static KV cache, by the same rule as every mask (`_keep`): a
+    contiguous range of slots, [lo, positions[b]] (models/decode_attention_op.py's kernel reads it so), or as the
+    additive bias (batch, 1, keys) of 0 and -inf the torch path adds to the scores (built at its first use)."""
 
-    The query heads sharing a KV head are one batched matmul against it (no copy of the cache per query head,
-    which SDPA's kernels that take a mask would make for GQA), the scale and bias ride in its epilogue."""
-    batch, heads, _, dim = q.shape
-    kv_heads, keys = k.shape[1], k.shape[2]
-    q = q.reshape(batch * kv_heads, heads // kv_heads, dim)
-    bias = bias.expand(batch, kv_heads, keys).reshape(-1, 1, keys)  # each KV head's group of queries sees the row's
-    scores = torch.baddbmm(bias, q, k.reshape(-1, keys, dim).transpose(1, 2), alpha=dim**-0.5)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(-1, keys, dim))
-    return out.view(batch, heads, 1, dim)
+    def __init__(self, positions: torch.Tensor, keys: int, window: int | None, chunk: int | None, dtype: torch.dtype):
+        self.positions, self.keys, self.window, self.chunk, self.dtype = positions, keys, window, chunk, dtype
+        self._bias: torch.Tensor | None = None
+
+    def bias(self) -> torch.Tensor:
+        if self._bias is None:
+            key_index = torch.arange(self.keys, device=self.positions.device)
+            seen = _keep(None, None, self.window, self.chunk)(None, None, self.positions[:, None], key_index)
+            bias = torch.zeros(seen.shape, dtype=self.dtype, device=self.positions.device)
+            self._bias = bias.masked_fill(~seen, float("-inf"))[:, None, :]
+        return self._bias

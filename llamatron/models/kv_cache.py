@@ -34,23 +34,29 @@ class LayerKVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' k/v (batch, kv heads, new, head_dim) after the cached ones; return the keys and
         values the queries attend to: all cached ones (per row: every slot, the mask says which)."""
+        keys, values = self.buffers_like(k, v)
+        positions = self.owner.positions
+        if self.owner.per_row and positions is not None:
+            slot = positions.view(-1, 1, 1, 1).expand(k.shape)  # (batch, kv heads, 1, head_dim): slot b of row b
+            keys.scatter_(2, slot, k)
+            values.scatter_(2, slot, v)
+            return keys, values
+        start = self.owner.length
+        end = start + k.shape[2]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        if start == 0:  # a prefill: the queries see these keys only, the very tensors the training path runs on
+            return k, v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def buffers_like(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole buffers (batch, kv heads, max_length, head_dim), allocated at the first call from the new
+        tokens' k/v; a decoding step's kernel (models/decode_attention_op.py) writes its slot in them itself."""
         if self.keys is None or self.values is None:
             shape = (k.shape[0], k.shape[1], self.owner.max_length, k.shape[3])
             # zeros: a per-row step reads every slot (masked, times a zero weight), so none may hold NaN or inf
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
-        positions = self.owner.positions
-        if self.owner.per_row and positions is not None:
-            slot = positions.view(-1, 1, 1, 1).expand(k.shape)  # (batch, kv heads, 1, head_dim): slot b of row b
-            self.keys.scatter_(2, slot, k)
-            self.values.scatter_(2, slot, v)
-            return self.keys, self.values
-        start = self.owner.length
-        end = start + k.shape[2]
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v
-        if start == 0:  # a prefill: the queries see these keys only, the very tensors the training path runs on
-            return k, v
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys, self.values
 
 
 class KVCache:

@@ -18,6 +18,7 @@ from .. import triton_check
 from . import rmsnorm_op, rope_op
 from .attention import AttentionMask, attention_core
 from .config import ModelConfig, RopeScaling
+from .decode_attention_op import decode_step_attention
 from .kv_cache import LayerKVCache
 
 
@@ -194,7 +195,10 @@ class Attention(nn.Module):
         if self.temperature is not None:
             assert positions is not None, "temperature tuning needs the queries' positions"
             q = self.temperature(q, positions)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        out = self.core(q, k, v, mask, self.backend)
+        if cache is not None and mask is not None and mask.rows is not None:
+            out = decode_step_attention(q, k, v, cache, mask.rows)  # writes the cache too
+        else:
+            if cache is not None:
+                k, v = cache.append(k, v)
+            out = self.core(q, k, v, mask, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,9 @@ class Routing:
     order: torch.Tensor  # (kept,) index into the flattened choices, sorted by expert (stable); all without drops
     counts: torch.Tensor  # (experts,) how many choices each expert got (kept ones)
     top_k: int
+    # (tokens · k,) where each flattened choice sits in the sorted order; None when a capacity dropped some (`order`
+    # then holds only the kept ones)
+    inverse: torch.Tensor | None
     choices: int  # tokens · k, kept or not
 
     @property
@@ -64,12 +68,13 @@ def route(chosen: torch.Tensor, num_experts: int, keep: torch.Tensor | None = No
     flat = chosen.reshape(-1)
     if keep is None:
         order = torch.argsort(flat, stable=True)
-        return Routing(order, expert_counts(flat, num_experts), chosen.shape[1], flat.numel())
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return Routing(order, expert_counts(flat, num_experts), chosen.shape[1], inverse, flat.numel())
     kept = keep.reshape(-1)
     order = torch.argsort(torch.where(kept, flat, num_experts), stable=True)  # dropped choices sort last
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, kept.long())
     # a host read of how many were kept (a capacity's cost; dropless routing has none without ep)
-    return Routing(order[: int(counts.sum())], counts, chosen.shape[1], flat.numel())
+    return Routing(order[: int(counts.sum())], counts, chosen.shape[1], None, flat.numel())
 
 
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -90,11 +95,79 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, total: int | None = None)
     return out
 
 
+def permute(tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(tokens · k, hidden): each token's k copies, sorted by expert (the experts' input rows)."""
+    if routing.inverse is None:  # some choices dropped: not a permutation (autograd's gather)
+        return tokens[routing.source_tokens]
+    return _Permute.apply(tokens, routing.source_tokens, routing.inverse, routing.top_k)
+
+
 def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
     """(tokens, hidden): each token's k expert outputs, back in token order, weighted and summed."""
-    unsorted = unpermute(sorted_out, routing.order, routing.choices)
-    tokens = weights.shape[0]
-    return (unsorted.view(tokens, routing.top_k, -1) * weights.unsqueeze(-1)).sum(1)
+    if routing.inverse is None:  # some choices dropped: autograd's index assignment, zero rows for them
+        unsorted = unpermute(sorted_out, routing.order, routing.choices)
+        return (unsorted.view(weights.shape[0], routing.top_k, -1) * weights.unsqueeze(-1)).sum(1)
+    return _Combine.apply(sorted_out, weights, routing.order, routing.inverse)
+
+
+# The two permutations' backward passes as gathers: autograd's of an index (rows = tokens[source]) or an index
+# assignment scatter-adds with atomics into zeros, and of the weighted sum writes the whole unsorted copy again;
+# knowing the permutation, each gradient reads its rows through the inverse instead (issue 34: routing and
+# permutation were ~13% of a fine-grained MoE step, run 19).
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return tokens[source]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        # each token's k rows, read where they were sorted to, summed
+        return grad[inverse].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(sorted_out, weights, order, inverse)
+        tokens, top_k = weights.shape
+        return (sorted_out[inverse].view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sorted_out, weights, order, inverse = ctx.saved_tensors
+        tokens, top_k = weights.shape
+        grad_sorted = grad[order // top_k] * weights.reshape(-1)[order].unsqueeze(-1)
+        grad_weights = (sorted_out[inverse].view(tokens, top_k, -1) * grad.unsqueeze(1)).sum(-1)
+        return grad_sorted, grad_weights, None, None
+
+
+class GroupedMatmul(Protocol):
+    """Another grouped matmul for the experts (FP8's: training/fp8_experts.py), with its two backward GEMMs on
+    their own for expert parallelism's hand-written backward."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def chain(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        between: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """second(between(first(x))): both matmuls at once (FP8's: one padding of the groups around both)."""
+        ...
 
 
 class Experts(nn.Module):
@@ -109,17 +182,25 @@ class Experts(nn.Module):
         self.swiglu_backend = "auto"  # models/kernels.py
         # auto: grouped GEMMs where torch has them (CUDA, bf16), else the loop; "loop": always the reference
         self.backend = "auto"
+        self.grouped_mm: GroupedMatmul | None = None  # --fp8 installs FP8's (training/fp8.py)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, hidden) sorted by expert, `counts[e]` rows for local expert e; returns (rows, hidden)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.chain(x, counts, self.gate_up, self.down, self._swiglu)
         return self.finish(self.project(x, self.gate_up, counts), counts)
 
     def finish(self, gate_up_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The rest of each expert after its gate_up matmul: SwiGLU, then down."""
-        return self.project(swiglu(gate_up_out, self.swiglu_backend), self.down, counts)
+        return self.project(self._swiglu(gate_up_out), self.down, counts)
+
+    def _swiglu(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up_out, self.swiglu_backend)
 
     def project(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's rows times its matrix transposed (F.linear per expert): weight (experts, out, in)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm(x, weight, counts)
         if self.backend == "auto" and x.is_cuda and x.dtype == torch.bfloat16:
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
@@ -129,6 +210,25 @@ class Experts(nn.Module):
             outs.append(F.linear(x[start : start + n], weight[e]))
             start += n
         return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The gradient of project's x given its output's (for a backward written by hand: expert parallelism)."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.input_grad(grad, weight, counts)
+        return self.project(grad, weight.transpose(-2, -1), counts)
+
+    def weight_grad(
+        self, grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The gradient of project's weight (experts, out, in) given its output's: each expert's grad^T @ x."""
+        if self.grouped_mm is not None:
+            return self.grouped_mm.weight_grad(grad, x, counts).to(weight.dtype)
+        grad_weight = torch.zeros_like(weight)  # an expert without rows gets zeros
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # few local experts under ep: one matmul each
+            grad_weight[e] = grad[start : start + n].t() @ x[start : start + n]
+            start += n
+        return grad_weight
 
 
 class SharedExpert(nn.Module):
@@ -157,7 +257,7 @@ Dispatch = Callable[[torch.Tensor, Routing, Experts], torch.Tensor]
 
 def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
     """Every expert on this rank: gather the sorted choices' tokens and run them."""
-    return experts(tokens[routing.source_tokens], routing.counts)
+    return experts(permute(tokens, routing), routing.counts)
 
 
 @dataclass
@@ -344,6 +444,7 @@ __all__ = [
     "Routing",
     "combine",
     "local_dispatch",
+    "permute",
     "route",
     "router_losses",
     "unpermute",

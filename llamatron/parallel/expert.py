@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.config import ModelConfig
-from ..models.moe import Experts, MoE, Routing, SharedExpert, unpermute
+from ..models.moe import Experts, MoE, Routing, SharedExpert, permute, unpermute
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
@@ -101,7 +101,7 @@ class _DispatchAndGateUp(Function):
     def backward(ctx, grad: torch.Tensor):
         regrouped, gate_up = ctx.saved_tensors
         ex: _Exchange = ctx.ex
-        grad_regrouped = ctx.experts.project(grad, gate_up.transpose(-2, -1), ex.counts)
+        grad_regrouped = ctx.experts.input_grad(grad, gate_up, ex.counts)
         grad_received = unpermute(grad_regrouped, ex.by_expert)
         grad_x = grad_received.new_empty((sum(ex.send), grad_received.shape[1]))
         work = dist.all_to_all_single(
@@ -116,11 +116,7 @@ class _DispatchAndGateUp(Function):
         if not ex.overlap:
             work.wait()
             ex.events.append("input gradient received")
-        grad_weight = torch.zeros_like(gate_up)  # an expert without tokens gets zeros
-        start = 0
-        for e, n in enumerate(ex.counts.tolist()):  # few local experts under ep: one matmul each
-            grad_weight[e] = grad[start : start + n].t() @ regrouped[start : start + n]
-            start += n
+        grad_weight = ctx.experts.weight_grad(grad, regrouped, ex.counts, gate_up)
         ex.events.append("weight gradient")
         if ex.overlap:
             work.wait()
@@ -155,7 +151,7 @@ class ExpertParallelDispatch:
         # Received rows are by source, then by expert; the experts want them by expert, then source.
         by_expert = _source_major_to_expert_major(grid.tolist(), tokens.device)
         ex = _Exchange(send, receive, by_expert, grid.sum(0), self.group, self.overlap, self.events)
-        gate_up_out = _DispatchAndGateUp.apply(tokens[routing.source_tokens], experts.gate_up, experts, ex)
+        gate_up_out = _DispatchAndGateUp.apply(permute(tokens, routing), experts.gate_up, experts, ex)
         out = experts.finish(gate_up_out, ex.counts)
         return _AllToAll.apply(unpermute(out, by_expert), receive, send, self.group)
 

@@ -207,9 +207,8 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     frozen: list[tuple[nn.Parameter, ParamSpec]] = []
     for i, chunk in enumerate(chunks):
         specs[i] = _split_and_adapt(cfg, model_cfg, mesh, chunk, specs[i])
-        apply_fp8(
-            chunk, cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head
-        )  # keeps the parameters: specs and init unchanged
+        train = cfg.train  # apply_fp8 keeps the parameters: specs and init unchanged
+        apply_fp8(chunk, train.fp8, train.fp8_emulate, train.fp8_head, train.fp8_experts)
         if not p.fsdp:  # else the sharded buffer writes this rank's shard of each parameter
             materialize(chunk, model_cfg, cfg.train.seed, device, dtype, specs[i])
         place_adapters(chunk)  # LoRA's row maps on the device, before any compiled forward

@@ -14,6 +14,10 @@ shards. Under LoRA (adapters/lora.py) the frozen base's matmul runs FP8 (a `Lora
 tensor-parallel support is for DTensor, which llamatron's layers do not use; it calls torchao's own FP8 matmul
 (the autograd function `Float8Linear` runs), so the numerics are torchao's. A sharded layer scales its local
 shard (tensorwise: its own amax), which is at least as precise.
+
+A mixture of experts' routed experts are grouped GEMMs, not linears: with `experts` (--fp8-experts, on by default)
+they get an `FP8GroupedMM` (fp8_experts.py: torchao's MoE FP8 rowwise recipe) as their `grouped_mm`;
+--no-fp8-experts keeps them bf16 (to measure or compare the dense part alone). The router stays bf16.
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ from torch import nn
 
 from ..adapters.lora import LoraLinear, LoraMatmul
 from ..models.config import ModelConfig
+from ..models.moe import Experts
 from ..models.transformer import Transformer
 from ..parallel.tensor import padded_vocab_size
 from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from .fp8_experts import FP8GroupedMM
 
 # H100/H200 (9.0), L4/L40S/RTX 4090 (8.9), Blackwell (10.0+) have FP8 tensor cores.
 FP8_MIN_CAPABILITY = (8, 9)
 FP8_MULTIPLE = 16  # torch._scaled_mm takes dimensions that are multiples of 16
+# torch._scaled_grouped_mm (the experts' FP8 GEMMs) runs on these alone: H100/H200 (9.0), B200 (10.0)
+FP8_GROUPED_CAPABILITIES = ((9, 0), (10, 0))
 
 
 def torchao_missing() -> bool:
@@ -52,19 +60,27 @@ def fp8_problems(
     tokens_per_matmul: int,
     capability: tuple[int, int] | None = None,
     head: bool = False,
+    experts: bool = True,
 ) -> list[str]:
-    """Why --fp8 `recipe` (with the output head when `head`) cannot train this model here (empty: it can).
+    """Why --fp8 `recipe` (with the output head when `head`, a MoE's experts when `experts`) cannot train this
+    model here (empty: it can).
     `tokens_per_matmul` is the rows of one micro-batch's activations on a rank (micro-batch x sequence / context
     parallel size); `capability` is the GPU's (read from the device when None and the device is cuda)."""
     if recipe == "none":
-        flags = [f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head)) if on]
+        flags = [
+            f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head), ("--no-fp8-experts", not experts)) if on
+        ]
         verb = "needs" if len(flags) == 1 else "need"
         return [f"{' and '.join(flags)} {verb} --fp8 tensorwise or rowwise"] if flags else []
     if torchao_missing():
         return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.18,<0.19')"]
     problems = []
-    if dtype_name != "bf16":
-        problems.append(f"--fp8 runs on top of bf16, not {dtype_name}: use --precision bf16 (or auto on a GPU)")
+    # Emulated, FP8's quantisation also runs on top of fp32: the layout tests' precision (tests/layout.py)
+    if dtype_name != "bf16" and not (emulate and dtype_name == "fp32"):
+        problems.append(
+            f"--fp8 runs on top of bf16, not {dtype_name}: use --precision bf16 (or auto on a GPU; "
+            "fp32 only with --fp8-emulate)"
+        )
     if not emulate:
         if device != "cuda":
             problems.append(
@@ -77,6 +93,12 @@ def fp8_problems(
                 problems.append(
                     f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9 or newer: H100, H200, L40S); "
                     f"this GPU is {major}.{minor}: use --fp8 none"
+                )
+            elif model.num_experts and experts and (major, minor) not in FP8_GROUPED_CAPABILITIES:
+                problems.append(
+                    f"--fp8 {recipe} on a mixture of experts runs its experts' grouped GEMMs in FP8, which "
+                    f"torch._scaled_grouped_mm does on compute capability 9.0 or 10.0 only (H100, H200, B200); this "
+                    f"GPU is {major}.{minor}: add --no-fp8-experts to keep the experts in bf16"
                 )
     problems += _shape_problems(model, tp, tokens_per_matmul, head)
     return problems
@@ -94,6 +116,8 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> lis
         "ffn_hidden_size per rank": model.ffn_hidden_size // tp,
         "tokens per micro-batch and rank (micro-batch-size x seq-length / cp)": tokens,
     }
+    if model.shared_expert_ffn:  # its linears run FP8 like the dense MLP's
+        sizes["shared_expert_ffn per rank"] = model.shared_expert_ffn // tp
     if head:
         # tensor parallelism pads the vocabulary to a multiple of 128 per rank; one process does not
         vocab = padded_vocab_size(model.vocab_size, tp) // tp if tp > 1 else model.vocab_size
@@ -108,15 +132,15 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> lis
 
 
 @functools.cache
-def _import_torchao() -> None:
-    """Import torchao once, without its import-time warnings: on a build without its CUDA extensions (CPU,
-    emulation) it warns about each one it cannot load, and about an Enum it registers with torch's pytree."""
+def _import_torchao(module: str = "torchao.float8") -> None:
+    """Import torchao's `module` once, without its import-time warnings: on a build without its CUDA extensions
+    (CPU, emulation) it warns about each one it cannot load, and about Enums it registers with torch's pytree."""
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
-        importlib.import_module("torchao.float8")
+        importlib.import_module(module)
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
@@ -159,6 +183,8 @@ def _runs_fp8(module: nn.Module) -> bool:
         return True
     if isinstance(module, LoraLinear):
         return isinstance(module.base_matmul, FP8Matmul)
+    if isinstance(module, Experts):
+        return isinstance(module.grouped_mm, FP8GroupedMM)
     if isinstance(module, ColumnParallelLinear | RowParallelLinear):
         inner = module.linear.inner if isinstance(module.linear, LoraMatmul) else module.linear
         return isinstance(inner, FP8Matmul)
@@ -168,15 +194,16 @@ def _runs_fp8(module: nn.Module) -> bool:
 def _decoder_linear(module: nn.Module, name: str) -> bool:
     """The linears torchao converts: those inside decoder layers (not the head), exactly nn.Linear; not a MoE
     router (num_experts outputs, a small matmul whose logits pick the experts: kept in bf16), nor a shared expert's
-    gate (one output). A MoE layer's
-    experts are grouped GEMMs, not linears: they stay bf16 too."""
+    gate (one output). A MoE layer's experts are grouped GEMMs, not linears: apply_fp8 gives them their own."""
     return type(module) is nn.Linear and name.startswith("layers.") and not name.endswith((".router", ".shared.gate"))
 
 
-def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool = False) -> list[str]:
-    """Make `model`'s (a Transformer or a pipeline chunk) decoder linears run FP8, and its output head with
-    `head`; returns their names ("head" for the head). Works on the meta model (parameters are kept, not
-    copied), before or after tensor parallelism."""
+def apply_fp8(
+    model: nn.Module, recipe: str, emulate: bool = False, head: bool = False, experts: bool = True
+) -> list[str]:
+    """Make `model`'s (a Transformer or a pipeline chunk) decoder linears run FP8, its output head with `head` and
+    its MoE experts' grouped GEMMs with `experts`; returns their names ("head" for the head). Works on the meta
+    model (parameters are kept, not copied), before or after tensor and expert parallelism."""
     if recipe == "none":
         return []
     _import_torchao()
@@ -188,7 +215,11 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool = False, head: bool =
     for name, module in model.named_modules():
         if not name.startswith("layers."):
             continue
-        if isinstance(module, LoraLinear):  # LoRA: the frozen part in FP8, the adapters in bf16
+        if isinstance(module, Experts) and experts:
+            if not emulate:
+                _import_torchao("torchao.prototype.moe_training")  # fp8_experts calls it
+            module.grouped_mm = FP8GroupedMM(emulate)
+        elif isinstance(module, LoraLinear):  # LoRA: the frozen part in FP8, the adapters in bf16
             module.base_matmul = matmul
         elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
             if isinstance(module.linear, LoraMatmul):

@@ -97,7 +97,11 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     _raise_if(reduce_dtype_problems(dtype_name, p.grad_reduce_dtype) + comm_problems(p.dp_comm_max_ctas, device))
     _raise_if(kernel_problems(KernelFlags.of(t, o), p.tp, model, device, dtype_name))
     tokens = t.micro_batch_size * d.seq_length // p.cp
-    _raise_if(fp8_problems(t.fp8, t.fp8_emulate, device, dtype_name, model, p.tp, tokens, head=t.fp8_head))
+    _raise_if(
+        fp8_problems(
+            t.fp8, t.fp8_emulate, device, dtype_name, model, p.tp, tokens, head=t.fp8_head, experts=t.fp8_experts
+        )
+    )
     _raise_if(balancing_run_problems(model, cfg.lora.lora_rank > 0, p.fsdp))
     _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit]))
     document_flags = [
