@@ -56,6 +56,11 @@ def config_to_hf(
     still describes the same architecture; the architecture keys always come
     from `cfg`. `vocab_size` overrides cfg's (a padded vocabulary is cut back).
     """
+    if cfg.is_moe and cfg.router_expert_bias:
+        raise HFConversionError(
+            "router_expert_bias: the Hugging Face formats of these experts have no tensor for the balancing bias, "
+            "which routes this model; it cannot be exported"
+        )
     hf = {k: v for k, v in (base or {}).items() if k not in _REWRITTEN_KEYS}
     hf.update(family_of(cfg).hf.config_to_hf(cfg, hf))
     hf.update(

@@ -35,9 +35,10 @@ MODEL_ALIASES: dict[str, str] = {
     "--moe-router-topk": "experts_per_token",
     "--moe-aux-loss-coeff": "router_aux_loss_coef",
     "--moe-z-loss-coeff": "router_z_loss_coef",
+    "--moe-router-bias-update-rate": "router_bias_update_rate",
 }
 # The model-shape flags that take a number with a fraction (the others are integers)
-_FLOAT_FIELDS = {"router_aux_loss_coef", "router_z_loss_coef"}
+_FLOAT_FIELDS = {"router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"}
 
 # Megatron-LM's precision switches -> --precision
 PRECISION_ALIASES = {"--bf16": "bf16", "--fp16": "fp16"}

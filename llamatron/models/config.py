@@ -8,6 +8,14 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# how a mixture of experts balances its experts' loads (models/moe.py): every family with experts has them
+BALANCING_SETTINGS = (
+    "router_aux_loss_scope",
+    "router_expert_bias",
+    "router_bias_update_rate",
+    "moe_capacity_factor",
+    "moe_token_drop_policy",
+)
 # a mixture of experts' settings: options only of a model with experts (a family lists those it can change)
 MOE_SETTINGS = (
     "experts_per_token",
@@ -20,8 +28,11 @@ MOE_SETTINGS = (
     "dense_ffn_hidden_size",
     "router_score",
     "router_weights_input",
+    *BALANCING_SETTINGS,
 )
 ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSS_SCOPES = ("sequence", "global_batch")  # over what the load-balancing loss's expert loads are counted
+DROP_POLICIES = ("probs", "position")  # which of an over-full expert's assignments are kept (models/moe.py)
 
 
 @dataclass
@@ -95,6 +106,16 @@ class ModelConfig:
     # (Llama 4)
     router_score: str = "softmax"
     router_weights_input: bool = False
+    # Balancing (models/moe.py says how each works): the load-balancing loss's expert loads counted per sequence or
+    # over the whole global batch (Qwen3's global-batch balancing); DeepSeek-V3's auxiliary-loss-free balancing, a
+    # per-expert bias added to the scores for the top-k choice only, moved by router_bias_update_rate after each
+    # step towards the mean load; a capacity factor (None: dropless), each expert taking at most
+    # ceil(factor * seq * k / experts) of a sequence's assignments, kept by routing weight (probs) or by position
+    router_aux_loss_scope: str = "sequence"
+    router_expert_bias: bool = False
+    router_bias_update_rate: float = 1e-3
+    moe_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
     # Attention of Llama 4: every nope_layer_interval-th layer has no rotary embedding (0: every layer has it); the
     # other layers attend within chunks of attention_chunk_size tokens (None: the whole causal context) and, with
     # qk_l2_norm, RMS-normalise (no weight) each query and key head after the rotary embedding. NoPE layers scale
@@ -206,6 +227,27 @@ class ModelConfig:
             out.append(f"dense_ffn_hidden_size {self.dense_ffn_hidden_size} must be >= 0 (0: ffn_hidden_size)")
         if self.router_score not in ROUTER_SCORES:
             out.append(f"router_score {self.router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
+        return out + self._balancing_problems()
+
+    def _balancing_problems(self) -> list[str]:
+        out = []
+        if self.router_aux_loss_scope not in AUX_LOSS_SCOPES:
+            out.append(
+                f"router_aux_loss_scope {self.router_aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}"
+            )
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            out.append(
+                f"moe_capacity_factor {self.moe_capacity_factor} must be > 0 (e.g. 1.25), or null for dropless routing"
+            )
+        if self.moe_token_drop_policy not in DROP_POLICIES:
+            policy = self.moe_token_drop_policy
+            out.append(f"moe_token_drop_policy {policy!r} must be one of {', '.join(DROP_POLICIES)}")
+        elif self.moe_token_drop_policy != "probs" and self.moe_capacity_factor is None:
+            out.append("moe_token_drop_policy needs a capacity: give moe_capacity_factor (dropless drops nothing)")
+        if not self.router_bias_update_rate > 0:
+            out.append(f"router_bias_update_rate {self.router_bias_update_rate} must be > 0 (e.g. 0.001)")
+        elif self.router_bias_update_rate != 1e-3 and not self.router_expert_bias:
+            out.append("router_bias_update_rate needs router_expert_bias: true (the bias it moves)")
         return out
 
     def _attention_problems(self) -> list[str]:

@@ -48,7 +48,7 @@ def init_full_tensor(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, 
         return torch.empty(shape, device=device).uniform_(-bound, bound, generator=_generator(name, seed, device))
     if "norm" in name:
         return torch.ones(shape, device=device) if leaf == "weight" else torch.zeros(shape, device=device)
-    if leaf == "bias":
+    if leaf in ("bias", "expert_bias"):  # expert_bias: a MoE's balancing bias starts neutral (models/moe_balance.py)
         return torch.zeros(shape, device=device)
     std = cfg.init_std
     if name.endswith(_RESIDUAL_OUTPUTS):
@@ -86,4 +86,7 @@ def materialize(
             spec = specs[name]
             full = init_full_tensor(spec.global_name, torch.Size(spec.full_shape), cfg, seed, device)
             param.copy_(spec.shard(full).to(dtype))
+    for name, param in model.named_parameters():
+        if name.endswith("expert_bias"):  # moved by 1e-3 steps, which bf16 would lose: fp32 at any precision
+            param.data = param.data.float()
     return model

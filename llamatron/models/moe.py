@@ -7,7 +7,9 @@ over all experts, renormalised over the k to sum to 1 (without `moe_renormalize`
 weights as they are); with `router_score` sigmoid, each chosen logit's sigmoid (Llama 4; renormalised as
 DeepSeek-V3's if `moe_renormalize`). A weight scales its expert's output, or with `router_weights_input` its input
 (Llama 4: expert(w · x) rather than w · expert(x)). It is
-dropless: every token reaches its k experts, however unevenly they are chosen. The tokens are sorted by
+dropless by default: every token reaches its k experts, however unevenly they are chosen (`moe_capacity_factor`
+caps each expert's share of a sequence instead; DeepSeek-V3's balancing bias moves the top-k choice; both in
+models/moe_balance.py). The tokens are sorted by
 expert so that each expert's tokens are one contiguous run, and the experts run as two grouped GEMMs over
 the runs (`torch._grouped_mm`, on CUDA in bf16) or, as the reference, a loop over the experts.
 
@@ -16,6 +18,7 @@ a step trains on does not depend on how the global batch is cut into micro-batch
 - load balancing (Switch Transformer, Mixtral): E · Σ_e f_e · P_e, with f_e the share of the sequence's
   tokens routed to expert e (summed over the k choices, so a balanced router scores k) and P_e the mean router
   probability of e over the sequence;
+  with `router_aux_loss_scope: global_batch`, f_e is the global batch's instead (models/moe_balance.py);
 - the z-loss (ST-MoE): the mean over the sequence's tokens of logsumexp(router logits)².
 Each is averaged over sequences and MoE layers and weighted by `router_aux_loss_coef` / `router_z_loss_coef`.
 Their gradient is attached to the layer's output (`_RouterLossGrad`), so they need no path of their own through
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .moe_balance import MoEBalance, capacity_keep, expert_capacity
 from .swiglu_op import swiglu
 
 
@@ -44,10 +48,13 @@ from .swiglu_op import swiglu
 class Routing:
     """Where a micro-batch's token choices go: the (token, choice) pairs sorted by expert."""
 
-    order: torch.Tensor  # (tokens · k,) index into the flattened choices, sorted by expert (stable)
-    counts: torch.Tensor  # (experts,) how many choices each expert got
+    order: torch.Tensor  # (kept,) index into the flattened choices, sorted by expert (stable); all without drops
+    counts: torch.Tensor  # (experts,) how many choices each expert got (kept ones)
     top_k: int
-    inverse: torch.Tensor  # (tokens · k,) where each flattened choice sits in the sorted order
+    # (tokens · k,) where each flattened choice sits in the sorted order; None when a capacity dropped some (`order`
+    # then holds only the kept ones)
+    inverse: torch.Tensor | None
+    choices: int  # tokens · k, kept or not
 
     @property
     def source_tokens(self) -> torch.Tensor:
@@ -55,12 +62,19 @@ class Routing:
         return self.order // self.top_k
 
 
-def route(chosen: torch.Tensor, num_experts: int) -> Routing:
-    """Sort the (tokens, k) expert choices by expert; ties keep token order (the same on every layout)."""
+def route(chosen: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None) -> Routing:
+    """Sort the (tokens, k) expert choices by expert; ties keep token order (the same on every layout). keep: the
+    choices a capacity leaves (None: all); the others are left out of the order."""
     flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return Routing(order, expert_counts(flat, num_experts), chosen.shape[1], inverse)
+    if keep is None:
+        order = torch.argsort(flat, stable=True)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return Routing(order, expert_counts(flat, num_experts), chosen.shape[1], inverse, flat.numel())
+    kept = keep.reshape(-1)
+    order = torch.argsort(torch.where(kept, flat, num_experts), stable=True)  # dropped choices sort last
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, kept.long())
+    # a host read of how many were kept (a capacity's cost; dropless routing has none without ep)
+    return Routing(order[: int(counts.sum())], counts, chosen.shape[1], None, flat.numel())
 
 
 def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -70,20 +84,29 @@ def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """The inverse of `rows = x[order]` for a permutation `order`: row i goes back to position order[i]."""
-    out = torch.empty_like(rows)
-    out[order] = rows  # a permutation: each row written once
+def unpermute(rows: torch.Tensor, order: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """The inverse of `rows = x[order]` for a permutation `order`: row i goes back to position order[i]. With
+    `total` rows out and fewer in `order` (dropped choices), the rows no index names are zero."""
+    if total is None or total == rows.shape[0]:
+        out = torch.empty_like(rows)
+    else:
+        out = rows.new_zeros((total, *rows.shape[1:]))
+    out[order] = rows  # each row written once
     return out
 
 
 def permute(tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
     """(tokens · k, hidden): each token's k copies, sorted by expert (the experts' input rows)."""
+    if routing.inverse is None:  # some choices dropped: not a permutation (autograd's gather)
+        return tokens[routing.source_tokens]
     return _Permute.apply(tokens, routing.source_tokens, routing.inverse, routing.top_k)
 
 
 def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -> torch.Tensor:
     """(tokens, hidden): each token's k expert outputs, back in token order, weighted and summed."""
+    if routing.inverse is None:  # some choices dropped: autograd's index assignment, zero rows for them
+        unsorted = unpermute(sorted_out, routing.order, routing.choices)
+        return (unsorted.view(weights.shape[0], routing.top_k, -1) * weights.unsqueeze(-1)).sum(1)
     return _Combine.apply(sorted_out, weights, routing.order, routing.inverse)
 
 
@@ -281,6 +304,12 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
         self.renormalize = cfg.moe_renormalize
+        self.global_balance = cfg.router_aux_loss_scope == "global_batch"
+        self.capacity_factor, self.drop_policy = cfg.moe_capacity_factor, cfg.moe_token_drop_policy
+        # DeepSeek-V3's balancing bias (models/moe_balance.py): frozen, fp32, moved by the trainer after each step
+        self.expert_bias: nn.Parameter | None = None
+        if cfg.router_expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.sigmoid_scores, self.weights_input = cfg.router_score == "sigmoid", cfg.router_weights_input
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
@@ -296,6 +325,8 @@ class MoE(nn.Module):
         # Set by the engine for training (None: no router losses, no statistics, as in evaluation and generation).
         self.router_loss_weight: torch.Tensor | None = None
         self.stats: MoEStats | None = None
+        self.balance: MoEBalance | None = None  # the step's routing counts (set with the router-loss weight) ...
+        self.balance_row = 0  # ... this layer's row of them
         self.recomputing = False  # full recompute's second forward: the statistics were counted the first time
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,29 +336,46 @@ class MoE(nn.Module):
         tokens = full.reshape(-1, hidden)
         logits = self.router(tokens)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # the load-balancing loss's, whatever the score
-        top, chosen = torch.topk(logits.float() if self.sigmoid_scores else probs, self.top_k, dim=-1)
-        if self.sigmoid_scores:
-            top = torch.sigmoid(top)
+        top, chosen = self._choose(logits, probs)
         weights = (top / top.sum(-1, keepdim=True) if self.renormalize else top).to(full.dtype)
+        keep = None
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(self.capacity_factor, seq, self.top_k, self.num_experts)
+            keep = capacity_keep(chosen, weights, batch, capacity, self.drop_policy, self.num_experts)
         if self.weights_input:
-            out, routing = self._route_weighted_inputs(tokens, chosen, weights)
+            out, routing = self._route_weighted_inputs(tokens, chosen, weights, keep)
         else:
-            routing = route(chosen, self.num_experts)
+            routing = route(chosen, self.num_experts, keep)
             out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)
+        # the router's choices, kept or dropped: what the balancing counts
+        choices = routing.counts if keep is None else expert_counts(chosen, self.num_experts)
+        if self.balance is not None and self.balance.routing_pass:
+            assert self.balance.global_loads is not None
+            self.balance.global_loads[self.balance_row].add_(choices)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
-            out = self._attach_router_losses(out, logits, probs, chosen, routing.counts, batch)
+            out = self._attach_router_losses(out, logits, probs, chosen, choices, batch)
         out = self.reduce_output(out.view(batch, seq, hidden))
         return out if residual is None else residual + out
 
+    def _choose(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chosen experts' scores, (tokens, k) experts): the top k by score, or with the balancing bias by
+        score + bias (DeepSeek-V3: the bias picks, the unbiased score weighs)."""
+        if self.expert_bias is None:
+            top, chosen = torch.topk(logits.float() if self.sigmoid_scores else probs, self.top_k, dim=-1)
+            return (torch.sigmoid(top) if self.sigmoid_scores else top), chosen
+        scores = torch.sigmoid(logits.float()) if self.sigmoid_scores else probs
+        _, chosen = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1)
+        return scores.gather(-1, chosen), chosen
+
     def _route_weighted_inputs(
-        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
     ) -> tuple[torch.Tensor, Routing]:
         """Each (token, choice) its own row w · x, routed as one choice; the k outputs summed per token."""
         rows = (tokens.unsqueeze(1) * weights.unsqueeze(-1)).flatten(0, 1)
-        routing = route(chosen.reshape(-1, 1), self.num_experts)
-        out = unpermute(self.dispatch(rows, routing, self.experts), routing.order)
+        routing = route(chosen.reshape(-1, 1), self.num_experts, None if keep is None else keep.reshape(-1, 1))
+        out = unpermute(self.dispatch(rows, routing, self.experts), routing.order, routing.choices)
         return out.view(tokens.shape[0], self.top_k, -1).sum(1), routing  # its counts: the k choices' counts
 
     def _attach_router_losses(
@@ -339,27 +387,46 @@ class MoE(nn.Module):
         counts: torch.Tensor,
         batch: int,
     ) -> torch.Tensor:
-        """counts: each expert's token choices (the routing's)."""
-        aux, z = router_losses(logits, probs, chosen, batch, self.num_experts)
+        """counts: each expert's token choices (the router's, kept or dropped)."""
+        global_load = None
+        if self.global_balance:
+            assert self.balance is not None and self.balance.global_loads is not None, "no routing pass"
+            global_load = self.balance.global_loads[self.balance_row]
+        aux, z = router_losses(logits, probs, chosen, batch, self.num_experts, global_load)
         if self.stats is not None and not self.recomputing:
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
             self.stats.choices.add_(counts)
+            if self.balance is not None:
+                self.balance.loads[self.balance_row].add_(counts)
         loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()
         assert self.router_loss_weight is not None
         return _RouterLossGrad.apply(out, loss, self.router_loss_weight * self.router_loss_share)
 
 
 def router_losses(
-    logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, batch: int, num_experts: int
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    chosen: torch.Tensor,
+    batch: int,
+    num_experts: int,
+    global_load: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(load-balancing loss, z-loss) of each of the `batch` sequences (fp32): see the module docstring."""
+    """(load-balancing loss, z-loss) of each of the `batch` sequences (fp32): see the module docstring. With
+    `global_load` (each expert's token choices over the global batch) the shares f are the global batch's: the
+    sequences' losses then sum to sequences x the global batch's loss (their mean over the step is that loss)."""
     seq = probs.shape[0] // batch
     mean_prob = probs.view(batch, seq, num_experts).mean(1)
-    share = torch.zeros_like(mean_prob).scatter_add_(
-        1, chosen.reshape(batch, -1), torch.ones(chosen.shape, device=probs.device).view(batch, -1)
-    )
-    aux = num_experts * (share / seq * mean_prob).sum(-1)
+    if global_load is None:
+        share = (
+            torch.zeros_like(mean_prob).scatter_add_(
+                1, chosen.reshape(batch, -1), torch.ones(chosen.shape, device=probs.device).view(batch, -1)
+            )
+            / seq
+        )
+    else:  # k · load / choices: a token's share, summed over its k choices, as per sequence
+        share = (chosen.shape[1] * global_load.float() / global_load.sum().clamp_min(1)).expand_as(mean_prob)
+    aux = num_experts * (share * mean_prob).sum(-1)
     z = torch.logsumexp(logits.float(), dim=-1).pow(2).view(batch, seq).mean(1)
     return aux, z
 
@@ -370,6 +437,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "MoE",
+    "MoEBalance",
     "MoEStats",
     "Experts",
     "SharedExpert",

@@ -7,7 +7,7 @@ a new objective is one module beside language_model.py implementing `Objective`:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -34,8 +34,23 @@ class Objective(Protocol):
         """Called before each step's forward passes, with the step's sequences over all ranks."""
         ...
 
-    def step_stats(self, sequences: int) -> torch.Tensor | None:
-        """The step's own statistics to log (a device tensor; a collective), or None."""
+    def before_forward(self, forward_all: Callable[[], None]) -> None:
+        """Called after begin_step, before the step's forward passes; `forward_all` runs them all without gradient
+        (global-batch balancing routes the step with it first: RouterTraining.route_global_batch)."""
+        ...
+
+    def end_step(self) -> None:
+        """Called after the optimizer step (a mixture of experts' balancing bias moves: RouterTraining.end_step)."""
+        ...
+
+    def local_stats(self) -> torch.Tensor | None:
+        """This rank's sums of the step's own statistics, copied after its forward passes (a device tensor, no
+        collective), or None when the objective has none."""
+        ...
+
+    def step_stats(self, local: torch.Tensor, sequences: int) -> torch.Tensor:
+        """The statistics to log of a step, from every rank's `local_stats` of it (a collective: called for the
+        logged steps only)."""
         ...
 
     def stat_fields(self, values: list[float]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import torch
 
 from ..models import IGNORE_INDEX, ModelConfig, Transformer
 from ..models.cross_entropy_op import CrossEntropy
-from ..models.moe import MoE, MoEStats
+from ..models.moe import MoE, MoEBalance, MoEStats
+from ..models.moe_balance import updated_expert_bias
 from ..parallel.mesh import Mesh, all_reduce
 from ..parallel.tensor_layers import VocabParallelCrossEntropy
 
@@ -33,18 +34,33 @@ class RouterTraining:
     loss_weight: torch.Tensor
     stats: MoEStats
     num_layers: int  # MoE layers in the whole model
+    balance: MoEBalance  # the step's routing counts of this rank's MoE layers (models/moe_balance.py)
+    layers: list[MoE]  # this rank's MoE layers, in the rows of `balance`
+    global_batch: bool  # the load-balancing loss counts the global batch's loads (a routing pass each step)
+    bias_rate: float | None  # DeepSeek-V3's bias update rate; None: no bias
 
     @staticmethod
     def attach(chunks: list[Transformer], model_cfg: ModelConfig, device: torch.device) -> RouterTraining | None:
         if not model_cfg.is_moe:
             return None
-        run = RouterTraining(
-            torch.zeros((), device=device), MoEStats.zeros(model_cfg.num_experts, device), model_cfg.num_moe_layers
+        layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoE)]
+        global_batch = model_cfg.router_aux_loss_scope == "global_batch"
+        shape = (len(layers), model_cfg.num_experts)
+        balance = MoEBalance(
+            torch.zeros(shape, device=device),
+            torch.zeros(shape, device=device) if global_batch else None,
         )
-        for chunk in chunks:
-            for m in chunk.modules():
-                if isinstance(m, MoE):
-                    m.router_loss_weight, m.stats = run.loss_weight, run.stats
+        run = RouterTraining(
+            torch.zeros((), device=device),
+            MoEStats.zeros(model_cfg.num_experts, device),
+            model_cfg.num_moe_layers,
+            balance,
+            layers,
+            global_batch,
+            model_cfg.router_bias_update_rate if model_cfg.router_expert_bias else None,
+        )
+        for row, m in enumerate(layers):
+            m.router_loss_weight, m.stats, m.balance, m.balance_row = run.loss_weight, run.stats, balance, row
         return run
 
     def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
@@ -55,13 +71,49 @@ class RouterTraining:
         else:  # fp16: like the language-model loss, the gradient is the scaled one
             self.loss_weight.copy_(loss_scale * weight)
         self.stats.zero_()
+        self.balance.zero_()
 
-    def step_stats(self, sequences: int, mesh: Mesh) -> torch.Tensor:
-        """[load-balancing loss, z-loss, each expert's share of the token choices] of the whole step: a collective
-        over every rank (pipeline stages hold different layers, data-parallel ranks different sequences; the
-        tensor-parallel ranks of a layer count the same tokens)."""
+    def route_global_batch(self, forward_all: Callable[[], None], mesh: Mesh) -> None:
+        """Global-batch balancing's routing pass, before the step's forward passes: `forward_all` runs the step's
+        micro-batches forward without gradient; every MoE layer counts its choices, summed over the data-parallel
+        ranks (the tensor-parallel ranks of a layer route the same tokens; a pipeline stage counts its own
+        layers)."""
+        if not self.global_batch:
+            return
+        self.balance.routing_pass = True
+        try:
+            with torch.no_grad():
+                forward_all()
+        finally:
+            self.balance.routing_pass = False
+        assert self.balance.global_loads is not None
+        if mesh.replica_group is not None and mesh.dp * mesh.cp > 1:
+            torch.distributed.all_reduce(self.balance.global_loads, group=mesh.replica_group)
+
+    def end_step(self, mesh: Mesh) -> None:
+        """After the optimizer step: DeepSeek-V3's bias update from each layer's loads of the step, over all
+        data-parallel ranks (the same on every rank: the sums of integers are exact), outside the gradient."""
+        if self.bias_rate is None:
+            return
+        loads = self.balance.loads
+        if mesh.replica_group is not None and mesh.dp * mesh.cp > 1:
+            loads = all_reduce(loads.clone(), mesh.replica_group)
+        with torch.no_grad():
+            for m, load in zip(self.layers, loads):
+                assert m.expert_bias is not None
+                m.expert_bias.copy_(updated_expert_bias(m.expert_bias, load, self.bias_rate))
+
+    def local_stats(self) -> torch.Tensor:
+        """This rank's sums of the step's router statistics, copied (no collective: a step that is not logged
+        reduces nothing; `step_stats` reduces the logged one's)."""
         s = self.stats
-        flat = torch.cat([s.aux.reshape(1), s.z.reshape(1), s.choices]).float()
+        return torch.cat([s.aux.reshape(1), s.z.reshape(1), s.choices]).float()
+
+    def step_stats(self, local: torch.Tensor, sequences: int, mesh: Mesh) -> torch.Tensor:
+        """[load-balancing loss, z-loss, each expert's share of the token choices] of the whole step from each
+        rank's `local_stats`: a collective over every rank (pipeline stages hold different layers, data-parallel
+        ranks different sequences; the tensor-parallel ranks of a layer count the same tokens)."""
+        flat = local.clone()
         if mesh.world_size > 1:
             torch.distributed.all_reduce(flat)
         flat = flat / mesh.tp
@@ -122,9 +174,23 @@ class LanguageModelObjective:
         if self.router is not None:
             self.router.begin_step(sequences, loss_scale)
 
-    def step_stats(self, sequences: int) -> torch.Tensor | None:
-        """A mixture of experts' router statistics (RouterTraining.step_stats), None for a dense model."""
-        return None if self.router is None else self.router.step_stats(sequences, self.mesh)
+    def before_forward(self, forward_all: Callable[[], None]) -> None:
+        if self.router is not None:
+            self.router.route_global_batch(forward_all, self.mesh)
+
+    def end_step(self) -> None:
+        if self.router is not None:
+            self.router.end_step(self.mesh)
+
+    def local_stats(self) -> torch.Tensor | None:
+        """A mixture of experts' router statistics on this rank (RouterTraining.local_stats), None for a dense
+        model."""
+        return None if self.router is None else self.router.local_stats()
+
+    def step_stats(self, local: torch.Tensor, sequences: int) -> torch.Tensor:
+        """The logged step's router statistics over every rank (RouterTraining.step_stats; a collective)."""
+        assert self.router is not None
+        return self.router.step_stats(local, sequences, self.mesh)
 
     def stat_fields(self, values: list[float]) -> dict[str, Any]:
         return RouterTraining.fields(values)

@@ -18,7 +18,7 @@ rejected) and the policy's log-probabilities, as TRL names and computes them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -162,14 +162,29 @@ class PreferenceObjective:
         if self.router is not None:
             self.router.begin_step(sequences, loss_scale)
 
-    def step_stats(self, sequences: int) -> torch.Tensor:
+    def before_forward(self, forward_all: Callable[[], None]) -> None:
+        if self.router is not None:
+            self.router.route_global_batch(forward_all, self.mesh)
+
+    def end_step(self) -> None:
+        if self.router is not None:
+            self.router.end_step(self.mesh)
+
+    def local_stats(self) -> torch.Tensor:
+        """This rank's sums of _STATS over the step's pairs, then a mixture of experts' router statistics (copies;
+        no collective)."""
+        return self.stats.clone() if self.router is None else torch.cat([self.stats, self.router.local_stats()])
+
+    def step_stats(self, local: torch.Tensor, sequences: int) -> torch.Tensor:
         """The step's means over its pairs (_STATS), then a mixture of experts' router statistics: a collective
         over every rank (the last pipeline stage computed them; tensor- and context-parallel ranks the same)."""
-        flat = self.stats.clone()
+        flat = local[: len(_STATS)].clone()
         if self.mesh.world_size > 1:
             torch.distributed.all_reduce(flat)
         flat = flat / (self.mesh.tp * self.mesh.cp * max(sequences // 2, 1))
-        return flat if self.router is None else torch.cat([flat, self.router.step_stats(sequences, self.mesh)])
+        if self.router is None:
+            return flat
+        return torch.cat([flat, self.router.step_stats(local[len(_STATS) :], sequences, self.mesh)])
 
     def stat_fields(self, values: list[float]) -> dict[str, Any]:
         out: dict[str, Any] = dict(zip(_STATS, values))

@@ -389,6 +389,7 @@ def train_step(
     scaler = engine.loss_scaler
     sequences = sum(int(mb["input_ids"].shape[0]) for mb in micro_batches) * engine.mesh.dp  # the step's samples
     engine.objective.begin_step(sequences, None if scaler is None else scaler.scale)
+    engine.objective.before_forward(lambda: forward_each(engine, micro_batches, _ignore_output))
     if scaler is None:
         loss = engine.forward_backward(engine, micro_batches, normaliser)
     else:  # fp16: dividing by normaliser/scale multiplies every gradient by the scale
@@ -407,6 +408,7 @@ def train_step(
     grad_norm, found_inf = engine.optimizer.step(lr, None if scaler is None else scaler.scale)
     if scaler is not None:
         scaler.update(found_inf)
+    engine.objective.end_step()
     engine.optimizer.publish_params(overlap=cfg.parallel.overlap_param_gather)
     if on_phase is not None:
         on_phase("optimizer")
@@ -416,5 +418,10 @@ def train_step(
         "found_inf": found_inf,
         "lr": lr,
         "loss_scale": None if scaler is None else scaler.scale,
-        "stats": engine.objective.step_stats(sequences),
+        "stats": engine.objective.local_stats(),  # reduced only if the step is logged (metrics.py)
+        "sequences": sequences,
     }
+
+
+def _ignore_output(chunk: nn.Module, logits: torch.Tensor, mb: dict) -> None:
+    pass

@@ -167,6 +167,7 @@ class MetricsLog:
         self.train_seconds += self.timer.elapsed()
         losses = sum_from_last_stage(torch.stack([o["loss"] for _, o, _ in self.pending]).float(), self.engine.mesh)
         after = [consumed - sum(n for *_, n in self.pending[i + 1 :]) for i in range(len(self.pending))]
+        last = len(self.pending) - 1
         return [
             {
                 "step": s,
@@ -175,11 +176,12 @@ class MetricsLog:
                 "grad_norm": float(o["grad_norm"]),
                 "skipped": bool(o["found_inf"] > 0),
                 **_loss_scale(o),
-                "stats": objective_fields(self.engine, o),
+                # the objective's statistics are reduced over the ranks for the logged step only
+                "stats": objective_fields(self.engine, o) if i == last else {},
                 "consumed_samples": done,
                 "samples": n,
             }
-            for (s, o, n), loss, done in zip(self.pending, losses.tolist(), after)
+            for i, ((s, o, n), loss, done) in enumerate(zip(self.pending, losses.tolist(), after))
         ]
 
     def write_steps(self, steps: list[dict], skipped_total: int, consumed: int) -> None:
@@ -260,9 +262,11 @@ def _loss_scale(step_out: dict) -> dict:
 
 def objective_fields(engine: Engine, step_out: dict) -> dict:
     """The objective's own statistics of the step, by name (a mixture of experts' router statistics, DPO's
-    rewards): `Objective.step_stats` and `stat_fields`."""
-    stats = step_out.get("stats")
-    return {} if stats is None else engine.objective.stat_fields(stats.tolist())
+    rewards): `Objective.step_stats` (a collective over the ranks: every rank calls it) and `stat_fields`."""
+    local = step_out.get("stats")
+    if local is None:
+        return {}
+    return engine.objective.stat_fields(engine.objective.step_stats(local, step_out["sequences"]).tolist())
 
 
 def _progress_bar(total: int, initial: int):

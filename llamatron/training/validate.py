@@ -17,6 +17,7 @@ from ..data.samples import data_settings_problems
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..models.families import model_problems
+from ..models.moe_balance import balancing_run_problems
 from ..objectives.preference import preference_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
@@ -101,6 +102,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
             t.fp8, t.fp8_emulate, device, dtype_name, model, p.tp, tokens, head=t.fp8_head, experts=t.fp8_experts
         )
     )
+    _raise_if(balancing_run_problems(model, cfg.lora.lora_rank > 0, p.fsdp))
     _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit]))
     document_flags = [
         f"--{n.replace('_', '-')}"

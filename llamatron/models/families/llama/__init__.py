@@ -4,6 +4,7 @@ pre-norm decoder layers of RMSNorm, attention with rotary embeddings and SwiGLU 
 from __future__ import annotations
 
 from ...blocks import decoder_block, rms_norm
+from ...config import BALANCING_SETTINGS
 from ...family import Family, HFAdapter
 from . import hf
 from .foreign import MEGATRON, META
@@ -25,6 +26,7 @@ FAMILY = Family(
             "experts_per_token",
             "router_aux_loss_coef",
             "router_z_loss_coef",
+            *BALANCING_SETTINGS,
         }
     ),
     meta_format=META,

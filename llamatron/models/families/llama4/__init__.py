@@ -6,7 +6,7 @@ q/k norm on the others (hf.py says which config.json key is which)."""
 from __future__ import annotations
 
 from ...blocks import decoder_block, rms_norm
-from ...config import ModelConfig
+from ...config import BALANCING_SETTINGS, ModelConfig
 from ...family import Family, HFAdapter
 from . import hf
 from .presets import PRESETS
@@ -50,6 +50,7 @@ FAMILY = Family(
             "dense_ffn_hidden_size",
             "router_score",
             "router_weights_input",
+            *BALANCING_SETTINGS,
             "nope_layer_interval",
             "attention_chunk_size",
             "qk_l2_norm",
