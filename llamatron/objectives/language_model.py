@@ -138,7 +138,26 @@ def per_token_loss(chunks: list[Transformer], kernel: str = "auto", compile: boo
     return torch.compile(per_token, dynamic=False) if compile else per_token
 
 
-class LanguageModelObjective:
+class RoutedObjective:
+    """The step hooks a mixture of experts' router needs from any objective (none for a dense model)."""
+
+    router: RouterTraining | None
+    mesh: Mesh
+
+    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
+        if self.router is not None:
+            self.router.begin_step(sequences, loss_scale)
+
+    def before_forward(self, forward_all: Callable[[], None]) -> None:
+        if self.router is not None:
+            self.router.route_global_batch(forward_all, self.mesh)
+
+    def end_step(self) -> None:
+        if self.router is not None:
+            self.router.end_step(self.mesh)
+
+
+class LanguageModelObjective(RoutedObjective):
     """The language-model loss of one rank's chunks (see the module docstring); an `Objective`."""
 
     def __init__(self, per_token: PerTokenLoss, mesh: Mesh, device: torch.device, router: RouterTraining | None = None):
@@ -169,18 +188,6 @@ class LanguageModelObjective:
 
     def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
         return self.per_token_loss(logits, mb["labels"]).sum() / normaliser
-
-    def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
-        if self.router is not None:
-            self.router.begin_step(sequences, loss_scale)
-
-    def before_forward(self, forward_all: Callable[[], None]) -> None:
-        if self.router is not None:
-            self.router.route_global_batch(forward_all, self.mesh)
-
-    def end_step(self) -> None:
-        if self.router is not None:
-            self.router.end_step(self.mesh)
 
     def local_stats(self) -> torch.Tensor | None:
         """A mixture of experts' router statistics on this rank (RouterTraining.local_stats), None for a dense

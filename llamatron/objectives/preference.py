@@ -18,7 +18,7 @@ rejected) and the policy's log-probabilities, as TRL names and computes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..models import IGNORE_INDEX, ModelConfig, Transformer
 from ..parallel.mesh import Mesh, all_reduce
-from .language_model import PerTokenLoss, RouterTraining, per_token_loss
+from .language_model import PerTokenLoss, RoutedObjective, RouterTraining, per_token_loss
 
 _STATS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected")
 
@@ -70,7 +70,7 @@ def pair_losses(kind: str, beta: float, ratios: torch.Tensor, tokens: torch.Tens
     return -F.logsigmoid(beta * h)
 
 
-class PreferenceObjective:
+class PreferenceObjective(RoutedObjective):
     """DPO over this rank's chunks (see the module docstring); an `Objective`."""
 
     def __init__(
@@ -159,16 +159,7 @@ class PreferenceObjective:
 
     def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
         self.stats.zero_()
-        if self.router is not None:
-            self.router.begin_step(sequences, loss_scale)
-
-    def before_forward(self, forward_all: Callable[[], None]) -> None:
-        if self.router is not None:
-            self.router.route_global_batch(forward_all, self.mesh)
-
-    def end_step(self) -> None:
-        if self.router is not None:
-            self.router.end_step(self.mesh)
+        super().begin_step(sequences, loss_scale)
 
     def local_stats(self) -> torch.Tensor:
         """This rank's sums of _STATS over the step's pairs, then a mixture of experts' router statistics (copies;
