@@ -72,16 +72,17 @@ def route(chosen: torch.Tensor, num_experts: int, keep: torch.Tensor | None = No
         return Routing(order, expert_counts(flat, num_experts), chosen.shape[1], inverse, flat.numel())
     kept = keep.reshape(-1)
     order = torch.argsort(torch.where(kept, flat, num_experts), stable=True)  # dropped choices sort last
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, kept.long())
+    counts = expert_counts(flat, num_experts, kept.long())
     # a host read of how many were kept (a capacity's cost; dropless routing has none without ep)
     return Routing(order[: int(counts.sum())], counts, chosen.shape[1], None, flat.numel())
 
 
-def expert_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+def expert_counts(chosen: torch.Tensor, num_experts: int, counted: torch.Tensor | None = None) -> torch.Tensor:
     """How often each expert occurs in `chosen` (a scatter, not bincount: its output size is fixed, so it
-    compiles without a graph break)."""
+    compiles without a graph break); `counted`: 1 where a choice counts, 0 where not (default: all count)."""
     flat = chosen.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat) if counted is None else counted.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, ones)
 
 
 def unpermute(rows: torch.Tensor, order: torch.Tensor, total: int | None = None) -> torch.Tensor:
@@ -113,7 +114,7 @@ def combine(sorted_out: torch.Tensor, routing: Routing, weights: torch.Tensor) -
 # The two permutations' backward passes as gathers: autograd's of an index (rows = tokens[source]) or an index
 # assignment scatter-adds with atomics into zeros, and of the weighted sum writes the whole unsorted copy again;
 # knowing the permutation, each gradient reads its rows through the inverse instead (issue 34: routing and
-# permutation were ~13% of a fine-grained MoE step, run 19).
+# permutation were ~13% of a fine-grained MoE step, RESULTS.md run 21).
 
 
 class _Permute(torch.autograd.Function):
