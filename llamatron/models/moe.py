@@ -327,7 +327,10 @@ class MoE(nn.Module):
         self.router_loss_weight: torch.Tensor | None = None
         self.stats: MoEStats | None = None
         self.balance: MoEBalance | None = None  # the step's routing counts (set with the router-loss weight) ...
-        self.balance_row = 0  # ... this layer's row of them
+        # ... and this layer's rows of them, as tensors: an int row index would be a constant torch.compile guards
+        # on, one recompilation per layer (eight, then the rest ran eagerly: an 8% slower step, session 46)
+        self.balance_load: torch.Tensor | None = None
+        self.balance_global_load: torch.Tensor | None = None
         self.recomputing = False  # full recompute's second forward: the statistics were counted the first time
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -353,8 +356,8 @@ class MoE(nn.Module):
         # the router's choices, kept or dropped: what the balancing counts
         choices = routing.counts if keep is None else expert_counts(chosen, self.num_experts)
         if self.balance is not None and self.balance.routing_pass:
-            assert self.balance.global_loads is not None
-            self.balance.global_loads[self.balance_row].add_(choices)
+            assert self.balance_global_load is not None
+            self.balance_global_load.add_(choices)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
             out = self._attach_router_losses(out, logits, probs, chosen, choices, batch)
         out = self.reduce_output(out.view(batch, seq, hidden))
@@ -391,15 +394,15 @@ class MoE(nn.Module):
         """counts: each expert's token choices (the router's, kept or dropped)."""
         global_load = None
         if self.global_balance:
-            assert self.balance is not None and self.balance.global_loads is not None, "no routing pass"
-            global_load = self.balance.global_loads[self.balance_row]
+            assert self.balance_global_load is not None, "no routing pass"
+            global_load = self.balance_global_load
         aux, z = router_losses(logits, probs, chosen, batch, self.num_experts, global_load)
         if self.stats is not None and not self.recomputing:
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
             self.stats.choices.add_(counts)
-            if self.balance is not None:
-                self.balance.loads[self.balance_row].add_(counts)
+            if self.balance_load is not None:
+                self.balance_load.add_(counts)
         loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()
         assert self.router_loss_weight is not None
         return _RouterLossGrad.apply(out, loss, self.router_loss_weight * self.router_loss_share)

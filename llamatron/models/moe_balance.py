@@ -34,7 +34,7 @@ class MoEBalance:
 
     loads: the step's token choices of each layer on this rank (the bias update's); global_loads: the global
     batch's (all ranks), from the routing pass (global-batch balancing only); routing_pass: set while it runs. A
-    layer's row is its `balance_row`."""
+    layer's rows are its `balance_load` and `balance_global_load`."""
 
     loads: torch.Tensor
     global_loads: torch.Tensor | None = None

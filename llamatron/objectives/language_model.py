@@ -60,7 +60,9 @@ class RouterTraining:
             model_cfg.router_bias_update_rate if model_cfg.router_expert_bias else None,
         )
         for row, m in enumerate(layers):
-            m.router_loss_weight, m.stats, m.balance, m.balance_row = run.loss_weight, run.stats, balance, row
+            m.router_loss_weight, m.stats, m.balance = run.loss_weight, run.stats, balance
+            m.balance_load = balance.loads[row]
+            m.balance_global_load = None if balance.global_loads is None else balance.global_loads[row]
         return run
 
     def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
