@@ -126,6 +126,8 @@ class MoEShape:
 
 SHAPES = {
     "mixtral-1b": MoEShape("mixtral-1b", 32000, 2048, 16, 32, 8, 5632, 8, 2, 4096, 8),
+    # issue 34's fine-grained shape (RESULTS.md run 21): mixtral-1b with 64 experts of ffn 704, top 8
+    "fine-grained": MoEShape("mixtral-1b-64x704-top8", 32000, 2048, 16, 32, 8, 704, 64, 8, 4096, 8),
     "tiny": MoEShape("tiny-moe", 1000, 128, 2, 4, 2, 352, 4, 2, 64, 4),  # CPU smoke mode only
 }
 

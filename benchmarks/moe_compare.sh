@@ -10,6 +10,7 @@
 # this repo's torch grouped_mm stand-in for TE's GroupedLinear, see the script), LLAMATRON_ARGS extra bench flags
 # ("--distributed-optimizer", as megatron's side), PEERS_WHL (.peers-whl), BUDGET seconds for the whole script (360): a run that
 # would start with under 40 s left is skipped and recorded as such; each run is also killed at its own timeout.
+# SHAPE=fine-grained: issue 34's fine-grained shape (64 experts of ffn 704, top 8) on both sides instead.
 # SMOKE=1: the same plumbing on CPU with tiny shapes (megatron's `tiny`, llamatron's mixtral-test); numbers mean nothing.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +24,10 @@ BUDGET=${BUDGET:-360}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 MEG_SHAPE="--model mixtral-1b --seq 4096"; LT_SHAPE="--model mixtral-1b --seq-length 4096"
+if [ "${SHAPE:-mixtral-1b}" = fine-grained ]; then
+  MEG_SHAPE="--model fine-grained --seq 4096"
+  LT_SHAPE="$LT_SHAPE --num-experts 64 --moe-router-topk 8 --ffn-hidden-size 704"
+fi
 if [ -n "${SMOKE:-}" ]; then
   export BENCH_CPU_SMOKE=1
   MEG_SHAPE="--model tiny --seq 64"; LT_SHAPE="--model mixtral-test --seq-length 64 --device cpu"

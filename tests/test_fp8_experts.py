@@ -55,6 +55,16 @@ def test_expert_groups_are_padded_to_16_rows_without_a_host_read():
     assert torch.equal(unpad(padded, groups), x) and not padded[rest].any()  # the rest is zeros
 
 
+def test_unpad_backward_is_index_selects():
+    """unpad's own backward (each row written once) gives what autograd's index_select backward gives."""
+    groups = padded_groups(COUNTS, int(COUNTS.sum()))
+    padded = torch.randn(groups.size, 8, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(41, 8, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(unpad(padded, groups), padded, grad)
+    (reference,) = torch.autograd.grad(padded.index_select(0, groups.index), padded, grad)
+    assert torch.equal(ours, reference)
+
+
 def test_fp8_experts_forward_and_gradients_are_the_quantise_dequantise_formula():
     """Forward x @ W_e^T (x per row, W_e per output feature), input gradient g @ W_e (g per row, W_e per input
     feature), weight gradient g_e^T @ x_e (per column over the expert's rows), each quantised by hand per expert."""

@@ -23,6 +23,7 @@ SCRIPTS = [ROOT / "scripts" / "slurm_train.sbatch", ROOT / "scripts" / "multinod
 CONFIGS = {
     "demo-cpu.yaml": (1, None),
     "fp8-parity-350m.yaml": (1, 80e9),
+    "fp8-parity-moe.yaml": (1, 80e9),
     "llama-1b-1gpu.yaml": (1, 80e9),
     "llama2-7b-8gpu.yaml": (8, 80e9),
     "llama2-70b-32gpu.yaml": (32, 80e9),
