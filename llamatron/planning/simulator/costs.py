@@ -157,15 +157,27 @@ class Costs:
     def gemm_forward(self) -> float:
         """Seconds of one layer's forward GEMMs on this rank."""
         m, s = self.model, self.s
-        dense, moe = linear_params(m)
+        dense = linear_params(m)[0]
         width = m.hidden_size / s.tp
         fp8 = self.cal.fp8_gemm_speedup.get(s.fp8, 1.0)
         t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width)) / fp8
-        if moe:
-            per_expert = s.tokens * m.experts_per_token * s.ep / m.num_experts
-            rate = self._gemm_rate * self.cal.grouped_gemm_efficiency * self._shape_factor(per_expert, width)
-            t += 2 * s.tokens * moe / s.tp / rate / (fp8 if s.fp8_experts else 1.0)
-        return t
+        return t + self.expert_gemm_forward()
+
+    def expert_gemm_forward(self) -> float:
+        """Seconds of one layer's router and experts forward (grouped GEMMs) on this rank, by their own shape: each
+        expert's rows (its token choices) and its narrowest side, the expert's ffn (tp-sharded) where narrower than
+        hidden (gate_up's N, down's K: fine-grained experts are thin GEMMs). Rows have their own half
+        (calibration.yaml gemm.grouped_rows_half): one grouped kernel's tiles span every expert, so few rows per
+        expert cost less than a dense GEMM of as few tokens."""
+        m, s, c = self.model, self.s, self.cal
+        moe = linear_params(m)[1]
+        if not moe:
+            return 0.0
+        rows = s.tokens * m.experts_per_token * s.ep / m.num_experts
+        width = min(m.hidden_size, m.ffn_hidden_size) / s.tp
+        shape = rows / (rows + c.grouped_rows_half) * width / (width + c.gemm_width_half)
+        fp8 = c.fp8_gemm_speedup.get(s.fp8, 1.0) if s.fp8_experts else 1.0
+        return 2 * s.tokens * moe / s.tp / (self._gemm_rate * c.grouped_gemm_efficiency * shape) / fp8
 
     def attention_total(self) -> float:
         m, s = self.model, self.s
@@ -185,10 +197,16 @@ class Costs:
             c.elementwise_per_hidden * m.hidden_size / (s.tp if s.sequence_parallel else 1)
             + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
         )
-        if m.is_moe:  # permuting tokens to their experts and back, forward and backward (in MoE layers)
-            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size * moe_layer_share(m)
+        if m.is_moe:  # the token choices' rows permuted to their experts and back, forward and backward
+            per_token += c.permutation_passes * s.act_bytes * m.experts_per_token * m.hidden_size * moe_layer_share(m)
         t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
         return t * (1 if s.compiled else c.eager_factor)
+
+    def routing(self) -> float:
+        """One layer's routing kernels that take about the same time whatever the tokens (top-k, the sort, the
+        counts and offsets, the router losses and statistics, forward and backward): per MoE layer and
+        micro-batch, so a step of many small micro-batches pays it often."""
+        return self.cal.routing_seconds * moe_layer_share(self.model) if self.model.is_moe else 0.0
 
     # ---- communication ------------------------------------------------------------------------------------
 
@@ -274,7 +292,7 @@ class Costs:
     def layer(self, recomputed: bool = True) -> LayerCost:
         """One decoder layer's pieces for one micro-batch (recomputed: this layer falls under --recompute)."""
         s, c = self.s, self.cal
-        gemm, attn, elem = self.gemm_forward(), self.attention_total(), self.elementwise_total()
+        gemm, attn, elem = self.gemm_forward(), self.attention_total(), self.elementwise_total() + self.routing()
         a_fwd = attn * c.attention_forward_share
         tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
         fwd = Piece()
