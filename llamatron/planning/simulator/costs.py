@@ -2,16 +2,17 @@
 out. Every efficiency comes from calibration.yaml; the FLOPs and bytes are counted from the model's shape.
 
 Per decoder layer and micro-batch on one rank (T tokens: micro-batch x seq / cp; tp shards each GEMM):
-  GEMMs      2 x T x linear parameters / tp forward (MoE: the router and experts_per_token experts, as
-             grouped GEMMs), twice that backward (input and weight gradients, each a forward's worth);
-             at peak x gemm efficiency x tokens/(tokens + half) x width/(width + half); --fp8 divides the
-             decoder linears' time by its measured speed-up
+  GEMMs      2 x T x linear parameters / tp forward, twice that backward (input and weight gradients, each a
+             forward's worth); at peak x gemm efficiency x tokens/(tokens + half) x width/(width + half); --fp8
+             divides the decoder linears' time by its measured speed-up. MoE: the router and the experts a token
+             reaches (experts_taken) as grouped GEMMs at their own shape (rows per expert, expert width)
   attention  causal work 4 x (q heads x head_dim / tp) x keys per query x T forward, 3 x that in all
-  elementwise norms, SwiGLU, rotary, residuals as bytes at HBM bandwidth x efficiency
+  elementwise norms, SwiGLU, rotary, residuals as bytes at HBM bandwidth x efficiency; MoE: the permutation's
+             passes over the (T x k, hidden) rows, and the routing's per-call time per MoE layer
   TP         all-gathers/reduce-scatters of T x hidden (4 forward, 2 backward exposed, 2 overlapped with the
              weight-gradient GEMMs: llamatron's tensor_layers.py); all-reduces without sequence parallelism
   CP         the whole sequence's K/V gathered in forward, their gradients reduce-scattered in backward
-  EP         MoE: all-to-all dispatch and combine of T x experts_per_token x hidden, twice each way
+  EP         MoE: all-to-all dispatch and combine of T x k x hidden, twice each way (or HybridEP's copies)
 The last chunk adds the head's GEMM and the loss, each micro-batch adds the bf16 -> fp32 gradient
 accumulation of every parameter the rank holds.
 """
@@ -172,8 +173,8 @@ class Costs:
 
     def expert_gemm_forward(self) -> float:
         """Seconds of one layer's router and experts forward (grouped GEMMs) on this rank, by their own shape: each
-        expert's rows (its token choices) and its narrowest side, the expert's ffn (tp-sharded) where narrower than
-        hidden (gate_up's N, down's K: fine-grained experts are thin GEMMs). Rows have their own half
+        expert's rows (its token choices) and its narrowest side, its ffn (tp-sharded) where narrower than hidden
+        (gate_up's N, down's K: fine-grained experts are thin GEMMs). Rows have their own half
         (calibration.yaml gemm.grouped_rows_half): one grouped kernel's tiles span every expert, so few rows per
         expert cost less than a dense GEMM of as few tokens."""
         m, s, c = self.model, self.s, self.cal
@@ -182,7 +183,7 @@ class Costs:
         if not moe:
             return 0.0
         rows = s.tokens * experts_taken(m) * s.ep / m.num_experts
-        width = min(m.hidden_size, m.ffn_hidden_size) / s.tp
+        width = min(m.hidden_size, m.ffn_hidden_size / s.tp)
         shape = rows / (rows + c.grouped_rows_half) * width / (width + c.gemm_width_half)
         fp8 = c.fp8_gemm_speedup.get(s.fp8, 1.0) if s.fp8_experts else 1.0
         return 2 * s.tokens * moe / s.tp / (self._gemm_rate * c.grouped_gemm_efficiency * shape) / fp8
