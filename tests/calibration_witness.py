@@ -86,6 +86,13 @@ def h200() -> Any:
     return resolve_hardware("h200")
 
 
+@cache
+def mixtral_1b() -> Any:
+    from llamatron.planning.simulator.runs import run_model
+
+    return run_model({"model": "mixtral-1b"})
+
+
 TOKENS = 8 * 4096  # the profiled step: one micro-batch of 8 x 4096
 
 
@@ -127,6 +134,48 @@ def _gemm(t: Table) -> dict[Path_, float]:
     shape = TOKENS / (TOKENS + g["tokens_half"]) * m.hidden_size / (m.hidden_size + g["width_half"])
     rate = gemm_flops(m, TOKENS) / (profile(PROFILE_H).categories["matmul"] / 1e3)
     return {("gemm", "efficiency"): rate / h200().gpu.peak_flops / shape}
+
+
+# The two MoE profiles: RESULTS.md run 10 (mixtral-1b, 8 experts of ffn 5632, top 2) and run 21 call 1 (its shape
+# with 64 experts of ffn 704, top 8); each mbs 4 x seq 4096, 2 micro-batches, 16 layers
+MOE_PROFILE = "results-2026-12-03-run21-moe-fine-grained-kernels.txt"
+MOE_TOKENS, MOE_MICRO_BATCHES = 4 * 4096, 2
+
+
+def kernel_lines(name: str, pattern: str) -> float:
+    """ms per step of a profile's kernel lines whose name matches, line by line (the report cuts names, so
+    different kernels may print alike: Profile.kernels would keep one of them)."""
+    lines = re.finditer(r"^\s+([\d.]+)\s+\d+\s+(.+)$", (BENCH / name).read_text(), re.M)
+    return sum(float(m[1]) for m in lines if re.search(pattern, m[2]))
+
+
+def _grouped_gemm(t: Table) -> dict[Path_, float]:
+    """Each profile's grouped-GEMM rate over a dense GEMM's at the experts' width: rows/(rows + half) x efficiency,
+    two points for the two unknowns."""
+    g, peak = t["gemm"], h200().gpu.peak_flops
+    points = []  # (token choices per expert, measured rate / (peak x efficiency x width factor))
+    m = mixtral_1b()
+    for experts, k, ffn, ms in (
+        (8, 2, 5632, float(results_line(r"CUTLASS's sm90 grouped kernels, ([\d.]+) ms")[1])),
+        (64, 8, 704, kernel_lines(MOE_PROFILE, r"GroupProblemShape")),
+    ):
+        flops = 6 * MOE_TOKENS * k * 3 * m.hidden_size * ffn * m.num_layers * MOE_MICRO_BATCHES
+        width = min(m.hidden_size, ffn)
+        rate = flops / (ms / 1e3) / (peak * g["efficiency"] * width / (width + g["width_half"]))
+        points.append((MOE_TOKENS * k / experts, rate))
+    (r1, y1), (r2, y2) = points
+    q = y1 / y2  # = r1 (r2 + half) / (r2 (r1 + half))
+    half = r1 * r2 * (q - 1) / (r1 - q * r2)
+    return {("gemm", "grouped_rows_half"): half, ("gemm", "grouped_efficiency"): y1 * (r1 + half) / r1}
+
+
+def _permutation(t: Table) -> dict[Path_, float]:
+    """Run 21's permutation kernels (Inductor's gathers, index assignments, scatter-adds and the weighted sum) as
+    passes over the layer's (tokens x k, hidden) bf16 rows at the elementwise bandwidth."""
+    m, e = mixtral_1b(), t["elementwise"]
+    ms = kernel_lines(MOE_PROFILE, r"^triton_\w*(index|scatter|new_zeros|sum_unsqueeze)")
+    one_pass = MOE_TOKENS * 8 * m.hidden_size * 2 / (h200().gpu.hbm_bw * e["hbm_efficiency"])
+    return {("moe", "permutation_passes"): ms / 1e3 / (m.num_layers * MOE_MICRO_BATCHES) / one_pass}
 
 
 def _attention(t: Table) -> dict[Path_, float]:
@@ -264,6 +313,8 @@ def _userbuffers(t: Table) -> dict[Path_, float]:
 
 DERIVATIONS: list[Callable[[Table], dict[Path_, float]]] = [
     _gemm,
+    _grouped_gemm,
+    _permutation,
     _attention,
     _elementwise,
     _optimizer,
@@ -342,7 +393,7 @@ FITTED: dict[Path_, Callable[[Table], list[float]]] = {
         for p in [
             ("gemm", "tokens_half"),
             ("gemm", "width_half"),
-            ("gemm", "grouped_efficiency"),
+            ("moe", "routing_us"),
             ("attention", "efficiency", "flash"),
             ("attention", "long_sequence_half"),
             ("attention", "window_factor"),

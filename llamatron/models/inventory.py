@@ -183,12 +183,20 @@ def expert_params(cfg: ModelConfig) -> int:
     return sum(layer.params("expert") for layer in layers(cfg))
 
 
+def experts_taken(cfg: ModelConfig) -> float:
+    """The experts a token's choices run through on average in a MoE layer: experts_per_token (dropless), or with
+    a capacity factor the share an expert takes (ceil(factor x seq x k / experts) of a sequence's choices: with
+    the even loads the planner and simulator assume, min(1, factor) of them; it caps them whatever the loads)."""
+    share = 1.0 if cfg.moe_capacity_factor is None else min(1.0, cfg.moe_capacity_factor)
+    return cfg.experts_per_token * share
+
+
 def mean_mlp_width(cfg: ModelConfig) -> float:
-    """The MLP width one token runs through, averaged over the layers: a dense layer's ffn, or experts_per_token
-    experts' in a MoE layer (models with dense layers among the MoE ones differ by layer)."""
+    """The MLP width one token runs through, averaged over the layers: a dense layer's ffn, or the experts' it
+    reaches in a MoE layer (experts_taken; models with dense layers among the MoE ones differ by layer)."""
     if cfg.moe_layer_step == 1:  # every layer alike (the planner asks this for every layout it weighs)
-        return float(cfg.ffn_hidden_size * (cfg.experts_per_token if cfg.is_moe else 1))
-    widths = [cfg.layer_ffn(i) * (cfg.experts_per_token if cfg.is_moe_layer(i) else 1) for i in range(cfg.num_layers)]
+        return float(cfg.ffn_hidden_size * (experts_taken(cfg) if cfg.is_moe else 1))
+    widths = [cfg.layer_ffn(i) * (experts_taken(cfg) if cfg.is_moe_layer(i) else 1) for i in range(cfg.num_layers)]
     return sum(widths) / cfg.num_layers
 
 
@@ -235,6 +243,7 @@ __all__ = [
     "flops_per_token",
     "input_embedding_params",
     "layers",
+    "experts_taken",
     "mean_keys",
     "mean_mlp_width",
     "moe_layer_share",

@@ -19,8 +19,10 @@ num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the def
   mlp           SwiGLU: gate|up a*2f, silu(gate) a*f, the product a*f: 4a*f; with the Triton SwiGLU
                 (kernels.swiglu, the CUDA default) gate|up and the product: 3a*f | silu re-derived: 3a*f
                 Falcon GELU: its input and output 2a*f; a mixture of experts: experts_per_token times that
-  moe_dispatch  a mixture of experts: the token's k dispatched copies and their combined outputs 2a*k*h, the
-                router's fp32 scores 4*num_experts (an estimate until the MoE layer is measured)
+                (under a capacity factor the choices kept: models/inventory.experts_taken, k x min(1, factor))
+  moe_dispatch  a mixture of experts: the token's k dispatched copies and their combined outputs 2a*k*h (the
+                kept ones under a capacity), the router's fp32 scores 4*num_experts (an estimate until the MoE
+                layer is measured)
 With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
 too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
 Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
@@ -44,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import ModelConfig
-from ..models.inventory import layers, mean_mlp_width, moe_layer_share
+from ..models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share
 from ..parallel.schedules import max_alive
 from ..parallel.tensor import local_kv_heads
 
@@ -88,7 +90,7 @@ def layer_activation_terms(
         mlp = (3 if compiled or kernels.swiglu else 4) * a * f
     moe = 0.0
     if model.is_moe:  # in MoE layers, each token's dispatched copies and router scores
-        moe = (2 * a * model.experts_per_token * h + 4 * model.num_experts) * moe_layer_share(model)
+        moe = (2 * a * experts_taken(model) * h + 4 * model.num_experts) * moe_layer_share(model)
     qkv, rope = a * (q + 2 * kv) * d, 0 if kernels.rope else a * (q + kv) * d
     qk_norm = 0.0
     if layer.qk_norm:  # per query/key head: its rsqrt; eager torch also the normalised heads (and their fp32 copy)

@@ -24,6 +24,9 @@ llamatron/planning/simulator/calibration.yaml, this one from its `planner:` sect
     gradient's reduce-scatter over the shard group, exposed what outlasts the layer's compute (fsdp_comm_seconds);
     hybrid sharding's all-reduce exposed in full; no step-end reduction;
   optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter;
+  a mixture of experts: under a capacity factor the experts' FLOPs of the choices dropped (k - experts_taken per
+    token) are not run; global-batch load balancing (router_aux_loss_scope global_batch) runs every micro-batch
+    forward once more without gradient before the step (a third of the model FLOPs more);
   --fp8: the decoder's linear FLOPs (6 x layer parameters per token, 2 more with full recompute) run
     SpeedAssumptions.fp8_gemm_speedup times faster (fitted to RESULTS.md run 9); memory is the bf16 figure (the
     measured FP8 peaks were 2-5 GiB below bf16's: a margin, not modelled).
@@ -39,7 +42,7 @@ from typing import Any
 
 from ..config.settings import ParallelConfig
 from ..models import ModelConfig
-from ..models.inventory import flops_per_token
+from ..models.inventory import experts_taken, flops_per_token, layers
 from .activations import gathered_kv_bytes
 from .layout import Layout
 from .params import active_layer_params, layer_shards, stage_params
@@ -132,6 +135,7 @@ def estimate_speed(
     # FP8 runs the decoder's linears (forward, backward and a full recompute's forward) that much faster.
     linear = 2.0 * L * active_layer_params(model) * (3 + (share if lay.recompute == "full" else 0))
     extra -= linear * (1 - 1 / dict(hw.fp8_gemm_speedup)[fp8])
+    extra += moe_flops_change(model, model_flops)
     width = h / lay.tp
     efficiency = hw.base_mfu * tokens / (tokens + hw.gemm_tokens_half) * width / (width + hw.gemm_width_half)
     compute = tokens * (model_flops + extra) / (lay.tp * lay.pp) / (hw.peak_flops * efficiency)
@@ -174,6 +178,18 @@ def estimate_speed(
             "optimizer": optimizer,
         },
     )
+
+
+def moe_flops_change(model: ModelConfig, model_flops: float) -> float:
+    """Hardware FLOPs per token a mixture of experts' options add to the model FLOPs (models/moe_balance.py): the
+    dropped choices' expert work taken away (a capacity factor), the routing pass's forward added (global-batch
+    balancing: forward = a third of forward + backward)."""
+    if not model.is_moe:
+        return 0.0
+    per_expert = sum(layer.params("expert") for layer in layers(model)) / model.num_experts
+    dropped = 6.0 * per_expert * (model.experts_per_token - experts_taken(model))
+    routing = (model_flops - dropped) / 3 if model.router_aux_loss_scope == "global_batch" else 0.0
+    return routing - dropped
 
 
 def context_comm_seconds(

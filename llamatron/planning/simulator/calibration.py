@@ -31,6 +31,7 @@ class Calibration:
     gemm_tokens_half: float
     gemm_width_half: float
     grouped_gemm_efficiency: float
+    grouped_rows_half: float
     attention_efficiency: dict[str, float]
     attention_forward_share: float
     attention_long_half: float
@@ -42,6 +43,8 @@ class Calibration:
     elementwise_per_qkv: float
     elementwise_hbm_efficiency: float
     eager_factor: float
+    permutation_passes: float  # bf16 passes over a MoE layer's (tokens x k, hidden) rows, forward + backward
+    routing_seconds: float  # per MoE layer and micro-batch, whatever the tokens
     loss_bytes_per_logit: float
     grad_accumulate_bytes: float
     optimizer_bytes_per_owned_param: float
@@ -115,6 +118,7 @@ def calibration_from(d: dict[str, Any]) -> Calibration:
         gemm_tokens_half=float(g["tokens_half"]),
         gemm_width_half=float(g["width_half"]),
         grouped_gemm_efficiency=float(g["grouped_efficiency"]),
+        grouped_rows_half=float(g["grouped_rows_half"]),
         attention_efficiency={k: float(v) for k, v in a["efficiency"].items()},
         attention_forward_share=float(a["forward_share"]),
         attention_long_half=float(a["long_sequence_half"]),
@@ -126,6 +130,8 @@ def calibration_from(d: dict[str, Any]) -> Calibration:
         elementwise_per_qkv=float(e["per_qkv"]),
         elementwise_hbm_efficiency=float(e["hbm_efficiency"]),
         eager_factor=float(e["eager_factor"]),
+        permutation_passes=float(d["moe"]["permutation_passes"]),
+        routing_seconds=float(d["moe"]["routing_us"]) / 1e6,
         loss_bytes_per_logit=float(e["loss_bytes_per_logit"]),
         grad_accumulate_bytes=float(e["grad_accumulate_bytes"]),
         optimizer_bytes_per_owned_param=float(o["bytes_per_owned_param"]),

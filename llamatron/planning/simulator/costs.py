@@ -2,26 +2,28 @@
 out. Every efficiency comes from calibration.yaml; the FLOPs and bytes are counted from the model's shape.
 
 Per decoder layer and micro-batch on one rank (T tokens: micro-batch x seq / cp; tp shards each GEMM):
-  GEMMs      2 x T x linear parameters / tp forward (MoE: the router and experts_per_token experts, as
-             grouped GEMMs), twice that backward (input and weight gradients, each a forward's worth);
-             at peak x gemm efficiency x tokens/(tokens + half) x width/(width + half); --fp8 divides the
-             decoder linears' time by its measured speed-up
+  GEMMs      2 x T x linear parameters / tp forward, twice that backward (input and weight gradients, each a
+             forward's worth); at peak x gemm efficiency x tokens/(tokens + half) x width/(width + half); --fp8
+             divides the decoder linears' time by its measured speed-up. MoE: the router and the experts a token
+             reaches (experts_taken) as grouped GEMMs at their own shape (rows per expert, expert width)
   attention  causal work 4 x (q heads x head_dim / tp) x keys per query x T forward, 3 x that in all
-  elementwise norms, SwiGLU, rotary, residuals as bytes at HBM bandwidth x efficiency
+  elementwise norms, SwiGLU, rotary, residuals as bytes at HBM bandwidth x efficiency; MoE: the permutation's
+             passes over the (T x k, hidden) rows, and the routing's per-call time per MoE layer
   TP         all-gathers/reduce-scatters of T x hidden (4 forward, 2 backward exposed, 2 overlapped with the
              weight-gradient GEMMs: llamatron's tensor_layers.py); all-reduces without sequence parallelism
   CP         the whole sequence's K/V gathered in forward, their gradients reduce-scattered in backward
-  EP         MoE: all-to-all dispatch and combine of T x experts_per_token x hidden, twice each way
+  EP         MoE: all-to-all dispatch and combine of T x k x hidden, twice each way (or HybridEP's copies)
 The last chunk adds the head's GEMM and the loss, each micro-batch adds the bf16 -> fp32 gradient
 accumulation of every parameter the rank holds.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ...models import ModelConfig
-from ...models.inventory import layers, mean_mlp_width, moe_layer_share
+from ...models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share
 from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .fsdp import FsdpOptions
@@ -62,6 +64,10 @@ class Shape:
     # --fp8 reaches the experts' grouped GEMMs too (Transformer Engine's GroupedLinear under Megatron-core's FP8);
     # llamatron's --fp8 converts nn.Linear layers only (training/fp8.py), its experts' torch._grouped_mm stays bf16.
     fp8_experts: bool = False
+    # The MoE token dispatcher: "alltoall" (NCCL's all-to-all, llamatron's: every token choice a copy to its
+    # expert's rank) or "hybridep" (Megatron-core's flex dispatcher with DeepEP's HybridEP backend: a token crosses
+    # to a remote node once, then fans out over NVLink, one copy per GPU holding any of its experts).
+    ep_dispatcher: str = "alltoall"
 
     @property
     def tokens(self) -> float:
@@ -115,13 +121,15 @@ class LayerCost:
     recompute: Piece  # what recompute re-runs in backward (full: the forward; selective: attention)
 
 
-def linear_params(model: ModelConfig) -> tuple[float, float]:
-    """(attention and dense-MLP linear weights per layer, the MoE part one token uses: router + k experts), each
-    averaged over the layers (dense layers among MoE ones differ)."""
+def linear_params(model: ModelConfig) -> tuple[float, float, float]:
+    """(attention and dense-MLP linear weights per layer, the router's, the experts' one token reaches: k of them,
+    fewer under a capacity: experts_taken), each averaged over the layers (dense layers among MoE ones differ)."""
     all_layers = layers(model)
-    share = model.experts_per_token / max(model.num_experts, 1)
-    moe = sum(layer.params("router") + layer.params("expert") * share for layer in all_layers)
-    return sum(float(layer.params("matmul")) for layer in all_layers) / len(all_layers), moe / len(all_layers)
+    share = experts_taken(model) / max(model.num_experts, 1)
+    n = len(all_layers)
+    dense = sum(float(layer.params("matmul")) for layer in all_layers) / n
+    router = sum(float(layer.params("router")) for layer in all_layers) / n
+    return dense, router, sum(layer.params("expert") * share for layer in all_layers) / n
 
 
 def keys_per_query(model: ModelConfig, seq: int) -> float:
@@ -157,15 +165,28 @@ class Costs:
     def gemm_forward(self) -> float:
         """Seconds of one layer's forward GEMMs on this rank."""
         m, s = self.model, self.s
-        dense, moe = linear_params(m)
+        dense = linear_params(m)[0]
         width = m.hidden_size / s.tp
         fp8 = self.cal.fp8_gemm_speedup.get(s.fp8, 1.0)
         t = 2 * s.tokens * dense / s.tp / (self._gemm_rate * self._shape_factor(s.tokens, width)) / fp8
-        if moe:
-            per_expert = s.tokens * m.experts_per_token * s.ep / m.num_experts
-            rate = self._gemm_rate * self.cal.grouped_gemm_efficiency * self._shape_factor(per_expert, width)
-            t += 2 * s.tokens * moe / s.tp / rate / (fp8 if s.fp8_experts else 1.0)
-        return t
+        return t + self.expert_gemm_forward()
+
+    def expert_gemm_forward(self) -> float:
+        """Seconds of one layer's router and experts forward (grouped GEMMs) on this rank, by their own shape: each
+        expert's rows (its token choices) and its narrowest side, its ffn (tp-sharded) where narrower than hidden
+        (gate_up's N, down's K: fine-grained experts are thin GEMMs). Rows have their own half
+        (calibration.yaml gemm.grouped_rows_half): one grouped kernel's tiles span every expert, so few rows per
+        expert cost less than a dense GEMM of as few tokens."""
+        m, s, c = self.model, self.s, self.cal
+        _, router, experts = linear_params(m)
+        moe = router + experts
+        if not moe:
+            return 0.0
+        rows = s.tokens * experts_taken(m) * s.ep / m.num_experts
+        width = min(m.hidden_size, m.ffn_hidden_size / s.tp)
+        shape = rows / (rows + c.grouped_rows_half) * width / (width + c.gemm_width_half)
+        fp8 = c.fp8_gemm_speedup.get(s.fp8, 1.0) if s.fp8_experts else 1.0
+        return 2 * s.tokens * moe / s.tp / (self._gemm_rate * c.grouped_gemm_efficiency * shape) / fp8
 
     def attention_total(self) -> float:
         m, s = self.model, self.s
@@ -185,10 +206,16 @@ class Costs:
             c.elementwise_per_hidden * m.hidden_size / (s.tp if s.sequence_parallel else 1)
             + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
         )
-        if m.is_moe:  # permuting tokens to their experts and back, forward and backward (in MoE layers)
-            per_token += 4 * s.act_bytes * m.experts_per_token * m.hidden_size * moe_layer_share(m)
+        if m.is_moe:  # the token choices' rows permuted to their experts and back, forward and backward
+            per_token += c.permutation_passes * s.act_bytes * experts_taken(m) * m.hidden_size * moe_layer_share(m)
         t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
         return t * (1 if s.compiled else c.eager_factor)
+
+    def routing(self) -> float:
+        """One layer's routing kernels that take about the same time whatever the tokens (top-k, the sort, the
+        counts and offsets, the router losses and statistics, forward and backward): per MoE layer and
+        micro-batch, so a step of many small micro-batches pays it often."""
+        return self.cal.routing_seconds * moe_layer_share(self.model) if self.model.is_moe else 0.0
 
     # ---- communication ------------------------------------------------------------------------------------
 
@@ -214,7 +241,7 @@ class Costs:
             bus = min(bus, c.network.bus_bandwidth(nics, size))  # a ring: (ranks-1)/ranks of it over each link
         return latency + size * volume / bus
 
-    def _group_per_node(self, stride: int, size: int) -> int:
+    def group_per_node(self, stride: int, size: int) -> int:
         """Members of a group of `size` ranks `stride` apart that share one node."""
         return max(1, min(size, self.hw.gpus_per_node // stride)) if stride <= self.hw.gpus_per_node else 1
 
@@ -241,26 +268,59 @@ class Costs:
         if s.cp == 1:
             return 0.0
         size = s.micro_batch_size * s.seq_length * 2 * local_kv_heads(m.num_kv_heads, s.tp) * m.head_dim * s.act_bytes
-        return self.collective("all_gather", size, s.cp, self._group_per_node(s.tp, s.cp))
+        return self.collective("all_gather", size, s.cp, self.group_per_node(s.tp, s.cp))
 
     def all_to_all_bytes(self) -> float:
-        """Bytes one MoE dispatch (or combine) sends off this rank."""
+        """Bytes one MoE dispatch (or combine) sends off this rank (HybridEP: over the network and NVLink)."""
         m, s = self.model, self.s
-        return s.tokens * m.experts_per_token * m.hidden_size * s.act_bytes * (s.ep - 1) / s.ep
+        if s.ep_dispatcher == "hybridep" and s.ep > 1:
+            return s.tokens * m.hidden_size * s.act_bytes * sum(self.hybrid_ep_copies())
+        return s.tokens * experts_taken(m) * m.hidden_size * s.act_bytes * (s.ep - 1) / s.ep
 
     def all_to_all(self) -> float:
-        """One MoE dispatch (or combine) over the ep ranks: T x k x hidden values, (ep-1)/ep off the rank."""
+        """One MoE dispatch (or combine) over the ep ranks: T x k x hidden values (the kept ones under a
+        capacity), (ep-1)/ep off the rank."""
         m, s, hw, c = self.model, self.s, self.hw, self.cal
         if not m.is_moe or s.ep == 1:
             return 0.0
-        size = s.tokens * m.experts_per_token * m.hidden_size * s.act_bytes
-        local = self._group_per_node(s.tp * s.cp, s.ep)
+        if s.ep_dispatcher == "hybridep":
+            return self.hybrid_ep()
+        size = s.tokens * experts_taken(m) * m.hidden_size * s.act_bytes
+        local = self.group_per_node(s.tp * s.cp, s.ep)
         inside = size * (local - 1) / s.ep / (hw.link.bandwidth * c.nvlink["all_to_all"].efficiency)
         outside = 0.0
         if local < s.ep:
             outside = size * (s.ep - local) / s.ep / (hw.nic_bandwidth_per_gpu() * c.network.efficiency)
         latency = hw.network.latency if local < s.ep else hw.link.latency
         return latency + max(inside, outside)
+
+    def hybrid_ep_copies(self) -> tuple[float, float]:
+        """Per token of this rank and dispatch under HybridEP: (copies over the network, copies over NVLink). A
+        token goes once to each remote node holding any of its k experts (node-level dedup), and each node's GPUs
+        send it on over NVLink once to every other GPU there holding any of them (both for its own tokens and those
+        arriving from the network). With k of E experts chosen uniformly (the even loads assumed throughout), a
+        group of g experts holds none of a token's with probability C(E - g, k) / C(E, k)."""
+        m, s = self.model, self.s
+        local = self.group_per_node(s.tp * s.cp, s.ep)
+        nodes = s.ep // local
+        k, experts = m.experts_per_token, m.num_experts
+
+        def hit(group: float) -> float:
+            return 1 - math.comb(experts - round(group), k) / math.comb(experts, k)
+
+        kept = experts_taken(m) / k
+        network = (nodes - 1) * hit(experts * local / s.ep) * kept
+        return network, nodes * (local - 1) * hit(experts / s.ep) * kept
+
+    def hybrid_ep(self) -> float:
+        """One HybridEP dispatch (or combine): its network and NVLink stages pipelined (warp-level, TMA copies), so
+        the slower of the two: the network at the simulator's NIC efficiency, NVLink at the all-to-all curve's."""
+        m, s, hw, c = self.model, self.s, self.hw, self.cal
+        row = s.tokens * m.hidden_size * s.act_bytes
+        network, nvlink = self.hybrid_ep_copies()
+        inside = row * nvlink / (hw.link.bandwidth * c.nvlink["all_to_all"].efficiency)
+        outside = row * network / (hw.nic_bandwidth_per_gpu() * c.network.efficiency)
+        return (hw.network.latency if network else hw.link.latency) + max(inside, outside)
 
     def p2p(self, across_nodes: bool) -> float:
         s = self.s
@@ -274,7 +334,7 @@ class Costs:
     def layer(self, recomputed: bool = True) -> LayerCost:
         """One decoder layer's pieces for one micro-batch (recomputed: this layer falls under --recompute)."""
         s, c = self.s, self.cal
-        gemm, attn, elem = self.gemm_forward(), self.attention_total(), self.elementwise_total()
+        gemm, attn, elem = self.gemm_forward(), self.attention_total(), self.elementwise_total() + self.routing()
         a_fwd = attn * c.attention_forward_share
         tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
         fwd = Piece()

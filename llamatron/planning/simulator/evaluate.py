@@ -32,6 +32,7 @@ class SimSettings:
     fused_grad_accumulation: bool = False  # Megatron-core's: the weight-gradient GEMM accumulates in fp32 itself
     fp8_experts: bool = False  # --fp8 on the experts' grouped GEMMs too (Transformer Engine's; not llamatron's)
     pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
+    ep_dispatcher: str = "alltoall"  # or "hybridep" (Megatron-core's flex dispatcher, HybridEP: published runs)
 
 
 @dataclass
@@ -134,6 +135,7 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
         tp_overlap_all=settings.tp_overlap_all,
         fused_grad_accumulation=settings.fused_grad_accumulation,
         fp8_experts=settings.fp8_experts,
+        ep_dispatcher=settings.ep_dispatcher,
     )
 
 

@@ -80,6 +80,7 @@ def predict(run: dict[str, Any], cal: Calibration | None = None) -> Prediction:
         tp_overlap_all=run.get("tp_overlap") == "all",
         fused_grad_accumulation=megatron,
         fp8_experts=megatron,  # Transformer Engine's FP8 grouped GEMMs
+        ep_dispatcher=run.get("dispatcher", "alltoall"),
     )
     sim = simulate_layout(model, run_layout(run), run["seq_length"], hw, precision, settings, cal)
     per_gpu = sim.result.tokens_per_sec_per_gpu

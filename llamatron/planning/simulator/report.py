@@ -25,6 +25,7 @@ _PARTS = [
     ("dp_exposed", "gradient reduction after the last backward"),
     ("dp_gather_blocking", "parameter all-gather after the optimizer (not overlapped)"),
     ("optimizer", "optimizer step"),
+    ("routing_pass", "global-batch load balancing's routing pass (every micro-batch forward once more, no gradient)"),
     ("idle", "GPU idle between kernels (host launches, synchronisation)"),
 ]
 

@@ -74,6 +74,10 @@ def simulate_step(
         s.pp, opt.vpp, opt.micro_batches, durations, p2p, zb, dp.first_forward(gathers) if gathers else None
     )
     done = dp.finish(events, gathers, zb)
+    if model.is_moe and model.router_aux_loss_scope == "global_batch":
+        routing = _routing_pass(model, s, opt, costs, chunks, p2p)
+        done.step_seconds += routing
+        done.parts["routing_pass"] = routing
     if fsdp_tail:  # the step's last reduce-scatter (the first unit's), waited for before the optimizer
         done.step_seconds += fsdp_tail
         done.parts["fsdp"] = done.parts.get("fsdp", 0.0) + fsdp_tail
@@ -90,6 +94,20 @@ def simulate_step(
         done.dp_exposed_seconds,
         done.events,
     )
+
+
+def _routing_pass(
+    model: ModelConfig, s: Shape, opt: StepOptions, costs: Costs, chunks: list[Chunk], p2p: float
+) -> float:
+    """Global-batch load balancing's routing pass (models/moe_balance.py, before the step's forward passes): every
+    micro-batch forward without gradient through the forward-only schedule (each chunk's forward as in training:
+    its GEMMs, attention, all-to-alls and the head), then the MoE layers' counts all-reduced over the
+    data-parallel ranks."""
+    forward = [ChunkDurations(ch.forward.seconds, 0.0, 0.0) for ch in chunks]
+    events = run_pipeline(s.pp, opt.vpp, opt.micro_batches, forward, p2p, forward_only=True)
+    counts = model.num_moe_layers / s.pp * model.num_experts * 4  # fp32 per MoE layer of a stage and expert
+    reduce = costs.collective("all_reduce", counts, s.dp * s.cp, costs.group_per_node(s.tp, s.dp * s.cp))
+    return max(e.end for e in events) + reduce
 
 
 def _add_fsdp(model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, costs: Costs, chunks: list[Chunk]) -> float:

@@ -48,12 +48,16 @@ def run_pipeline(
     p2p: float,
     zero_bubble: bool = False,
     first_forward: Callable[[int, float], float] | None = None,
+    forward_only: bool = False,
 ) -> list[Event]:
     """Every rank's actions with their start and end times. first_forward(chunk, start) -> end: the first
-    forward of each chunk, which waits layer by layer for its parameters' all-gather."""
-    orders = [deque(rank_order(pp, vpp, r, micro_batches)) for r in range(pp)]
+    forward of each chunk, which waits layer by layer for its parameters' all-gather. forward_only: the
+    forward-only schedule (evaluation's, global-batch balancing's routing pass), which holds nothing."""
+    orders = [deque(rank_order(pp, vpp, r, micro_batches, forward_only)) for r in range(pp)]
     # ZB-H1 lets every rank hold as many micro-batches as 1F1B's first rank (its peak memory): later ranks defer Ws
     caps = [max_alive(pp, vpp, 0 if zero_bubble else r, micro_batches) for r in range(pp)]
+    if forward_only:
+        caps = [micro_batches * vpp] * pp
     free, held = [0.0] * pp, [0] * pp
     pending: list[deque[Action]] = [deque() for _ in range(pp)]
     end: dict[tuple[bool, int, int], float] = {}
