@@ -91,6 +91,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "compile": derived.compile,
         "precision": derived.dtype_name,
         "fp8": t.fp8,
+        "fp8_experts": t.fp8 != "none" and t.fp8_experts,
         "mbs": t.micro_batch_size,
         "gbs": t.global_batch_size,
         "seq": cfg.data.seq_length,
