@@ -74,6 +74,40 @@ def test_expert_parallel_backward_on_tensor_cores_is_autograds():
     assert _rel(experts.weight_grad(grad, x.detach(), counts, w.detach()), w.grad) < 1e-3
 
 
+@needs_grouped_fp8
+def test_gradient_gemms_accumulate_in_full_precision_unlike_torchaos_function():
+    """The forward is torchao's MoE function's, bit for bit; the gradients, summed over thousands of an expert's rows,
+    are closer to the emulation (the same FP8 operands, fp32 accumulation) than that function's, whose three GEMMs all
+    accumulate fast (the one difference of the autograd function written out in training/fp8_experts.py)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as torchao_grouped_mm
+
+    from llamatron.training.fp8_experts import FP8, FP8GroupedMM, pad, padded_groups, unpad
+
+    torch.manual_seed(2)
+    counts = torch.tensor([4096, 3000, 1000], device="cuda")
+    x = torch.randn(int(counts.sum()), 1024, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(3, 2048, 1024, device="cuda") / 32).to(torch.bfloat16)
+    grad = torch.randn(x.shape[0], 2048, device="cuda", dtype=torch.bfloat16)
+
+    def torchaos(xi, wi, c):
+        groups = padded_groups(c, xi.shape[0])
+        return unpad(
+            torchao_grouped_mm(pad(xi, groups), wi.transpose(-2, -1), groups.offsets, torch.bfloat16, FP8, False),
+            groups,
+        )
+
+    results = []
+    for run in (FP8GroupedMM(emulate=False), FP8GroupedMM(emulate=True), torchaos):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = run(xi, wi, counts)
+        out.backward(grad)
+        results.append((out, xi.grad, wi.grad))
+    ours, emulated, theirs = results
+    assert torch.equal(ours[0], theirs[0])
+    assert _rel(ours[2], emulated[2]) < _rel(theirs[2], emulated[2])  # the weight gradient: a sum over rows
+    assert _rel(ours[1], emulated[1]) <= _rel(theirs[1], emulated[1])  # the input gradient: a sum over 2,048
+
+
 def _model(fp8_experts: bool, recipe: str = "rowwise"):
     from llamatron.models import build_model, get_preset, materialize
     from llamatron.training.engine import apply_compile
