@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -111,7 +114,7 @@ def _describe(layer: nn.Module) -> Layer:
     )
 
 
-_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "rope_scaling"]
+_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig) if f.name != "rope_scaling"))
 _CACHE: dict[tuple, tuple[tuple[Layer, ...], int]] = {}  # the planner asks thousands of times per search
 
 
@@ -119,7 +122,30 @@ def config_key(cfg: ModelConfig) -> tuple:
     """A hashable value equal for equal configs (ModelConfig itself is mutable): what caches of it are keyed by."""
     scaling = cfg.rope_scaling
     rope = dataclasses.astuple(scaling) if isinstance(scaling, RopeScaling) else scaling
-    return (*(getattr(cfg, name) for name in _FIELDS), rope)
+    return (*_FIELDS(cfg), rope)
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+_PER_CONFIG_SIZE = 1 << 16
+
+
+def per_config(fn: Callable[Concatenate[ModelConfig, P], T]) -> Callable[Concatenate[ModelConfig, P], T]:
+    """Memoise a pure function of a config and hashable arguments, by config_key: the planner asks the same few
+    questions of one model for each of the tens of thousands of layouts it weighs. What it returns is shared:
+    only for immutable results."""
+    memo: dict[tuple, T] = {}
+
+    @functools.wraps(fn)
+    def cached(cfg: ModelConfig, *args: P.args, **kwargs: P.kwargs) -> T:
+        key = (config_key(cfg), args, tuple(kwargs.items()))
+        if key not in memo:
+            if len(memo) >= _PER_CONFIG_SIZE:
+                memo.clear()
+            memo[key] = fn(cfg, *args, **kwargs)
+        return memo[key]
+
+    return cached
 
 
 def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int]:
@@ -157,6 +183,7 @@ def input_embedding_params(cfg: ModelConfig) -> int:
     return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
 
 
+@per_config
 def _params(cfg: ModelConfig, active: bool) -> int:
     total = 0
     for layer in layers(cfg):
@@ -188,8 +215,9 @@ def mean_mlp_width(cfg: ModelConfig) -> float:
     experts' in a MoE layer (models with dense layers among the MoE ones differ by layer)."""
     if cfg.moe_layer_step == 1:  # every layer alike (the planner asks this for every layout it weighs)
         return float(cfg.ffn_hidden_size * (cfg.experts_per_token if cfg.is_moe else 1))
-    widths = [cfg.layer_ffn(i) * (cfg.experts_per_token if cfg.is_moe_layer(i) else 1) for i in range(cfg.num_layers)]
-    return sum(widths) / cfg.num_layers
+    moe = cfg.num_moe_layers  # layer_ffn's widths summed in closed form (the planner asks per layout and rank)
+    dense = cfg.dense_ffn_hidden_size or cfg.ffn_hidden_size
+    return (moe * cfg.ffn_hidden_size * cfg.experts_per_token + (cfg.num_layers - moe) * dense) / cfg.num_layers
 
 
 def moe_layer_share(cfg: ModelConfig) -> float:
@@ -199,6 +227,7 @@ def moe_layer_share(cfg: ModelConfig) -> float:
     return cfg.num_moe_layers / cfg.num_layers
 
 
+@per_config
 def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
     """The keys a query's attention score matrix spans, averaged over the layers (the S of the FLOP formula): the
     sequence, the sliding window or the attention chunk where shorter."""
@@ -213,6 +242,7 @@ def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
     return sum(spans) / len(spans)
 
 
+@per_config
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
     6·(N - input-embedding params) + 12·L·(heads·head_dim)·S, as PaLM and torchtitan count them
@@ -239,4 +269,5 @@ __all__ = [
     "mean_mlp_width",
     "moe_layer_share",
     "num_params",
+    "per_config",
 ]
