@@ -8,12 +8,13 @@ the layer's features (which norm, which MLP) are read off its modules. Nothing h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
@@ -115,35 +116,59 @@ def _describe(layer: nn.Module) -> Layer:
 
 
 _FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig) if f.name != "rope_scaling"))
+_SCALING_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(RopeScaling)))  # its fields are scalars
 _CACHE: dict[tuple, tuple[tuple[Layer, ...], int]] = {}  # the planner asks thousands of times per search
+
+
+_UNCHANGED: dict[int, tuple[ModelConfig, tuple]] = {}  # id -> (config, key) inside unchanged_config
 
 
 def config_key(cfg: ModelConfig) -> tuple:
     """A hashable value equal for equal configs (ModelConfig itself is mutable): what caches of it are keyed by."""
+    known = _UNCHANGED.get(id(cfg))
+    if known is not None and known[0] is cfg:
+        return known[1]
     scaling = cfg.rope_scaling
-    rope = dataclasses.astuple(scaling) if isinstance(scaling, RopeScaling) else scaling
+    rope = _SCALING_FIELDS(scaling) if isinstance(scaling, RopeScaling) else scaling
     return (*_FIELDS(cfg), rope)
+
+
+@contextlib.contextmanager
+def unchanged_config(cfg: ModelConfig) -> Iterator[ModelConfig]:
+    """A block inside which `cfg` does not change: config_key remembers its key there. A planner search asks
+    it of its model for every layout and pipeline rank it weighs; reading 40 fields each time was a third of
+    the search."""
+    before = _UNCHANGED.get(id(cfg))
+    _UNCHANGED[id(cfg)] = cfg, config_key(cfg)
+    try:
+        yield cfg
+    finally:
+        if before is None:
+            del _UNCHANGED[id(cfg)]
+        else:
+            _UNCHANGED[id(cfg)] = before
 
 
 P = ParamSpec("P")
 T = TypeVar("T")
 _PER_CONFIG_SIZE = 1 << 16
+_MISSING = object()
 
 
 def per_config(fn: Callable[Concatenate[ModelConfig, P], T]) -> Callable[Concatenate[ModelConfig, P], T]:
     """Memoise a pure function of a config and hashable arguments, by config_key: the planner asks the same few
     questions of one model for each of the tens of thousands of layouts it weighs. What it returns is shared:
     only for immutable results."""
-    memo: dict[tuple, T] = {}
+    memo: dict[tuple, object] = {}
 
     @functools.wraps(fn)
     def cached(cfg: ModelConfig, *args: P.args, **kwargs: P.kwargs) -> T:
         key = (config_key(cfg), args, tuple(kwargs.items()))
-        if key not in memo:
+        if (value := memo.get(key, _MISSING)) is _MISSING:
             if len(memo) >= _PER_CONFIG_SIZE:
                 memo.clear()
-            memo[key] = fn(cfg, *args, **kwargs)
-        return memo[key]
+            value = memo[key] = fn(cfg, *args, **kwargs)
+        return cast(T, value)
 
     return cached
 
@@ -270,4 +295,5 @@ __all__ = [
     "moe_layer_share",
     "num_params",
     "per_config",
+    "unchanged_config",
 ]

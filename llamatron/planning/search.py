@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
-from ..models.inventory import num_params
+from ..models.inventory import num_params, unchanged_config
 from .candidates import (
     Validity,
     candidate_layouts,
@@ -86,38 +86,26 @@ def plan(
 ) -> PlanResult:
     """All layouts that fit, fastest first; when none does, an explanation of why."""
     _check_inputs(model_name, gpus, gpu_memory, seq_length, gpus_per_node, global_batch_size)
-    model = planned_model(model_name, model_overrides)
-    search = _Search(
-        model_name, model_overrides, model, gpus, gpus_per_node, gpu_memory, seq_length, global_batch_size, precision
-    )
-    fits = search.evaluate((1,), speed)
-    context = [c for c in context_sizes(gpus, seq_length) if c > 1]
-    if context:
-        # cp only where needed or faster: a cp layout must beat every layout without cp that fits, by CONTEXT_SPEEDUP.
-        to_beat = CONTEXT_SPEEDUP * max((p.speed.tokens_per_sec_per_gpu for p in fits), default=0.0)
-        # Without any valid layout to explain a failure by, cp layouts are modelled in full even when their
-        # weights alone cannot fit (the explanation names the smallest).
-        worth = _ContextFilter(
-            model, seq_length, precision, gpus, gpus_per_node, to_beat, search.bound, speed, bool(fits) or search.any()
-        )
-        cp_fits = search.evaluate(context, speed, worth)
-        fits += [p for p in cp_fits if p.speed.tokens_per_sec_per_gpu > to_beat]
-    fits = _drop_dominated_recompute(fits)
-    fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
-    result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
-    if not fits and explain:
-        result.explanation = _explain(
+    with unchanged_config(planned_model(model_name, model_overrides)) as model:
+        search = _Search(
             model_name,
+            model_overrides,
             model,
             gpus,
+            gpus_per_node,
             gpu_memory,
             seq_length,
-            gpus_per_node,
             global_batch_size,
-            model_overrides,
             precision,
-            search.rejected_memory(),
+            speed,
         )
+        fits = search.evaluate((1,))
+        fits += search.context_parallel(fits)
+        fits = _drop_dominated_recompute(fits)
+        fits.sort(key=lambda p: (-p.speed.tokens_per_sec_per_gpu, p.memory.total))
+        result = PlanResult(model_name, gpus, gpu_memory, seq_length, fits)
+        if not fits and explain:
+            result.explanation = _explain(model_name, model, gpus, gpu_memory, seq_length, gpus_per_node, search)
     return result
 
 
@@ -158,7 +146,8 @@ class _Search:
     gpu_memory: float
     seq_length: int
     global_batch_size: int | None
-    precision: Precision
+    precision: Precision = Precision()
+    speed: SpeedAssumptions = SpeedAssumptions()
     rejected: list[Layout] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -166,9 +155,7 @@ class _Search:
         self.bound = _StaticBound(self.model, self.precision, self.gpu_memory)
         self._rejected: set[Layout] = set()
 
-    def evaluate(
-        self, context: Iterable[int], speed: SpeedAssumptions, worth: Callable[[Layout], bool] | None = None
-    ) -> list[Plan]:
+    def evaluate(self, context: Iterable[int], worth: Callable[[Layout], bool] | None = None) -> list[Plan]:
         """The valid layouts of cp sizes `context` (that pass `worth`) that fit, with their partial-recompute
         variants."""
         fits = []
@@ -189,8 +176,33 @@ class _Search:
                 self.rejected.append(lay)
                 self._rejected.add(lay)
             elif self.valid(lay):
-                fits.append(self._plan(lay, mem, speed))
-        return fits + [self._plan(lay, self._memory(lay), speed) for lay in self._partial_recompute(fits)]
+                fits.append(self._plan(lay, mem))
+        partial = self._partial_recompute(fits)
+        return fits + [
+            self._plan(lay, layout_memory(self.model, lay, self.seq_length, self.precision)) for lay in partial
+        ]
+
+    def context_parallel(self, fits: list[Plan]) -> list[Plan]:
+        """The cp layouts to list beside `fits` (those without cp): only where needed or faster, a cp layout must
+        beat every layout without cp that fits by CONTEXT_SPEEDUP."""
+        context = [c for c in context_sizes(self.gpus, self.seq_length) if c > 1]
+        if not context:
+            return []
+        to_beat = CONTEXT_SPEEDUP * max((p.speed.tokens_per_sec_per_gpu for p in fits), default=0.0)
+        # Without any valid layout to explain a failure by, cp layouts are modelled in full even when their
+        # weights alone cannot fit (the explanation names the smallest).
+        worth = _ContextFilter(
+            self.model,
+            self.seq_length,
+            self.precision,
+            self.gpus,
+            self.gpus_per_node,
+            to_beat,
+            self.bound,
+            self.speed,
+            bool(fits) or self.any(),
+        )
+        return [p for p in self.evaluate(context, worth) if p.speed.tokens_per_sec_per_gpu > to_beat]
 
     def any(self) -> bool:
         """Whether any layout weighed so far is valid."""
@@ -198,21 +210,17 @@ class _Search:
 
     def rejected_memory(self) -> list[tuple[Layout, Memory]]:
         """The valid layouts that do not fit, with their memory."""
-        return [
-            (lay, layout_memory(self.model, lay, self.seq_length, self.precision))
-            for lay in self.rejected
-            if self.valid(lay)
-        ]
+        model, seq, precision = self.model, self.seq_length, self.precision
+        return [(lay, layout_memory(model, lay, seq, precision)) for lay in self.rejected if self.valid(lay)]
 
     def _memory(self, lay: Layout) -> Memory | None:
         return memory_within(self.model, lay, self.seq_length, self.precision, self.gpu_memory)
 
-    def _plan(self, lay: Layout, mem: Memory | None, speed: SpeedAssumptions) -> Plan:
-        assert mem is not None
-        fp8 = self.precision.fp8
-        return Plan(
-            lay, mem, estimate_speed(self.model, lay, self.seq_length, self.gpus, self.gpus_per_node, speed, fp8=fp8)
+    def _plan(self, lay: Layout, mem: Memory) -> Plan:
+        speed = estimate_speed(
+            self.model, lay, self.seq_length, self.gpus, self.gpus_per_node, self.speed, fp8=self.precision.fp8
         )
+        return Plan(lay, mem, speed)
 
     def _partial_recompute(self, fits: list[Plan]) -> list[Layout]:
         """Where full recompute fits and no recompute (a valid layout) does not, the fewest recomputed layers per
@@ -328,24 +336,24 @@ def layout_fits(
     and its recompute filters drop a layout only for another that fits, so its list is empty exactly when no
     valid layout of its search fits. Memory is judged before the (costlier) validation, the static lower bound
     before the activations; the cp layouts pass plan's own filter first."""
-    model = planned_model(model_name, model_overrides)
-    # plan's filter of cp layouts (to_beat 0: where none without cp fits, every cp layout that fits is listed);
-    # its static lower bound rules out the layouts without cp too.
-    bound = _StaticBound(model, precision, gpu_memory)
-    cp_filter = _ContextFilter(model, seq_length, precision, gpus, gpus_per_node, 0.0, bound)
+    with unchanged_config(planned_model(model_name, model_overrides)) as model:
+        # plan's filter of cp layouts (to_beat 0: where none without cp fits, every cp layout that fits is listed);
+        # its static lower bound rules out the layouts without cp too.
+        bound = _StaticBound(model, precision, gpu_memory)
+        cp_filter = _ContextFilter(model, seq_length, precision, gpus, gpus_per_node, 0.0, bound)
 
-    def fits(lay: Layout) -> bool:
-        plausible = cp_filter(lay) if lay.cp > 1 else bound(lay)
-        return plausible and memory_within(model, lay, seq_length, precision, gpu_memory) is not None
+        def fits(lay: Layout) -> bool:
+            plausible = cp_filter(lay) if lay.cp > 1 else bound(lay)
+            return plausible and memory_within(model, lay, seq_length, precision, gpu_memory) is not None
 
-    context = [c for c in context_sizes(gpus, seq_length) if c > 1]
-    for sizes in [(1,), context] if context else [(1,)]:
-        layouts = candidate_layouts(
-            model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides, sizes, fits
-        )
-        if next(layouts, None) is not None:
-            return True
-    return False
+        context = [c for c in context_sizes(gpus, seq_length) if c > 1]
+        for sizes in [(1,), context] if context else [(1,)]:
+            layouts = candidate_layouts(
+                model_name, gpus, seq_length, gpus_per_node, global_batch_size, model_overrides, sizes, fits
+            )
+            if next(layouts, None) is not None:
+                return True
+        return False
 
 
 def minimum_gpus(
@@ -410,22 +418,19 @@ def _explain(
     gpu_memory: float,
     seq_length: int,
     gpus_per_node: int,
-    global_batch_size: int | None,
-    overrides: dict | None,
-    precision: Precision,
-    rejected: list[tuple[Layout, Memory]],
+    search: _Search,
 ) -> str:
+    global_batch_size, overrides, precision = search.global_batch_size, search.model_overrides, search.precision
     setup = (
         f"{model_name} ({num_params(model) / 1e9:.1f}B parameters) does not fit on {gpus} x {gpu_memory / GB:.0f} GB"
     )
-    if not rejected:
+    if not search.any():
         batch = f" and global batch size {global_batch_size}" if global_batch_size else ""
         return (
             f"{setup}: no layout of {gpus} GPUs is valid for this model{batch} (tp must divide the heads and "
             f"stay within a node of {gpus_per_node}, pp*vpp must divide its {model.num_layers} layers, 2*cp the "
             f"sequence)"
         )
-    static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
     per_param = sum(bytes_per_param(precision.dtype, True, 1))
     perfect = per_param * num_params(model) / gpus
     if perfect > gpu_memory:
@@ -433,18 +438,8 @@ def _explain(
             f"weights+grads+optimizer alone need {perfect / GB:.1f} GB per GPU even sharded perfectly over all "
             f"{gpus} GPUs ({per_param:.0f} bytes a parameter / {gpus}, as --fsdp over every GPU would)"
         )
-    elif static_mem.static > gpu_memory:
-        why = (
-            f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU in the layout that shards "
-            f"them furthest ({static_lay.label}, sharding {static_lay.sharding})"
-        )
-    else:
-        lay, mem = min(rejected, key=lambda r: r[1].total)
-        why = (
-            f"the smallest layout ({lay.label}, recompute {lay.recompute}, micro-batch "
-            f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
-            f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}"
-        )
+    else:  # (only here are the valid layouts that do not fit modelled in full)
+        why = _smallest_layout(search.rejected_memory(), gpu_memory)
     needed = minimum_gpus(
         model_name, gpu_memory, seq_length, gpus_per_node, global_batch_size, overrides, precision, start=gpus + 1
     )
@@ -453,3 +448,20 @@ def _explain(
     if perfect > gpu_memory and perfect + RUNTIME_BASE <= h200:  # the bound is met on a larger GPU
         more += f"; an H200 (--gpu h200) holds {h200 / GB:.1f} GB, above that bound: plan with it to see what fits"
     return f"{setup}: {why}, and a GPU has {gpu_memory / GB:.1f} GB{more}"
+
+
+def _smallest_layout(rejected: list[tuple[Layout, Memory]], gpu_memory: float) -> str:
+    """Why no layout fits, where sharding over every GPU would: the weights of the layout that shards them
+    furthest, or the smallest layout's memory."""
+    static_lay, static_mem = min(rejected, key=lambda r: (r[1].static, -r[0].tp))
+    if static_mem.static > gpu_memory:
+        return (
+            f"weights+grads+optimizer alone need {static_mem.static / GB:.1f} GB per GPU in the layout that shards "
+            f"them furthest ({static_lay.label}, sharding {static_lay.sharding})"
+        )
+    lay, mem = min(rejected, key=lambda r: r[1].total)
+    return (
+        f"the smallest layout ({lay.label}, recompute {lay.recompute}, micro-batch "
+        f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
+        f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}"
+    )
