@@ -7,10 +7,13 @@ do, by CONTEXT_SPEEDUP. cp splits the sequence, not the weights: it pays off for
 activations do not fit otherwise or whose tensor parallelism would move more than cp's K/V gathers; at short
 ones it mostly adds traffic.
 
-Sharding (`shardings`): with several replicas, each layout is weighed whole, with the distributed optimizer, with
---fsdp (and --fsdp-keep-params-in-backward), and with hybrid sharding over the replicas of one node when the
-replicas span nodes; training.validate drops what the trainer refuses (--ep with --fsdp-shard-group). The planner
-plans full training only: LoRA, which --fsdp refuses, is never proposed.
+Sharding (candidates.shardings): with several replicas, each layout is weighed whole, with the distributed
+optimizer, with --fsdp (and --fsdp-keep-params-in-backward), and with hybrid sharding over the replicas of one
+node when the replicas span nodes; training.validate drops what the trainer refuses (--ep with
+--fsdp-shard-group). The planner plans full training only: LoRA, which --fsdp refuses, is never proposed.
+
+The layouts searched are candidates.py's; a layout's memory is judged before the trainer's validation (the most
+are too big), and the fewest GPUs that fit (minimum_gpus) stop at the first valid layout that fits (layout_fits).
 """
 
 from __future__ import annotations
