@@ -444,9 +444,10 @@ def test_minimum_gpus_search_finds_what_trying_every_count_finds(model, memory_g
 def test_a_gpu_smaller_than_the_cuda_runtime_is_answered_at_once(monkeypatch):
     """A 1 GB GPU fits no layout of any size (the CUDA runtime alone is 1 GiB): the search for a GPU count must
     not plan every whole-node count up to its limit (it took minutes)."""
-    calls = []
-    real_plan = S.plan
+    calls = []  # GPU counts planned, or searched for a layout that fits
+    real_plan, real_fits = S.plan, S.layout_fits
     monkeypatch.setattr(S, "plan", lambda *a, **kw: calls.append(a[1]) or real_plan(*a, **kw))
+    monkeypatch.setattr(S, "layout_fits", lambda *a, **kw: calls.append(a[1]) or real_fits(*a, **kw))
     result = S.plan("llama-tiny", 1, 1 * GB, 256)
     assert not result.fits and "does not fit on 1 x 1 GB" in result.explanation
     assert "it needs at least" not in result.explanation

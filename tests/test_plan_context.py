@@ -183,9 +183,10 @@ def test_cp_is_proposed_when_nothing_fits_without_it(monkeypatch):
     """On 16 x 40 GB no layout without cp fits a 131072-token sequence of Llama 3.1 8B; with cp some do."""
     result = S.plan("llama3.1-8b", 16, 40 * GB, LONG)
     assert result.fits and all(p.layout.cp > 1 and p.memory.total <= 40 * GB for p in result.fits)
+    assert S.layout_fits("llama3.1-8b", 16, 40 * GB, LONG)  # minimum_gpus' question: the cp layouts count
     monkeypatch.setattr(S, "context_sizes", lambda gpus, seq: [1])  # the search without cp
     alone = S.plan("llama3.1-8b", 16, 40 * GB, LONG, explain=False)
-    assert not alone.fits
+    assert not alone.fits and not S.layout_fits("llama3.1-8b", 16, 40 * GB, LONG)
 
 
 def test_short_sequences_keep_cp_1():

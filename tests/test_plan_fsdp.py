@@ -10,6 +10,7 @@ from dist_utils import spawn
 from llamatron.config.settings import config_from_values
 from llamatron.models import get_preset
 from llamatron.models.inventory import num_params
+from llamatron.planning import candidates as C
 from llamatron.planning import plan as P
 from llamatron.planning import search as S
 from llamatron.planning.fsdp_memory import fsdp_buffers, fsdp_state_bytes
@@ -193,9 +194,9 @@ def test_search_proposes_fsdp_where_no_replica_fits():
     between the smallest --fsdp layout and the smallest other one: every layout listed shards with --fsdp, and the
     command it suggests says so."""
     shape = {"num_layers": 5}
-    model = S._model("llama-1b", shape)
+    model = C.planned_model("llama-1b", shape)
     totals: dict[bool, float] = {True: 1e30, False: 1e30}
-    for lay in S.candidate_layouts("llama-1b", 8, 2048, 1, 16, shape):
+    for lay in C.candidate_layouts("llama-1b", 8, 2048, 1, 16, shape):
         totals[lay.fsdp] = min(totals[lay.fsdp], P.layout_memory(model, lay, 2048).total)
     assert totals[True] < totals[False]
     memory = (totals[True] + totals[False]) / 2
@@ -209,13 +210,13 @@ def test_search_proposes_fsdp_where_no_replica_fits():
 def test_search_never_proposes_what_the_trainer_refuses():
     """Hybrid sharding is searched (one node's replicas), but not with expert parallelism (fsdp.fsdp_problems
     refuses it); --fsdp never goes with --distributed-optimizer."""
-    layouts = list(S.candidate_layouts("mixtral-test", 4, 64, 2, 16))
+    layouts = list(C.candidate_layouts("mixtral-test", 4, 64, 2, 16))
     assert any(lay.fsdp_shard_group == 2 and lay.ep == 1 for lay in layouts)
     assert any(lay.fsdp and lay.ep == 2 for lay in layouts)
     assert not any(lay.fsdp_shard_group and lay.ep > 1 for lay in layouts)
     assert not any(lay.fsdp and lay.distributed_optimizer for lay in layouts)
     for lay in layouts[:50]:
-        assert S._run_config("mixtral-test", None, lay, 64).lora.lora_rank == 0  # the planner plans no LoRA
+        assert C.planned_run_config("mixtral-test", None, lay, 64).lora.lora_rank == 0  # the planner plans no LoRA
 
 
 def test_default_sequence_is_the_context_at_most_8192():

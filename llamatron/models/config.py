@@ -275,7 +275,8 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        """The layers i with (i + 1) % moe_layer_step == 0 (is_moe_layer), counted without visiting each."""
+        return self.num_layers // self.moe_layer_step if self.is_moe else 0
 
     def layer_ffn(self, index: int) -> int:
         """The width of layer `index`'s SwiGLU (of each expert in a MoE layer)."""

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import ModelConfig
-from ..models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share
+from ..models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share, per_config
 from ..parallel.schedules import max_alive
 from ..parallel.tensor import local_kv_heads
 
@@ -131,6 +131,7 @@ def final_norm_bytes(
     return inputs / (tp if sequence_parallel else 1) + a * h
 
 
+@per_config
 def layer_activation_bytes(
     model: ModelConfig,
     act_bytes: int,
@@ -150,6 +151,7 @@ def layer_activation_bytes(
     return sum(terms.values())
 
 
+@per_config
 def chunk_activation_bytes(
     model: ModelConfig,
     layers: int,

@@ -5,7 +5,14 @@ modules, built on meta) and what one rank keeps of each from parallel/tensor.py'
 from __future__ import annotations
 
 from ..models import ModelConfig
-from ..models.inventory import active_params, config_key, final_norm_params, input_embedding_params, layers
+from ..models.inventory import (
+    active_params,
+    config_key,
+    final_norm_params,
+    input_embedding_params,
+    layers,
+    per_config,
+)
 from ..parallel.optimizer import bytes_per_param
 from ..parallel.pipeline import split_layers
 from ..parallel.tensor import padded_vocab_size, shard_numel
@@ -62,6 +69,7 @@ def stage_layers(model: ModelConfig, pp: int, vpp: int, pp_layers: str | None = 
     return [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
 
 
+@per_config
 def active_layer_params(model: ModelConfig) -> int:
     """Parameters of one decoder layer that compute one token (all of it for a dense model; the router and
     experts_per_token experts of a mixture of experts): the model's active parameters per layer."""
@@ -88,6 +96,7 @@ def largest_layer_param(model: ModelConfig, tp: int) -> int:
     return _SHARDS[key][0]
 
 
+@per_config
 def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int, ep: int = 1) -> tuple[int, int]:
     """(parameters on pipeline rank `rank`, the largest single parameter there)."""
     h, vocab = model.hidden_size, local_vocab(model, tp)

@@ -197,6 +197,19 @@ def layout_memory(
     return max(ranks, key=lambda m: m.total)
 
 
+def memory_within(
+    model: ModelConfig, layout: Layout, seq_length: int, precision: Precision, gpu_memory: float
+) -> Memory | None:
+    """layout_memory where its total is at most gpu_memory, else None: answered at the first pipeline rank that
+    overflows, the first (the most micro-batches in flight) and the last (the loss) weighed before the others."""
+    ranks: dict[int, Memory] = {}
+    for r in dict.fromkeys([0, layout.pp - 1, *range(1, layout.pp - 1)]):
+        ranks[r] = _rank_memory(model, layout, seq_length, precision, None, layout.recompute_layers, r)
+        if ranks[r].total > gpu_memory:
+            return None
+    return max((ranks[r] for r in range(layout.pp)), key=lambda m: m.total)
+
+
 def _rank_memory(
     model: ModelConfig,
     lay: Layout,
