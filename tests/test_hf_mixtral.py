@@ -180,6 +180,24 @@ def test_export_of_a_mixtral_trained_from_scratch(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_export_names_the_training_settings_config_json_has_no_key_for(tmp_path, capsys):
+    """A capacity factor and global-batch balancing shape training only: the export says they are not in it."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: mixtral-test\nmodel_overrides: {moe_capacity_factor: 1.5, router_aux_loss_scope: global_batch}\n"
+    )
+    args = ["train", "--config", config, "--mock-data", "--device", "cpu", "--precision", "fp32", "--seq-length", "32"]
+    args += ["--micro-batch-size", "2", "--global-batch-size", "2", "--train-steps", "1", "--eval-iters", "1"]
+    assert run_cli(*args, "--no-progress", "--save", tmp_path / "ckpt") == 0
+    capsys.readouterr()
+    assert run_cli("export-hf", tmp_path / "ckpt", tmp_path / "out") == 0
+    notice = [line for line in capsys.readouterr().out.splitlines() if "not in config.json" in line]
+    assert notice == [
+        "  not in config.json (training settings it has no key for): moe_capacity_factor 1.5 (probs), "
+        "router_aux_loss_scope global_batch"
+    ]
+
+
 @pytest.mark.parametrize(
     "changes",
     [

@@ -43,6 +43,19 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     return family.hf.config_from_hf(hf)
 
 
+def training_settings_not_exported(cfg: ModelConfig) -> list[str]:
+    """Settings of `cfg` that shape only how it trains and that no Hugging Face config has a key for: export-hf
+    names them (a user training the export again sets them again)."""
+    if not cfg.is_moe:
+        return []
+    dropped = []
+    if cfg.moe_capacity_factor is not None:
+        dropped.append(f"moe_capacity_factor {cfg.moe_capacity_factor} ({cfg.moe_token_drop_policy})")
+    if cfg.router_aux_loss_scope == "global_batch":
+        dropped.append("router_aux_loss_scope global_batch")
+    return dropped
+
+
 def config_to_hf(
     cfg: ModelConfig,
     base: Mapping[str, Any] | None = None,

@@ -26,7 +26,14 @@ from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError
 from ..models import ModelConfig, build_model
 from ..models.families import family_for_model_type
-from .hf import TensorRule, check_hf_names, config_from_hf, config_to_hf, weight_rules
+from .hf import (
+    TensorRule,
+    check_hf_names,
+    config_from_hf,
+    config_to_hf,
+    training_settings_not_exported,
+    weight_rules,
+)
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
 from .meta_consolidated import MetaSource, is_meta_checkpoint
@@ -367,7 +374,13 @@ def export_hf(
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"files": files, "tokenizer": str(tok) if tok else None, "config": hf, "step_dir": str(step_dir)}
+    return {
+        "files": files,
+        "tokenizer": str(tok) if tok else None,
+        "config": hf,
+        "step_dir": str(step_dir),
+        "not_exported": training_settings_not_exported(cfg),
+    }
 
 
 def _strip_padding(name: str, t: torch.Tensor, vocab: int) -> torch.Tensor:

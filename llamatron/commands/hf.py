@@ -147,6 +147,8 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         )
         print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
         _print_tokenizer(summary, args.out_dir)
+        if summary["not_exported"]:
+            print(f"  not in config.json (training settings it has no key for): {', '.join(summary['not_exported'])}")
     if args.push_to_hub:
         url = push_to_hub(Path(args.out_dir), args.push_to_hub, args.private)
         print(f"  uploaded to {url}")
