@@ -152,18 +152,6 @@ def emulated_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
     return out.to(grad.dtype)
 
 
-class _EmulatedGroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, offsets)
-        return emulated_forward(x, weight, offsets)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, offsets = ctx.saved_tensors
-        return emulated_input_grad(grad, weight, offsets), emulated_weight_grad(grad, x, offsets), None
-
-
 # ---- on FP8 tensor cores: torchao's quantisation kernels, torch._scaled_grouped_mm ----
 
 # torchao.prototype.moe_training.kernels, looked up by FP8GroupedMM (eagerly, before torch.compile traces a call)
@@ -220,21 +208,26 @@ def _fp8_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor)
 
 
 class _FP8GroupedMMFunction(torch.autograd.Function):
-    """torchao's fp8_rowwise MoE recipe with its quantisation kernels, written out so that the two gradient GEMMs
-    accumulate in full precision, as torchao.float8's rowwise recipe does for linears (its MoE function,
-    `_to_fp8_rowwise_then_scaled_grouped_mm`, uses fast accumulation in all three; 2,000 steps with it ended 1.9%
-    above bf16's validation loss, RESULTS.md run 22)."""
+    """Each group's x @ W_e^T in FP8, on tensor cores or emulated. On tensor cores it is torchao's rowwise MoE recipe
+    with its quantisation kernels, written out so that the two gradient GEMMs accumulate in full precision, as
+    torchao.float8's rowwise recipe does for linears (its MoE function, `_to_fp8_rowwise_then_scaled_grouped_mm`,
+    uses fast accumulation in all three; 2,000 steps with it ended 1.9% above bf16's validation loss, RESULTS.md
+    run 22)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, emulate: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight, offsets)
-        return _fp8_forward(x, weight, offsets)
+        ctx.emulate = emulate
+        return (emulated_forward if emulate else _fp8_forward)(x, weight, offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, offsets = ctx.saved_tensors
+        if ctx.emulate:
+            return emulated_input_grad(grad, weight, offsets), emulated_weight_grad(grad, x, offsets), None, None
         grad = grad.contiguous()
-        return _fp8_input_grad(grad, weight, offsets), _fp8_weight_grad(grad, x, offsets).to(weight.dtype), None
+        grad_weight = _fp8_weight_grad(grad, x, offsets).to(weight.dtype)
+        return _fp8_input_grad(grad, weight, offsets), grad_weight, None, None
 
 
 class FP8GroupedMM:
@@ -265,9 +258,7 @@ class FP8GroupedMM:
         return unpad(self._padded(hidden, second, groups.offsets), groups)
 
     def _padded(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if self.emulate:
-            return _EmulatedGroupedMM.apply(x, weight, offsets)
-        return _FP8GroupedMMFunction.apply(x, weight, offsets)
+        return _FP8GroupedMMFunction.apply(x, weight, offsets, self.emulate)
 
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The gradient of __call__'s x, given its output's: each expert's rows of grad @ W_e."""
