@@ -356,6 +356,40 @@ def test_moe_layers_share_one_compiled_graph(changes, monkeypatch):
         assert run.balance.global_loads.sum(1).tolist() == [2 * per_layer] * cfg.num_moe_layers
 
 
+def _compiled_layer_variants(cfg, monkeypatch) -> int:
+    """How many frames torch.compile compiles for a training step of `cfg` whose decoder layers are compiled (each
+    layer's forward, and the frames it resumes in after a graph break, once per variant)."""
+    from torch._dynamo.utils import counters
+
+    from llamatron.models import build_model, materialize
+    from llamatron.objectives.language_model import RouterTraining
+
+    monkeypatch.setattr(Experts, "project", torch.compiler.disable(Experts.project))  # the CPU loop: eager
+    model = materialize(build_model(cfg), cfg, 0, "cpu", torch.float32)
+    run = RouterTraining.attach([model], cfg, torch.device("cpu"))
+    if run is not None:
+        run.begin_step(sequences=2, loss_scale=None)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.layers.values():
+        layer.forward = torch.compile(layer.forward, backend="eager", dynamic=False)
+    try:
+        model(torch.randint(0, cfg.vocab_size, (2, 16))).float().sum().backward()
+        return counters["frames"]["ok"]
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("preset", ["mixtral-test4", "qwen3-moe-test", "qwen2-moe-test", "llama4-test", "llama-test4"])
+def test_compiled_layers_do_not_recompile_per_layer(preset, monkeypatch):
+    """Twice the layers, no more compiled frames: what differs between layers is their kind (dense or MoE, NoPE,
+    chunked), never their index (past torch.compile's limit of 8 recompilations, layers run eagerly)."""
+    cfg = get_preset(preset)
+    variants = _compiled_layer_variants(cfg, monkeypatch)
+    assert variants == _compiled_layer_variants(cfg.with_changes({"num_layers": 2 * cfg.num_layers}), monkeypatch)
+    assert variants > 0
+
+
 def test_export_of_a_model_with_the_balancing_bias_is_refused():
     from llamatron.checkpoint.hf import config_to_hf
     from llamatron.errors import HFConversionError
