@@ -3,7 +3,7 @@
 # Written for a 2-GPU host: single-GPU rows run two at a time, one on GPU 0 and one on GPU 1.
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
-#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity,
+#   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity, fp8_parity_moe,
 #           lora7, lora70, lora_fp8, dpo, generate, fsdp1
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -83,6 +83,14 @@ for group in ${@:-single dp tests}; do
         CUDA_VISIBLE_DEVICES=0 timeout "${PARITY_TIMEOUT:-540}" python3 -m llamatron train --config configs/fp8-parity-350m.yaml \
           --data "$PARITY_DATA" --fp8 $r --no-progress --metrics-file "$OUT/parity-$r.jsonl" >"$OUT/parity-$r.log" 2>&1 &
         sleep 15  # the first run writes the data's index cache; the others then read it
+      done
+      wait ;;
+    fp8_parity_moe)  # issue 34: bf16 and FP8 experts (--fp8 rowwise --fp8-experts) side by side on real text
+      for r in none rowwise; do
+        a=""; [ $r = rowwise ] && a="--fp8-experts"
+        CUDA_VISIBLE_DEVICES=0 timeout "${PARITY_TIMEOUT:-540}" python3 -m llamatron train --config configs/fp8-parity-moe.yaml \
+          --data "$PARITY_DATA" --fp8 $r $a --no-progress --metrics-file "$OUT/parity-moe-$r.jsonl" >"$OUT/parity-moe-$r.log" 2>&1 &
+        sleep 12
       done
       wait ;;
     single)
