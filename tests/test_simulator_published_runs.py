@@ -146,3 +146,11 @@ def test_the_hybrid_ep_row_sends_one_copy_per_node_not_per_choice():
     row = next(r for r in published_runs() if r.get("dispatcher") == "hybridep")
     hybrid, nccl = predict(row), predict({**row, "dispatcher": "alltoall"})
     assert nccl.sim.result.parts["ep"] > 3 * hybrid.sim.result.parts["ep"]
+
+
+def test_a_rows_gradient_dtype_reaches_the_simulator():
+    """The dgxc rows' recipes reduce gradients in bf16 (grad_sync_dtype): the row's grad_reduce_dtype must reach the
+    simulator, halving the data-parallel reduce-scatter's bytes (the all-gather of bf16 parameters stays)."""
+    row = next(r for r in USABLE if r.get("grad_reduce_dtype") == "bf16" and r["tp"] == 1)
+    bf16, fp32 = predict(row).sim.result, predict({**row, "grad_reduce_dtype": "fp32"}).sim.result
+    assert bf16.dp_comm_seconds < 0.8 * fp32.dp_comm_seconds, (bf16.dp_comm_seconds, fp32.dp_comm_seconds)

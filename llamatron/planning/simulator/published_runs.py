@@ -81,6 +81,7 @@ def predict(run: dict[str, Any], cal: Calibration | None = None) -> Prediction:
         fused_grad_accumulation=megatron,
         fp8_experts=megatron,  # Transformer Engine's FP8 grouped GEMMs
         ep_dispatcher=run.get("dispatcher", "alltoall"),
+        grad_reduce_dtype=run.get("grad_reduce_dtype", "fp32"),  # a recipe's grad_sync_dtype where it gives one
     )
     sim = simulate_layout(model, run_layout(run), run["seq_length"], hw, precision, settings, cal)
     per_gpu = sim.result.tokens_per_sec_per_gpu
