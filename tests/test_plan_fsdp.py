@@ -157,6 +157,9 @@ def test_exposed_fsdp_time_written_out():
     assert c_fwd == (2.0 + 3.0) * 10.0 / 10.0 and c_back == 3 * 6.0 * (70.0 / 7.0) / 10.0
     keep = exposed_per_micro_batch(t, dataclasses.replace(fs, keep_params=True), [2.0, 5.0, 1.0], 6.0, 10.0)
     assert keep[1] == 3 * (0.0 + 0.5)  # no gather in backward: the reduce-scatter alone fits beside it
+    # bytes faster than the contention bandwidth: the compute loses at most the time the collectives run beside it
+    fast = exposed_per_micro_batch(t, fs, [2.0, 5.0, 1.0], 6.0, 5.0)
+    assert fast[2] == 2.0 + 3.0 and fast[3] == 3 * 6.0
 
 
 def test_simulated_step_has_the_fsdp_traffic_and_hybrid_all_reduce():

@@ -276,3 +276,12 @@ def test_attention_at_head_dim_128_runs_at_its_measured_factor_and_an_assumed_gp
         assert cal.attention("h200", backend, 8192, 96) == pytest.approx(at64 * (1 + (factor - 1) / 2))
         assert cal.attention("h200", backend, 8192, 256) == pytest.approx(at64 * factor)
     assert cal.attention("a100-80gb", "cudnn", 4096, 128) == cal.attention("a100-80gb", "cudnn", 4096, 64)
+
+
+def test_overlapped_gradient_buckets_cost_the_compute_at_most_their_own_time():
+    """Llama 2 7B over 8 H100s (dp 8, NVLink): the buckets' collectives move more than the contention bandwidth's
+    bytes a second, so their bytes alone would charge the compute more than the time they run beside it; the
+    charge is bounded by their time (an overlapped collective never costs more than running it alone)."""
+    lay = Layout(1, 1, 1, 8, False, True, "none", 1, 64)
+    sim = simulate_layout(get_preset("llama2-7b"), lay, 4096, resolve_hardware("h100-sxm"))
+    assert 0 < sim.result.parts["contention"] <= sim.result.dp_comm_seconds

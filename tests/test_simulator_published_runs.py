@@ -154,3 +154,22 @@ def test_a_rows_gradient_dtype_reaches_the_simulator():
     row = next(r for r in USABLE if r.get("grad_reduce_dtype") == "bf16" and r["tp"] == 1)
     bf16, fp32 = predict(row).sim.result, predict({**row, "grad_reduce_dtype": "fp32"}).sim.result
     assert bf16.dp_comm_seconds < 0.8 * fp32.dp_comm_seconds, (bf16.dp_comm_seconds, fp32.dp_comm_seconds)
+
+
+def test_the_megatron_fsdp_row_is_off_by_the_compute_its_overlapped_collectives_are_charged():
+    """Megatron-Bridge's Llama 3 8B FSDP (left out, its reason says why): with its recipe's FP8 weight gathers,
+    bf16 reduce-scatters and unfused accumulation the gathers and reduce-scatters hide under the compute; charged
+    the compute they take beside it (at most their own time: what our NCCL buffers cost, RESULTS.md runs 1-2), the
+    step is slow, charged none (the recipe's registered NCCL buffers' aim, not measured) it is the published one."""
+    import dataclasses
+
+    from llamatron.planning.simulator.calibration import load_calibration
+
+    row = next(r for r in published_runs() if r["name"] == "Megatron-Bridge 25.09 Llama 3 8B FSDP")
+    charged = predict(row)
+    free = predict(row, dataclasses.replace(load_calibration(), contention_bandwidth=float("inf")))
+    assert -0.20 < charged.error < -0.10 and abs(free.error) < 0.05, (charged.error, free.error)
+    assert charged.sim.result.parts["contention"] > 0.1 * charged.sim.result.step_seconds
+    assert free.sim.result.parts.get("fsdp", 0.0) < 0.01 * free.sim.result.step_seconds  # hidden, not exposed
+    bf16 = predict({**row, "param_gather": None, "grad_reduce_dtype": "fp32"})
+    assert bf16.error < charged.error - 0.05  # the recipe's narrower collectives count

@@ -84,6 +84,7 @@ class StepOptions:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     grad_reduce_bytes: int = 4  # fp32 (2: --grad-reduce-dtype bf16)
+    param_gather_bytes: int = 2  # the weights' all-gathers (1: Megatron-core's fp8_param_gather, published runs)
     bucket_size: int = 40_000_000
     schedule: str = "1f1b"  # or "zb-h1"
     pp_layers: str | None = None

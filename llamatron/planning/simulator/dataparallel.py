@@ -46,6 +46,11 @@ class DataParallel:
         size = b.numel * bytes_per
         return self.costs.collective(kind, size, n, per_node), size * (n - 1) / max(n, 1)
 
+    def _slowdown(self, moved: float, seconds: float, overlapped: float) -> float:
+        """Compute lost to a collective of `moved` bytes and `seconds` that runs `overlapped` seconds beside it: its
+        bytes there / the contention bandwidth, at most the time it runs there."""
+        return overlapped * min(1.0, moved / seconds / self.costs.cal.contention_bandwidth)
+
     def _rank_chunks(self, rank: int) -> list[int]:
         return [c for c in range(len(self.chunks)) if c % self.s.pp == rank]
 
@@ -58,7 +63,7 @@ class DataParallel:
             for c in self._rank_chunks(rank):
                 out[c] = []
                 for b in reversed(self.buckets[c]):
-                    seconds, moved = self._collective(b, "all_gather", self.s.act_bytes)
+                    seconds, moved = self._collective(b, "all_gather", self.opt.param_gather_bytes)
                     if seconds:
                         out[c].append((b, t, t + seconds, moved))
                         t += seconds
@@ -83,7 +88,7 @@ class DataParallel:
         by_rank = [[e for e in events if e.rank == r] for r in ranks]
         pipeline_end = [max(e.end for e in rank_events) for rank_events in by_rank]
         dp_events: list[Event] = []
-        moved_overlapped = [0.0] * s.pp
+        slowed = [0.0] * s.pp
         comm = [0.0] * s.pp
         for c, items in gathers.items():
             r = c % s.pp
@@ -91,12 +96,10 @@ class DataParallel:
             for _, start, end, moved in items:
                 dp_events.append(Event(r, "dp-ag", c, -1, start, end))
                 comm[r] += end - start
-                moved_overlapped[r] += moved * _overlap(start, end, busy) / (end - start)
+                slowed[r] += self._slowdown(moved, end - start, _overlap(start, end, busy))
         ready_end = list(pipeline_end)
         for r in ranks:
-            ready_end[r] = max(
-                ready_end[r], self._reduce(r, by_rank[r], gathers, zero_bubble, dp_events, comm, moved_overlapped)
-            )
+            ready_end[r] = max(ready_end[r], self._reduce(r, by_rank[r], gathers, zero_bubble, dp_events, comm, slowed))
         opt_start = max(ready_end)
         owned = [self._owned(r) for r in ranks]
         optimizer = max(self.costs.optimizer(o) for o in owned)
@@ -104,13 +107,13 @@ class DataParallel:
         if opt.distributed_optimizer and not opt.overlap_param_gather:
             blocking = max(
                 sum(
-                    self._collective(b, "all_gather", s.act_bytes)[0]
+                    self._collective(b, "all_gather", opt.param_gather_bytes)[0]
                     for c in self._rank_chunks(r)
                     for b in self.buckets[c]
                 )
                 for r in ranks
             )
-        contention = max(moved_overlapped) / self.costs.cal.contention_bandwidth
+        contention = max(slowed)
         critical = max(ranks, key=lambda r: pipeline_end[r])
         parts, waited = self._parts(by_rank[critical], zero_bubble)
         busy_seconds = sum(e.end - e.start for e in by_rank[critical])
@@ -127,7 +130,7 @@ class DataParallel:
         return Finished(step, parts, max(comm) + blocking, exposed, events + dp_events)
 
     def _reduce(
-        self, r: int, rank_events: list[Event], gathers: dict, zb: bool, out: list, comm: list, moved: list
+        self, r: int, rank_events: list[Event], gathers: dict, zb: bool, out: list, comm: list, slowed: list
     ) -> float:
         """Issue rank r's gradient collectives as their buckets fill; returns when the last one ends."""
         opt = self.opt
@@ -153,7 +156,7 @@ class DataParallel:
             free = end = start + seconds
             out.append(Event(r, "dp-rs", c, -1, start, end, ready))
             comm[r] += seconds
-            moved[r] += size * _overlap(start, end, busy) / seconds
+            slowed[r] += self._slowdown(size, seconds, _overlap(start, end, busy))
         return end
 
     def _owned(self, r: int) -> float:

@@ -33,6 +33,7 @@ class SimSettings:
     fp8_experts: bool = False  # --fp8 on the experts' grouped GEMMs too (Transformer Engine's; not llamatron's)
     pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
     ep_dispatcher: str = "alltoall"  # or "hybridep" (Megatron-core's flex dispatcher, HybridEP: published runs)
+    fp8_param_gather: bool = False  # Megatron-core's: FP8 weights all-gathered, 1 byte each (published runs)
 
 
 @dataclass
@@ -139,7 +140,7 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
     )
 
 
-def _options(lay: Layout, settings: SimSettings, overlap: bool) -> StepOptions:
+def _options(lay: Layout, settings: SimSettings, overlap: bool, act_bytes: int) -> StepOptions:
     return StepOptions(
         micro_batches=lay.micro_batches,
         vpp=lay.vpp,
@@ -147,6 +148,7 @@ def _options(lay: Layout, settings: SimSettings, overlap: bool) -> StepOptions:
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
         grad_reduce_bytes=2 if settings.grad_reduce_dtype == "bf16" else 4,
+        param_gather_bytes=1 if settings.fp8_param_gather else act_bytes,
         bucket_size=settings.bucket_size,
         schedule=settings.schedule,
         pp_layers=settings.pp_layers,
@@ -162,7 +164,7 @@ def fsdp_options(lay: Layout) -> FsdpOptions | None:
     return FsdpOptions(lay.dense_shards, lay.expert_shards, replicate, lay.fsdp_keep_params, lay.ep)
 
 
-def fsdp_traffic(model: ModelConfig, lay: Layout, result: StepResult, grad_bytes: int, act_bytes: int) -> dict:
+def fsdp_traffic(model: ModelConfig, lay: Layout, result: StepResult, grad_bytes: int, gather_bytes: int) -> dict:
     """GB a rank all-gathers, reduce-scatters and (hybrid) all-reduces per step, and the seconds exposed."""
     fs = fsdp_options(lay)
     assert fs is not None
@@ -172,7 +174,7 @@ def fsdp_traffic(model: ModelConfig, lay: Layout, result: StepResult, grad_bytes
     gathers = 1 if lay.fsdp_keep_params else 2
     reduce_all = 2 * (fs.replicate - 1) / fs.replicate * dense / fs.dense_shards if fs.replicate > 1 else 0.0
     return {
-        "all_gather_gb": layers * gathers * off * act_bytes / GB,
+        "all_gather_gb": layers * gathers * off * gather_bytes / GB,
         "reduce_scatter_gb": layers * off * grad_bytes / GB,
         "all_reduce_gb": layers * reduce_all * grad_bytes / GB,
         "exposed_seconds": result.parts.get("fsdp", 0.0),
@@ -191,13 +193,14 @@ def simulate_layout(
     """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way (`cal`:
     calibration.yaml's numbers unless given)."""
     shape = layout_shape(lay, seq_length, precision, settings)
-    result = simulate_step(model, shape, hw, _options(lay, settings, settings.overlap), cal)
-    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap), cal)
+    result = simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes), cal)
+    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap, shape.act_bytes), cal)
     a2a = 0.0
     if model.is_moe and lay.ep > 1:
         per_layer = Costs(model, shape, hw, cal or load_calibration()).all_to_all_bytes()
         layers = model.num_layers / lay.pp
         a2a = per_layer * layers * lay.micro_batches * (4 + (2 if lay.recompute == "full" else 0))
     grad_bytes = 2 if settings.grad_reduce_dtype == "bf16" else 4
-    fsdp = fsdp_traffic(model, lay, result, grad_bytes, precision.act_bytes) if lay.fsdp else None
+    gather_bytes = 1 if settings.fp8_param_gather else precision.act_bytes
+    fsdp = fsdp_traffic(model, lay, result, grad_bytes, gather_bytes) if lay.fsdp else None
     return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision, fsdp)

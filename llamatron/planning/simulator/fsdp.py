@@ -10,10 +10,10 @@ buffer over the dp x cp / ep ranks holding them):
             other on the group's stream, beside the layer's backward: exposed what outlasts it
   hybrid    each reduce-scattered shard all-reduced over the groups holding the same shard (--fsdp-shard-group),
             a blocking dist.all_reduce on the compute stream: exposed in full (not overlapped today)
-The hidden part slows the compute beside it by its bytes / the contention bandwidth, as for the data-parallel
-buckets. Every micro-batch gathers and reduces again (nothing is kept across micro-batches); the end of the step
-waits for the first unit's last reduce-scatter. No bucket is reduced at the end of the step and no parameter
-all-gather follows the optimizer: the optimizer updates the shard in place.
+The hidden part slows the compute beside it by its bytes / the contention bandwidth, at most by the time it runs
+there, as for the data-parallel buckets. Every micro-batch gathers and reduces again (nothing is kept across
+micro-batches); the end of the step waits for the first unit's last reduce-scatter. No bucket is reduced at the end
+of the step and no parameter all-gather follows the optimizer: the optimizer updates the shard in place.
 """
 
 from __future__ import annotations
@@ -88,4 +88,7 @@ def exposed_per_micro_batch(
     share_fwd = t.gather_bytes / t.gather if t.gather else 0.0
     bytes_back = (0.0 if fs.keep_params else t.gather_bytes) + t.reduce_bytes
     share_back = bytes_back / busy if busy else 0.0
-    return fwd, back, hidden_fwd * share_fwd / contention_bw, hidden_back * share_back / contention_bw
+    # A collective slows the compute beside it by at most the time it runs there (the compute's kernels and the
+    # collective's sharing the GPU one after the other): its bytes / contention bandwidth, up to its hidden time.
+    rate_fwd, rate_back = min(1.0, share_fwd / contention_bw), min(1.0, share_back / contention_bw)
+    return fwd, back, hidden_fwd * rate_fwd, hidden_back * rate_back

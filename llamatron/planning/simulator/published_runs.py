@@ -51,6 +51,7 @@ def run_layout(run: dict[str, Any]) -> Layout:
         run["global_batch_size"],
         cp=cp,
         ep=run["ep"],
+        fsdp=run.get("fsdp", False),
     )
 
 
@@ -78,10 +79,11 @@ def predict(run: dict[str, Any], cal: Calibration | None = None) -> Prediction:
     settings = SimSettings(
         pp_layers=run.get("pp_layers"),
         tp_overlap_all=run.get("tp_overlap") == "all",
-        fused_grad_accumulation=megatron,
+        fused_grad_accumulation=run.get("fused_grad_accumulation", megatron),  # unless the recipe turns it off
         fp8_experts=megatron,  # Transformer Engine's FP8 grouped GEMMs
         ep_dispatcher=run.get("dispatcher", "alltoall"),
         grad_reduce_dtype=run.get("grad_reduce_dtype", "fp32"),  # a recipe's grad_sync_dtype where it gives one
+        fp8_param_gather=run.get("param_gather") == "fp8",  # a recipe's fp8_param_gather where it sets one
     )
     sim = simulate_layout(model, run_layout(run), run["seq_length"], hw, precision, settings, cal)
     per_gpu = sim.result.tokens_per_sec_per_gpu

@@ -10,7 +10,8 @@ all-gathered bucket by bucket at the start of the next step, first layers first,
 forward waits for its bucket (with --no-overlap-param-gather: all of them after the optimizer, exposed).
 Expert weights of a mixture of experts are reduced over the dp/ep ranks holding the same experts. Every
 rank waits for the slowest before the optimizer (the global gradient norm). Overlapped collectives slow the
-compute beside them by their bytes / contention bandwidth (calibration.yaml).
+compute beside them by their bytes / contention bandwidth, at most by the time they run beside it
+(calibration.yaml).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _add_fsdp(model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cost
         return max(1, min(size, gpn // step)) if step <= gpn else 1
 
     dense, experts = layer_shards(model, s.tp, s.ep)
-    t = layer_traffic(fs, dense, experts, s.act_bytes, opt.grad_reduce_bytes, costs.collective, per_node)
+    t = layer_traffic(fs, dense, experts, opt.param_gather_bytes, opt.grad_reduce_bytes, costs.collective, per_node)
     layer = costs.layer(s.recompute != "none")
     backward = layer.backward_input.seconds + layer.backward_weight.seconds + layer.recompute.seconds
     contention = costs.cal.contention_bandwidth
