@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> N
         if first_rank or not e.same_on_every_rank:
             print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C outside training's steps (which stop at the step's end and save instead)
+        if first_rank:
+            print(f"llamatron {args.command}: interrupted (Ctrl-C); nothing more was done", file=sys.stderr)
+        sys.exit(130)
     except TrainingAborted as e:  # too many non-finite steps, a hung rank: the message says what to do
         if e.rank_specific or first_rank:
             print(f"llamatron {args.command}: stopped: {e}", file=sys.stderr)

@@ -19,9 +19,10 @@ from torch.distributed.run import parse_args, run
 
 from .errors import STOPPED_EARLY_EXIT
 
-# A scheduler's stop signals go to the ranks, which stop after the same step, save and exit 3 (faults.py);
-# torchrun's own handler would instead stop the ranks itself and kill them 30 s later, mid-save.
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+# A scheduler's stop signals, Ctrl-C and a closed terminal go to the ranks, which stop after the same step, save
+# and exit 3 (faults.py); torchrun's own handler would instead stop the ranks itself and kill them 30 s later,
+# mid-save. (A Ctrl-C reaches the ranks twice, from the terminal and from here: a second request is the same.)
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 def children(parent: int) -> list[int]:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     if sys.platform.startswith("linux"):
         # torchrun's --signals-to-handle (read from PET_*; ignored by a torchrun without it): not SIGTERM
-        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGQUIT"
         for sig in FORWARDED:
             signal.signal(sig, _forward_to_ranks)
     try:
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"llamatron: the job failed ({said}); the failing rank's message is above", file=sys.stderr, flush=True)
         return next((f.exitcode for _, f in sorted(e.failures.items()) if f.exitcode > 0), 1)
-    except SignalException as e:  # Ctrl-C (SIGINT) or SIGHUP: torchrun stopped the ranks
+    except SignalException as e:  # SIGQUIT (Ctrl-\): torchrun stopped the ranks
         name = signal.Signals(e.sigval).name
         print(f"llamatron: stopped by {name}; the ranks were stopped without saving", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)

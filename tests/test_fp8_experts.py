@@ -148,7 +148,9 @@ def test_fp8_experts_are_refused_where_torchs_scaled_grouped_mm_does_not_run():
         (problem,) = _problems(capability=capability)
         assert "compute capability 9.0 or 10.0" in problem and "leave out --fp8-experts" in problem, problem
         assert _problems(capability=capability, experts=False) == []  # the dense linears alone
-    assert _problems(capability=(8, 9), model=get_preset("llama-test")) == []  # no experts
+    assert _problems(capability=(8, 9), model=get_preset("llama-test"), experts=False) == []  # no experts
+    (dense,) = _problems(model=get_preset("llama-test"))  # --fp8-experts on a dense model: refused, not ignored
+    assert "has no experts: drop it" in dense
     assert _problems(device="cpu", emulate=True) == []
     assert _problems(device="cpu", emulate=True, dtype_name="fp32") == []  # emulated on fp32: the layout tests'
     (fp32,) = _problems(dtype_name="fp32")

@@ -135,7 +135,7 @@ def test_fp16_overflow_while_the_loss_scale_backs_off_is_not_a_fault(tmp_path):
     assert f"step 2: {skipped}" not in proc.stdout and f"step 3: {skipped}" in proc.stdout  # calibration: no fault
 
 
-# --- pre-emption: SIGTERM / SIGUSR1 -----------------------------------------------------------------------------
+# --- pre-emption: SIGTERM / SIGUSR1 / SIGINT --------------------------------------------------------------------------
 
 # A constant learning rate makes the losses independent of --train-steps, so a run interrupted anywhere in
 # 10000 steps can be compared with short uninterrupted runs.
@@ -230,6 +230,21 @@ def test_sigterm_to_nproc_per_node_reaches_the_ranks_which_save_before_it_return
     here = str(tmp_path)
     left = [d.name for d in Path("/proc").iterdir() if d.name.isdigit() and _cwd(d) == here]
     assert not left, f"processes of the job still running: {left}"
+
+
+def test_ctrl_c_stops_after_the_step_saves_and_exits_3(tmp_path):
+    """A Ctrl-C (SIGINT) is a stop request like a scheduler's: no KeyboardInterrupt traceback, a checkpoint."""
+    done, step = _interrupt(tmp_path, 1, signal.SIGINT, None)
+    assert f"stopping after step {step}: received SIGINT (Ctrl-C); saved ck/step-{step}" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_sigint_to_the_nproc_per_node_command_reaches_the_ranks(tmp_path):
+    """SIGINT to `llamatron train --nproc-per-node 2` alone (an IDE's stop button, a supervisor): it was ignored,
+    and the ranks trained on; now they stop after the same step, save, and the command exits 3."""
+    done, step = _interrupt(tmp_path, 2, signal.SIGINT, target_rank=None, via_cli=True)
+    assert 2 <= step < 10000 and f"stopping after step {step}: received SIGINT (Ctrl-C)" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def _cwd(proc_dir: Path) -> str | None:

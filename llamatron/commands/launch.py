@@ -58,9 +58,8 @@ def relaunch_with_torchrun(nproc: int) -> int:
         *_argv_without_nproc(sys.argv[1:]),
     ]
     launcher = subprocess.Popen(cmd)
-    # A stop signal to this process (a scheduler's SIGTERM) goes on to the ranks, through the launcher, and
-    # this process waits for them to save and exit; Ctrl-C reaches every process of the terminal by itself.
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    # A stop signal to this process (a scheduler's SIGTERM, a Ctrl-C, an IDE's stop) goes on to the ranks, through
+    # the launcher, and this process waits for them to save and exit.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: launcher.send_signal(signum))
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
     return launcher.wait()

@@ -5,7 +5,9 @@
   it. `FaultGuard` counts skipped steps and stops the run after --max-skipped-steps of them in a row. Under
   fp16 an overflow while the loss scale can still back off is the scaler calibrating, not a fault: it is
   counted in `skipped_steps` but neither reported nor part of a streak.
-- SIGTERM / SIGUSR1 (SLURM pre-emption or time limit) and --exit-duration-mins only raise a flag. At the
+- SIGTERM / SIGUSR1 (SLURM pre-emption or time limit), SIGINT (Ctrl-C), SIGHUP (the terminal closed) and
+  --exit-duration-mins only raise a flag (a Ctrl-C stops at the end of the step, with a save; Ctrl-\\ quits at
+  once, unsaved). At the
   next step boundary every rank contributes its flags to one all-reduce, so all ranks stop after the same
   step; the loop then saves a checkpoint (with --save) and the run exits with STOPPED_EARLY_EXIT (3): it did
   not finish, so not 0, and a job script can tell it from a failure (1) or bad input (2).
@@ -32,7 +34,8 @@ from ..models import Transformer
 from .engine import Engine
 
 PROCESS_START = time.monotonic()  # --exit-duration-mins counts from here (module import = start of `train`)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+_WHY = {signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ def _record_signal(signum: int, frame) -> None:
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM/SIGUSR1 request a clean stop at the next step boundary (main thread only, as Python requires)."""
+    """The stop signals request a clean stop at the next step boundary (main thread only, as Python requires)."""
     global _received_signal
     if _previous_handlers or not _in_main_thread():
         return
@@ -125,7 +128,8 @@ class FaultGuard:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flag_group)
         signum, time_up = flags.tolist()
         if signum:
-            return f"received {signal.Signals(signum).name} (pre-emption or job time limit)"
+            why = _WHY.get(signal.Signals(signum), "pre-emption or job time limit")
+            return f"received {signal.Signals(signum).name} ({why})"
         if time_up:
             return (
                 f"--exit-duration-mins {self.exit_duration_mins:g} reached "

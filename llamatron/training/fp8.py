@@ -17,7 +17,8 @@ shard (tensorwise: its own amax), which is at least as precise.
 
 A mixture of experts' routed experts are grouped GEMMs, not linears: with `experts` (--fp8-experts) they get an
 `FP8GroupedMM` (fp8_experts.py: torchao's MoE FP8 rowwise recipe) as their `grouped_mm`. Off by default: on an H200
-it made mixtral-1b's step 1.04x and a 64-expert top-8 shape's 1.38x slower than bf16 experts (RESULTS.md run 21).
+mixtral-1b's step was 0.98x and a 64-expert top-8 shape's 0.81x of bf16's, and 2,000 steps on real text ended 1.9%
+above bf16's validation loss (RESULTS.md run 22).
 The router stays bf16.
 """
 
@@ -71,6 +72,8 @@ def fp8_problems(
         flags = [f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head), ("--fp8-experts", experts)) if on]
         verb = "needs" if len(flags) == 1 else "need"
         return [f"{' and '.join(flags)} {verb} --fp8 tensorwise or rowwise"] if flags else []
+    if experts and not model.is_moe:
+        return ["--fp8-experts is for a mixture of experts' grouped GEMMs; this model has no experts: drop it"]
     if torchao_missing():
         return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.18,<0.19')"]
     problems = []
