@@ -106,6 +106,22 @@ def test_a_fixed_layout_that_cannot_run_or_fit_says_so(capsys):
     assert "plan needs a model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ("{moe_capacity_factor: 0}", "moe_capacity_factor 0 must be > 0"),
+        ("{experts_per_token: 200}", "experts_per_token 200 must be in 1..num_experts"),
+        ("{num_layerz: 2}", "unknown model field 'num_layerz'"),
+    ],
+)
+def test_a_bad_model_override_is_a_configuration_error_not_a_misfit(tmp_path, capsys, overrides, message):
+    config = tmp_path / "p.yaml"
+    config.write_text(f"model: qwen3-30b-a3b\nmodel_overrides: {overrides}\n")
+    assert main_code(["plan", "--config", str(config), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "does not fit" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def yaml_values(path):
     import yaml
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 from typing import Any
@@ -97,6 +98,17 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _check_model_overrides(model: ModelConfig, overrides: dict) -> None:
+    """A model setting no layout can fix (a capacity factor of 0, top-k above the experts) is a configuration
+    error, as in `train`, not a layout that does not fit."""
+    unknown = sorted(k for k in overrides if k not in {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ConfigError(f"model_overrides: unknown model field {unknown[0]!r}")
+    problems = model.with_changes(overrides).problems() if overrides else []
+    if problems:
+        raise ConfigError(f"{'; '.join(problems)} (fix the YAML model_overrides)")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     hw = plan_simulate.hardware_of(args)
     args.gpus_per_node = hw.gpus_per_node
@@ -109,6 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seq_length = settings.get("seq_length") or default_seq_length(model)
     except ValueError as e:  # an unknown preset: its message lists the known ones
         raise ConfigError(str(e)) from None
+    _check_model_overrides(model, settings.get("model_overrides") or {})
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
     precision = Precision(compiled=args.compile, fp8=fp8)
     if not settings.get("seq_length") and not args.json:
