@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 from typing import Any
@@ -12,6 +11,7 @@ from ..config.ranges import Range, at_least, number_arg
 from ..config.settings import FP8_RECIPES, RunConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
+from ..planning.candidates import planned_model
 from ..planning.plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
 from ..planning.search import DEFAULT_SEQ_LENGTH, PlanResult, default_seq_length, plan
 from ..planning.simulator.hardware import Hardware
@@ -98,13 +98,10 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _check_model_overrides(model: ModelConfig, overrides: dict) -> None:
+def _check_model_overrides(model_name: str, overrides: dict | None) -> None:
     """A model setting no layout can fix (a capacity factor of 0, top-k above the experts) is a configuration
-    error, as in `train`, not a layout that does not fit."""
-    unknown = sorted(k for k in overrides if k not in {f.name for f in dataclasses.fields(ModelConfig)})
-    if unknown:
-        raise ConfigError(f"model_overrides: unknown model field {unknown[0]!r}")
-    problems = model.with_changes(overrides).problems() if overrides else []
+    error, as in `train`, not a layout that does not fit (an unknown field: planned_model's own error)."""
+    problems = planned_model(model_name, overrides).problems()
     if problems:
         raise ConfigError(f"{'; '.join(problems)} (fix the YAML model_overrides)")
 
@@ -121,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seq_length = settings.get("seq_length") or default_seq_length(model)
     except ValueError as e:  # an unknown preset: its message lists the known ones
         raise ConfigError(str(e)) from None
-    _check_model_overrides(model, settings.get("model_overrides") or {})
+    _check_model_overrides(settings["model"], settings.get("model_overrides"))
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
     precision = Precision(compiled=args.compile, fp8=fp8)
     if not settings.get("seq_length") and not args.json:
