@@ -189,11 +189,26 @@ def test_tensor_parallel_generation_of_a_mixture_of_experts(tmp_path):
     spawn(_tp_logits, 2, str(tmp_path / "ck"))
 
 
-def test_the_permutations_gradients_equal_autograd_of_the_index_ops():
+@pytest.mark.parametrize("gather_sum", ["expression", "custom op"])
+def test_the_permutations_gradients_equal_autograd_of_the_index_ops(gather_sum, monkeypatch):
     """moe.permute and moe.combine carry their own backward (gathers through the inverse permutation): values and
     gradients equal autograd's of the plain index ops (tokens[source], out[order] = rows, the weighted sum), fp64,
-    under skewed routing with ties and an expert no token chose."""
+    under skewed routing with ties and an expert no token chose. "custom op": kernels_on standing in for CUDA, the
+    combine and the permutation's backward run llamatron::gather_sum (its CPU kernel; the Triton kernel's own test
+    is in test_triton_kernels.py)."""
+    from llamatron import triton_check
     from llamatron.models.moe import combine, permute, route
+
+    if gather_sum == "custom op":
+        monkeypatch.setattr(triton_check, "kernels_on", lambda backend, x: backend != "torch")
+        calls = []
+        real = torch.ops.llamatron.gather_sum.default
+
+        def counted(*args):
+            calls.append(args[1].numel())
+            return real(*args)
+
+        monkeypatch.setattr("llamatron.models.gather_sum_op.gather_sum_op", counted)
 
     torch.manual_seed(0)
     tokens_n, hidden, k, experts = 37, 8, 3, 6
@@ -216,3 +231,5 @@ def test_the_permutations_gradients_equal_autograd_of_the_index_ops():
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     for mine, ref in zip(ours, refs):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-12)
+    if gather_sum == "custom op":
+        assert calls == [tokens_n * k, tokens_n * k]  # the combine's forward, the permutation's backward

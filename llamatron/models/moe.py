@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .gather_sum_op import gather_sum
 from .moe_balance import MoEBalance, capacity_keep, expert_capacity
 from .swiglu_op import swiglu
 
@@ -128,7 +129,7 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         # each token's k rows, read where they were sorted to, summed
-        return grad[inverse].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+        return gather_sum(grad, inverse, None, ctx.top_k), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -137,8 +138,7 @@ class _Combine(torch.autograd.Function):
         ctx, sorted_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor
     ) -> torch.Tensor:
         ctx.save_for_backward(sorted_out, weights, order, inverse)
-        tokens, top_k = weights.shape
-        return (sorted_out[inverse].view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+        return gather_sum(sorted_out, inverse, weights, weights.shape[1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
