@@ -176,7 +176,7 @@ class TrainConfig:
         False,
         "with --fp8 on a mixture of experts: its experts' grouped GEMMs in FP8 too (torchao's rowwise recipe; "
         "compute capability 9.0/10.0; off by default: slower than bf16 on an H200 at the shapes measured, "
-        "benchmarks/RESULTS.md run 22)",
+        "benchmarks/RESULTS.md run 23)",
     )
     recompute: str = _f("none", "activation recompute", ("none", "selective", "full"))
     recompute_layers: int | None = _f(
