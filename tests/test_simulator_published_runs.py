@@ -173,3 +173,20 @@ def test_the_megatron_fsdp_row_is_off_by_the_compute_its_overlapped_collectives_
     assert free.sim.result.parts.get("fsdp", 0.0) < 0.01 * free.sim.result.step_seconds  # hidden, not exposed
     bf16 = predict({**row, "param_gather": None, "grad_reduce_dtype": "fp32"})
     assert bf16.error < charged.error - 0.05  # the recipe's narrower collectives count
+
+
+@pytest.mark.parametrize("model,causal", [("mixtral-8x7b", False), ("mixtral-8x22b", True)])
+def test_a_rows_flop_count_is_the_sources(model, causal):
+    """Megatron-LM's num_floating_point_operations written out (12 x layers x hidden^2 x (attention: 1 + groups/heads
+    + seq/hidden, halved for the causal mask since 2025-03; top-k experts x ffn/hidden x 3/2; vocab/(2 x layers x
+    hidden))): the Megatron-core README's Mixtral 8x7B rows count full attention, the Model Zoo's 8x22B rows the
+    causal half. The count a row's TFLOP/s is predicted in matches the source's within 0.1%."""
+    from llamatron.planning.simulator.published_runs import counted_flops_per_token
+    from llamatron.planning.simulator.runs import run_model
+
+    m, seq = run_model({"model": model}), 4096
+    h, layers = m.hidden_size, m.num_layers
+    attention = 1 + m.num_kv_heads / m.num_heads + seq / h / (2 if causal else 1)
+    megatron = 12 * layers * h * h * (attention + m.ffn_hidden_size / h * 2 * 1.5 + m.vocab_size / (2 * layers * h))
+    counted = counted_flops_per_token(m, seq, "causal" if causal else "full")
+    assert counted == pytest.approx(megatron, rel=1e-3)
