@@ -24,15 +24,18 @@ def layout_text(r: dict) -> str:
 
 def main(path: str) -> None:
     rows = yaml.safe_load(Path(path).read_text())["runs"]
-    print("| run | GPUs | layout | precision | predicted tokens/s/GPU | predicted MFU | step s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | GPUs | layout | precision | predicted | unit | predicted MFU | step s | checked |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        # the published figure is not in the file: a placeholder of 1 leaves the prediction itself untouched
-        p = predict({**r, "tokens_per_sec_per_gpu": 1})
+        # the published figure is not in the file: a placeholder of 1 in the unit the source gives (`measured`,
+        # tokens/s per GPU unless it says tflops_per_gpu) leaves the prediction itself untouched
+        unit = r.get("measured", "tokens_per_sec_per_gpu")
+        p = predict({**r, unit: 1})
         res = p.sim.result
+        checked = "no: " + r["excluded"].split(":")[0].split(" (")[0] if r.get("excluded") else "yes"
         print(
-            f"| {r['name']} | {r['gpus']} | {layout_text(r)} | {r['precision']} | {p.predicted:,.1f} | "
-            f"{res.mfu:.1%} | {res.step_seconds:.3f} |"
+            f"| {r['name']} | {r['gpus']} | {layout_text(r)} | {r['precision']} | {p.predicted:,.1f} | {p.unit} | "
+            f"{res.mfu:.1%} | {res.step_seconds:.3f} | {checked} |"
         )
 
 

@@ -3,7 +3,7 @@ figure, and the large layouts the published runs used simulated with llamatron's
 Megatron-core's (userbuffers tensor-parallel overlap, fused gradient accumulation). Run it after changing the
 simulator or its calibration and paste the rows into the doc.
 
-usage: python scripts/simulator_published_table.py   (about ten seconds)
+usage: python scripts/simulator_published_table.py   (about half a minute on two cores)
 """
 
 from __future__ import annotations

@@ -285,3 +285,32 @@ def test_overlapped_gradient_buckets_cost_the_compute_at_most_their_own_time():
     lay = Layout(1, 1, 1, 8, False, True, "none", 1, 64)
     sim = simulate_layout(get_preset("llama2-7b"), lay, 4096, resolve_hardware("h100-sxm"))
     assert 0 < sim.result.parts["contention"] <= sim.result.dp_comm_seconds
+
+
+def test_overlapped_tensor_parallel_collectives_cost_the_compute_at_most_the_time_they_run_beside_it():
+    """tp 2 with sequence parallelism, Llama 2 7B: llamatron's two backward collectives beside the weight-gradient
+    GEMMs, and Megatron-core's userbuffers under every GEMM. Over NVLink they hide, and their bytes / the contention
+    bandwidth is the charge. Over PCIe they outlast the GEMMs: charged by their bytes alone the compute would pay
+    for time they run on their own; the charge is the time beside the GEMMs at the collectives' byte rate, never
+    more than that time, and the userbuffers' SM share only while a GEMM runs."""
+    import dataclasses
+
+    from llamatron.planning.simulator.calibration import load_calibration
+    from llamatron.planning.simulator.costs import Costs
+
+    model, cal, shape = get_preset("llama2-7b"), load_calibration(), Shape(tp=2, sequence_parallel=True)
+    nvlink = Costs(model, shape, resolve_hardware("h100-sxm"), cal)
+    bytes_alone = 2 * nvlink.tp_bytes() / cal.contention_bandwidth
+    assert nvlink.layer().backward_input.parts["contention"] == pytest.approx(bytes_alone)
+    pcie = resolve_hardware("h100-pcie")
+    costs = Costs(model, shape, pcie, cal)
+    gemm, one = costs.gemm_forward(), costs.tp_collective()
+    assert 2 * one > 1.5 * gemm  # the two outlast the GEMMs they run beside
+    charged = costs.layer().backward_input.parts["contention"]
+    assert charged == pytest.approx(gemm * costs.tp_bytes() / one / cal.contention_bandwidth)
+    slow = Costs(model, shape, pcie, dataclasses.replace(cal, contention_bandwidth=1e6))  # bytes alone: seconds
+    assert slow.layer().backward_input.parts["contention"] == pytest.approx(gemm)
+    userbuffers = Costs(model, dataclasses.replace(shape, tp_overlap_all=True), pcie, cal).layer()
+    share = cal.tp_userbuffers_sm_share
+    assert userbuffers.forward.parts["contention"] == pytest.approx(gemm * share)  # four collectives, one GEMM's time
+    assert userbuffers.backward_input.parts["contention"] == pytest.approx(2 * gemm * share)

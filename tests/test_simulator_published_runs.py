@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from llamatron.planning.simulator.published_runs import predict, published_runs, published_sources, usable_runs
+from llamatron.planning.simulator.runs import run_model
 
 USABLE = usable_runs()
 PREDICTIONS = {r["name"]: predict(r) for r in USABLE}
@@ -28,10 +29,12 @@ def test_a_held_out_third_is_among_the_checked_rows():
 
 
 def test_the_set_covers_what_issue_38_names():
-    """Tensor parallelism 4-8, pipelines with interleaving, context parallelism, FP8, multi-node (up to 1024 GPUs)."""
+    """Tensor parallelism 4-8, pipelines with interleaving, context parallelism, FP8, multi-node (up to 1024 GPUs),
+    a mixture of experts over 8 ranks (Mixtral 8x7B)."""
     assert any(r["tp"] == 8 and r["pp"] == 8 and r["cp"] == 2 and r["gpus"] >= 1024 for r in USABLE)
     assert any(r["tp"] == 4 and r["vpp"] > 1 for r in USABLE)
     assert any(r["tp"] == 1 and r["pp"] == 1 and r["cp"] == 1 for r in USABLE)
+    assert any(r["ep"] == 8 and run_model(r).is_moe for r in USABLE)
     assert len(USABLE) >= 10 and len({r["source"] for r in USABLE}) >= 3
 
 
@@ -60,7 +63,6 @@ def test_an_all_reduce_across_nodes_follows_a_published_nccl_tests_curve():
     from llamatron.planning.simulator.calibration import load_calibration
     from llamatron.planning.simulator.costs import Costs, Shape
     from llamatron.planning.simulator.hardware import resolve_hardware
-    from llamatron.planning.simulator.runs import run_model
 
     costs = Costs(
         run_model({"model": "llama-1b"}), Shape(), resolve_hardware("h100-sxm", "8x200Gb"), load_calibration()
@@ -99,7 +101,6 @@ def test_in_node_collectives_by_group_size_follow_nccl_tests_on_8_h100(kind):
     from llamatron.planning.simulator.calibration import load_calibration
     from llamatron.planning.simulator.costs import Costs, Shape
     from llamatron.planning.simulator.hardware import resolve_hardware
-    from llamatron.planning.simulator.runs import run_model
 
     costs = Costs(run_model({"model": "llama-1b"}), Shape(), resolve_hardware("h100-sxm"), load_calibration())
     size = 4 * 2**30
@@ -124,7 +125,6 @@ def test_hybrid_ep_copies_follow_uniform_routing():
     from llamatron.planning.simulator.calibration import load_calibration
     from llamatron.planning.simulator.costs import Costs, Shape
     from llamatron.planning.simulator.hardware import resolve_hardware
-    from llamatron.planning.simulator.runs import run_model
 
     model = run_model({"model": "qwen3-30b-a3b"})  # 128 experts, top 8
     shape = Shape(dp=16, ep=16, ep_dispatcher="hybridep")
@@ -173,3 +173,19 @@ def test_the_megatron_fsdp_row_is_off_by_the_compute_its_overlapped_collectives_
     assert free.sim.result.parts.get("fsdp", 0.0) < 0.01 * free.sim.result.step_seconds  # hidden, not exposed
     bf16 = predict({**row, "param_gather": None, "grad_reduce_dtype": "fp32"})
     assert bf16.error < charged.error - 0.05  # the recipe's narrower collectives count
+
+
+@pytest.mark.parametrize("model,causal", [("mixtral-8x7b", False), ("mixtral-8x22b", True)])
+def test_a_rows_flop_count_is_the_sources(model, causal):
+    """Megatron-LM's num_floating_point_operations written out (12 x layers x hidden^2 x (attention: 1 + groups/heads
+    + seq/hidden, halved for the causal mask since 2025-03; top-k experts x ffn/hidden x 3/2; vocab/(2 x layers x
+    hidden))): the Megatron-core README's Mixtral 8x7B rows count full attention, the Model Zoo's 8x22B rows the
+    causal half. The count a row's TFLOP/s is predicted in matches the source's within 0.1%."""
+    from llamatron.planning.simulator.published_runs import counted_flops_per_token
+
+    m, seq = run_model({"model": model}), 4096
+    h, layers = m.hidden_size, m.num_layers
+    attention = 1 + m.num_kv_heads / m.num_heads + seq / h / (2 if causal else 1)
+    megatron = 12 * layers * h * h * (attention + m.ffn_hidden_size / h * 2 * 1.5 + m.vocab_size / (2 * layers * h))
+    counted = counted_flops_per_token(m, seq, "causal" if causal else "full")
+    assert counted == pytest.approx(megatron, rel=1e-3)

@@ -263,6 +263,15 @@ class Costs:
         s = self.s
         return s.tokens * self.model.hidden_size * s.act_bytes * (s.tp - 1) / s.tp
 
+    def tp_contention(self, busy: float, beside: float) -> float:
+        """Compute lost to overlapped tp collectives that take `busy` seconds beside `beside` seconds of GEMMs: their
+        bytes / the contention bandwidth, at most the time they run beside the GEMMs (as the data-parallel buckets'
+        and --fsdp's: overlapping never costs more than running the two one after the other)."""
+        if busy <= 0:
+            return 0.0
+        rate = self.tp_bytes() / self.tp_collective() / self.cal.contention_bandwidth  # each collective's bytes/s
+        return min(busy, beside) * min(1.0, rate)
+
     def cp_gather(self) -> float:
         """One layer's K/V all-gather (or its gradients' reduce-scatter) over the cp ranks."""
         m, s = self.model, self.s
@@ -343,7 +352,7 @@ class Costs:
         n_fwd = TP_SP_FORWARD if s.sequence_parallel else 2
         if s.tp_overlap_all and s.tp > 1:  # each collective runs under its GEMM: exposed only what outlasts them
             fwd.add("tp", max(0.0, n_fwd * tp_one - gemm))
-            fwd.add("contention", n_fwd * tp_one * c.tp_userbuffers_sm_share)
+            fwd.add("contention", min(n_fwd * tp_one, gemm) * c.tp_userbuffers_sm_share)  # SMs taken beside it
         else:
             fwd.add("tp", n_fwd * tp_one)
         fwd.add("cp", cp_one)
@@ -357,13 +366,13 @@ class Costs:
         overlapped = TP_SP_BACKWARD_OVERLAPPED if s.sequence_parallel else 1
         if s.tp_overlap_all and s.tp > 1:  # under the input- and weight-gradient GEMMs together
             back.add("tp", max(0.0, (exposed + overlapped) * tp_one - 2 * gemm))
-            back.add("contention", (exposed + overlapped) * tp_one * c.tp_userbuffers_sm_share)
+            back.add("contention", min((exposed + overlapped) * tp_one, 2 * gemm) * c.tp_userbuffers_sm_share)
         else:
             back.add("tp", exposed * tp_one)
         if s.tp > 1 and not s.tp_overlap_all:
             if s.tp_comm_overlap:  # hidden behind the weight-gradient GEMMs, as far as they last
                 back.add("tp", max(0.0, overlapped * tp_one - gemm))
-                back.add("contention", overlapped * self.tp_bytes() / c.contention_bandwidth)
+                back.add("contention", self.tp_contention(overlapped * tp_one, gemm))
             else:
                 back.add("tp", overlapped * tp_one)
         recompute = Piece()

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from ...models.inventory import flops_per_token
+from ...models import ModelConfig
+from ...models.inventory import flops_per_token, mean_keys
 from ..plan import Layout, Precision
 from .calibration import Calibration
 from .evaluate import SimSettings, Simulation, simulate_layout
@@ -89,8 +90,18 @@ def predict(run: dict[str, Any], cal: Calibration | None = None) -> Prediction:
     per_gpu = sim.result.tokens_per_sec_per_gpu
     if "tokens_per_sec_per_gpu" in run:
         return Prediction(run, sim, per_gpu, float(run["tokens_per_sec_per_gpu"]))
-    tflops = per_gpu * flops_per_token(model, run["seq_length"]) / 1e12
+    tflops = per_gpu * counted_flops_per_token(model, run["seq_length"], run.get("attention_flops", "full")) / 1e12
     return Prediction(run, sim, tflops, float(run["tflops_per_gpu"]))
+
+
+def counted_flops_per_token(model: ModelConfig, seq_length: int, attention: str) -> float:
+    """Model FLOPs per token as the source counts them: flops_per_token (full attention: 12 x layers x attention
+    width x keys) or, for "causal", half the attention's score and value products (Megatron-LM's
+    num_floating_point_operations since 2025-03: the causal mask's zero half left out)."""
+    full = flops_per_token(model, seq_length)
+    if attention == "causal":
+        return full - 6.0 * model.num_layers * model.attention_width * mean_keys(model, seq_length)
+    return full
 
 
 def summary(predictions: list[Prediction]) -> dict[str, float]:
