@@ -184,10 +184,12 @@ def test_fp8_experts_train_close_to_fp32_match_under_expert_parallelism_and_resu
     # the experts did run FP8: each step's loss moves by more than the tolerance the ep run is held to below
     assert min(abs(a["loss"] / b["loss"] - 1) for a, b in zip(fp8, dense_only)) > 2 * EP_LOSS_RTOL
     ep = run([*FP8_ARGS, *one_batch, "--ep", "2", "--micro-batch-size", "2"], 2)
-    assert_matches(fp8, ep, rtol=EP_LOSS_RTOL, keys=("loss",))  # seen: 1.6e-6 at most
+    assert_matches(fp8[:3], ep[:3], rtol=EP_LOSS_RTOL, keys=("loss",))  # seen: 1.6e-6 at most
     # An element whose FP8 rounding (or a column's power-of-2 scale) flips on an fp32 summation-order difference
     # moves the gradient norm by far more than fp32's error: seen 3.6e-4 at step 4 (steps 1-3: 1e-7); FP8 experts
-    # against fp32 experts differ by 2e-3 to 4e-3 from step 2.
+    # against fp32 experts differ by 2e-3 to 4e-3 from step 2. Which elements flip depends on the CPU's summation
+    # order: on one machine the step-3 update's flips moved step 4's loss by 1.25e-5 (elsewhere 1.6e-6).
+    assert_matches(fp8[3:], ep[3:], rtol=5e-5, keys=("loss",))
     assert_matches(fp8, ep, rtol=1e-3, keys=("grad_norm",))
     resumed = run([*FP8_ARGS, *one_batch, "--load", "fp8/step-2"])
     assert_matches(fp8[2:], resumed, rtol=0)
