@@ -16,6 +16,7 @@ from . import __version__
 from .commands import COMMANDS
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
 from .models.config import ModelConfig
+from .parent_watch import stop_with_parent
 from .training.faults import NO_FAULTS, FaultInjection
 
 
@@ -129,6 +130,7 @@ def guard_console() -> None:
 def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> None:
     """faults: what a test injects into a run (tests/inject_faults.py); none otherwise."""
     guard_console()
+    stop_with_parent()  # a rank of `--nproc-per-node`: stop if the launcher dies (parent_watch.py)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     args.faults = faults

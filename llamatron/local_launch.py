@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from .errors import STOPPED_EARLY_EXIT
+from .parent_watch import PARENT_ENV, stop_with_parent
 
 # A scheduler's stop signals, Ctrl-C and a closed terminal go to the ranks, which stop after the same step, save
 # and exit 3 (faults.py); torchrun's own handler would instead stop the ranks itself and kill them 30 s later,
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     # Its per-worker lines ("failed (exitcode: 3)", "Sending process N closing signal SIGTERM") would follow an
     # early stop that saved, and a failure the ranks already explained; the one line below replaces them.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    stop_with_parent()  # the llamatron command that started this one was killed: stop the ranks (parent_watch.py)
+    os.environ[PARENT_ENV] = str(os.getpid())  # and the ranks stop if this process is
     if sys.platform.startswith("linux"):
         # torchrun's --signals-to-handle (read from PET_*; ignored by a torchrun without it): not SIGTERM
         os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGQUIT"

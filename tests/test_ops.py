@@ -247,6 +247,40 @@ def test_sigint_to_the_nproc_per_node_command_reaches_the_ranks(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
+def test_sigkill_of_the_nproc_per_node_command_stops_the_ranks_with_a_save(tmp_path):
+    """SIGKILL to `llamatron train --nproc-per-node 2` (a scheduler's hard kill, the OOM killer) gives it no chance
+    to pass a stop on: its launcher and ranks trained on, orphaned. Now each gets SIGTERM from the kernel when its
+    parent dies (parent_watch.py): the ranks stop after the step, save, and every process of the job ends."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["--train-steps", "10000", "--save", "ck", *CONSTANT_LR]
+    proc = subprocess.Popen(
+        _command(args, 2, via_cli=True), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while (metrics.read_text().count("\n") if metrics.exists() else 0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 120
+        while _job_processes(tmp_path):
+            assert time.monotonic() < deadline, "the launcher or the ranks outlived the killed command"
+            time.sleep(0.2)
+    finally:
+        for pid in _job_processes(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+    steps, _ = _records(metrics)
+    assert (tmp_path / "ck" / "latest").read_text().strip() == f"step-{steps[-1]['step']}"
+    assert steps[-1]["step"] < 10000
+
+
+def _job_processes(workdir: Path) -> list[int]:
+    """Pids of the processes running in `workdir` (the job's launcher and ranks)."""
+    where = str(workdir)
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _cwd(d) == where]
+
+
 def _cwd(proc_dir: Path) -> str | None:
     try:
         return os.readlink(proc_dir / "cwd")

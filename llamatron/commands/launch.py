@@ -11,6 +11,7 @@ import torch
 
 from ..config.settings import RunConfig
 from ..models import ModelConfig
+from ..parent_watch import started_by_me
 from ..training.validate import validate
 
 
@@ -57,7 +58,7 @@ def relaunch_with_torchrun(nproc: int) -> int:
         "llamatron",
         *_argv_without_nproc(sys.argv[1:]),
     ]
-    launcher = subprocess.Popen(cmd)
+    launcher = subprocess.Popen(cmd, env=started_by_me())  # it stops when this process dies (parent_watch.py)
     # A stop signal to this process (a scheduler's SIGTERM, a Ctrl-C, an IDE's stop) goes on to the ranks, through
     # the launcher, and this process waits for them to save and exit.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
