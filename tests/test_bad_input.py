@@ -418,6 +418,29 @@ def test_verify_of_a_missing_checkpoint_says_there_is_none(hf_dir, tmp_path, cap
     assert f"no checkpoint at {tmp_path / 'nothing'}" in err and "meta.json is not" not in err, err
 
 
+@pytest.mark.parametrize(
+    "files, says",
+    [
+        (
+            ["config.json"],
+            "is a Hugging Face model directory, not a llamatron checkpoint: convert it first with "
+            "`llamatron import-hf {d} OUT`",
+        ),
+        (["params.json", "consolidated.00.pth"], "is a Meta consolidated checkpoint"),
+        (["latest_checkpointed_iteration.txt"], "`llamatron import-megatron --load {d} --save OUT`"),
+    ],
+    ids=["hf", "meta", "megatron"],
+)
+def test_loading_a_directory_of_another_format_names_the_import_command(files, says, hf_dir, tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for name in files:
+        (foreign / name).write_text("{}")
+    code, err = _cli(["verify", str(foreign), "--hf", str(hf_dir)], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert says.format(d=foreign) in err, err
+
+
 # --- metric records ------------------------------------------------------------------------------------------
 
 

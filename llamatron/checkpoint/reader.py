@@ -180,7 +180,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(
             f"{path} has no `latest` file; load one of its checkpoints by name ({names}), e.g. --load {complete[-1]}"
         )
+    foreign = _foreign_format(p)
+    if foreign is not None:
+        raise CheckpointError(f"{path} is {foreign[0]}, not a llamatron checkpoint: convert it first with {foreign[1]}")
     raise CheckpointError(f"no checkpoint at {path}: expected {path}/latest or {path}/{META_FILE}")
+
+
+def _foreign_format(p: Path) -> tuple[str, str] | None:
+    """(what the directory is, the command that converts it) for the formats llamatron imports; None otherwise."""
+    if (p / "config.json").is_file():
+        return "a Hugging Face model directory", f"`llamatron import-hf {p} OUT`, then --load OUT --finetune"
+    if (p / "params.json").is_file() and any(p.glob("consolidated.*.pth")):
+        return "a Meta consolidated checkpoint", f"`llamatron import-hf {p} OUT`, then --load OUT --finetune"
+    if (p / "latest_checkpointed_iteration.txt").is_file():
+        return "a Megatron-LM checkpoint", f"`llamatron import-megatron --load {p} --save OUT`, then --load OUT"
+    return None
 
 
 def _checked_meta(path: Path) -> dict[str, Any]:
