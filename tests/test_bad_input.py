@@ -222,6 +222,8 @@ def test_the_train_command_refuses_bad_input_in_one_line(case, tmp_path):
         ("model_overrides:\n  tie_embeddings: 1\n", "tie_embeddings 1 must be true or false"),
         ("model_overrides:\n  is_moe: true\n", "unknown model field 'is_moe'"),  # a property, not a field
         ("model_overrides:\n  1: 2\n", "unknown model field 1"),
+        ("model_overrides:\n  hiden_size: 64\n", r"unknown model field 'hiden_size' \(did you mean 'hidden_size'\?\)"),
+        ("micro_batchsize: 2\n", r"unknown setting\(s\) \['micro_batchsize'\] \(did you mean 'micro_batch_size'\?\)"),
         ("1: 2\n", "must hold a mapping of setting: value"),
         # issue 39: sizes past what anything can index, and a mixture's settings on a dense model
         ("model_overrides:\n  num_experts: 100000000000000000000\n", "num_experts 1000000000\\d+ is out of range"),

@@ -9,6 +9,7 @@ belongs to the module that applies it, and training/validate.py asks them all.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import types
 import typing
@@ -334,9 +335,10 @@ class RunConfig:
             cfg = get_preset(self.train.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        names = [f.name for f in fields(cfg)]  # not hasattr: a property or method is no field
         for key in self.model_overrides:
-            if key not in {f.name for f in fields(cfg)}:  # not hasattr: a property or method is no field
-                raise ConfigError(f"model_overrides: unknown model field {key!r}")
+            if key not in names:
+                raise ConfigError(f"model_overrides: unknown model field {key!r}{did_you_mean(key, names)}")
         return cfg.with_changes(self.model_overrides) if self.model_overrides else cfg
 
     def to_dict(self) -> dict:
@@ -423,6 +425,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, unlisted: frozenset[st
     add_setting_aliases(parser)
 
 
+def did_you_mean(name: str, names: typing.Iterable[str]) -> str:
+    """' (did you mean X?)' for the nearest of `names` to a misspelt `name`; '' when none is near."""
+    if not isinstance(name, str):  # a YAML key such as 1
+        return ""
+    near = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
 def config_from_values(values: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from flat key/values (YAML keys or parsed flags)."""
     values = dict(values)
@@ -431,9 +441,10 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
         raise ConfigError(
             f"model_overrides must be a mapping of model field: value (e.g. num_layers: 4), not {overrides!r}"
         )
-    unknown = set(values) - set(SECTIONS_OWNER)
+    unknown = sorted(set(values) - set(SECTIONS_OWNER))
     if unknown:
-        raise ConfigError(f"unknown setting(s) {sorted(unknown)}; see `llamatron train --help` for the names")
+        hints = "".join(did_you_mean(key, SECTIONS_OWNER) for key in unknown)
+        raise ConfigError(f"unknown setting(s) {unknown}{hints}; see `llamatron train --help` for the names")
     cfg = RunConfig(model_overrides=dict(overrides), explicit=set(values) | ({"model"} if overrides else set()))
     for key, value in values.items():
         setattr(getattr(cfg, section_of(key)), key, _checked(key, value))
