@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from . import __version__
 from .commands import COMMANDS
+from .dependency_noise import quiet_dependency_noise
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
 from .models.config import ModelConfig
 from .parent_watch import stop_with_parent
@@ -130,6 +131,7 @@ def guard_console() -> None:
 def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> None:
     """faults: what a test injects into a run (tests/inject_faults.py); none otherwise."""
     guard_console()
+    quiet_dependency_noise()
     stop_with_parent()  # a rank of `--nproc-per-node`: stop if the launcher dies (parent_watch.py)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
