@@ -15,7 +15,7 @@ from layout import assert_matches, run_train
 
 from llamatron.errors import ConfigError
 from llamatron.models import get_preset
-from llamatron.models.moe import Experts, MoE, MoEBalance, router_losses
+from llamatron.models.moe import Experts, MoE, MoEBalance, MoEStats, router_losses
 from llamatron.models.moe_balance import capacity_keep, expert_capacity, updated_expert_bias
 
 KEYS = ("loss", "grad_norm", "moe_aux_loss")
@@ -175,6 +175,7 @@ def _reference_with_drops(moe: MoE, x: torch.Tensor, capacity: int) -> torch.Ten
 
 def test_capacity_drops_assignments_as_the_rule_says():
     moe = _moe(moe_capacity_factor=0.5)
+    moe.stats, moe.router_loss_weight = MoEStats.zeros(moe.num_experts, torch.device("cpu")), torch.tensor(1.0)
     x = torch.randn(2, 24, 64)
     cap = expert_capacity(0.5, 24, moe.top_k, moe.num_experts)
     out = moe(x)
@@ -182,12 +183,19 @@ def test_capacity_drops_assignments_as_the_rule_says():
         assert torch.allclose(out[b], _reference_with_drops(moe, x[b], cap), atol=1e-5)
     dropless = _moe()
     assert not torch.allclose(dropless(x), out, atol=1e-3)  # something was dropped
+    # what is logged as moe_dropped_fraction (times the choices): each expert's assignments past its capacity
+    _, chosen = torch.softmax(moe.router(x), -1).topk(moe.top_k, -1)
+    over = sum(max(0, int((chosen[b] == e).sum()) - cap) for b in range(2) for e in range(moe.num_experts))
+    assert over > 0 and moe.stats.dropped.item() == over and moe.stats.choices.sum().item() == 2 * 24 * moe.top_k
 
 
 def test_capacity_under_expert_parallelism_matches_single_process(workdir):
     cap = ["--config", "capacity.yaml"]
     whole = run_train(cap, 1, workdir, model="mixtral-test")
-    assert_matches(whole, run_train([*cap, "--ep", "2"], 2, workdir, model="mixtral-test"))
+    split = run_train([*cap, "--ep", "2"], 2, workdir, model="mixtral-test")
+    assert_matches(whole, split)
+    assert all(0 < r["moe_dropped_fraction"] < 1 for r in whole)
+    assert [r["moe_dropped_fraction"] for r in split] == pytest.approx([r["moe_dropped_fraction"] for r in whole])
 
 
 def test_every_option_together_on_llama4_at_ep_2_x_tp_2_with_sequence_parallelism(workdir):

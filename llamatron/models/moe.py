@@ -267,18 +267,20 @@ class MoEStats:
 
     aux: torch.Tensor  # load-balancing loss, unweighted, summed over (sequence, layer)
     z: torch.Tensor  # z-loss, likewise
-    choices: torch.Tensor  # (experts,) token choices each expert got, summed over layers
+    dropped: torch.Tensor  # token choices a capacity dropped, summed over layers
+    choices: torch.Tensor  # (experts,) token choices each expert got (kept or dropped), summed over layers
 
     @staticmethod
     def zeros(num_experts: int, device: torch.device) -> MoEStats:
         return MoEStats(
             torch.zeros((), device=device),
             torch.zeros((), device=device),
+            torch.zeros((), device=device),
             torch.zeros(num_experts, device=device),
         )
 
     def zero_(self) -> None:
-        for t in (self.aux, self.z, self.choices):
+        for t in (self.aux, self.z, self.dropped, self.choices):
             t.zero_()
 
 
@@ -359,7 +361,8 @@ class MoE(nn.Module):
             assert self.balance_global_load is not None
             self.balance_global_load.add_(choices)
         if self.router_loss_weight is not None and torch.is_grad_enabled():
-            out = self._attach_router_losses(out, logits, probs, chosen, choices, batch)
+            kept = None if keep is None else routing.counts
+            out = self._attach_router_losses(out, logits, probs, chosen, choices, batch, kept)
         out = self.reduce_output(out.view(batch, seq, hidden))
         return out if residual is None else residual + out
 
@@ -390,8 +393,10 @@ class MoE(nn.Module):
         chosen: torch.Tensor,
         counts: torch.Tensor,
         batch: int,
+        kept: torch.Tensor | None,
     ) -> torch.Tensor:
-        """counts: each expert's token choices (the router's, kept or dropped)."""
+        """counts: each expert's token choices (the router's, kept or dropped); kept: those a capacity kept (None:
+        dropless)."""
         global_load = None
         if self.global_balance:
             assert self.balance_global_load is not None, "no routing pass"
@@ -401,6 +406,8 @@ class MoE(nn.Module):
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
             self.stats.choices.add_(counts)
+            if kept is not None:
+                self.stats.dropped.add_(counts.sum() - kept.sum())
             if self.balance_load is not None:
                 self.balance_load.add_(counts)
         loss = self.aux_coef * aux.sum() + self.z_coef * z.sum()

@@ -109,24 +109,30 @@ class RouterTraining:
         """This rank's sums of the step's router statistics, copied (no collective: a step that is not logged
         reduces nothing; `step_stats` reduces the logged one's)."""
         s = self.stats
-        return torch.cat([s.aux.reshape(1), s.z.reshape(1), s.choices]).float()
+        return torch.cat([s.aux.reshape(1), s.z.reshape(1), s.dropped.reshape(1), s.choices]).float()
 
     def step_stats(self, local: torch.Tensor, sequences: int, mesh: Mesh) -> torch.Tensor:
-        """[load-balancing loss, z-loss, each expert's share of the token choices] of the whole step from each
+        """[load-balancing loss, z-loss, the share of token choices a capacity dropped, each expert's share of the
+        token choices] of the whole step from each
         rank's `local_stats`: a collective over every rank (pipeline stages hold different layers, data-parallel
         ranks different sequences; the tensor-parallel ranks of a layer count the same tokens)."""
         flat = local.clone()
         if mesh.world_size > 1:
             torch.distributed.all_reduce(flat)
         flat = flat / mesh.tp
-        total = flat[2:].sum().clamp_min(1.0)
-        return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:] / total])
+        total = flat[3:].sum().clamp_min(1.0)
+        return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:3] / total, flat[3:] / total])
 
     @staticmethod
     def fields(values: list[float]) -> dict[str, Any]:
         """step_stats' values by name: the load-balancing and z-losses, unweighted, averaged over sequences and
-        layers, and each expert's share of the token choices."""
-        return {"moe_aux_loss": values[0], "moe_z_loss": values[1], "expert_token_share": values[2:]}
+        layers, the share of the token choices a capacity dropped (0 dropless) and each expert's share of them."""
+        return {
+            "moe_aux_loss": values[0],
+            "moe_z_loss": values[1],
+            "moe_dropped_fraction": values[2],
+            "expert_token_share": values[3:],
+        }
 
 
 def per_token_loss(chunks: list[Transformer], kernel: str = "auto", compile: bool = False) -> PerTokenLoss:
