@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from ..errors import ConfigError
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):  # a tuple: the step simulator builds hundreds of thousands
     forward: bool
     chunk: int  # global chunk index
     micro_batch: int

@@ -4,6 +4,8 @@ the step on its critical rank."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +25,22 @@ class Finished:
     events: list[Event]
 
 
-def _overlap(start: float, end: float, busy: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+class _Busy:
+    """A rank's busy intervals (its pipeline actions: one after another, so sorted and disjoint), for the time a
+    collective from `start` to `end` runs beside them (a binary search, not a walk over every action)."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        self.starts = [a for a, _ in intervals]
+        self.ends = [b for _, b in intervals]
+        self.before = list(itertools.accumulate((b - a for a, b in intervals), initial=0.0))  # busy before interval i
+
+    def overlap(self, start: float, end: float) -> float:
+        first = bisect.bisect_right(self.ends, start)  # the first interval ending after `start`
+        stop = bisect.bisect_left(self.starts, end)  # the intervals from `stop` on start at or after `end`
+        if first >= stop:
+            return 0.0
+        inner = self.before[stop] - self.before[first]
+        return inner - max(0.0, start - self.starts[first]) - max(0.0, self.ends[stop - 1] - end)
 
 
 class DataParallel:
@@ -85,21 +101,24 @@ class DataParallel:
     def finish(self, events: list[Event], gathers: dict, zero_bubble: bool) -> Finished:
         s, opt = self.s, self.opt
         ranks = range(s.pp)
-        by_rank = [[e for e in events if e.rank == r] for r in ranks]
+        by_rank: list[list[Event]] = [[] for _ in ranks]
+        for e in events:
+            by_rank[e.rank].append(e)
+        busy = [_Busy([(e.start, e.end) for e in rank_events]) for rank_events in by_rank]
         pipeline_end = [max(e.end for e in rank_events) for rank_events in by_rank]
         dp_events: list[Event] = []
         slowed = [0.0] * s.pp
         comm = [0.0] * s.pp
         for c, items in gathers.items():
             r = c % s.pp
-            busy = [(e.start, e.end) for e in by_rank[r]]
             for _, start, end, moved in items:
                 dp_events.append(Event(r, "dp-ag", c, -1, start, end))
                 comm[r] += end - start
-                slowed[r] += self._slowdown(moved, end - start, _overlap(start, end, busy))
+                slowed[r] += self._slowdown(moved, end - start, busy[r].overlap(start, end))
         ready_end = list(pipeline_end)
         for r in ranks:
-            ready_end[r] = max(ready_end[r], self._reduce(r, by_rank[r], gathers, zero_bubble, dp_events, comm, slowed))
+            reduced = self._reduce(r, by_rank[r], busy[r], gathers, zero_bubble, dp_events, comm, slowed)
+            ready_end[r] = max(ready_end[r], reduced)
         opt_start = max(ready_end)
         owned = [self._owned(r) for r in ranks]
         optimizer = max(self.costs.optimizer(o) for o in owned)
@@ -130,7 +149,15 @@ class DataParallel:
         return Finished(step, parts, max(comm) + blocking, exposed, events + dp_events)
 
     def _reduce(
-        self, r: int, rank_events: list[Event], gathers: dict, zb: bool, out: list, comm: list, slowed: list
+        self,
+        r: int,
+        rank_events: list[Event],
+        busy: _Busy,
+        gathers: dict,
+        zb: bool,
+        out: list,
+        comm: list,
+        slowed: list,
     ) -> float:
         """Issue rank r's gradient collectives as their buckets fill; returns when the last one ends."""
         opt = self.opt
@@ -138,10 +165,13 @@ class DataParallel:
         free = max([end for c in self._rank_chunks(r) for _, _, end, _ in gathers.get(c, [])], default=0.0)
         last_kind = "W" if zb else "B"
         pipeline_end = max(e.end for e in rank_events)
-        busy = [(e.start, e.end) for e in rank_events]
+        lasts: dict[int, Event] = {}  # each chunk's last backward (ZB-H1: W) to end
+        for e in rank_events:
+            if e.kind == last_kind and (e.chunk not in lasts or e.end > lasts[e.chunk].end):
+                lasts[e.chunk] = e
         pending = []
         for c in self._rank_chunks(r):
-            last = max((e for e in rank_events if e.kind == last_kind and e.chunk == c), key=lambda e: e.end)
+            last = lasts[c]
             for b in self.buckets[c]:
                 ready = (
                     last.start + b.ready_fraction * (last.end - last.start) if opt.overlap_grad_reduce else pipeline_end
@@ -156,7 +186,7 @@ class DataParallel:
             free = end = start + seconds
             out.append(Event(r, "dp-rs", c, -1, start, end, ready))
             comm[r] += seconds
-            slowed[r] += self._slowdown(size, seconds, _overlap(start, end, busy))
+            slowed[r] += self._slowdown(size, seconds, busy.overlap(start, end))
         return end
 
     def _owned(self, r: int) -> float:

@@ -11,15 +11,16 @@ in the trainer: the simulator predicts what it would gain.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...parallel.schedules import Action, max_alive, rank_order
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):  # a tuple: a step has tens of thousands, made fast
     rank: int
     kind: str  # "F", "B" (the whole backward, or its input half under ZB-H1), "W", "dp-rs", "dp-ag", "opt"
     chunk: int
@@ -53,59 +54,134 @@ def run_pipeline(
     """Every rank's actions with their start and end times. first_forward(chunk, start) -> end: the first
     forward of each chunk, which waits layer by layer for its parameters' all-gather. forward_only: the
     forward-only schedule (evaluation's, global-batch balancing's routing pass), which holds nothing."""
-    orders = [deque(rank_order(pp, vpp, r, micro_batches, forward_only)) for r in range(pp)]
-    # ZB-H1 lets every rank hold as many micro-batches as 1F1B's first rank (its peak memory): later ranks defer Ws
-    caps = [max_alive(pp, vpp, 0 if zero_bubble else r, micro_batches) for r in range(pp)]
-    if forward_only:
-        caps = [micro_batches * vpp] * pp
-    free, held = [0.0] * pp, [0] * pp
-    pending: list[deque[Action]] = [deque() for _ in range(pp)]
-    end: dict[tuple[bool, int, int], float] = {}
-    started: set[int] = set()
-    events: list[Event] = []
-    last = pp * vpp - 1
-    while any(orders) or any(pending):
-        choice = None
-        for r in range(pp):
-            a = orders[r][0] if orders[r] else None
-            ready = _ready(a, end, p2p, last) if a is not None else None
-            idle = a is None or ready is None or ready > free[r] or (a.forward and held[r] >= caps[r])
-            if zero_bubble and pending[r] and idle:
-                cand = (free[r], r, "W")
-            elif a is not None and ready is not None:
-                cand = (max(free[r], ready), r, "A")
+    orders = [_rank_order(pp, vpp, r, micro_batches, forward_only) for r in range(pp)]
+    run = _Run(pp, chunks, p2p, pp * vpp - 1, first_forward)
+    if zero_bubble:  # every rank may hold as many micro-batches as 1F1B's first rank (its peak memory)
+        cap = micro_batches * vpp if forward_only else max_alive(pp, vpp, 0, micro_batches)
+        _zero_bubble(run, orders, [cap] * pp)
+    else:
+        _in_order(run, orders)
+    if any(run.done[r] < len(orders[r]) for r in range(pp)) or any(run.pending):
+        raise RuntimeError(f"the simulated pipeline deadlocks (pp={pp}, vpp={vpp}, m={micro_batches})")
+    return run.events
+
+
+class _Run:
+    """The timeline as it is built: when each rank is free, when each action's output is there, the events."""
+
+    def __init__(self, pp: int, chunks: list[ChunkDurations], p2p: float, last: int, first_forward: Callable | None):
+        self.chunks, self.p2p, self.last, self.first_forward = chunks, p2p, last, first_forward
+        self.free = [0.0] * pp
+        self.done = [0] * pp  # actions of each rank's order run so far
+        self.held = [0] * pp  # micro-batches whose backward (ZB-H1: W) has not run
+        self.pending: list[deque[Action]] = [deque() for _ in range(pp)]  # ZB-H1's Ws not yet run
+        self.end: dict[tuple[bool, int, int], float] = {}
+        self.started: set[int] = set()
+        self.events: list[Event] = []
+
+    def ready(self, a: Action) -> float | None:
+        return _ready(a, self.end, self.p2p, self.last)
+
+    def act(self, r: int, a: Action, start: float, zero_bubble: bool) -> None:
+        """Run rank r's next action `a` from `start`."""
+        d = self.chunks[a.chunk]
+        if a.forward:
+            self.held[r] += 1
+            if self.first_forward is not None and a.chunk not in self.started:
+                stop = self.first_forward(a.chunk, start)
             else:
-                continue
-            if choice is None or cand < choice:
-                choice = cand
-        if choice is None:
-            raise RuntimeError(f"the simulated pipeline deadlocks (pp={pp}, vpp={vpp}, m={micro_batches})")
-        start, r, what = choice
-        if what == "W":
-            w = pending[r].popleft()
-            stop = start + chunks[w.chunk].weight
-            held[r] -= 1
-            events.append(Event(r, "W", w.chunk, w.micro_batch, start, stop))
+                stop = start + d.forward
+            self.started.add(a.chunk)
         else:
-            a = orders[r].popleft()
-            d = chunks[a.chunk]
-            if a.forward:
-                held[r] += 1
-                if first_forward is not None and a.chunk not in started:
-                    stop = first_forward(a.chunk, start)
-                else:
-                    stop = start + d.forward
+            stop = start + d.backward
+            if zero_bubble:
+                self.pending[r].append(a)
+            else:
+                self.held[r] -= 1
+        self.end[(a.forward, a.chunk, a.micro_batch)] = stop
+        self.events.append(Event(r, "F" if a.forward else "B", a.chunk, a.micro_batch, start, stop))
+        self.free[r] = stop
+        self.done[r] += 1
+
+    def weight(self, r: int, start: float) -> None:
+        """Run rank r's oldest pending W (ZB-H1) from `start`."""
+        w = self.pending[r].popleft()
+        stop = start + self.chunks[w.chunk].weight
+        self.held[r] -= 1
+        self.events.append(Event(r, "W", w.chunk, w.micro_batch, start, stop))
+        self.free[r] = stop
+
+
+def _in_order(run: _Run, orders: list[tuple[Action, ...]]) -> None:
+    """1F1B and the forward-only schedule: each action starts once its rank is free and its input is there, which
+    fixes every time whatever order the ranks are visited in; a rank runs on until its next input is missing, and
+    an action that ends wakes its neighbours (the only ranks waiting for it: chunk c runs on rank c % pp). The
+    hot loop of a plan's ranking (tens of thousands of actions a step): _Run.act written out, without ZB-H1's
+    bookkeeping."""
+    pp, end, p2p, last, events = len(orders), run.end, run.p2p, run.last, run.events
+    forward_seconds = [d.forward for d in run.chunks]
+    backward_seconds = [d.backward for d in run.chunks]
+    first_forward, started = run.first_forward, run.started
+    waiting = list(range(pp))
+    while waiting:
+        r = waiting.pop()
+        order, i, free = orders[r], run.done[r], run.free[r]
+        while i < len(order):
+            a = order[i]
+            ready = _ready(a, end, p2p, last)
+            if ready is None:
+                break
+            start = max(free, ready)
+            if not a.forward:
+                free = start + backward_seconds[a.chunk]
+            elif first_forward is not None and a.chunk not in started:
+                free = first_forward(a.chunk, start)
                 started.add(a.chunk)
             else:
-                stop = start + d.backward
-                if zero_bubble:
-                    pending[r].append(a)
-                else:
-                    held[r] -= 1
-            end[(a.forward, a.chunk, a.micro_batch)] = stop
-            events.append(Event(r, "F" if a.forward else "B", a.chunk, a.micro_batch, start, stop))
-        free[r] = stop
-    return events
+                free = start + forward_seconds[a.chunk]
+            end[a] = free  # keyed by the action: (forward, chunk, micro-batch)
+            events.append(Event(r, "F" if a.forward else "B", a.chunk, a.micro_batch, start, free))
+            i += 1
+        if i > run.done[r]:
+            run.done[r], run.free[r] = i, free
+            waiting.extend({(r + 1) % pp, (r - 1) % pp} - {r})
+
+
+def _zero_bubble(run: _Run, orders: list[tuple[Action, ...]], caps: list[int]) -> None:
+    """ZB-H1: the earliest action of any rank next (ties: the lowest rank), a rank's pending W whenever it would
+    otherwise wait or hold more micro-batches than `caps` (1F1B's first rank's: ZB-H1's peak memory)."""
+    pp = len(orders)
+
+    def candidate(r: int) -> tuple[float, int, str] | None:
+        """What rank r would do next and when (None: nothing it can do yet)."""
+        a = orders[r][run.done[r]] if run.done[r] < len(orders[r]) else None
+        ready = run.ready(a) if a is not None else None
+        idle = a is None or ready is None or ready > run.free[r] or (a.forward and run.held[r] >= caps[r])
+        if run.pending[r] and idle:
+            return (run.free[r], r, "W")
+        if a is not None and ready is not None:
+            return (max(run.free[r], ready), r, "A")
+        return None
+
+    # A rank's candidate changes only when it acts or a neighbour's action ends: only those are asked again.
+    cands = [candidate(r) for r in range(pp)]
+    while True:
+        choice = min((c for c in cands if c is not None), default=None)
+        if choice is None:
+            return
+        start, r, what = choice
+        if what == "W":
+            run.weight(r, start)
+        else:
+            run.act(r, orders[r][run.done[r]], start, True)
+        for q in {r, (r + 1) % pp, (r - 1) % pp}:
+            cands[q] = candidate(q)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_order(pp: int, vpp: int, rank: int, micro_batches: int, forward_only: bool) -> tuple[Action, ...]:
+    """schedules.rank_order, kept: a plan simulates many layouts of one pipeline shape (Actions are frozen)."""
+    return tuple(rank_order(pp, vpp, rank, micro_batches, forward_only))
 
 
 def _ready(a: Action, end: dict, p2p: float, last: int) -> float | None:
