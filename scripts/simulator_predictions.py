@@ -1,7 +1,7 @@
 """Prints docs/simulator.md's prediction table: Llama 2 7B/70B, Llama 3 8B/70B and Mixtral 8x7B/8x22B on 8, 64,
-512 and 2048 H100s, each at the best layout `llamatron plan --simulate` finds, with the days and GPU-hours of
-training 1T tokens and what the row rests on that no run of ours measured. Run it after changing the simulator or
-its calibration and paste the rows into the doc.
+512 and 2048 H100s, each at the best layout `llamatron plan` finds (the fastest of all that fit by the step
+simulator), with the days and GPU-hours of training 1T tokens and what the row rests on that no run of ours
+measured. Run it after changing the simulator or its calibration and paste the rows into the doc.
 
 usage: python scripts/simulator_predictions.py   (about four minutes on two cores)
 """
@@ -54,7 +54,7 @@ def unmeasured(lay: dict, gpus: int) -> str:
 def row(label: str, model: str, seq: int, gpus: int) -> str:
     command = [sys.executable, "-m", "llamatron", "plan", "--model", model, "--gpus", str(gpus), "--gpu", "h100-sxm"]
     command += ["--network", "8x400Gb-ndr", "--seq-length", str(seq), "--global-batch-size", str(BATCH_TOKENS // seq)]
-    command += ["--simulate", "--json", "--train-tokens", "1e12"]
+    command += ["--top", "1", "--json", "--train-tokens", "1e12"]
     done = subprocess.run(command, capture_output=True, text=True)  # exit 1: no layout fits (still JSON)
     if done.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(command[1:])} failed: {done.stderr.strip()}")
@@ -63,7 +63,7 @@ def row(label: str, model: str, seq: int, gpus: int) -> str:
         needs = plan["explanation"].rsplit("needs at least ", 1)[-1].removesuffix(" of this size")
         why = f"does not fit (weights, gradients and optimizer state alone; needs at least {needs})"
         return f"| {label} | {seq} | {gpus} | {why} | | | | | | |"
-    best = max(plan["layouts"], key=lambda lay: lay["tokens_per_sec_per_gpu"])
+    best = plan["layouts"][0]  # the fastest by the simulator
     sim = best["simulation"]
     return (
         f"| {label} | {seq} | {gpus} | {layout_text(best)} | {sim['tokens_per_sec_per_gpu']:,.0f} | "

@@ -22,7 +22,7 @@ def test_plan_defaults_to_80gb_and_the_models_context_and_prints_train_flags(cap
     assert main_code(["plan", "--model", "llama2-7b", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "llama2-7b on 8 x 80 GB, seq 4096" in out
-    flags = out.split("#1 as `llamatron train` flags: ")[1].strip()
+    flags = out.split("#1 as `llamatron train` flags: ")[1].splitlines()[0]
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     cfg = load_config(parser.parse_args(["--model", "llama2-7b", *shlex.split(flags)]))
@@ -129,13 +129,17 @@ def yaml_values(path):
 
 
 def test_each_speed_says_which_model_gave_it(capsys):
-    """The search table ranks by the closed-form model, one layout is simulated: both numbers for one layout
-    differ by a few percent, so each table says which it shows (issue 39)."""
-    assert main_code(["plan", "--model", "llama-1b", "--gpus", "2", "--top", "1"]) == 0
+    """A search ranks by the step simulator (--simulate, still accepted, is the default), by the closed-form model
+    with --no-simulate; one layout is simulated: the two numbers for one layout differ, so each table says which
+    it shows (issue 39)."""
+    search = ["plan", "--model", "llama-1b", "--gpus", "2", "--top", "1"]
+    for flags in ([], ["--simulate"]):
+        assert main_code([*search, *flags]) == 0
+        out = capsys.readouterr().out
+        assert "tok/s/gpu and mfu: the step simulator's" in out and "fastest by the step simulator" in out
+    assert main_code([*search, "--no-simulate"]) == 0
     ranked = capsys.readouterr().out
-    assert "tok/s/gpu and mfu: the ranking model's estimate" in ranked and "the step simulator's" not in ranked
-    assert main_code(["plan", "--model", "llama-1b", "--gpus", "2", "--top", "1", "--simulate"]) == 0
-    assert "tok/s/gpu and mfu: the step simulator's" in capsys.readouterr().out
+    assert "tok/s/gpu and mfu: the closed-form ranking model's" in ranked and "the step simulator's" not in ranked
     one = ["plan", "--model", "llama-1b", "--gpus", "2", "--tp", "1", "--micro-batch-size", "2"]
     assert main_code([*one, "--json"]) == 0
     ranking = json.loads(capsys.readouterr().out)["ranking_model_tokens_per_sec_per_gpu"]

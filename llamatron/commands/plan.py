@@ -12,9 +12,13 @@ from ..config.settings import FP8_RECIPES, RunConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..planning.candidates import planned_model
-from ..planning.plan import GB, GiB, Plan, Precision, Speed, SpeedAssumptions
+from ..planning.plan import GB, GiB, Plan, Precision, SpeedAssumptions
 from ..planning.search import DEFAULT_SEQ_LENGTH, PlanResult, default_seq_length, plan
+from ..planning.simulator.evaluate import Simulation
 from ..planning.simulator.hardware import Hardware
+from ..planning.simulator.ranking import rank_by_simulation, simulated_plan
+from ..planning.simulator.step import StepResult
+from ..training.fp8 import fp8_flag_problems
 from . import plan_simulate
 from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
 
@@ -82,6 +86,15 @@ def register(sub) -> None:
         default="none",
         help="the run's --fp8 recipe: its decoder linears' speed-up, measured on an H200 (memory as bf16)",
     )
+    p.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        default=None,
+        help="with --fp8 on a mixture of experts: the run's --fp8-experts (its experts' grouped GEMMs in FP8), "
+        "checked as train checks it and added to the train flags; simulated with the experts at bf16 speed, "
+        "nearer what llamatron's FP8 experts measured (0.81-0.98x of a bf16 step, benchmarks/RESULTS.md run 22) "
+        "than FP8's GEMM speed-up",
+    )
     fixed = p.add_argument_group("a fixed layout: evaluate it instead of searching (unset: the --config's, else 1)")
     for flag, kind, what in _LAYOUT_FLAGS:
         fixed.add_argument(f"--{flag}", type=kind, default=None, help=what)
@@ -98,12 +111,17 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _check_model_overrides(model_name: str, overrides: dict | None) -> None:
+def _check_model(model_name: str, overrides: dict | None, fp8: str, fp8_experts: bool) -> None:
     """A model setting no layout can fix (a capacity factor of 0, top-k above the experts) is a configuration
-    error, as in `train`, not a layout that does not fit (an unknown field: planned_model's own error)."""
-    problems = planned_model(model_name, overrides).problems()
+    error, as in `train`, not a layout that does not fit (an unknown field: planned_model's own error); so are
+    FP8 flags the model cannot take (--fp8-experts on a dense model), as train checks them."""
+    model = planned_model(model_name, overrides)
+    problems = model.problems()
     if problems:
         raise ConfigError(f"{'; '.join(problems)} (fix the YAML model_overrides)")
+    problems = fp8_flag_problems(fp8, model, experts=fp8_experts)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -114,20 +132,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if settings.get("model") is None:
         raise ConfigError("plan needs a model: --model PRESET, or --config FILE with `model:`")
     try:
-        model = get_preset(settings["model"])
-        seq_length = settings.get("seq_length") or default_seq_length(model)
+        preset = get_preset(settings["model"])
+        seq_length = settings.get("seq_length") or default_seq_length(preset)
     except ValueError as e:  # an unknown preset: its message lists the known ones
         raise ConfigError(str(e)) from None
-    _check_model_overrides(settings["model"], settings.get("model_overrides"))
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
+    fp8_experts = bool(args.fp8_experts or settings.get("fp8_experts"))
+    _check_model(settings["model"], settings.get("model_overrides"), fp8, fp8_experts)
     precision = Precision(compiled=args.compile, fp8=fp8)
+    run_flags = (f" --fp8 {fp8}" if fp8 != "none" else "") + (" --fp8-experts" if fp8_experts else "")
     if not settings.get("seq_length") and not args.json:
         print(
-            f"seq {seq_length}: the default, the model's context ({model.max_seq_length}) but at most "
+            f"seq {seq_length}: the default, the model's context ({preset.max_seq_length}) but at most "
             f"{DEFAULT_SEQ_LENGTH}; --seq-length N plans another"
         )
     if not args.search and any(k in settings for k in _LAYOUT_KEYS):
-        return print_fixed_layout(args, settings, memory, seq_length, hw, precision)
+        return print_fixed_layout(args, settings, memory, seq_length, hw, precision, run_flags)
+    return print_search(args, settings, memory, seq_length, hw, precision, run_flags)
+
+
+def print_search(
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    memory: float,
+    seq_length: int,
+    hw: Hardware,
+    precision: Precision,
+    run_flags: str = "",
+) -> int:
+    """Search the layouts that fit and print the --top fastest (by the step simulator unless --no-simulate), or
+    why none fits (exit status 1). run_flags: the precision's train flags (--fp8 ...)."""
     result = plan(
         settings["model"],
         args.gpus,
@@ -139,46 +173,68 @@ def cmd_plan(args: argparse.Namespace) -> int:
         precision=precision,
         speed=_ranking_speed(args, hw),
     )
-    sims: dict[int, Any] = {}
-    if args.simulate and result.fits:
-        result.fits, sims = _rank_by_simulation(args, result, seq_length, hw, precision)
-    shown = result.fits[: max(args.top, 0)]
+    if not result.fits:
+        empty = _search_record(args, result, memory, hw, run_flags, [], {}, 0)
+        print(json.dumps(empty, indent=2) if args.json else result.explanation)
+        return 1
+    model = _model_of(result.model, settings.get("model_overrides"))
+    steps: dict[int, StepResult] = {}
+    shown, simulated = result.fits[: max(args.top, 0)], 0
+    if args.simulate:
+        shown, steps, simulated = _rank_by_simulation(args, model, result, seq_length, hw, precision)
+
+    def simulation(p: Plan) -> Simulation:  # the step both ways (the ranking simulated it one way)
+        return plan_simulate.simulate(args, model, p, seq_length, hw, precision, step=steps.get(id(p)))
+
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": result.model,
-                    "gpus": result.gpus,
-                    "gpu_memory_gb": memory / GB,
-                    "seq_length": result.seq_length,
-                    "fits": len(result.fits),
-                    "hardware": hw.describe(),
-                    "layouts": [
-                        {
-                            **p.to_dict(),
-                            "train_flags": _train_flags(p, seq_length, fp8),
-                            **({"simulation": plan_simulate.record(args, sims[id(p)])} if id(p) in sims else {}),
-                        }
-                        for p in shown
-                    ],
-                    "explanation": result.explanation or None,
-                },
-                indent=2,
-            )
-        )
-    else:
-        print(format_table(result, shown, SIMULATED if sims else RANKED))
-        if shown:
-            print(f"\n#1 as `llamatron train` flags: {_train_flags(shown[0], seq_length, fp8)}")
-            if sims:
-                print(f"(simulated on {hw.describe()})")
-                plan_simulate.print_extras(args, sims[id(shown[0])])
-            elif args.explain or args.explain_png:  # the best layout's simulated step, its traffic included
-                model = _model_of(result.model, settings.get("model_overrides"))
-                sim = plan_simulate.simulate(args, model, shown[0], seq_length, hw, precision)
-                print(f"\n#1 simulated on {hw.describe()}:")
-                plan_simulate.print_extras(args, sim)
-    return 0 if result.fits else 1
+        sims = {id(p): simulation(p) for p in shown if id(p) in steps}
+        print(json.dumps(_search_record(args, result, memory, hw, run_flags, shown, sims, simulated), indent=2))
+        return 0
+    ranked_by = f"by the step simulator ({simulated} simulated)" if steps else "by the ranking model"
+    print(format_table(result, shown, SIMULATED if steps else RANKED, _search_head(result, shown, ranked_by)))
+    if "--fp8-experts" in run_flags:
+        print(FP8_EXPERTS)
+    if shown:
+        print(f"\n#1 as `llamatron train` flags: {_train_flags(shown[0], seq_length, run_flags)}")
+        if steps:
+            print(f"(simulated on {hw.describe()})")
+            plan_simulate.print_extras(args, simulation(shown[0]))
+        elif args.explain or args.explain_png:  # the best layout's simulated step, its traffic included
+            print(f"\n#1 simulated on {hw.describe()}:")
+            plan_simulate.print_extras(args, simulation(shown[0]))
+    return 0
+
+
+def _search_record(
+    args: argparse.Namespace,
+    result: PlanResult,
+    memory: float,
+    hw: Hardware,
+    run_flags: str,
+    shown: list[Plan],
+    sims: dict[int, Simulation],
+    simulated: int,
+) -> dict[str, Any]:
+    """plan --json of a search: the shown layouts, each with its simulation when ranked by the simulator."""
+    return {
+        "model": result.model,
+        "gpus": result.gpus,
+        "gpu_memory_gb": memory / GB,
+        "seq_length": result.seq_length,
+        "fits": len(result.fits),
+        "ranked_by": "simulator" if sims else "ranking model",
+        "simulated": simulated,
+        "hardware": hw.describe(),
+        "layouts": [
+            {
+                **p.to_dict(),
+                "train_flags": _train_flags(p, result.seq_length, run_flags),
+                **({"simulation": plan_simulate.record(args, sims[id(p)])} if id(p) in sims else {}),
+            }
+            for p in shown
+        ],
+        "explanation": result.explanation or None,
+    }
 
 
 def _ranking_speed(args: argparse.Namespace, hw: Hardware) -> SpeedAssumptions:
@@ -188,22 +244,21 @@ def _ranking_speed(args: argparse.Namespace, hw: Hardware) -> SpeedAssumptions:
 
 
 def _rank_by_simulation(
-    args: argparse.Namespace, result: PlanResult, seq_length: int, hw: Hardware, precision: Precision
-) -> tuple[list[Plan], dict[int, Any]]:
-    """The ranking model's best layouts (3 x --top, at least 20) simulated, and ranked by the simulation."""
-    model = _model_of(result.model, planned_settings(args).get("model_overrides"))
-    sims = {}
-    out = []
-    for p in result.fits[: max(3 * args.top, 20)]:
-        if args.pipeline_schedule == "zb-h1" and p.layout.vpp > 1:
-            continue
-        sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision)
-        r = sim.result
-        q = Plan(p.layout, p.memory, Speed(r.step_seconds, r.tokens_per_sec_per_gpu, r.mfu, p.speed.bubble, r.parts))
-        sims[id(q)] = sim
-        out.append(q)
-    out.sort(key=lambda q: -q.speed.tokens_per_sec_per_gpu)
-    return out, sims
+    args: argparse.Namespace,
+    model: ModelConfig,
+    result: PlanResult,
+    seq_length: int,
+    hw: Hardware,
+    precision: Precision,
+) -> tuple[list[Plan], dict[int, StepResult], int]:
+    """The --top fastest layouts that fit by the step simulator (simulator/ranking.py: exactly those simulating
+    them all would list), their simulated steps by id, and how many layouts were simulated."""
+    # zb-h1 is modelled for vpp 1 only (plan_simulate.simulate refuses the others)
+    candidates = [p for p in result.fits if args.pipeline_schedule != "zb-h1" or p.layout.vpp == 1]
+    settings = plan_simulate.settings_of(args)
+    ranked = rank_by_simulation(model, candidates, seq_length, hw, precision, settings, max(args.top, 1))
+    top = ranked.top[: max(args.top, 0)]
+    return [p for p, _ in top], {id(p): step for p, step in top}, ranked.simulated
 
 
 def _model_of(name: str, overrides: dict | None) -> ModelConfig:
@@ -212,25 +267,40 @@ def _model_of(name: str, overrides: dict | None) -> ModelConfig:
     return cfg.model_config()
 
 
-def _train_flags(p: Plan, seq_length: int, fp8: str) -> str:
-    return p.layout.train_flags(seq_length) + (f" --fp8 {fp8}" if fp8 != "none" else "")
+def _train_flags(p: Plan, seq_length: int, run_flags: str) -> str:
+    return p.layout.train_flags(seq_length) + run_flags
 
 
-# Where the table's tok/s/gpu and mfu come from: two models of one step, which differ by a few percent.
+# Where the table's tok/s/gpu and mfu come from: two models of one step. The simulator is the one plan lists by
+# default; the closed-form ranking model (--no-simulate) is faster and can differ by 2x (MoE, --fsdp).
 RANKED = (
-    "tok/s/gpu and mfu: the ranking model's estimate (closed-form, fast enough for every layout); --simulate "
-    "ranks the best by the step simulator instead, which `plan` of one layout (--tp ...) also prints"
+    "tok/s/gpu and mfu: the closed-form ranking model's estimate (--no-simulate: it leaves out the MoE token "
+    "permutation and routing and --fsdp's contention, which the step simulator has; without --no-simulate plan "
+    "ranks by the simulator)"
 )
 SIMULATED = "tok/s/gpu and mfu: the step simulator's (llamatron/planning/simulator)"
+FP8_EXPERTS = (
+    "--fp8-experts: the experts' grouped GEMMs simulated at bf16 speed (llamatron's FP8 experts measured 0.81-0.98x "
+    "of a bf16 step: benchmarks/RESULTS.md run 22)"
+)
 
 
-def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANKED) -> str:
+def _setting(result: PlanResult) -> str:
+    return f"{result.model} on {result.gpus} x {result.gpu_memory / GB:.0f} GB, seq {result.seq_length}"
+
+
+def _search_head(result: PlanResult, shown: list[Plan], ranked_by: str) -> str:
+    n = len(result.fits)
+    fit = "1 layout fits" if n == 1 else f"{n} layouts fit"
+    fastest = "the fastest" if len(shown) == 1 else f"the {len(shown)} fastest"
+    return f"{_setting(result)}: {fit}; {fastest} {ranked_by} (memory per GPU in GB, busiest pipeline stage)"
+
+
+def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANKED, head: str = "") -> str:
+    """The table of `shown` under `head` (default: the search's line), or why nothing fits."""
     if not result.fits:
         return result.explanation
-    head = (
-        f"{result.model} on {result.gpus} x {result.gpu_memory / GB:.0f} GB, seq {result.seq_length}: "
-        f"{len(result.fits)} layouts fit; the {len(shown)} fastest (memory per GPU in GB, busiest pipeline stage)"
-    )
+    head = head or _search_head(result, shown, "by the ranking model")
     cols = [
         "#",
         "tp",
@@ -294,6 +364,7 @@ def print_fixed_layout(
     seq_length: int,
     hw: Hardware,
     precision: Precision,
+    run_flags: str = "",
 ) -> int:
     """Print the layout's plan and its simulated step (a table row, or JSON with tokens_per_sec_per_gpu and
     tflops_per_gpu: the simulator's); exit status 1 when it does not fit in `gpu_memory`."""
@@ -301,22 +372,23 @@ def print_fixed_layout(
     p, model = evaluate_layout(settings, gpus, seq_length, hw.gpus_per_node, precision, _ranking_speed(args, hw))
     sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision, settings.get("pp_layers"))
     r = sim.result
-    simulated = Plan(
-        p.layout, p.memory, Speed(r.step_seconds, r.tokens_per_sec_per_gpu, r.mfu, p.speed.bubble, r.parts)
-    )
+    simulated = simulated_plan(p, r)
     fits = p.memory.total <= gpu_memory
     tflops = r.mfu * r.peak_flops / 1e12
     if args.json:
         record = {"model": settings["model"], "gpus": gpus, "gpu_memory_gb": gpu_memory / GB, "seq_length": seq_length}
         record.update({**simulated.to_dict(), "tflops_per_gpu": tflops, "fits": fits, "parts_seconds": r.parts})
         record["ranking_model_tokens_per_sec_per_gpu"] = p.speed.tokens_per_sec_per_gpu
-        record["train_flags"] = _train_flags(p, seq_length, precision.fp8)
+        record["train_flags"] = _train_flags(p, seq_length, run_flags)
         record["simulation"] = plan_simulate.record(args, sim)
         print(json.dumps(record, indent=2))
     else:
         source = f"{SIMULATED}; the ranking model's estimate: {p.speed.tokens_per_sec_per_gpu:,.0f} tok/s/gpu"
         table = PlanResult(settings["model"], gpus, gpu_memory, seq_length, [simulated])
-        print(format_table(table, [simulated], source))
+        head = f"{_setting(table)}: the layout given (memory per GPU in GB, busiest pipeline stage)"
+        print(format_table(table, [simulated], source, head))
+        if "--fp8-experts" in run_flags:
+            print(FP8_EXPERTS)
         if p.layout.distributed_optimizer and p.layout.replicas == 1:
             print("--distributed-optimizer shards the optimizer over dp x cp replicas: with one it saves nothing")
         verdict = "fits" if fits else f"does NOT fit in {gpu_memory / GB:.0f} GB"

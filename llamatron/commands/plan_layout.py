@@ -33,7 +33,10 @@ _LAYOUT_FLAGS: list[tuple[str, type, str]] = [
 _SWITCHES = ["distributed_optimizer", "fsdp", "fsdp_keep_params_in_backward"]
 _LAYOUT_KEYS = [f.replace("-", "_") for f, *_ in _LAYOUT_FLAGS] + _SWITCHES
 # What plan reads of a train YAML: the model, its shape and the layout (data, checkpoints and logging are the run's).
-_PLANNED = {"model", "model_overrides", "seq_length", "global_batch_size", "sequence_parallel", "pp_layers", "fp8"}
+_PLANNED = {
+    *("model", "model_overrides", "seq_length", "global_batch_size", "sequence_parallel", "pp_layers"),
+    *("fp8", "fp8_experts"),
+}
 
 
 def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,7 +68,8 @@ def evaluate_layout(
 ) -> tuple[Plan, ModelConfig]:
     """Memory and (ranking-model) speed of the layout `settings` give on `gpus` GPUs, and the model (raises
     ConfigError as train would)."""
-    values = {k: v for k, v in settings.items() if k != "fp8"}  # the recipe's GPU check needs the GPU: not here
+    # the recipe's GPU check needs the GPU: not here (plan checks the FP8 flags against the model itself)
+    values = {k: v for k, v in settings.items() if k not in ("fp8", "fp8_experts")}
     values.setdefault("global_batch_size", max(1, 2**22 // seq_length))  # about 4M tokens, as the search
     if "distributed_optimizer" not in values and not values.get("fsdp"):
         values["distributed_optimizer"] = gpus > 1

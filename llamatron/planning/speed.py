@@ -1,8 +1,9 @@
 """The planner's ranking model: how fast a layout should run, in closed form (plan.py's memory model says
 whether it fits).
 
-Speed model (ranks a search's layouts; a fixed layout, and a search's best with --simulate, go through the
-step simulator of llamatron/planning/simulator/, docs/simulator.md; both take their numbers from
+Speed model (orders a search's layouts and picks its cp layouts; `plan --no-simulate` lists its figures. `plan`
+itself lists the step simulator's, llamatron/planning/simulator/ranking.py, docs/simulator.md: this model has no
+MoE token permutation or routing and no --fsdp contention, and can be 2x off there. Both take their numbers from
 llamatron/planning/simulator/calibration.yaml, this one from its `planner:` section, see SpeedAssumptions)
 ---------------------------------------------------------------------------------------------------
   compute per micro-batch = tokens x hardware FLOPs per token / (tp*pp) / (peak x base MFU x GEMM efficiency),

@@ -52,6 +52,19 @@ def torchao_missing() -> bool:
     return importlib.util.find_spec("torchao") is None
 
 
+def fp8_flag_problems(
+    recipe: str, model: ModelConfig, emulate: bool = False, head: bool = False, experts: bool = False
+) -> list[str]:
+    """The FP8 flags against each other and the model, nothing about the machine (what `plan` checks too)."""
+    if recipe == "none":
+        flags = [f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head), ("--fp8-experts", experts)) if on]
+        verb = "needs" if len(flags) == 1 else "need"
+        return [f"{' and '.join(flags)} {verb} --fp8 tensorwise or rowwise"] if flags else []
+    if experts and not model.is_moe:
+        return ["--fp8-experts is for a mixture of experts' grouped GEMMs; this model has no experts: drop it"]
+    return []
+
+
 def fp8_problems(
     recipe: str,
     emulate: bool,
@@ -68,12 +81,9 @@ def fp8_problems(
     model here (empty: it can).
     `tokens_per_matmul` is the rows of one micro-batch's activations on a rank (micro-batch x sequence / context
     parallel size); `capability` is the GPU's (read from the device when None and the device is cuda)."""
-    if recipe == "none":
-        flags = [f for f, on in (("--fp8-emulate", emulate), ("--fp8-head", head), ("--fp8-experts", experts)) if on]
-        verb = "needs" if len(flags) == 1 else "need"
-        return [f"{' and '.join(flags)} {verb} --fp8 tensorwise or rowwise"] if flags else []
-    if experts and not model.is_moe:
-        return ["--fp8-experts is for a mixture of experts' grouped GEMMs; this model has no experts: drop it"]
+    flag_problems = fp8_flag_problems(recipe, model, emulate, head, experts)
+    if flag_problems or recipe == "none":
+        return flag_problems
     if torchao_missing():
         return [f"--fp8 {recipe} needs torchao: pip install -e '.[fp8]' (or pip install 'torchao>=0.18,<0.19')"]
     problems = []

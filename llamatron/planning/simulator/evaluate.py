@@ -15,7 +15,7 @@ from .calibration import Calibration, load_calibration
 from .costs import Costs, Shape, StepOptions
 from .fsdp import FsdpOptions
 from .hardware import Hardware
-from .step import StepResult, simulate_step
+from .step import StepResult, simulate_step, step_seconds_bound
 
 MFU_FORMULA = "tokens/s/GPU x flops_per_token(ModelConfig, seq) / dense bf16 peak (active parameters for MoE)"
 
@@ -189,11 +189,12 @@ def simulate_layout(
     precision: Precision = Precision(),
     settings: SimSettings = SimSettings(),
     cal: Calibration | None = None,
+    result: StepResult | None = None,
 ) -> Simulation:
     """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way (`cal`:
-    calibration.yaml's numbers unless given)."""
+    calibration.yaml's numbers unless given; `result`: the first, when layout_step has simulated it already)."""
     shape = layout_shape(lay, seq_length, precision, settings)
-    result = simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes), cal)
+    result = result or simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes), cal)
     other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap, shape.act_bytes), cal)
     a2a = 0.0
     if model.is_moe and lay.ep > 1:
@@ -204,3 +205,31 @@ def simulate_layout(
     gather_bytes = 1 if settings.fp8_param_gather else precision.act_bytes
     fsdp = fsdp_traffic(model, lay, result, grad_bytes, gather_bytes) if lay.fsdp else None
     return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision, fsdp)
+
+
+def layout_step(
+    model: ModelConfig,
+    lay: Layout,
+    seq_length: int,
+    hw: Hardware,
+    precision: Precision = Precision(),
+    settings: SimSettings = SimSettings(),
+) -> StepResult:
+    """simulate_layout's step as `settings` say only (half its work: what ranking layouts needs)."""
+    shape = layout_shape(lay, seq_length, precision, settings)
+    return simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes))
+
+
+def tokens_per_sec_bound(
+    model: ModelConfig,
+    lay: Layout,
+    seq_length: int,
+    hw: Hardware,
+    precision: Precision = Precision(),
+    settings: SimSettings = SimSettings(),
+) -> float:
+    """An upper bound of layout_step's tokens/s per GPU, without its timeline (step.step_seconds_bound)."""
+    shape = layout_shape(lay, seq_length, precision, settings)
+    step = step_seconds_bound(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes))
+    tokens = lay.micro_batches * lay.micro_batch_size * seq_length * lay.dp  # as StepResult counts them
+    return tokens / step / (lay.tp * lay.cp * lay.dp * lay.pp)

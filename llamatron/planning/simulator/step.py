@@ -51,12 +51,19 @@ class StepResult:
         return self.tokens_per_sec_per_gpu * self.model_flops_per_token / self.peak_flops
 
 
-def simulate_step(
-    model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cal: Calibration | None = None
-) -> StepResult:
-    """Simulate one optimizer step of `model` laid out as `s` on `hw` (one data-parallel replica's pipeline:
-    every replica runs the same)."""
-    cal = cal or load_calibration()
+@dataclass
+class _Prepared:
+    """What a step's timeline runs: the costs, the chunks (with --fsdp's collectives in them), the durations the
+    schedule sees, the point-to-point time between stages and --fsdp's tail."""
+
+    costs: Costs
+    chunks: list[Chunk]
+    durations: list[ChunkDurations]
+    p2p: float
+    fsdp_tail: float
+
+
+def _prepare(model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cal: Calibration) -> _Prepared:
     costs = Costs(model, s, hw, cal)
     chunks = build_chunks(model, s, costs, opt.vpp, opt.pp_layers)
     fsdp_tail = _add_fsdp(model, s, hw, opt, costs, chunks) if opt.fsdp is not None else 0.0
@@ -69,19 +76,31 @@ def simulate_step(
     ]
     stride = s.tp * s.cp * s.dp
     p2p = costs.p2p(across_nodes=stride * s.pp > hw.gpus_per_node) if s.pp > 1 else 0.0
+    return _Prepared(costs, chunks, durations, p2p, fsdp_tail)
+
+
+def simulate_step(
+    model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cal: Calibration | None = None
+) -> StepResult:
+    """Simulate one optimizer step of `model` laid out as `s` on `hw` (one data-parallel replica's pipeline:
+    every replica runs the same)."""
+    cal = cal or load_calibration()
+    prep = _prepare(model, s, hw, opt, cal)
+    costs, chunks, p2p = prep.costs, prep.chunks, prep.p2p
+    zb = opt.schedule == "zb-h1"
     dp = DataParallel(model, s, hw, opt, costs, chunks)
     gathers = dp.gathers() if opt.distributed_optimizer and opt.overlap_param_gather else {}
     events = run_pipeline(
-        s.pp, opt.vpp, opt.micro_batches, durations, p2p, zb, dp.first_forward(gathers) if gathers else None
+        s.pp, opt.vpp, opt.micro_batches, prep.durations, p2p, zb, dp.first_forward(gathers) if gathers else None
     )
     done = dp.finish(events, gathers, zb)
     if model.is_moe and model.router_aux_loss_scope == "global_batch":
         routing = _routing_pass(model, s, opt, costs, chunks, p2p)
         done.step_seconds += routing
         done.parts["routing_pass"] = routing
-    if fsdp_tail:  # the step's last reduce-scatter (the first unit's), waited for before the optimizer
-        done.step_seconds += fsdp_tail
-        done.parts["fsdp"] = done.parts.get("fsdp", 0.0) + fsdp_tail
+    if prep.fsdp_tail:  # the step's last reduce-scatter (the first unit's), waited for before the optimizer
+        done.step_seconds += prep.fsdp_tail
+        done.parts["fsdp"] = done.parts.get("fsdp", 0.0) + prep.fsdp_tail
     # The GPU idles between kernels (host launches, synchronisation) for a share of every measured step.
     idle = done.step_seconds * cal.idle_share / (1 - cal.idle_share)
     return StepResult(
@@ -95,6 +114,37 @@ def simulate_step(
         done.dp_exposed_seconds,
         done.events,
     )
+
+
+def step_seconds_bound(
+    model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cal: Calibration | None = None
+) -> float:
+    """A lower bound of simulate_step's step_seconds from the same costs, without the timeline (a millisecond or
+    so). A rank runs its actions one after another; its first, micro-batch 0's forward of its first chunk, starts
+    once that forward has come through the chunks before it (a first forward waiting for its all-gathers only
+    takes longer); its schedule's last action, the last micro-batch's backward of its first chunk, is followed by
+    that micro-batch's backward through the chunks before it. The routing pass's forwards, --fsdp's tail and the
+    idle share are added as simulate_step adds them; what is left out (the data-parallel collectives, the
+    optimizer, the waits inside the pipeline) only lengthens the step."""
+    cal = cal or load_calibration()
+    prep = _prepare(model, s, hw, opt, cal)
+    m, chunks, p2p = opt.micro_batches, prep.durations, prep.p2p
+
+    def busiest(forward_only: bool) -> float:
+        ends = []
+        for r in range(s.pp):
+            mine = chunks[r :: s.pp]
+            arrival = sum(d.forward + p2p for d in chunks[:r])
+            ordered = m * sum(d.forward + (0.0 if forward_only else d.backward) for d in mine)  # W: ZB-H1's own
+            weights = 0.0 if forward_only else m * sum(d.weight for d in mine)
+            drain = 0.0 if forward_only else sum(d.backward + p2p for d in chunks[:r])
+            ends.append(arrival + max(ordered + drain, ordered + weights))
+        return max(ends)
+
+    step = busiest(False) + prep.fsdp_tail
+    if model.is_moe and model.router_aux_loss_scope == "global_batch":
+        step += busiest(True)
+    return step / (1 - cal.idle_share)
 
 
 def _routing_pass(
