@@ -509,3 +509,37 @@ def test_a_mixtures_flags_on_a_dense_model_are_refused(flags, message, no_buildi
     code, err = _cli([*BASE_FLAGS, *flags], capsys)
     assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, yaml_text, fix",
+    [
+        (["--moe-router-topk", "4"], None, "(fix --moe-router-topk 4)"),
+        (["--num-layers", "0", "--num-attention-heads", "4"], None, "(fix --num-layers 0)"),  # the one named
+        (["--num-attention-heads", "3"], "model_overrides: {hidden_size: 96}\n", "(fix --num-attention-heads 3 or"),
+        ([], "model_overrides: {hidden_size: 100}\n", "(fix the YAML model_overrides)"),
+    ],
+)
+def test_a_model_shape_error_names_the_flag_that_gave_the_value(flags, yaml_text, fix, tmp_path, no_building, capsys):
+    """Review item 9: a shape that Megatron-LM's model flags set was to be fixed in 'the YAML model_overrides'."""
+    config = ["--config", str(_write(tmp_path / "c.yaml", yaml_text))] if yaml_text else []
+    code, err = _cli([*BASE_FLAGS, *config, *flags], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and fix in err, err
+    assert ("YAML" in err) == bool(yaml_text) and "checkpoint" not in err, err
+
+
+@pytest.mark.parametrize(
+    "text, where, fix",
+    [
+        ("model: llama-test\ntp: [1\nlr: 0.1\n", "line 3, column 3", "close the list's [ with ]"),
+        ("model: llama-test\n  tp: 2\n", "line 2, column 5", "indent a setting as the line above"),
+        ("model: llama-test\ntp:\t2\n", "line 2, column 4", "indent with spaces: YAML does not allow tabs"),
+    ],
+)
+@pytest.mark.parametrize("command", [BASE_FLAGS, ["plan", "--gpus", "8"]])
+def test_a_yaml_syntax_error_is_one_line_with_the_place_and_the_fix(text, where, fix, command, tmp_path, capsys):
+    """Review item 10: PyYAML's message spans several lines (the context, the line quoted, a caret)."""
+    config = _write(tmp_path / "bad.yaml", text)
+    code, err = _cli([*command, "--config", str(config)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{config} is not valid YAML at {where}: " in err and fix in err, err

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from ..config.settings import config_from_values
+from ..config.yaml_errors import yaml_error_line
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..planning.plan import Plan, Precision, SpeedAssumptions, estimate_speed, layout_memory, run_layout
@@ -46,8 +47,10 @@ def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
         path = Path(args.config)
         try:
             loaded = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"--config {path}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"--config {path} cannot be read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(yaml_error_line(f"--config {path}", e)) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path} must hold a mapping of settings (as for `llamatron train`)")
         keys = _PLANNED | set(_LAYOUT_KEYS)

@@ -23,8 +23,9 @@ from ..data.cache import KEEP_PER_KIND
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.families import DEFAULT_PRESET, PRESET_NAMES
-from .megatron_flags import add_model_aliases, add_setting_aliases, model_overrides_from_flags
+from .megatron_flags import MODEL_ALIASES, add_model_aliases, add_setting_aliases, model_overrides_from_flags
 from .ranges import Range, above, at_least, problem
+from .yaml_errors import yaml_error_line
 
 # --fp8's recipes (torchao.float8's names; training/fp8.py applies them)
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
@@ -329,6 +330,8 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     model_overrides: dict = field(default_factory=dict)  # YAML `model_overrides:` changes preset fields
     explicit: set = field(default_factory=set, repr=False)  # settings given by YAML or flags, not defaulted
+    # model_overrides fields a command-line flag gave (Megatron-LM's --num-layers ...): field -> the flag
+    override_flags: dict = field(default_factory=dict, repr=False)
 
     def model_config(self) -> ModelConfig:
         try:
@@ -344,6 +347,7 @@ class RunConfig:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("explicit")
+        out.pop("override_flags")
         return out
 
     def flat(self) -> dict[str, Any]:
@@ -537,7 +541,7 @@ def load_config(args: argparse.Namespace) -> RunConfig:
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(yaml_error_line(f"config file {path}", e)) from None
         if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
             raise ConfigError(f"config file {path} must hold a mapping of setting: value (names as keys)")
         values.update({k.replace("-", "_"): v for k, v in loaded.items()})
@@ -545,7 +549,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     if shape:
         values["model_overrides"] = {**(values.get("model_overrides") or {}), **shape}
     values.update({k: v for k, v in given.items() if k in SECTIONS_OWNER})
-    return config_from_values(values)
+    cfg = config_from_values(values)
+    cfg.override_flags = {field: flag for flag, field in MODEL_ALIASES.items() if field in shape}
+    return cfg
 
 
 @dataclass

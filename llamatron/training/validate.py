@@ -7,6 +7,7 @@ mesh, the recompute bound a sound layer split); no rule is written here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 
 from ..adapters.problems import lora_problems
@@ -125,6 +126,20 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
         check_output_directory(d.data_cache_path, "--data-cache-path", "the index caches")
 
 
+def _shape_fix(cfg: RunConfig, problems: list[str]) -> str:
+    """Where a model shape that cannot be trained came from: the flags that set model fields (Megatron-LM's
+    --num-layers ...; those whose field the problems name, where they name any), the YAML model_overrides, a
+    checkpoint's model config (--load)."""
+    flagged = cfg.override_flags
+    named = {name: flag for name, flag in flagged.items() if re.search(rf"\b{name}\b", " ".join(problems))}
+    sources = [f"{flag} {cfg.model_overrides[name]}" for name, flag in (named or flagged).items()]
+    if set(cfg.model_overrides) - set(cfg.override_flags) or not (sources or cfg.train.load):
+        sources.append("the YAML model_overrides")
+    if cfg.train.load:
+        sources.append("the checkpoint's model config")
+    return "fix " + (" or ".join(sources) if len(sources) < 3 else f"{', '.join(sources[:-1])} or {sources[-1]}")
+
+
 def validate(
     cfg: RunConfig,
     world_size: int = 1,
@@ -139,11 +154,8 @@ def validate(
     """
     _raise_if(range_problems(cfg))
     model = model or cfg.model_config()
-    _raise_if(
-        model_problems(model),
-        "the model's shape cannot be trained: ",
-        " (fix the YAML model_overrides, or the checkpoint's model config)",
-    )
+    shape_problems = model_problems(model)
+    _raise_if(shape_problems, "the model's shape cannot be trained: ", f" ({_shape_fix(cfg, shape_problems)})")
     dp, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
     _validate_run(cfg, model, device, dtype_name)

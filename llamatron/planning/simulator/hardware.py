@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ...config.yaml_errors import yaml_error_line
 from ...errors import ConfigError
 
 GB = 1e9
@@ -79,7 +80,7 @@ def _load_yaml(text: str, where: str) -> dict:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(yaml_error_line(where, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must hold a mapping with gpus:, links: and/or networks:")
     unknown = set(data) - {"gpus", "links", "networks"}
