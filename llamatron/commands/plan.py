@@ -73,7 +73,12 @@ def register(sub) -> None:
         default=None,
         help="GPUs per node; tensor parallelism stays inside one (default: the --gpu profile's, 8)",
     )
-    p.add_argument("--top", type=number_arg(int, at_least(1)), default=10, help="show the K fastest layouts")
+    p.add_argument(
+        "--top",
+        type=number_arg(int, at_least(1)),
+        default=10,
+        help="show the K fastest layouts (each simulated: a K of hundreds takes a minute; --no-simulate does not)",
+    )
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
