@@ -3,7 +3,7 @@
 simulator), with the days and GPU-hours of training 1T tokens and what the row rests on that no run of ours
 measured. Run it after changing the simulator or its calibration and paste the rows into the doc.
 
-usage: python scripts/simulator_predictions.py   (about four minutes on two cores)
+usage: python scripts/simulator_predictions.py   (about two minutes on two cores)
 """
 
 from __future__ import annotations
