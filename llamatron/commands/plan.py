@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..config.ranges import Range, at_least, number_arg
@@ -79,6 +80,24 @@ def register(sub) -> None:
         default=10,
         help="show the K fastest layouts (each simulated: a K of hundreds takes a minute; --no-simulate does not)",
     )
+    _add_precision_arguments(p)
+    fixed = p.add_argument_group("a fixed layout: evaluate it instead of searching (unset: the --config's, else 1)")
+    for flag, kind, what in _LAYOUT_FLAGS:
+        fixed.add_argument(f"--{flag}", type=kind, default=None, help=what)
+    fixed.add_argument(
+        "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None, help="shard optimizer state"
+    )
+    fixed.add_argument("--fsdp", action="store_true", default=None, help="fully sharded data parallelism (ZeRO-3)")
+    fixed.add_argument(
+        "--fsdp-keep-params-in-backward", action="store_true", default=None, help="with --fsdp: no re-gather"
+    )
+    fixed.add_argument("--search", action="store_true", help="search layouts even when --config gives one")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan_simulate.add_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -97,23 +116,9 @@ def register(sub) -> None:
         default=None,
         help="with --fp8 on a mixture of experts: the run's --fp8-experts (its experts' grouped GEMMs in FP8), "
         "checked as train checks it and added to the train flags; simulated with the experts at bf16 speed, "
-        "nearer what llamatron's FP8 experts measured (0.81-0.98x of a bf16 step, benchmarks/RESULTS.md run 22) "
-        "than FP8's GEMM speed-up",
+        "nearer what llamatron's FP8 experts measured (mixtral-1b's step 0.95x of bf16's, benchmarks/RESULTS.md "
+        "run 23) than FP8's GEMM speed-up",
     )
-    fixed = p.add_argument_group("a fixed layout: evaluate it instead of searching (unset: the --config's, else 1)")
-    for flag, kind, what in _LAYOUT_FLAGS:
-        fixed.add_argument(f"--{flag}", type=kind, default=None, help=what)
-    fixed.add_argument(
-        "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None, help="shard optimizer state"
-    )
-    fixed.add_argument("--fsdp", action="store_true", default=None, help="fully sharded data parallelism (ZeRO-3)")
-    fixed.add_argument(
-        "--fsdp-keep-params-in-backward", action="store_true", default=None, help="with --fsdp: no re-gather"
-    )
-    fixed.add_argument("--search", action="store_true", help="search layouts even when --config gives one")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    plan_simulate.add_arguments(p)
-    p.set_defaults(func=cmd_plan)
 
 
 def _check_model(model_name: str, overrides: dict | None, fp8: str, fp8_experts: bool) -> None:
@@ -151,22 +156,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"seq {seq_length}: the default, the model's context ({preset.max_seq_length}) but at most "
             f"{DEFAULT_SEQ_LENGTH}; --seq-length N plans another"
         )
+    request = PlanRequest(settings, memory, seq_length, hw, precision, run_flags)
     if not args.search and any(k in settings for k in _LAYOUT_KEYS):
-        return print_fixed_layout(args, settings, memory, seq_length, hw, precision, run_flags)
-    return print_search(args, settings, memory, seq_length, hw, precision, run_flags)
+        return print_fixed_layout(args, request)
+    return print_search(args, request)
 
 
-def print_search(
-    args: argparse.Namespace,
-    settings: dict[str, Any],
-    memory: float,
-    seq_length: int,
-    hw: Hardware,
-    precision: Precision,
-    run_flags: str = "",
-) -> int:
+@dataclass(frozen=True)
+class PlanRequest:
+    """What plan resolved from its flags and --config, for a search or a fixed layout."""
+
+    settings: dict[str, Any]  # the model, its shape and the layout (planned_settings)
+    gpu_memory: float
+    seq_length: int
+    hw: Hardware
+    precision: Precision
+    run_flags: str = ""  # the precision's train flags (--fp8 ... --fp8-experts)
+
+
+def print_search(args: argparse.Namespace, request: PlanRequest) -> int:
     """Search the layouts that fit and print the --top fastest (by the step simulator unless --no-simulate), or
-    why none fits (exit status 1). run_flags: the precision's train flags (--fp8 ...)."""
+    why none fits (exit status 1)."""
+    settings, seq_length, hw, precision = request.settings, request.seq_length, request.hw, request.precision
+    memory, run_flags = request.gpu_memory, request.run_flags
     result = plan(
         settings["model"],
         args.gpus,
@@ -285,8 +297,8 @@ RANKED = (
 )
 SIMULATED = "tok/s/gpu and mfu: the step simulator's (llamatron/planning/simulator)"
 FP8_EXPERTS = (
-    "--fp8-experts: the experts' grouped GEMMs simulated at bf16 speed (llamatron's FP8 experts measured 0.81-0.98x "
-    "of a bf16 step: benchmarks/RESULTS.md run 22)"
+    "--fp8-experts: the experts' grouped GEMMs simulated at bf16 speed (llamatron's FP8 experts measured slower "
+    "than bf16: mixtral-1b's step 0.95x, benchmarks/RESULTS.md run 23)"
 )
 
 
@@ -362,17 +374,11 @@ def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANK
     return "\n".join([head, *lines, note, speed_source])
 
 
-def print_fixed_layout(
-    args: argparse.Namespace,
-    settings: dict[str, Any],
-    gpu_memory: float,
-    seq_length: int,
-    hw: Hardware,
-    precision: Precision,
-    run_flags: str = "",
-) -> int:
+def print_fixed_layout(args: argparse.Namespace, request: PlanRequest) -> int:
     """Print the layout's plan and its simulated step (a table row, or JSON with tokens_per_sec_per_gpu and
-    tflops_per_gpu: the simulator's); exit status 1 when it does not fit in `gpu_memory`."""
+    tflops_per_gpu: the simulator's); exit status 1 when it does not fit in the GPU's memory."""
+    settings, seq_length, hw, precision = request.settings, request.seq_length, request.hw, request.precision
+    gpu_memory, run_flags = request.gpu_memory, request.run_flags
     gpus = args.gpus
     p, model = evaluate_layout(settings, gpus, seq_length, hw.gpus_per_node, precision, _ranking_speed(args, hw))
     sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision, settings.get("pp_layers"))

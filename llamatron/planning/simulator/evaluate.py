@@ -193,8 +193,8 @@ def simulate_layout(
 ) -> Simulation:
     """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way (`cal`:
     calibration.yaml's numbers unless given; `result`: the first, when layout_step has simulated it already)."""
-    shape = layout_shape(lay, seq_length, precision, settings)
-    result = result or simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes), cal)
+    shape, options = _step_inputs(lay, seq_length, precision, settings)
+    result = result or simulate_step(model, shape, hw, options, cal)
     other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap, shape.act_bytes), cal)
     a2a = 0.0
     if model.is_moe and lay.ep > 1:
@@ -216,8 +216,8 @@ def layout_step(
     settings: SimSettings = SimSettings(),
 ) -> StepResult:
     """simulate_layout's step as `settings` say only (half its work: what ranking layouts needs)."""
-    shape = layout_shape(lay, seq_length, precision, settings)
-    return simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes))
+    shape, options = _step_inputs(lay, seq_length, precision, settings)
+    return simulate_step(model, shape, hw, options)
 
 
 def tokens_per_sec_bound(
@@ -229,7 +229,15 @@ def tokens_per_sec_bound(
     settings: SimSettings = SimSettings(),
 ) -> float:
     """An upper bound of layout_step's tokens/s per GPU, without its timeline (step.step_seconds_bound)."""
-    shape = layout_shape(lay, seq_length, precision, settings)
-    step = step_seconds_bound(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes))
+    shape, options = _step_inputs(lay, seq_length, precision, settings)
+    step = step_seconds_bound(model, shape, hw, options)
     tokens = lay.micro_batches * lay.micro_batch_size * seq_length * lay.dp  # as StepResult counts them
     return tokens / step / (lay.tp * lay.cp * lay.dp * lay.pp)
+
+
+def _step_inputs(
+    lay: Layout, seq_length: int, precision: Precision, settings: SimSettings
+) -> tuple[Shape, StepOptions]:
+    """The step's shape and options, with the data-parallel overlap as `settings` say."""
+    shape = layout_shape(lay, seq_length, precision, settings)
+    return shape, _options(lay, settings, settings.overlap, shape.act_bytes)
