@@ -17,7 +17,7 @@ from llamatron.cli import main
 from llamatron.config.settings import RunConfig
 from llamatron.planning.plan import Layout, Precision
 from llamatron.planning.search import plan
-from llamatron.planning.simulator.evaluate import SimSettings, layout_step, simulate_layout, tokens_per_sec_bound
+from llamatron.planning.simulator.evaluate import LayoutSteps, SimSettings, simulate_layout
 from llamatron.planning.simulator.hardware import resolve_hardware
 from llamatron.planning.simulator.ranking import rank_by_simulation
 
@@ -68,7 +68,8 @@ def test_the_listed_speed_of_every_layout_is_its_simulated_speed(name, flags, ca
     # Few layouts fit the MoE case: simulating every one of them gives the same top 3, in the same order.
     fits = plan(name, 8, 80e9, listed["seq_length"]).fits
     assert len(fits) == listed["fits"] < 30
-    speeds = sorted(layout_step(model, p.layout, listed["seq_length"], H100).tokens_per_sec_per_gpu for p in fits)
+    steps = LayoutSteps(model, listed["seq_length"], H100)
+    speeds = sorted(steps.step(p.layout).tokens_per_sec_per_gpu for p in fits)
     assert [r["tokens_per_sec_per_gpu"] for r in listed["layouts"]] == pytest.approx(speeds[::-1][:3], rel=1e-12)
 
 
@@ -105,8 +106,8 @@ def test_the_bound_is_at_least_the_simulated_speed_and_close_to_it(name, overrid
     """What makes the ranking exact: no layout simulates faster than its bound. And cheap: the bounds are close
     (within 20%), so few layouts past the top are simulated."""
     model = _model(name, overrides)
-    simulated = layout_step(model, layout, 4096, H100, Precision(), settings).tokens_per_sec_per_gpu
-    bound = tokens_per_sec_bound(model, layout, 4096, H100, Precision(), settings)
+    steps = LayoutSteps(model, 4096, H100, Precision(), settings)
+    simulated, bound = steps.step(layout).tokens_per_sec_per_gpu, steps.bound(layout)
     assert simulated <= bound <= 1.2 * simulated
 
 
@@ -114,7 +115,7 @@ def test_the_ranking_is_what_simulating_every_layout_gives():
     """llama-1b on 4 GPUs of 8 GB, 32 sequences a step: the top 1, 5 and all of the layouts that fit, by
     simulating them all."""
     model, result = _model("llama-1b"), plan("llama-1b", 4, 8e9, 2048, 32)
-    speeds = [layout_step(model, p.layout, 2048, H100).tokens_per_sec_per_gpu for p in result.fits]
+    speeds = [LayoutSteps(model, 2048, H100).step(p.layout).tokens_per_sec_per_gpu for p in result.fits]
     order = sorted(range(len(speeds)), key=lambda i: (-speeds[i], result.fits[i].memory.total))
     for top in (1, 5, len(speeds)):
         ranked = rank_by_simulation(model, result.fits, 2048, H100, Precision(), SimSettings(), top)

@@ -192,9 +192,9 @@ def simulate_layout(
     result: StepResult | None = None,
 ) -> Simulation:
     """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way (`cal`:
-    calibration.yaml's numbers unless given; `result`: the first, when layout_step has simulated it already)."""
-    shape, options = _step_inputs(lay, seq_length, precision, settings)
-    result = result or simulate_step(model, shape, hw, options, cal)
+    calibration.yaml's numbers unless given; `result`: the first, when LayoutSteps.step has simulated it)."""
+    shape = layout_shape(lay, seq_length, precision, settings)
+    result = result or simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes), cal)
     other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap, shape.act_bytes), cal)
     a2a = 0.0
     if model.is_moe and lay.ep > 1:
@@ -207,37 +207,28 @@ def simulate_layout(
     return Simulation(model, lay, seq_length, hw, settings, result, other, a2a, precision, fsdp)
 
 
-def layout_step(
-    model: ModelConfig,
-    lay: Layout,
-    seq_length: int,
-    hw: Hardware,
-    precision: Precision = Precision(),
-    settings: SimSettings = SimSettings(),
-) -> StepResult:
-    """simulate_layout's step as `settings` say only (half its work: what ranking layouts needs)."""
-    shape, options = _step_inputs(lay, seq_length, precision, settings)
-    return simulate_step(model, shape, hw, options)
+@dataclass(frozen=True)
+class LayoutSteps:
+    """The steps of a search's layouts: one model, sequence, hardware, precision and simulator settings."""
 
+    model: ModelConfig
+    seq_length: int
+    hw: Hardware
+    precision: Precision = Precision()
+    settings: SimSettings = SimSettings()
 
-def tokens_per_sec_bound(
-    model: ModelConfig,
-    lay: Layout,
-    seq_length: int,
-    hw: Hardware,
-    precision: Precision = Precision(),
-    settings: SimSettings = SimSettings(),
-) -> float:
-    """An upper bound of layout_step's tokens/s per GPU, without its timeline (step.step_seconds_bound)."""
-    shape, options = _step_inputs(lay, seq_length, precision, settings)
-    step = step_seconds_bound(model, shape, hw, options)
-    tokens = lay.micro_batches * lay.micro_batch_size * seq_length * lay.dp  # as StepResult counts them
-    return tokens / step / (lay.tp * lay.cp * lay.dp * lay.pp)
+    def step(self, lay: Layout) -> StepResult:
+        """simulate_layout's step as the settings say only (half its work: what ranking layouts needs)."""
+        shape, options = self._inputs(lay)
+        return simulate_step(self.model, shape, self.hw, options)
 
+    def bound(self, lay: Layout) -> float:
+        """An upper bound of step(lay)'s tokens/s per GPU, without its timeline (step.step_seconds_bound)."""
+        shape, options = self._inputs(lay)
+        seconds = step_seconds_bound(self.model, shape, self.hw, options)
+        tokens = lay.micro_batches * lay.micro_batch_size * self.seq_length * lay.dp  # as StepResult counts them
+        return tokens / seconds / (lay.tp * lay.cp * lay.dp * lay.pp)
 
-def _step_inputs(
-    lay: Layout, seq_length: int, precision: Precision, settings: SimSettings
-) -> tuple[Shape, StepOptions]:
-    """The step's shape and options, with the data-parallel overlap as `settings` say."""
-    shape = layout_shape(lay, seq_length, precision, settings)
-    return shape, _options(lay, settings, settings.overlap, shape.act_bytes)
+    def _inputs(self, lay: Layout) -> tuple[Shape, StepOptions]:
+        shape = layout_shape(lay, self.seq_length, self.precision, self.settings)
+        return shape, _options(lay, self.settings, self.settings.overlap, shape.act_bytes)

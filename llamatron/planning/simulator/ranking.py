@@ -1,7 +1,7 @@
 """`llamatron plan`'s ranking: of the layouts a search found to fit, the fastest by the step simulator.
 
 Simulating every layout would take about a tenth of a second each, and a 64-GPU search finds hundreds. Instead
-each layout gets an upper bound of its simulated tokens/s (evaluate.tokens_per_sec_bound: the simulator's own
+each layout gets an upper bound of its simulated tokens/s (evaluate.LayoutSteps.bound: the simulator's own
 costs without the timeline, under a millisecond), the layouts are simulated in the order of their bounds, and
 the simulation stops once the next bound is below the `top`-th simulated speed: no layout left could enter the
 top. So the top is what simulating them all would list, and only a few more than `top` layouts are simulated
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...models import ModelConfig
 from ..plan import Plan, Precision, Speed
-from .evaluate import SimSettings, layout_step, tokens_per_sec_bound
+from .evaluate import LayoutSteps, SimSettings
 from .hardware import Hardware
 from .step import StepResult
 
@@ -42,13 +42,14 @@ def rank_by_simulation(
     top: int,
 ) -> Ranked:
     """The `top` fastest of `plans` by the step simulator (ties: the smaller memory first, then the given order)."""
-    bounds = [tokens_per_sec_bound(model, p.layout, seq_length, hw, precision, settings) for p in plans]
+    steps = LayoutSteps(model, seq_length, hw, precision, settings)
+    bounds = [steps.bound(p.layout) for p in plans]
     order = sorted(range(len(plans)), key=lambda i: -bounds[i])
     done: list[tuple[float, float, int, StepResult]] = []  # (-tokens/s, memory, index, step), kept sorted
     for i in order:
         if len(done) >= top and bounds[i] < -done[top - 1][0]:
             break
-        step = layout_step(model, plans[i].layout, seq_length, hw, precision, settings)
+        step = steps.step(plans[i].layout)
         done.append((-step.tokens_per_sec_per_gpu, plans[i].memory.total, i, step))
         done.sort(key=lambda d: d[:3])
     return Ranked([(simulated_plan(plans[i], step), step) for _, _, i, step in done[:top]], len(done))
