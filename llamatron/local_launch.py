@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     stop_with_parent()  # the llamatron command that started this one was killed: stop the ranks (parent_watch.py)
     os.environ[PARENT_ENV] = str(os.getpid())  # and the ranks stop if this process is
+    try:
+        return _run_torchrun(argv)
+    finally:
+        os.environ.pop(PARENT_ENV, None)  # (main run inside another process: leave its environment as it was)
+
+
+def _run_torchrun(argv: list[str] | None) -> int:
     if sys.platform.startswith("linux"):
         # torchrun's --signals-to-handle (read from PET_*; ignored by a torchrun without it): not SIGTERM
         os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGQUIT"

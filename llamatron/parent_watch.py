@@ -20,8 +20,10 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def stop_with_parent() -> None:
     """When started by a llamatron launcher, receive SIGTERM when it dies (at once if it already has)."""
-    parent = os.environ.get(PARENT_ENV, "")
-    if not parent.isdigit() or not sys.platform.startswith("linux"):
+    # read once (popped): a process this one starts is named by its own launcher, and a launcher run inside this
+    # process (a test) named this process, which is no parent of itself
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent.isdigit() or int(parent) == os.getpid() or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:

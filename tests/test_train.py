@@ -1,6 +1,7 @@
 """The single-process trainer through its public command."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -366,3 +367,14 @@ def test_local_launcher_reports_ctrl_c_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(local_launch.signal, "signal", lambda *a: None)  # leave pytest's own handlers alone
     assert local_launch.main(["--nproc-per-node", "2", "-m", "llamatron", "train"]) == 130
     assert "llamatron: stopped by SIGINT" in capsys.readouterr().err
+    # the launcher names itself only to its ranks: run inside this process it left the environment as it was (a
+    # later in-process `llamatron` call would have taken this process for its own child and stopped it)
+    assert local_launch.PARENT_ENV not in os.environ
+
+
+def test_a_process_named_as_its_own_parent_is_not_stopped(monkeypatch):
+    from llamatron.parent_watch import PARENT_ENV, stop_with_parent
+
+    monkeypatch.setenv(PARENT_ENV, str(os.getpid()))
+    stop_with_parent()  # SIGTERM to itself would end this test process
+    assert PARENT_ENV not in os.environ
