@@ -21,6 +21,7 @@ import torch
 from ..adapters.merge import open_model_weights
 from ..checkpoint import load_model_weights, read_model_config
 from ..models import ModelConfig, Transformer, build_model
+from ..models.init import to_empty
 from ..models.kv_cache import KVCache
 from ..models.layers import rope_depends_on_length
 from ..parallel.expert import apply_expert_parallel
@@ -171,6 +172,6 @@ def load_for_generation(
         if model.cfg.is_moe:  # every expert split along its ffn too (parallel/expert.py)
             specs = apply_expert_parallel(model, mesh, False, specs)
     model.to(dtype=dtype)  # still on meta: free
-    model.to_empty(device=device)
+    to_empty(model, device)
     meta = load_model_weights(open_model_weights(path), model, specs)  # a LoRA checkpoint merged
     return model.eval(), meta

@@ -13,6 +13,7 @@ from ..checkpoint.hf_io import HFWeights, open_hf_dir
 from ..checkpoint.loading import read_weights
 from ..checkpoint.meta_consolidated import is_meta_checkpoint
 from ..models import ModelConfig, Transformer, build_model
+from ..models.init import to_empty
 from ..parallel.param_spec import param_specs
 from .generate import load_for_generation
 
@@ -47,6 +48,6 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     model = build_model(reader.cfg, device="meta")
     specs = param_specs(model)
     model.to(dtype=dtype)  # still on meta: free
-    model.to_empty(device=device)
+    to_empty(model, device)
     read_weights(reader, ((p, specs[name]) for name, p in model.named_parameters()))
     return model.eval()
