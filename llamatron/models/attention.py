@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
 
@@ -87,6 +87,17 @@ def _keep(
     return keep
 
 
+def dense_mask(rule: Callable, batch: int, queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """flex_attention.create_mask(rule, batch, 1, queries, keys): the (batch, 1, queries, keys) boolean mask, from
+    the rule applied once to broadcast index tensors instead of through vmap, whose import of torch._dynamo cost
+    1.5 s of CPU in every process that built a mask on CPU."""
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(queries, device=device).view(1, 1, -1, 1)
+    kv = torch.arange(keys, device=device).view(1, 1, 1, -1)
+    return rule(b, h, q, kv).expand(batch, 1, queries, keys).contiguous()
+
+
 _CACHE: dict[tuple, AttentionMask] = {}  # masks without document ids: they depend on the shape alone
 _CACHE_SIZE = 16
 
@@ -131,7 +142,7 @@ def attention_mask(
         block = create_block_mask(rule, batch, None, seq_len, keys, device=device, _compile=device.type == "cuda")
         mask = AttentionMask(block=block)
     else:
-        mask = AttentionMask(dense=create_mask(rule, batch or 1, 1, seq_len, keys, device=device))
+        mask = AttentionMask(dense=dense_mask(rule, batch or 1, seq_len, keys, device))
     if document_ids is None and size == 1 and chunk is None:
         mask = AttentionMask(mask.block, mask.dense, window)
     if document_ids is None:
@@ -152,7 +163,7 @@ def _mask_after_cache(
     rule = _keep(torch.arange(offset, keys, device=device), None, window, chunk)
     if device.type == "cuda" if flex is None else flex:
         return AttentionMask(block=create_block_mask(rule, None, None, seq_len, keys, device=device))
-    return AttentionMask(dense=create_mask(rule, 1, 1, seq_len, keys, device=device))
+    return AttentionMask(dense=dense_mask(rule, 1, seq_len, keys, device))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, **kwargs: Any) -> torch.Tensor:

@@ -134,8 +134,13 @@ class ExpertParallelDispatch:
         self.group, self.ep, self.local = group, ep, local_experts
         self.overlap = overlap
         self.events: list[str] = []
-        # Split sizes are read on the host: a compiled layer runs around the exchange. Disabled here, not by a
-        # decorator: torch.compiler.disable imports torch._dynamo (~3 s a process), which only ep runs need.
+        # Split sizes are read on the host: a compiled layer runs around the exchange (run_eagerly_under_compile,
+        # called by apply_compile). Not disabled here: torch.compiler.disable imports torch._dynamo (1.5 s of CPU
+        # a process), which an eager run never needs.
+        self._exchange = self._exchange_eagerly
+
+    def run_eagerly_under_compile(self) -> None:
+        """Keep torch.compile out of the exchange: a compiled layer calls it eagerly."""
         self._exchange = torch.compiler.disable(self._exchange_eagerly)
 
     def __call__(self, tokens: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..objectives import Objective
 from ..objectives.language_model import LanguageModelObjective
 from ..objectives.preference import PreferenceObjective
 from ..parallel.context import apply_context_parallel
-from ..parallel.expert import apply_expert_parallel
+from ..parallel.expert import ExpertParallelDispatch, apply_expert_parallel
 from ..parallel.fsdp import Buffer, ShardedBuffer
 from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
 from ..parallel.loss_scale import DynamicLossScaler
@@ -144,6 +144,9 @@ def apply_recompute(model: Transformer, mode: str, num_layers: int | None) -> No
 def apply_compile(model: Transformer) -> None:
     """Compile each decoder layer's forward (fuses norms, rotary, SwiGLU); hooks on the layer stay eager. (The
     objective compiles its loss: LanguageModelObjective.build.)"""
+    for module in model.modules():
+        if isinstance(module, MoE) and isinstance(module.dispatch, ExpertParallelDispatch):
+            module.dispatch.run_eagerly_under_compile()
     for layer in model.layers.values():
         inner = layer.forward if isinstance(layer.forward, _Checkpointed) else layer  # compile inside the checkpoint
         inner.forward = torch.compile(inner.forward, dynamic=False)
