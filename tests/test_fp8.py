@@ -151,12 +151,26 @@ def test_an_fp8_matmul_is_within_fp8s_error_of_bf16(recipe):
     assert (x.grad.float() - grad_x_exact).norm() / grad_x_exact.norm() < 0.08
 
 
-def test_fp8_trains_close_to_bf16_and_its_layouts_match_the_single_process(tmp_path):
+SAVE_AT_2 = ["--save-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory) -> dict:
+    """One process's bf16 and FP8 (tensorwise) runs, saved at steps 2 and 4: the references of the layouts and
+    the checkpoints of the resumes (saving leaves a run's steps as they are)."""
+    workdir = tmp_path_factory.mktemp("fp8")
+    bf16 = run_train(
+        ["--precision", "bf16", "--lr", "3e-3", "--train-steps", "4", *SAVE_AT_2, "--save", "bf16"], 1, workdir
+    )
+    tensorwise = run_train([*FP8_ARGS, "--fp8", "tensorwise", *SAVE_AT_2, "--save", "fp8"], 1, workdir)
+    return {"workdir": workdir, "bf16": bf16, "tensorwise": tensorwise}
+
+
+def test_fp8_trains_close_to_bf16_and_its_layouts_match_the_single_process(saved_runs):
     """Both recipes train within FP8's error of bf16 and are not bf16. Data and pipeline parallelism, and a full
     recompute, compute the same FP8 matmuls as one process (the same scales): equal up to summation order.
     Tensor parallelism scales each shard by its own amax: within FP8's error."""
-    bf16 = run_train(["--precision", "bf16", "--lr", "3e-3", "--train-steps", "4"], 1, tmp_path)
-    tensorwise = run_train(FP8_ARGS + ["--fp8", "tensorwise"], 1, tmp_path)
+    tmp_path, bf16, tensorwise = saved_runs["workdir"], saved_runs["bf16"], saved_runs["tensorwise"]
     rowwise = run_train(FP8_ARGS + ["--fp8", "rowwise"], 1, tmp_path)
     for run in (tensorwise, rowwise):
         assert_matches(bf16, run, rtol=2e-3, keys=("loss",))
@@ -171,12 +185,10 @@ def test_fp8_trains_close_to_bf16_and_its_layouts_match_the_single_process(tmp_p
     assert_matches(tensorwise, tp, rtol=1e-2, keys=("grad_norm",))
 
 
-def test_checkpoints_switch_fp8_on_and_off_at_a_resume(tmp_path):
+def test_checkpoints_switch_fp8_on_and_off_at_a_resume(saved_runs):
     """Weights stay bf16/fp32 under FP8: a resume with FP8 on continues the FP8 run exactly, and a resume may
     switch it off (or on) and go on from the same weights."""
-    save = ["--train-steps", "4", "--save-interval", "2"]
-    fp8_run = run_train([*FP8_ARGS, "--fp8", "tensorwise", *save, "--save", "fp8"], 1, tmp_path)
-    bf16_run = run_train(["--precision", "bf16", "--lr", "3e-3", *save, "--save", "bf16"], 1, tmp_path)
+    tmp_path, fp8_run, bf16_run = saved_runs["workdir"], saved_runs["tensorwise"], saved_runs["bf16"]
     resumed_on = run_train([*FP8_ARGS, "--fp8", "tensorwise", "--load", "fp8/step-2"], 1, tmp_path)
     assert_matches(fp8_run[2:], resumed_on, rtol=0)  # bitwise: the same FP8 run
     bf16_args = ["--precision", "bf16", "--lr", "3e-3", "--train-steps", "4"]
