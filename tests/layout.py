@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,13 +77,16 @@ def run_train(
 ) -> list[dict]:
     """Train through the public command; returns the per-step metric records (evaluation lines only if asked).
 
-    faults: flags of tests/inject_faults.py (e.g. ["--fail-save", "4:1"]), which then runs the command;
-    mock_data False: BASE_ARGS without --mock-data (`args` name the data)."""
+    nproc > 1: one `python -m llamatron train` per rank, given the environment torchrun gives its ranks (torchrun
+    itself, one more process importing torch, ~1.7 s of CPU a run, only with faults: tests/test_ops.py and
+    tests/test_launch_files.py test the launchers). faults: flags of tests/inject_faults.py (e.g.
+    ["--fail-save", "4:1"]), which then runs the command; mock_data False: BASE_ARGS without --mock-data (`args`
+    name the data)."""
     metrics = workdir / f"metrics-{nproc}-{abs(hash(tuple(args))) % 10**8}.jsonl"
     if metrics.exists():
         metrics.unlink()
     cmd = [sys.executable]
-    if nproc > 1:
+    if nproc > 1 and faults:
         cmd += [
             "-m",
             "torch.distributed.run",
@@ -99,13 +105,59 @@ def run_train(
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
     }
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+    if nproc > 1 and not faults:
+        code, out, err = _run_ranks(cmd, nproc, env, workdir, timeout)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    if code != 0:
+        raise AssertionError(f"command failed ({code}): {' '.join(cmd)}\n{out[-3000:]}\n{err[-6000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return records if include_eval else [r for r in records if r.get("split") is None]
+
+
+def _run_ranks(cmd: list[str], nproc: int, env: dict, workdir: Path, timeout: float) -> tuple[int, str, str]:
+    """`cmd` once per rank with torchrun's rank variables (env:// rendezvous, rank 0 hosts the store); as torchrun
+    does, the first rank to fail gets the others SIGTERM. Returns the first failure's exit code (else 0) and the
+    ranks' stdout and stderr, rank by rank."""
+    port, procs, outputs = str(free_port()), [], []
+    for rank in range(nproc):
+        ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GROUP_RANK": "0", **ranks}
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env={**env, **rendezvous}, cwd=workdir))
+        outputs.append((out, err))
+    deadline, code, timed_out = time.monotonic() + timeout, 0, False
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            timed_out = time.monotonic() > deadline
+            if failed or timed_out:
+                code = failed[0] if failed else -signal.SIGTERM
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    code = code or next((p.returncode for p in procs if p.returncode != 0), 0)
+    texts = []
+    for out, err in outputs:
+        out.seek(0), err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close(), err.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, "".join(o for o, _ in texts), "".join(e for _, e in texts))
+    return code, "".join(o for o, _ in texts), "".join(e for _, e in texts)
 
 
 def assert_matches(reference: list[dict], got: list[dict], rtol: float = 1e-4, keys=("loss", "grad_norm")) -> None:
