@@ -1,4 +1,5 @@
-"""Prints docs/simulator.md's prediction table: Llama 2 7B/70B, Llama 3 8B/70B and Mixtral 8x7B/8x22B on 8, 64,
+"""Prints docs/simulator.md's prediction table: Llama 2 7B/70B, Llama 3 8B/70B, Llama 3.1 405B and
+Mixtral 8x7B/8x22B on 8, 64,
 512 and 2048 H100s, each at the best layout `llamatron plan` finds (the fastest of all that fit by the step
 simulator), with the days and GPU-hours of training 1T tokens and what the row rests on that no run of ours
 measured. Run it after changing the simulator or its calibration and paste the rows into the doc.
@@ -17,6 +18,7 @@ MODELS = [
     ("Llama 2 70B", "llama2-70b", 4096),
     ("Llama 3 8B", "llama3-8b", 8192),
     ("Llama 3 70B", "llama3-70b", 8192),
+    ("Llama 3.1 405B", "llama3.1-405b", 8192),
     ("Mixtral 8x7B", "mixtral-8x7b", 4096),
     ("Mixtral 8x22B", "mixtral-8x22b", 4096),
 ]

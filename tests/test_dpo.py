@@ -144,7 +144,7 @@ def trl_first_step(world, model, kind: str, reference: np.ndarray | None = None)
     loss = trainer._compute_loss(trainer.model, batch, False)
     loss.backward()
     norm = sum(float(p.grad.double().pow(2).sum()) for p in trainer.model.parameters() if p.grad is not None) ** 0.5
-    out = {"loss": float(loss), "grad_norm": norm}
+    out = {"loss": float(loss.detach()), "grad_norm": norm}
     out.update({ours: trainer._metrics["train"][theirs][-1] for ours, theirs in zip(STATS, TRL_STATS)})
     return out
 

@@ -193,10 +193,10 @@ def test_one_rank_fsdp_rows_are_simulated_with_the_fsdp_model():
 
 
 def test_search_proposes_fsdp_where_no_replica_fits():
-    """llama-1b cut to 5 layers on 8 GPUs, one a node (so tp 1, and pp 1: 5 does not divide 8), with a memory
-    between the smallest --fsdp layout and the smallest other one: every layout listed shards with --fsdp, and the
-    command it suggests says so."""
-    shape = {"num_layers": 5}
+    """llama-1b cut to 7 layers on 8 GPUs, one a node (so tp 1; pp 2 or 4, uneven, leaves a stage more than
+    --fsdp's shards), with a memory between the smallest --fsdp layout and the smallest other one: every layout
+    listed shards with --fsdp, and the command it suggests says so."""
+    shape = {"num_layers": 7}
     model = C.planned_model("llama-1b", shape)
     totals: dict[bool, float] = {True: 1e30, False: 1e30}
     for lay in C.candidate_layouts("llama-1b", 8, 2048, 1, 16, shape):

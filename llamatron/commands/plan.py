@@ -347,7 +347,7 @@ def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANK
                 str(i),
                 str(lay.tp),
                 str(lay.cp),
-                str(lay.pp),
+                str(lay.pp) + ("*" if lay.pp_layers else ""),
                 str(lay.vpp),
                 str(lay.dp),
                 str(lay.ep),
@@ -365,7 +365,8 @@ def format_table(result: PlanResult, shown: list[Plan], speed_source: str = RANK
         "sharding: how the dp x cp replicas hold the weights: no (whole), dist-opt (--distributed-optimizer: the "
         "optimizer state sharded), fsdp (--fsdp: weights, gradients and optimizer state sharded, each layer "
         "gathered in use; keep: --fsdp-keep-params-in-backward), hsdp N (--fsdp-shard-group N); "
-        "sequence parallelism is on whenever tp > 1; cp = context-parallel ranks per sequence (listed only where "
+        "sequence parallelism is on whenever tp > 1; pp N* = an uneven split of the layers (--pp-layers: in the "
+        "layout's train flags and --json); cp = context-parallel ranks per sequence (listed only where "
         "no layout without it fits or it is expected faster than all that do); recompute full:N = --recompute "
         "full --recompute-layers N (the fewest layers per chunk that fit); buffers = logits/loss or backward "
         "temporaries, staging, batch, allocator fragmentation and CUDA/NCCL runtime (see `python -m pydoc "
@@ -381,7 +382,7 @@ def print_fixed_layout(args: argparse.Namespace, request: PlanRequest) -> int:
     gpu_memory, run_flags = request.gpu_memory, request.run_flags
     gpus = args.gpus
     p, model = evaluate_layout(settings, gpus, seq_length, hw.gpus_per_node, precision, _ranking_speed(args, hw))
-    sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision, settings.get("pp_layers"))
+    sim = plan_simulate.simulate(args, model, p, seq_length, hw, precision)
     r = sim.result
     simulated = simulated_plan(p, r)
     fits = p.memory.total <= gpu_memory

@@ -82,6 +82,6 @@ def evaluate_layout(
     derived = validate(cfg, gpus, cuda_available=True, world_flag="--gpus")
     model = cfg.model_config()
     lay = run_layout(cfg, derived.dp)
-    memory = layout_memory(model, lay, seq_length, precision, cfg.parallel.pp_layers)
+    memory = layout_memory(model, lay, seq_length, precision)
     plan = Plan(lay, memory, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8))
     return plan, model

@@ -63,14 +63,13 @@ def hardware_of(args: argparse.Namespace) -> Hardware:
     )
 
 
-def settings_of(args: argparse.Namespace, pp_layers: str | None = None) -> SimSettings:
+def settings_of(args: argparse.Namespace) -> SimSettings:
     return SimSettings(
         overlap=args.overlap,
         schedule=args.pipeline_schedule,
         attention=args.attention_backend,
         bucket_size=args.bucket_size,
         grad_reduce_dtype=args.grad_reduce_dtype,
-        pp_layers=pp_layers,
     )
 
 
@@ -81,13 +80,12 @@ def simulate(
     seq: int,
     hw: Hardware,
     prec: Precision,
-    pp_layers: str | None = None,
     step: StepResult | None = None,
 ) -> Simulation:
     """`p` simulated as the flags say (`step`: its step, already simulated by the ranking)."""
     if args.pipeline_schedule == "zb-h1" and p.layout.vpp > 1:
         raise ConfigError("--pipeline-schedule zb-h1 is modelled for vpp 1; drop --vpp")
-    return simulate_layout(model, p.layout, seq, hw, prec, settings_of(args, pp_layers), result=step)
+    return simulate_layout(model, p.layout, seq, hw, prec, settings_of(args), result=step)
 
 
 def record(args: argparse.Namespace, sim: Simulation) -> dict[str, Any]:

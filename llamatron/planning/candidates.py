@@ -30,6 +30,7 @@ def planned_run_config(model_name: str, overrides: dict | None, lay: Layout, seq
         "ep": lay.ep,
         "pp": lay.pp,
         "vpp": lay.vpp,
+        "pp_layers": lay.pp_layers,
         "sequence_parallel": lay.sequence_parallel,
         "recompute": lay.recompute,
         "recompute_layers": lay.recompute_layers,
@@ -68,6 +69,34 @@ def shardings(replicas: int, tp: int, gpus_per_node: int) -> list[dict]:
     return out
 
 
+def balanced_split(num_layers: int, chunks: int) -> str:
+    """The most even --pp-layers of `num_layers` over `chunks` model chunks: each base or base + 1 layers, the
+    lighter chunks taken from the ends inward (the last, the first, ...), since the first chunk also holds the
+    embedding and the last the head and the loss (as the Llama 3 paper's and Megatron-core's uneven splits do)."""
+    base, extra = divmod(num_layers, chunks)
+    ends_inward = []
+    lo, hi = 0, chunks - 1
+    while lo <= hi:
+        ends_inward += [hi] if lo == hi else [hi, lo]
+        lo, hi = lo + 1, hi - 1
+    lighter = set(ends_inward[: chunks - extra])
+    return ",".join(str(base + (c not in lighter)) for c in range(chunks))
+
+
+def pipeline_splits(num_layers: int, pp: int) -> list[tuple[int, str | None]]:
+    """The (vpp, --pp-layers) the search weighs for pp stages: vpp 1 and each vpp up to MAX_VPP whose pp x vpp
+    chunks take the layers evenly (None: the even split); where pp does not divide the layers (Llama 3.1 405B's
+    126, Qwen3-235B's 94), the most even split instead, at vpp 1 (one layer a stage at least) and at each vpp
+    that leaves every chunk two layers or more."""
+    even: list[tuple[int, str | None]] = [(1, None)]
+    if pp == 1:
+        return even
+    if num_layers % pp == 0:
+        return even + [(v, None) for v in range(2, MAX_VPP + 1) if num_layers % (pp * v) == 0]
+    vpps = [1] * (pp <= num_layers) + [v for v in range(2, MAX_VPP + 1) if 2 * pp * v <= num_layers]
+    return [(v, balanced_split(num_layers, pp * v)) for v in vpps]
+
+
 def context_sizes(gpus: int, seq_length: int) -> list[int]:
     """The cp sizes worth searching: 1, 2, 4, 8, ... dividing the GPU count, with the sequence cut into 2*cp
     chunks (training.validate checks the rest: with sequence parallelism each rank's part splits over tp)."""
@@ -102,9 +131,9 @@ def searched_layouts(
     model_overrides: dict | None = None,
     context: Iterable[int] = (1,),
 ) -> Iterator[Layout]:
-    """Every layout with tp inside a node, cp in `context`, even pipeline splits and sequence parallelism whenever
-    tp > 1, not yet validated. Without a global batch size, each layout gets the multiple of micro-batch x dp
-    (x pp when interleaved) closest to ~4M tokens."""
+    """Every layout with tp inside a node, cp in `context`, the pipeline splits of pipeline_splits and sequence
+    parallelism whenever tp > 1, not yet validated. Without a global batch size, each layout gets the multiple of
+    micro-batch x dp (x pp when interleaved) closest to ~4M tokens."""
     model = planned_model(model_name, model_overrides)
 
     def eps(dp: int) -> list[int]:  # expert parallelism: sizes dividing dp and the experts (MoE models only)
@@ -120,8 +149,10 @@ def searched_layouts(
     ]
     for tp, cp, pp in sizes:
         dp = gpus // (tp * cp * pp)
-        vpps = [1] + [v for v in range(2, MAX_VPP + 1) if pp > 1 and model.num_layers % (pp * v) == 0]
-        for vpp, mb, recompute in ((v, b, r) for v in vpps for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES):
+        splits = pipeline_splits(model.num_layers, pp)
+        for (vpp, pp_layers), mb, recompute in (
+            (s, b, r) for s in splits for b in MICRO_BATCH_SIZES for r in RECOMPUTE_MODES
+        ):
             gbs = global_batch_size
             if gbs is None:
                 step = mb * dp * (pp if vpp > 1 else 1)
@@ -139,6 +170,7 @@ def searched_layouts(
                     global_batch_size=gbs,
                     cp=cp,
                     ep=ep,
+                    pp_layers=pp_layers,
                     **kw,
                 )
 

@@ -27,6 +27,7 @@ class Layout:
     fsdp: bool = False  # --fsdp: parameters, gradients and optimizer state sharded (parallel/fsdp.py)
     fsdp_shard_group: int | None = None  # --fsdp-shard-group N: hybrid sharding, shard over N replicas
     fsdp_keep_params: bool = False  # --fsdp-keep-params-in-backward: no re-gather in backward
+    pp_layers: str | None = None  # --pp-layers: decoder layers per chunk where the split is not even
 
     @property
     def expert_replicas(self) -> int:
@@ -80,6 +81,7 @@ class Layout:
         flags += [f"--cp {self.cp}"] if self.cp > 1 else []
         flags += [f"--ep {self.ep}"] if self.ep > 1 else []
         flags += [f"--vpp {self.vpp}"] if self.vpp > 1 else []
+        flags += [f"--pp-layers {self.pp_layers}"] if self.pp_layers else []
         flags += ["--sequence-parallel"] if self.sequence_parallel else []
         flags += ["--distributed-optimizer"] if self.distributed_optimizer and self.replicas > 1 else []
         flags += ["--fsdp"] if self.fsdp else []

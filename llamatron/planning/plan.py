@@ -149,12 +149,10 @@ def loss_bytes_per_token(
 # ---- memory of a layout -------------------------------------------------------------------------------------
 
 
-def static_memory(
-    model: ModelConfig, lay: Layout, precision: Precision = Precision(), pp_layers: str | None = None
-) -> float:
+def static_memory(model: ModelConfig, lay: Layout, precision: Precision = Precision()) -> float:
     """Weights + gradients + optimizer state on the busiest pipeline rank, which context parallelism does not
     shrink (cp splits the sequence, not the weights): with runtime_memory, a lower bound of layout_memory."""
-    chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)
+    chunks = stage_layers(model, lay.pp, lay.vpp, lay.pp_layers)
     return max(sum(_state_bytes(model, lay, precision, sum(chunks[r]), r)) for r in range(lay.pp))
 
 
@@ -185,15 +183,12 @@ def layout_memory(
     layout: Layout,
     seq_length: int,
     precision: Precision = Precision(),
-    pp_layers: str | None = None,
     recompute_layers: int | None = None,
 ) -> Memory:
     """Peak memory per GPU of a layout: the largest over its pipeline ranks."""
     if recompute_layers is None:
         recompute_layers = layout.recompute_layers
-    ranks = [
-        _rank_memory(model, layout, seq_length, precision, pp_layers, recompute_layers, r) for r in range(layout.pp)
-    ]
+    ranks = [_rank_memory(model, layout, seq_length, precision, recompute_layers, r) for r in range(layout.pp)]
     return max(ranks, key=lambda m: m.total)
 
 
@@ -204,7 +199,7 @@ def memory_within(
     overflows, the first (the most micro-batches in flight) and the last (the loss) weighed before the others."""
     ranks: dict[int, Memory] = {}
     for r in dict.fromkeys([0, layout.pp - 1, *range(1, layout.pp - 1)]):
-        ranks[r] = _rank_memory(model, layout, seq_length, precision, None, layout.recompute_layers, r)
+        ranks[r] = _rank_memory(model, layout, seq_length, precision, layout.recompute_layers, r)
         if ranks[r].total > gpu_memory:
             return None
     return max((ranks[r] for r in range(layout.pp)), key=lambda m: m.total)
@@ -215,12 +210,11 @@ def _rank_memory(
     lay: Layout,
     seq_length: int,
     prec: Precision,
-    pp_layers: str | None,
     recompute_layers: int | None,
     rank: int,
 ) -> Memory:
     a = prec.act_bytes
-    chunks = stage_layers(model, lay.pp, lay.vpp, pp_layers)[rank]
+    chunks = stage_layers(model, lay.pp, lay.vpp, lay.pp_layers)[rank]
     params, largest = stage_params(model, lay.tp, lay.pp, rank, sum(chunks), lay.ep)
     weights, gradients, optimizer = _state_bytes(model, lay, prec, sum(chunks), rank)
     tokens = lay.micro_batch_size * seq_length // lay.cp  # this rank's part of each micro-batch
@@ -300,6 +294,7 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
         p.fsdp,
         p.fsdp_shard_group if p.fsdp else None,
         p.fsdp and p.fsdp_keep_params_in_backward,
+        p.pp_layers,
     )
 
 
@@ -327,7 +322,6 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
         run_layout(run_config, derived.dp),
         run_config.data.seq_length,
         precision,
-        p.pp_layers,
     )
     return {
         "weights": mem.weights,

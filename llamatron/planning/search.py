@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.inventory import num_params, unchanged_config
+from ..parallel.pipeline import split_layers
 from .candidates import (
     Validity,
     candidate_layouts,
@@ -236,7 +237,7 @@ class _Search:
             plain = replace(lay, recompute="none")
             if plain not in self._rejected or not self.valid(plain):
                 continue
-            per_chunk = self.model.num_layers // (lay.pp * lay.vpp)
+            per_chunk = max(split_layers(self.model.num_layers, lay.pp, lay.vpp, lay.pp_layers))
             lo, hi = 1, per_chunk  # hi: all of the chunk's layers (fits)
             while lo < hi:  # smallest N that fits; memory falls as N grows
                 mid = (lo + hi) // 2

@@ -31,7 +31,6 @@ class SimSettings:
     tp_overlap_all: bool = False  # Megatron-core's userbuffers: every tp collective under its GEMM (published runs)
     fused_grad_accumulation: bool = False  # Megatron-core's: the weight-gradient GEMM accumulates in fp32 itself
     fp8_experts: bool = False  # --fp8 on the experts' grouped GEMMs too (Transformer Engine's; not llamatron's)
-    pp_layers: str | None = None  # --pp-layers: uneven decoder layers per stage
     ep_dispatcher: str = "alltoall"  # or "hybridep" (Megatron-core's flex dispatcher, HybridEP: published runs)
     fp8_param_gather: bool = False  # Megatron-core's: FP8 weights all-gathered, 1 byte each (published runs)
 
@@ -102,7 +101,7 @@ class Simulation:
         }
         if m.is_moe:
             lay = self.layout
-            layers = max(sum(chunk) for chunk in stage_layers(m, lay.pp, lay.vpp))
+            layers = max(sum(chunk) for chunk in stage_layers(m, lay.pp, lay.vpp, lay.pp_layers))
             out["moe"] = {
                 "experts_per_rank": m.num_experts // lay.ep,
                 "expert_weights_gb_per_rank": layers * expert_layer_params(m, lay.tp, lay.ep) * 2 / GB,
@@ -151,7 +150,7 @@ def _options(lay: Layout, settings: SimSettings, overlap: bool, act_bytes: int) 
         param_gather_bytes=1 if settings.fp8_param_gather else act_bytes,
         bucket_size=settings.bucket_size,
         schedule=settings.schedule,
-        pp_layers=settings.pp_layers,
+        pp_layers=lay.pp_layers,
         fsdp=fsdp_options(lay),
     )
 
@@ -169,7 +168,7 @@ def fsdp_traffic(model: ModelConfig, lay: Layout, result: StepResult, grad_bytes
     fs = fsdp_options(lay)
     assert fs is not None
     dense, experts = layer_shards(model, lay.tp, lay.ep)
-    layers = max(sum(chunk) for chunk in stage_layers(model, lay.pp, lay.vpp)) * lay.micro_batches
+    layers = max(sum(chunk) for chunk in stage_layers(model, lay.pp, lay.vpp, lay.pp_layers)) * lay.micro_batches
     off = dense * (fs.dense_shards - 1) / fs.dense_shards + experts * (fs.expert_shards - 1) / fs.expert_shards
     gathers = 1 if lay.fsdp_keep_params else 2
     reduce_all = 2 * (fs.replicate - 1) / fs.replicate * dense / fs.dense_shards if fs.replicate > 1 else 0.0

@@ -53,6 +53,7 @@ def run_layout(run: dict[str, Any]) -> Layout:
         cp=cp,
         ep=run["ep"],
         fsdp=run.get("fsdp", False),
+        pp_layers=run.get("pp_layers"),
     )
 
 
@@ -78,7 +79,6 @@ def predict(run: dict[str, Any], cal: Calibration | None = None) -> Prediction:
     precision = Precision(fp8="tensorwise" if run["precision"] == "fp8" else "none")
     megatron = run["source"].startswith(("nemo", "megatron"))
     settings = SimSettings(
-        pp_layers=run.get("pp_layers"),
         tp_overlap_all=run.get("tp_overlap") == "all",
         fused_grad_accumulation=run.get("fused_grad_accumulation", megatron),  # unless the recipe turns it off
         fp8_experts=megatron,  # Transformer Engine's FP8 grouped GEMMs
