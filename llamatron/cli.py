@@ -48,9 +48,10 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str | None, unknow
         flag = arg.split("=")[0]
         close = difflib.get_close_matches(flag, known, n=2, cutoff=0.6)
         field = flag.lstrip("-").replace("-", "_")
-        if arg.startswith("--") and field in model_fields:  # the model's shape is the preset's, changed in YAML
+        if arg.startswith("--") and field in model_fields:  # the model's shape is the preset's, changed by these
+            flag_way = f"with --model-override {field}=VALUE or " if "--model-override" in known else ""
             hints.append(
-                f"{flag}: {field} is a field of the model; set it in a YAML file given with --config, "
+                f"{flag}: {field} is a field of the model; set it {flag_way}in a YAML file given with --config, "
                 f"as `model_overrides: {{{field}: VALUE}}`"
             )
         elif arg.startswith("--") and close:

@@ -114,7 +114,12 @@ def test_architecture_from_a_config_when_the_checkpoint_stores_no_args(tmp_path,
     shape = "{num_layers: 4, ffn_hidden_size: 96, vocab_size: 96, rope_theta: 500000.0}"
     config.write_text(f"model: llama-test\nmodel_overrides: {shape}\n")
     assert import_megatron(tmp_path / "mg", tmp_path / "ck", "--config", config) == 0
-    assert_same(imported(tmp_path / "ck"), reference(model, tmp_path)[0])
+    want = reference(model, tmp_path)[0]
+    assert_same(imported(tmp_path / "ck"), want)
+    flags = ["--model-override", "num_layers=4", "--model-override", "ffn_hidden_size=96"]  # the shape as flags
+    flags += ["--model-override", "vocab_size=96", "--model-override", "rope_theta=500000.0"]
+    assert import_megatron(tmp_path / "mg", tmp_path / "ck-flags", "--model", "llama-test", *flags) == 0
+    assert_same(imported(tmp_path / "ck-flags"), want)
 
 
 class WritesAMarker:

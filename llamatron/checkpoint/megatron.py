@@ -129,7 +129,8 @@ class MegatronSource:
             )
         if args is not None and model is not None:
             raise CheckpointError(
-                f"{grid.path(0, 0)} stores its run's args, which give the architecture: drop --model/--config"
+                f"{grid.path(0, 0)} stores its run's args, which give the architecture: "
+                "drop --model/--config/--model-override"
             )
         if args is not None:
             _check_args(args, grid)

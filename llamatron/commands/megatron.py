@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..checkpoint.megatron import import_megatron
+from ..config.model_overrides import add_model_override_argument
 from ..config.ranges import at_least, number_arg
 from ..config.settings import load_config
 from ..dtypes import DTYPES
@@ -44,12 +45,13 @@ def register(sub) -> None:
     p.add_argument(
         "--config", default=argparse.SUPPRESS, help="YAML (model, model_overrides) for a checkpoint without args"
     )
+    add_model_override_argument(p)  # for a checkpoint without args, as --config's model_overrides
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="store weights in this dtype")
     p.set_defaults(func=cmd_import_megatron)
 
 
 def cmd_import_megatron(args: argparse.Namespace) -> int:
-    given = {k: getattr(args, k) for k in ("model", "config") if hasattr(args, k)}
+    given = {k: getattr(args, k) for k in ("model", "config", "model_override") if hasattr(args, k)}
     model = load_config(argparse.Namespace(**given)).model_config() if given else None
     step_dir, source = import_megatron(
         args.load,

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.model_overrides import add_model_override_argument, parse_model_overrides
 from ..config.ranges import Range, at_least, number_arg
 from ..config.settings import FP8_RECIPES, RunConfig
 from ..errors import ConfigError
@@ -20,6 +21,7 @@ from ..planning.simulator.hardware import Hardware
 from ..planning.simulator.ranking import rank_by_simulation, simulated_plan
 from ..planning.simulator.step import StepResult
 from ..training.fp8 import fp8_flag_problems
+from ..training.validate import shape_fix
 from . import plan_simulate
 from .plan_layout import _LAYOUT_FLAGS, _LAYOUT_KEYS, evaluate_layout, planned_settings
 
@@ -50,6 +52,7 @@ def register(sub) -> None:
         default=None,
         help="a train YAML: its model and model_overrides (any shape), and its layout if it gives one",
     )
+    add_model_override_argument(p, default=None)
     p.add_argument("--gpus", type=number_arg(int, at_least(1)), required=True, help="number of GPUs")
     p.add_argument(
         "--gpu-memory",
@@ -121,14 +124,16 @@ def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_model(model_name: str, overrides: dict | None, fp8: str, fp8_experts: bool) -> None:
+def _check_model(model_name: str, overrides: dict | None, flags: dict[str, str], fp8: str, fp8_experts: bool) -> None:
     """A model setting no layout can fix (a capacity factor of 0, top-k above the experts) is a configuration
     error, as in `train`, not a layout that does not fit (an unknown field: planned_model's own error); so are
-    FP8 flags the model cannot take (--fp8-experts on a dense model), as train checks them."""
+    FP8 flags the model cannot take (--fp8-experts on a dense model), as train checks them. `flags`: the model
+    fields --model-override set, each one's flag as typed (the error names them)."""
     model = planned_model(model_name, overrides)
     problems = model.problems()
     if problems:
-        raise ConfigError(f"{'; '.join(problems)} (fix the YAML model_overrides)")
+        given = RunConfig(model_overrides=dict(overrides or {}), override_flags=flags)
+        raise ConfigError(f"{'; '.join(problems)} ({shape_fix(given, problems)})")
     problems = fp8_flag_problems(fp8, model, experts=fp8_experts)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -148,7 +153,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     fp8 = args.fp8 if args.fp8 != "none" else settings.get("fp8", "none")
     fp8_experts = bool(args.fp8_experts or settings.get("fp8_experts"))
-    _check_model(settings["model"], settings.get("model_overrides"), fp8, fp8_experts)
+    flags = parse_model_overrides(args.model_override).flags
+    _check_model(settings["model"], settings.get("model_overrides"), flags, fp8, fp8_experts)
     precision = Precision(compiled=args.compile, fp8=fp8)
     run_flags = (f" --fp8 {fp8}" if fp8 != "none" else "") + (" --fp8-experts" if fp8_experts else "")
     if not settings.get("seq_length") and not args.json:

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from ..config.model_overrides import merged_overrides, parse_model_overrides
 from ..config.settings import config_from_values
 from ..config.yaml_errors import yaml_error_line
 from ..errors import ConfigError
@@ -41,7 +42,8 @@ _PLANNED = {
 
 
 def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The --config YAML's model, shape and layout, with the command's flags over them."""
+    """The --config YAML's model, shape and layout, with the command's flags over them (--model-override over the
+    YAML's model_overrides, field by field)."""
     values: dict[str, Any] = {}
     if args.config is not None:
         path = Path(args.config)
@@ -58,6 +60,10 @@ def planned_settings(args: argparse.Namespace) -> dict[str, Any]:
     given = {"model": args.model, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size}
     given.update({k: getattr(args, k) for k in _LAYOUT_KEYS})
     values.update({k: v for k, v in given.items() if v is not None})
+    flagged = parse_model_overrides(args.model_override)
+    from_file = values.get("model_overrides") or {}
+    if flagged.values and isinstance(from_file, dict):  # not a mapping: config_from_values says so
+        values["model_overrides"] = merged_overrides(from_file, {}, flagged)
     return values
 
 

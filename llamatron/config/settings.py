@@ -9,7 +9,6 @@ belongs to the module that applies it, and training/validate.py asks them all.
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
 import types
 import typing
@@ -24,6 +23,7 @@ from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.families import DEFAULT_PRESET, PRESET_NAMES
 from .megatron_flags import MODEL_ALIASES, add_model_aliases, add_setting_aliases, model_overrides_from_flags
+from .model_overrides import add_model_override_argument, did_you_mean, merged_overrides, parse_model_overrides
 from .ranges import Range, above, at_least, problem
 from .yaml_errors import yaml_error_line
 
@@ -330,7 +330,8 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     model_overrides: dict = field(default_factory=dict)  # YAML `model_overrides:` changes preset fields
     explicit: set = field(default_factory=set, repr=False)  # settings given by YAML or flags, not defaulted
-    # model_overrides fields a command-line flag gave (Megatron-LM's --num-layers ...): field -> the flag
+    # model_overrides fields a command-line flag gave: field -> the flag as typed (--num-layers 4, Megatron-LM's
+    # name; --model-override num_layers=4)
     override_flags: dict = field(default_factory=dict, repr=False)
 
     def model_config(self) -> ModelConfig:
@@ -425,16 +426,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, unlisted: frozenset[st
                     metavar=None if f.metadata.get("choices") else f.name.upper(),
                 )
 
+    add_model_override_argument(parser)
     add_model_aliases(parser)
     add_setting_aliases(parser)
-
-
-def did_you_mean(name: str, names: typing.Iterable[str]) -> str:
-    """' (did you mean X?)' for the nearest of `names` to a misspelt `name`; '' when none is near."""
-    if not isinstance(name, str):  # a YAML key such as 1
-        return ""
-    near = difflib.get_close_matches(name, list(names), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def config_from_values(values: dict[str, Any]) -> RunConfig:
@@ -546,11 +540,14 @@ def load_config(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"config file {path} must hold a mapping of setting: value (names as keys)")
         values.update({k.replace("-", "_"): v for k, v in loaded.items()})
     shape = model_overrides_from_flags(given)  # Megatron-LM's --num-layers and the like
-    if shape:
-        values["model_overrides"] = {**(values.get("model_overrides") or {}), **shape}
+    aliased = {field: f"{flag} {shape[field]}" for flag, field in MODEL_ALIASES.items() if field in shape}
+    flagged = parse_model_overrides(given.pop("model_override", None))  # --model-override FIELD=VALUE
+    from_file = values.get("model_overrides") or {}
+    if (shape or flagged.values) and isinstance(from_file, dict):  # not a mapping: config_from_values says so
+        values["model_overrides"] = merged_overrides({**from_file, **shape}, aliased, flagged)
     values.update({k: v for k, v in given.items() if k in SECTIONS_OWNER})
     cfg = config_from_values(values)
-    cfg.override_flags = {field: flag for flag, field in MODEL_ALIASES.items() if field in shape}
+    cfg.override_flags = {**aliased, **flagged.flags}
     return cfg
 
 

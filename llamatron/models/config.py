@@ -372,16 +372,29 @@ def _is_kind(value: Any, kind: type) -> bool:
     return isinstance(value, kind)
 
 
+def _type_problem(cls: type[ModelConfig] | type[RopeScaling], name: str, value: Any) -> str | None:
+    """Why `value` is not of field `name`'s declared type (None when it is; a nested RopeScaling is not checked)."""
+    kind, optional = _FIELD_KINDS[cls][name]
+    if kind is RopeScaling or (value is None and optional) or _is_kind(value, kind):
+        return None
+    return f"{name} {value!r} must be {_KIND_WORDS.get(kind, kind.__name__)}"
+
+
 def type_problems(cfg: ModelConfig | RopeScaling, prefix: str = "") -> list[str]:
     """Each field of `cfg` (a ModelConfig or RopeScaling) whose value is not of its declared type; the nested
     rope_scaling is left to the caller. A float field takes an integer (YAML's `rope_theta: 500000`)."""
-    out = []
-    for name, (kind, optional) in _FIELD_KINDS[type(cfg)].items():
-        value = getattr(cfg, name)
-        if kind is RopeScaling or (value is None and optional) or _is_kind(value, kind):
-            continue
-        out.append(f"{prefix}{name} {value!r} must be {_KIND_WORDS.get(kind, kind.__name__)}")
-    return out
+    problems = (_type_problem(type(cfg), name, getattr(cfg, name)) for name in _FIELD_KINDS[type(cfg)])
+    return [prefix + p for p in problems if p is not None]
+
+
+def field_value_problem(name: str, value: Any) -> str | None:
+    """Why `value` cannot be given to ModelConfig field `name` (a field), by its type; None when it can. None is
+    taken where the field's default is None (num_kv_heads, head_dim: derived from the others)."""
+    if value is None and ModelConfig.__dataclass_fields__[name].default is None:
+        return None
+    if name == "rope_scaling":
+        return None if value is None else _rope_scaling_keys_problem(value)
+    return _type_problem(ModelConfig, name, value)
 
 
 def _rope_scaling_keys_problem(value: Any) -> str | None:
@@ -398,4 +411,4 @@ def _rope_scaling_keys_problem(value: Any) -> str | None:
     return f"rope_scaling {value!r}: {'; '.join(parts)}; it must be {form}" if parts else None
 
 
-__all__ = ["ModelConfig", "RopeScaling", "type_problems"]
+__all__ = ["ModelConfig", "RopeScaling", "field_value_problem", "type_problems"]

@@ -126,13 +126,13 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
         check_output_directory(d.data_cache_path, "--data-cache-path", "the index caches")
 
 
-def _shape_fix(cfg: RunConfig, problems: list[str]) -> str:
+def shape_fix(cfg: RunConfig, problems: list[str]) -> str:
     """Where a model shape that cannot be trained came from: the flags that set model fields (Megatron-LM's
-    --num-layers ...; those whose field the problems name, where they name any), the YAML model_overrides, a
-    checkpoint's model config (--load)."""
+    --num-layers ..., --model-override FIELD=VALUE; those whose field the problems name, where they name any), the
+    YAML model_overrides, a checkpoint's model config (--load)."""
     flagged = cfg.override_flags
     named = {name: flag for name, flag in flagged.items() if re.search(rf"\b{name}\b", " ".join(problems))}
-    sources = [f"{flag} {cfg.model_overrides[name]}" for name, flag in (named or flagged).items()]
+    sources = list((named or flagged).values())
     if set(cfg.model_overrides) - set(cfg.override_flags) or not (sources or cfg.train.load):
         sources.append("the YAML model_overrides")
     if cfg.train.load:
@@ -155,7 +155,7 @@ def validate(
     _raise_if(range_problems(cfg))
     model = model or cfg.model_config()
     shape_problems = model_problems(model)
-    _raise_if(shape_problems, "the model's shape cannot be trained: ", f" ({_shape_fix(cfg, shape_problems)})")
+    _raise_if(shape_problems, "the model's shape cannot be trained: ", f" ({shape_fix(cfg, shape_problems)})")
     dp, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
     _validate_run(cfg, model, device, dtype_name)
