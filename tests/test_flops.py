@@ -92,3 +92,19 @@ def test_results_conversion_factors_are_the_codes():
         keys = min(int(seq), cfg.sliding_window or int(seq))
         old = 6.0 * num_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * keys
         assert float(factor) == round(flops_per_token(cfg, int(seq)) / old, 4), (model, overrides, seq)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("dense_ffn", [0, 40])
+@pytest.mark.parametrize("experts, capacity", [(0, None), (4, None), (4, 0.5)], ids=["dense", "moe", "moe-capacity"])
+def test_mean_mlp_width_is_the_mean_of_each_layers_width(step, dense_ffn, experts, capacity):
+    """The closed form against the layers written out: layer_ffn(i), times the experts a token reaches in a MoE
+    layer (experts_per_token, a capacity factor below 1 keeping that share of them) — a dense model's
+    dense_ffn_hidden_size included (its step-1 shortcut once gave ffn_hidden_size)."""
+    from llamatron.models.inventory import mean_mlp_width
+
+    changes = {"num_layers": 7, "moe_layer_step": step, "dense_ffn_hidden_size": dense_ffn}
+    cfg = get_preset("mixtral-test").with_changes({**changes, "num_experts": experts, "moe_capacity_factor": capacity})
+    taken = cfg.experts_per_token * min(1.0, capacity or 1.0)
+    widths = [cfg.layer_ffn(i) * (taken if experts and (i + 1) % step == 0 else 1) for i in range(7)]
+    assert mean_mlp_width(cfg) == pytest.approx(sum(widths) / 7, rel=1e-12)

@@ -244,11 +244,12 @@ def experts_taken(cfg: ModelConfig) -> float:
 
 
 def mean_mlp_width(cfg: ModelConfig) -> float:
-    """The MLP width one token runs through, averaged over the layers: a dense layer's ffn, or the experts' it
-    reaches in a MoE layer (experts_taken; models with dense layers among the MoE ones differ by layer)."""
-    if cfg.moe_layer_step == 1:  # every layer alike (the planner asks this for every layout it weighs)
-        return float(cfg.ffn_hidden_size * (experts_taken(cfg) if cfg.is_moe else 1))
+    """The MLP width one token runs through, averaged over the layers: the mean of layer_ffn(i), times
+    experts_taken in a MoE layer (is_moe_layer). A dense layer is dense_ffn_hidden_size wide when that is set, in
+    a model without experts too."""
     moe = cfg.num_moe_layers  # layer_ffn's widths summed in closed form (the planner asks per layout and rank)
+    if moe == cfg.num_layers:  # every layer has experts
+        return float(cfg.ffn_hidden_size * experts_taken(cfg))
     dense = cfg.dense_ffn_hidden_size or cfg.ffn_hidden_size
     return (moe * cfg.ffn_hidden_size * experts_taken(cfg) + (cfg.num_layers - moe) * dense) / cfg.num_layers
 
