@@ -60,9 +60,8 @@ def parse_model_overrides(items: list[str] | None) -> FlagOverrides:
     for item in items or []:
         name, equals, text = item.partition("=")
         name = name.strip().replace("-", "_")
-        example = f"{FLAG} {name or 'num_layers'}=VALUE"
         if not equals or not name:
-            raise ConfigError(f"{FLAG} {item!r}: give FIELD=VALUE, e.g. {example.replace('VALUE', '4')}")
+            raise ConfigError(f"{FLAG} {item!r}: give FIELD=VALUE, e.g. {FLAG} {name or 'num_layers'}=4")
         if name not in MODEL_FIELDS:
             fix = did_you_mean(name, MODEL_FIELDS) or " (the fields are llamatron/models/config.py's ModelConfig)"
             raise ConfigError(f"{FLAG} {item}: unknown model field {name!r}{fix}")
