@@ -27,7 +27,7 @@ BATCH_TOKENS = 4 * 1024 * 1024
 
 
 def layout_text(lay: dict) -> str:
-    pp = f"pp {lay['pp']}" + (f" x vpp {lay['vpp']}" if lay["vpp"] > 1 else "")
+    pp = f"pp {lay['pp']}" + ("*" if lay["pp_layers"] else "") + (f" x vpp {lay['vpp']}" if lay["vpp"] > 1 else "")
     parts = [f"tp {lay['tp']}", pp, f"dp {lay['dp']}"]
     parts += [f"{k} {lay[k]}" for k in ("cp", "ep") if lay[k] > 1]
     parts += [f"mb {lay['micro_batch_size']}", f"gbs {lay['global_batch_size']}"]
