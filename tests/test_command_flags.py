@@ -4,6 +4,7 @@ line and exit 2 before anything is read or built."""
 import pytest
 
 from llamatron.cli import main
+from llamatron.errors import ConfigError
 
 PLAN = ["plan", "--model", "llama-1b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-length", "4096"]
 VERIFY = ["verify", "--load", "nowhere", "--hf", "nowhere"]
@@ -107,6 +108,24 @@ def test_megatron_flag_names_set_the_same_settings():
         2,
         64,
     )
+
+
+def test_megatron_expert_parallel_size_is_refused_where_it_counts_the_tp_ranks():
+    """--expert-tensor-parallel-size 1 is --etp 1; beside it, Megatron-core's --expert-model-parallel-size counts the
+    tp ranks folded into the expert groups, which --ep does not: refused naming the fix, not taken as --ep."""
+    import argparse
+
+    from llamatron.config.settings import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = ["--model", "mixtral-test", "--tp", "2", "--expert-tensor-parallel-size", "1"]
+    cfg = load_config(parser.parse_args([*argv, "--ep", "2"]))
+    assert (cfg.parallel.etp, cfg.parallel.ep) == (1, 2)
+    with pytest.raises(ConfigError, match=r"counts the tp ranks .* give --ep N / 2 instead"):
+        load_config(parser.parse_args([*argv, "--expert-model-parallel-size", "4"]))
+    same = load_config(parser.parse_args(["--model", "mixtral-test", "--tp", "2", "--expert-model-parallel-size", "2"]))
+    assert (same.parallel.ep, same.parallel.etp) == (2, None)  # experts split over tp: the same meaning
 
 
 def test_no_progress_bar_when_the_output_is_not_a_terminal(tmp_path):

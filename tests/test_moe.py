@@ -137,6 +137,10 @@ def test_moe_trains_without_router_losses_outside_training():
         ({"ep": 3}, "num_experts 4 is not divisible by --ep 3"),
         ({"cp": 2}, "router losses are per sequence"),
         ({"model_overrides": {"experts_per_token": 5}}, "experts_per_token 5 must be in 1..num_experts"),
+        ({"tp": 2, "etp": 3}, "--etp 3 must be 1 \\(whole experts\\) or the --tp size 2"),
+        ({"tp": 2, "etp": 1}, "--etp 1 with --tp 2 routes each tp rank's sequence shard: add --sequence-parallel"),
+        ({"tp": 2, "etp": 1, "sequence_parallel": True, "ep": 6}, r"not divisible by --ep 6 x --tp 2 \(--etp 1\); "),
+        ({"model": "llama-test", "tp": 2, "etp": 1, "sequence_parallel": True}, "has none: drop --etp"),
     ],
 )
 def test_bad_moe_settings_are_one_line_errors(values, message):
@@ -147,6 +151,40 @@ def test_bad_moe_settings_are_one_line_errors(values, message):
     with pytest.raises(ConfigError, match=message) as err:
         validate(cfg, world_size=12)
     assert "\n" not in str(err.value)
+
+
+def _split_moe_specs(mesh):
+    """The first MoE layer's parameter specs of mixtral-test (on meta) split as training splits them."""
+    from llamatron.parallel.expert import apply_expert_parallel
+    from llamatron.parallel.tensor import apply_tensor_parallel
+
+    with torch.device("meta"):
+        model = build_model(get_preset("mixtral-test"))
+    specs = apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    specs = apply_expert_parallel(model, mesh, True, specs)
+    return model.layers["0"].mlp, {n.removeprefix("layers.0.mlp."): s for n, s in specs.items() if ".0.mlp." in n}
+
+
+def test_etp_1_keeps_experts_whole_over_ep_x_tp_ranks():
+    """ep 2 x tp 2 on mixtral-test's 4 experts (ffn 96): --etp 1 gives dp rank 1's tp rank 1 (expert rank 3) expert
+    3 whole, routed from its own sequence shard; the default splits experts 2-3 along ffn over the tp ranks."""
+    from llamatron.parallel.mesh import Mesh
+
+    def mesh(etp):
+        coords = dict(world_size=4, tp=2, dp=2, ep=2, tp_rank=1, dp_rank=1, etp=etp)
+        return Mesh(**coords, expert_group="the 4 ranks' group")  # type: ignore[arg-type]  # never used on meta
+
+    moe, specs = _split_moe_specs(mesh(1))
+    up = specs["experts.gate_up"]
+    assert (up.expert_shard, up.tp_layout, up.experts_over_tp) == ((3, 1), None, True)
+    assert up.local_shape == moe.experts.gate_up.shape == (1, 2 * 96, 64)
+    assert not up.partial_grad and up.split_over_tp and specs["router.weight"].partial_grad
+    assert moe.shards.count == 2 and moe.dispatch.ep == 4 and moe.router_loss_share == 1.0
+
+    moe, specs = _split_moe_specs(mesh(None))
+    up = specs["experts.gate_up"]
+    assert up.expert_shard == (2, 2) and up.tp_layout is not None and not up.experts_over_tp
+    assert moe.experts.gate_up.shape == (2, 96, 64) and moe.shards.count == 1 and moe.dispatch.ep == 2
 
 
 def test_ep_must_divide_the_data_parallel_size():

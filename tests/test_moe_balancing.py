@@ -198,19 +198,35 @@ def test_capacity_under_expert_parallelism_matches_single_process(workdir):
     assert [r["moe_dropped_fraction"] for r in split] == pytest.approx([r["moe_dropped_fraction"] for r in whole])
 
 
-def test_every_option_together_on_llama4_at_ep_2_x_tp_2_with_sequence_parallelism(workdir):
-    """Llama 4 (sigmoid scores weighting each expert's input, a shared expert) with global-batch balancing, the bias
-    and a capacity dropping by position, one micro-batch of the whole batch against ep 2 x tp 2 + sp with 2
-    accumulated micro-batches (the capacity's groups are sequences: the same drops)."""
+@pytest.fixture(scope="module")
+def every_option(workdir):
+    """Llama 4 with every balancing option, one micro-batch of the whole batch: (its records, the config's flags)."""
     (workdir / "all.yaml").write_text(
         "model_overrides:\n  router_aux_loss_scope: global_batch\n  router_expert_bias: true\n"
         "  router_bias_update_rate: 0.05\n  moe_capacity_factor: 0.75\n  moe_token_drop_policy: position\n"
     )
-    whole = run_train(["--config", "all.yaml", "--micro-batch-size", "8"], 1, workdir, model="llama4-test")
-    split = run_train(
-        ["--config", "all.yaml", "--ep", "2", "--tp", "2", "--sequence-parallel"], 4, workdir, model="llama4-test"
-    )
+    flags = ["--config", "all.yaml"]
+    return run_train([*flags, "--micro-batch-size", "8"], 1, workdir, model="llama4-test"), flags
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (4, ["--ep", "2", "--tp", "2", "--sequence-parallel"]),
+        # whole experts, each tp rank routing its sequence shard: the shares, mean probabilities, global counts,
+        # bias loads and the capacity's choice are the whole sequences' (summed or gathered over tp)
+        (2, ["--tp", "2", "--sequence-parallel", "--etp", "1"]),
+    ],
+)
+def test_every_option_together_on_llama4_at_tp_2_with_sequence_parallelism(workdir, every_option, nproc, layout):
+    """Llama 4 (sigmoid scores weighting each expert's input, a shared expert) with global-batch balancing, the bias
+    and a capacity dropping by position, one micro-batch of the whole batch against tp 2 + sp layouts with 2
+    accumulated micro-batches (the capacity's groups are sequences: the same drops)."""
+    whole, flags = every_option
+    split = run_train([*flags, *layout], nproc, workdir, model="llama4-test")
     assert_matches(whole, split, keys=KEYS)
+    drops = [r["moe_dropped_fraction"] for r in whole]
+    assert all(0 < d < 1 for d in drops) and [r["moe_dropped_fraction"] for r in split] == pytest.approx(drops)
 
 
 def test_capacity_with_weighted_inputs_llama4():

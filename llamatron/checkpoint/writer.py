@@ -116,7 +116,7 @@ def engine_params(engine) -> list[tuple[nn.Parameter, ParamSpec]]:
 def _responsible_for(spec: ParamSpec, tp_rank: int) -> bool:
     if spec.shared_replica:
         return False
-    return spec.tensor_parallel or tp_rank == 0
+    return spec.split_over_tp or tp_rank == 0
 
 
 def rank_pieces(engine, frozen: bool = True) -> list[PieceToWrite]:

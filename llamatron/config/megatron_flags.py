@@ -17,11 +17,17 @@ SETTING_ALIASES: dict[str, tuple[str, ...]] = {
     "pp": ("--pipeline-model-parallel-size",),
     "cp": ("--context-parallel-size",),
     "ep": ("--expert-model-parallel-size",),
+    "etp": ("--expert-tensor-parallel-size",),
     "train_steps": ("--train-iters",),
     "warmup_steps": ("--lr-warmup-iters",),
     "distributed_optimizer": ("--use-distributed-optimizer",),
     "data": ("--data-path",),
 }
+
+# Aliases whose Megatron meaning holds only beside other settings: Megatron-core's expert-parallel size counts the
+# tp ranks that --expert-tensor-parallel-size 1 folds into it; --ep counts data-parallel ranks only (parallel/mesh.py)
+SPELLED = "spelled_megatron"  # the namespace key listing the conditional aliases given
+_CONDITIONAL = {"--expert-model-parallel-size"}
 
 # Megatron-LM's model-shape flag -> the ModelConfig field it sets through model_overrides
 MODEL_ALIASES: dict[str, str] = {
@@ -58,6 +64,7 @@ def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
             else:
                 parser.add_argument(
                     flag,
+                    action=_NotedStore if flag in _CONDITIONAL else "store",
                     dest=setting,
                     type=action.type or str,
                     nargs=action.nargs,
@@ -65,6 +72,24 @@ def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
                     default=argparse.SUPPRESS,
                     help=argparse.SUPPRESS,
                 )
+
+
+class _NotedStore(argparse.Action):
+    """Stores the setting, and notes the spelling under SPELLED (alias_problems checks its condition)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, SPELLED, [*getattr(namespace, SPELLED, []), option_string])
+
+
+def alias_problems(spelled: list[str], tp: int, etp: int | None) -> list[str]:
+    """The conditional aliases given where their Megatron meaning is not the setting's."""
+    if "--expert-model-parallel-size" in spelled and etp == 1 and tp > 1:
+        return [
+            "--expert-model-parallel-size counts the tp ranks under --expert-tensor-parallel-size 1 (Megatron-core's "
+            f"expert groups), --ep does not (experts over ep x tp ranks): give --ep N / {tp} instead"
+        ]
+    return []
 
 
 def add_model_aliases(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,14 @@ from ..data.cache import KEEP_PER_KIND
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.families import DEFAULT_PRESET, PRESET_NAMES
-from .megatron_flags import MODEL_ALIASES, add_model_aliases, add_setting_aliases, model_overrides_from_flags
+from .megatron_flags import (
+    MODEL_ALIASES,
+    SPELLED,
+    add_model_aliases,
+    add_setting_aliases,
+    alias_problems,
+    model_overrides_from_flags,
+)
 from .model_overrides import add_model_override_argument, did_you_mean, merged_overrides, parse_model_overrides
 from .ranges import Range, above, at_least, problem
 from .yaml_errors import yaml_error_line
@@ -71,6 +78,13 @@ class ParallelConfig:
         1,
         "expert-parallel size: a mixture of experts' experts split over this many of the data-parallel ranks",
         allowed=at_least(1),
+    )
+    etp: int | None = _f(
+        None,
+        "expert tensor-parallel size: 1 keeps every expert whole, the tp ranks becoming more expert-parallel ranks "
+        "(experts split over ep x tp ranks; each tp rank routes its sequence shard; needs --sequence-parallel), "
+        "or the --tp size (every expert's ffn split over the tp ranks, as the MLP's); default: --tp",
+        allowed=at_least(1, "1 or the --tp size"),
     )
     pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
     sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
@@ -521,6 +535,7 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     """YAML file (if --config) then the flags given explicitly."""
     values: dict[str, Any] = {}
     given = vars(args).copy()
+    spelled = given.pop(SPELLED, [])
     config_file = given.pop("config", None)
     if config_file:
         path = Path(config_file)
@@ -547,6 +562,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
         values["model_overrides"] = merged_overrides({**from_file, **shape}, aliased, flagged)
     values.update({k: v for k, v in given.items() if k in SECTIONS_OWNER})
     cfg = config_from_values(values)
+    misread = alias_problems(spelled, cfg.parallel.tp, cfg.parallel.etp)
+    if misread:
+        raise ConfigError("; ".join(misread))
     cfg.override_flags = {**aliased, **flagged.flags}
     return cfg
 

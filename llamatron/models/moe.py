@@ -26,7 +26,9 @@ a pipeline; the engine sets `router_loss_weight` (1 / (sequences per step · MoE
 
 Parallelism plugs in through attributes, as in the rest of models/: tensor parallelism sets `gather_input`,
 `reduce_output` and `router_loss_share` and splits the experts' ffn; expert parallelism
-(parallel/expert.py) replaces `dispatch`, which moves the tokens to the ranks holding their experts.
+(parallel/expert.py) replaces `dispatch`, which moves the tokens to the ranks holding their experts. Expert tensor
+parallelism 1 routes each rank's sequence shard instead: `shards` sums the per-sequence statistics over the
+shards, and `shared_input`/`shared_output` gather and reduce-scatter a tensor-parallel shared expert's.
 """
 
 from __future__ import annotations
@@ -147,6 +149,33 @@ class _Combine(torch.autograd.Function):
         grad_sorted = grad[order // top_k] * weights.reshape(-1)[order].unsqueeze(-1)
         grad_weights = (sorted_out[inverse].view(tokens, top_k, -1) * grad.unsqueeze(1)).sum(-1)
         return grad_sorted, grad_weights, None, None
+
+
+class SequenceShards:
+    """How each sequence is split over ranks that route their parts separately (expert tensor parallelism 1:
+    parallel/expert.py); this one: not split, every rank routes whole sequences."""
+
+    count = 1  # parts of a sequence
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the parts of a statistic of this part (no gradient)."""
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, local, ...) -> (batch, whole sequence, ...), the parts in order (no gradient)."""
+        return t
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, whole sequence, ...) -> this rank's part."""
+        return t
+
+
+def whole_sequence_sum(part: torch.Tensor, shards: SequenceShards) -> torch.Tensor:
+    """The sum over the sequence's parts of `part`, with the gradient of this rank's own part (each rank then
+    gives its own tokens their share of a loss of the whole sequence)."""
+    if shards.count == 1:
+        return part
+    return part + (shards.sum(part.detach()) - part.detach())
 
 
 class GroupedMatmul(Protocol):
@@ -325,6 +354,10 @@ class MoE(nn.Module):
         self.gather_input: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.reduce_output: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.router_loss_share = 1.0
+        self.shards = SequenceShards()
+        # A shared expert's way in and out (etp 1: it stays split over tp while the routed tokens are local)
+        self.shared_input: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.shared_output: Callable[[torch.Tensor], torch.Tensor] = _identity
         # Set by the engine for training (None: no router losses, no statistics, as in evaluation and generation).
         self.router_loss_weight: torch.Tensor | None = None
         self.stats: MoEStats | None = None
@@ -344,27 +377,40 @@ class MoE(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # the load-balancing loss's, whatever the score
         top, chosen = self._choose(logits, probs)
         weights = (top / top.sum(-1, keepdim=True) if self.renormalize else top).to(full.dtype)
-        keep = None
-        if self.capacity_factor is not None:
-            capacity = expert_capacity(self.capacity_factor, seq, self.top_k, self.num_experts)
-            keep = capacity_keep(chosen, weights, batch, capacity, self.drop_policy, self.num_experts)
+        keep = None if self.capacity_factor is None else self._capacity_keep(chosen, weights, batch)
         if self.weights_input:
             out, routing = self._route_weighted_inputs(tokens, chosen, weights, keep)
         else:
             routing = route(chosen, self.num_experts, keep)
             out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
         if self.shared is not None:
-            out = out + self.shared(tokens)
-        # the router's choices, kept or dropped: what the balancing counts
+            out = out + self.shared_output(self.shared(self.shared_input(full))).reshape(-1, hidden)
+        # the router's choices, kept or dropped, over whole sequences: what the balancing counts
         choices = routing.counts if keep is None else expert_counts(chosen, self.num_experts)
         if self.balance is not None and self.balance.routing_pass:
             assert self.balance_global_load is not None
-            self.balance_global_load.add_(choices)
+            self.balance_global_load.add_(self.shards.sum(choices))
         if self.router_loss_weight is not None and torch.is_grad_enabled():
-            kept = None if keep is None else routing.counts
+            choices = self.shards.sum(choices)
+            kept = None if keep is None else self.shards.sum(routing.counts)
             out = self._attach_router_losses(out, logits, probs, chosen, choices, batch, kept)
         out = self.reduce_output(out.view(batch, seq, hidden))
         return out if residual is None else residual + out
+
+    def _capacity_keep(self, chosen: torch.Tensor, weights: torch.Tensor, batch: int) -> torch.Tensor:
+        """capacity_keep over whole sequences (gathered from their parts), this rank's part of it."""
+        k, parts = self.top_k, self.shards
+        whole_chosen = parts.gather(chosen.view(batch, -1, k))
+        capacity = expert_capacity(self.capacity_factor or 0.0, whole_chosen.shape[1], k, self.num_experts)
+        keep = capacity_keep(
+            whole_chosen.reshape(-1, k),
+            parts.gather(weights.view(batch, -1, k)).reshape(-1, k),
+            batch,
+            capacity,
+            self.drop_policy,
+            self.num_experts,
+        )
+        return parts.local(keep.view(batch, -1, k)).reshape(-1, k)
 
     def _choose(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the chosen experts' scores, (tokens, k) experts): the top k by score, or with the balancing bias by
@@ -401,7 +447,7 @@ class MoE(nn.Module):
         if self.global_balance:
             assert self.balance_global_load is not None, "no routing pass"
             global_load = self.balance_global_load
-        aux, z = router_losses(logits, probs, chosen, batch, self.num_experts, global_load)
+        aux, z = router_losses(logits, probs, chosen, batch, self.num_experts, global_load, self.shards)
         if self.stats is not None and not self.recomputing:
             self.stats.aux.add_(aux.detach().sum())
             self.stats.z.add_(z.detach().sum())
@@ -422,23 +468,23 @@ def router_losses(
     batch: int,
     num_experts: int,
     global_load: torch.Tensor | None = None,
+    shards: SequenceShards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, z-loss) of each of the `batch` sequences (fp32): see the module docstring. With
     `global_load` (each expert's token choices over the global batch) the shares f are the global batch's: the
-    sequences' losses then sum to sequences x the global batch's loss (their mean over the step is that loss)."""
-    seq = probs.shape[0] // batch
-    mean_prob = probs.view(batch, seq, num_experts).mean(1)
+    sequences' losses then sum to sequences x the global batch's loss (their mean over the step is that loss).
+    shards: how the sequences are split over ranks (these are this rank's parts): the sums are over whole ones."""
+    parts = shards or SequenceShards()
+    local = probs.shape[0] // batch
+    seq = local * parts.count
+    mean_prob = whole_sequence_sum(probs.view(batch, local, num_experts).sum(1), parts) / seq
     if global_load is None:
-        share = (
-            torch.zeros_like(mean_prob).scatter_add_(
-                1, chosen.reshape(batch, -1), torch.ones(chosen.shape, device=probs.device).view(batch, -1)
-            )
-            / seq
-        )
+        ones = torch.ones(chosen.shape, device=probs.device).view(batch, -1)
+        share = parts.sum(torch.zeros_like(mean_prob).scatter_add_(1, chosen.reshape(batch, -1), ones)) / seq
     else:  # k · load / choices: a token's share, summed over its k choices, as per sequence
         share = (chosen.shape[1] * global_load.float() / global_load.sum().clamp_min(1)).expand_as(mean_prob)
     aux = num_experts * (share * mean_prob).sum(-1)
-    z = torch.logsumexp(logits.float(), dim=-1).pow(2).view(batch, seq).mean(1)
+    z = whole_sequence_sum(torch.logsumexp(logits.float(), dim=-1).pow(2).view(batch, local).sum(1), parts) / seq
     return aux, z
 
 
@@ -453,6 +499,7 @@ __all__ = [
     "Experts",
     "SharedExpert",
     "Routing",
+    "SequenceShards",
     "combine",
     "local_dispatch",
     "permute",

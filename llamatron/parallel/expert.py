@@ -15,6 +15,15 @@ each tp rank takes the whole sequence (gathered under sequence parallelism), rou
 does, computes its slice of each expert and contributes a partial sum (reduce-scattered or all-reduced). Each
 tp rank's router gradient is then a partial sum too (summed by sync_tensor_parallel_grads), and each carries
 1/tp of the router losses' gradient, which every tp rank computes whole.
+
+Expert tensor parallelism 1 (`--etp 1`, Megatron-core's "MoE parallel folding"; needs sequence parallelism) keeps
+every expert whole instead: the tp ranks become more expert-parallel ranks (mesh.expert_group, ep x tp of them,
+each holding num_experts / (ep x tp) whole experts), and each tp rank routes only its own sequence shard, so no
+expert GEMM is split and nothing is gathered or reduced around the routed experts. The per-sequence statistics
+(the router losses' token shares and mean probabilities, the z-loss, the balancing counts, a capacity's choice)
+are summed over the tp ranks (TensorParallelShards); each rank's router gradient is its own tokens' part (still a
+partial sum over tp), carrying the whole of the router losses' gradient for them. A shared expert stays split
+over tp as above, gathered and reduce-scattered on its own.
 """
 
 from __future__ import annotations
@@ -28,21 +37,28 @@ from torch import nn
 from torch.autograd import Function
 
 from ..models.config import ModelConfig
-from ..models.moe import Experts, MoE, Routing, SharedExpert, permute, unpermute
+from ..models.moe import Experts, MoE, Routing, SequenceShards, SharedExpert, permute, unpermute
 from .mesh import Mesh, divisors
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
 from .tensor_layers import contiguous_layout, from_parallel_output, to_parallel_input
 
 
-def expert_parallel_problems(model: ModelConfig, ep: int, cp: int) -> list[str]:
-    """Why a model cannot be split `ep` ways over its experts (empty when it can)."""
+def expert_parallel_problems(
+    model: ModelConfig, ep: int, cp: int, tp: int = 1, etp: int | None = None, sequence_parallel: bool = False
+) -> list[str]:
+    """Why a model cannot be split `ep` ways over its experts, each expert `etp` ways (None: tp) (empty when it
+    can)."""
     if not model.is_moe:
-        return [f"--ep {ep} needs a mixture-of-experts model (num_experts > 0); use --ep 1"] if ep > 1 else []
-    out = []
-    if model.num_experts % ep:
+        out = [f"--ep {ep} needs a mixture-of-experts model (num_experts > 0); use --ep 1"] if ep > 1 else []
+        return out + _etp_problems(etp, tp, sequence_parallel, moe=False)
+    out = _etp_problems(etp, tp, sequence_parallel, moe=True)
+    folded = tp if etp == 1 else 1  # the tp ranks hold different experts under etp 1
+    if model.num_experts % (ep * folded):
+        by = f"--ep {ep} x --tp {tp} (--etp 1)" if folded > 1 else f"--ep {ep}"
+        fits = [d for d in divisors(model.num_experts) if d % folded == 0]
         out.append(
-            f"num_experts {model.num_experts} is not divisible by --ep {ep}; use --ep in {divisors(model.num_experts)}"
+            f"num_experts {model.num_experts} is not divisible by {by}; use --ep in {[d // folded for d in fits]}"
         )
     if cp > 1:
         out.append(
@@ -50,6 +66,43 @@ def expert_parallel_problems(model: ModelConfig, ep: int, cp: int) -> list[str]:
             "splits each sequence; use --cp 1"
         )
     return out
+
+
+def _etp_problems(etp: int | None, tp: int, sequence_parallel: bool, moe: bool) -> list[str]:
+    if etp is None or etp == tp:
+        return []
+    if etp != 1:
+        return [f"--etp {etp} must be 1 (whole experts) or the --tp size {tp} (experts split like the MLP)"]
+    if not moe:
+        return ["--etp 1 splits a mixture of experts' experts; this model has none: drop --etp"]
+    if not sequence_parallel:
+        return [f"--etp 1 with --tp {tp} routes each tp rank's sequence shard: add --sequence-parallel"]
+    return []
+
+
+class TensorParallelShards(SequenceShards):
+    """Each sequence split over the tp group (sequence parallelism), routed by part (expert tensor parallelism
+    1): the statistics summed over it, a capacity's choice gathered from it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, tp: int, rank: int):
+        self.group, self.count, self.rank = group, tp, rank
+        # Collectives outside a compiled layer's graph (as ExpertParallelDispatch's exchange)
+        self.sum = torch.compiler.disable(self._sum)  # type: ignore[method-assign]
+        self.gather = torch.compiler.disable(self._gather)  # type: ignore[method-assign]
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.count)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[1] // self.count
+        return t[:, self.rank * n : (self.rank + 1) * n]
 
 
 class _AllToAll(Function):
@@ -199,40 +252,59 @@ def _split_shared_expert(shared: SharedExpert, prefix: str, mesh: Mesh, specs: P
     return specs
 
 
+def _split_experts_over_tp(moe: MoE, names: dict[str, str], mesh: Mesh, specs: ParamSpecs) -> ParamSpecs:
+    """Every expert's ffn over the tp ranks (gate and up by rows, down by columns), as the dense MLP's."""
+    num, ffn2, hidden = moe.experts.gate_up.shape
+    ffn = ffn2 // 2
+    group, rank = mesh.tp_group, mesh.tp_rank
+    gu = gate_up_layout(ffn, mesh.tp, rank, group, dim=1)
+    dn = contiguous_layout(2, ffn, mesh.tp, rank, group)
+    for leaf, layout, full in (("gate_up", gu, (num, 2 * ffn, hidden)), ("down", dn, (num, hidden, ffn))):
+        specs[names[leaf]] = replace(specs[names[leaf]], partial_grad=False).sharded(layout, full)
+    return specs
+
+
+def _route_sequence_shards(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
+    """Expert tensor parallelism 1: the layer routes this tp rank's sequence shard (no gather, no reduction); only
+    a shared expert, split over tp, gathers its input and reduce-scatters its output."""
+    moe.shards = TensorParallelShards(mesh.tp_group, mesh.tp, mesh.tp_rank)
+    moe.shared_input = partial(to_parallel_input, group=mesh.tp_group, sequence_parallel=sequence_parallel)
+    moe.shared_output = partial(from_parallel_output, group=mesh.tp_group, sequence_parallel=sequence_parallel)
+
+
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, specs: ParamSpecs) -> ParamSpecs:
     """Split every MoE layer of `model` (on meta, after apply_tensor_parallel) over mesh.ep (experts) and mesh.tp
-    (each expert's ffn), in place; returns the specs with the experts' shards."""
+    (each expert's ffn, or under etp 1 more experts), in place; returns the specs with the experts' shards."""
     specs = dict(specs or param_specs(model))
     for prefix, moe in [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]:
         experts = moe.experts
-        num, ffn2, hidden = experts.gate_up.shape
-        ffn = ffn2 // 2
-        gate_up_full, down_full = (num, 2 * ffn, hidden), (num, hidden, ffn)
+        num = experts.gate_up.shape[0]
         names = {leaf: f"{prefix}.experts.{leaf}" for leaf in ("gate_up", "down")}
         router = f"{prefix}.router.weight"
         if mesh.tp > 1:
-            group, rank = mesh.tp_group, mesh.tp_rank
-            gu = gate_up_layout(ffn, mesh.tp, rank, group, dim=1)
-            dn = contiguous_layout(2, ffn, mesh.tp, rank, group)
-            specs[names["gate_up"]] = replace(specs[names["gate_up"]], partial_grad=False).sharded(gu, gate_up_full)
-            specs[names["down"]] = replace(specs[names["down"]], partial_grad=False).sharded(dn, down_full)
             specs[router] = replace(specs[router], partial_grad=True)  # partial on each tp rank
             if moe.shared is not None:
                 specs = _split_shared_expert(moe.shared, f"{prefix}.shared", mesh, specs)
-            moe.gather_input = partial(to_parallel_input, group=group, sequence_parallel=sequence_parallel)
-            moe.reduce_output = partial(from_parallel_output, group=group, sequence_parallel=sequence_parallel)
+        if mesh.experts_fold_tp:
+            _route_sequence_shards(moe, mesh, sequence_parallel)
+        elif mesh.tp > 1:
+            specs = _split_experts_over_tp(moe, names, mesh, specs)
+            moe.gather_input = partial(to_parallel_input, group=mesh.tp_group, sequence_parallel=sequence_parallel)
+            moe.reduce_output = partial(from_parallel_output, group=mesh.tp_group, sequence_parallel=sequence_parallel)
             moe.router_loss_share = 1.0 / mesh.tp
-        if mesh.ep > 1:
-            local = num // mesh.ep
-            shard = (mesh.ep_rank * local, local)
+        if mesh.expert_parallel > 1:
+            local = num // mesh.expert_parallel
+            shard = (mesh.expert_rank * local, local)
             for leaf in names.values():
-                specs[leaf] = replace(specs[leaf], expert_shard=shard)
-            assert mesh.ep_group is not None
-            moe.dispatch = ExpertParallelDispatch(mesh.ep_group, mesh.ep, local)
+                # not partial under sequence parallelism: etp 1's tp ranks hold different experts
+                fold = mesh.experts_fold_tp
+                specs[leaf] = replace(specs[leaf], expert_shard=shard, experts_over_tp=fold, partial_grad=False)
+            assert mesh.expert_group is not None
+            moe.dispatch = ExpertParallelDispatch(mesh.expert_group, mesh.expert_parallel, local)
         for leaf, name in names.items():
             spec = specs[name]
             setattr(experts, leaf, nn.Parameter(torch.empty(spec.local_shape, device="meta")))
     return specs
 
 
-__all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "expert_parallel_problems"]
+__all__ = ["ExpertParallelDispatch", "TensorParallelShards", "apply_expert_parallel", "expert_parallel_problems"]

@@ -21,6 +21,11 @@ ranks: dp rank d holds experts group d % ep, so ep adjacent dp ranks (an
 weights stay replicated over all dp x cp ranks; an expert's weights over the
 (dp / ep) x cp ranks holding the same experts (`expert_replica_group`), where
 its gradients are reduced and its optimizer state sharded.
+
+Expert tensor parallelism 1 (`etp` 1, Megatron-core's "MoE parallel folding") keeps every expert whole under
+tp > 1: the tp ranks act as more expert-parallel ranks, so the all-to-all (`expert_group`) spans the ep x tp
+ranks of one ep_group's dp ranks, expert rank (d % ep) * tp + t; the experts' replicas are unchanged (they share
+t and d % ep), and ep_group stays the dp part (the grad norm sums the experts over it, the tp part over mp_group).
 """
 
 from __future__ import annotations
@@ -48,13 +53,15 @@ class Mesh:
     dp_rank: int = 0
     cp_rank: int = 0
     ep: int = 1
+    etp: int | None = None  # expert tensor parallelism: 1 (experts whole, the tp ranks join the all-to-all) or tp
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     replica_group: dist.ProcessGroup | None = None  # dp x cp: the ranks holding the same weights
     mp_group: dist.ProcessGroup | None = None  # tp x pp: one model replica
-    ep_group: dist.ProcessGroup | None = None  # the ep dp ranks that together hold every expert
+    ep_group: dist.ProcessGroup | None = None  # the ep dp ranks that together hold every expert (with their tp peers)
+    expert_group: dist.ProcessGroup | None = None  # the all-to-all's: ep_group, or under etp 1 its ep x tp ranks
     expert_replica_group: dist.ProcessGroup | None = None  # (dp / ep) x cp: the ranks holding the same experts
     # Hybrid sharding (--fsdp-shard-group N): the replica group cut into groups of N consecutive replicas, which
     # shard the weights among them, and the ranks holding the same shard in each, which all-reduce its gradient.
@@ -78,6 +85,21 @@ class Mesh:
     def ep_rank(self) -> int:
         """Which experts this rank holds: the ep_rank-th num_experts / ep of every MoE layer."""
         return self.dp_rank % self.ep
+
+    @property
+    def experts_fold_tp(self) -> bool:
+        """Expert tensor parallelism 1 under tp > 1: whole experts, the tp ranks more expert-parallel ranks."""
+        return self.etp == 1 and self.tp > 1
+
+    @property
+    def expert_parallel(self) -> int:
+        """Ranks the experts are split over (the all-to-all's size): ep, or ep x tp under etp 1."""
+        return self.ep * self.tp if self.experts_fold_tp else self.ep
+
+    @property
+    def expert_rank(self) -> int:
+        """Which expert_parallel-th of every MoE layer's experts this rank holds (its rank in expert_group)."""
+        return self.ep_rank * self.tp + self.tp_rank if self.experts_fold_tp else self.ep_rank
 
     @property
     def expert_replicas(self) -> int:
@@ -177,10 +199,11 @@ def build_mesh(
     cp: int = 1,
     ep: int = 1,
     fsdp_shard: int | None = None,
+    etp: int | None = None,
 ) -> Mesh:
     """Groups for the current job (a single process gets a mesh of size 1 with no groups).
 
-    fsdp_shard: --fsdp-shard-group (hybrid sharding's groups).
+    fsdp_shard: --fsdp-shard-group (hybrid sharding's groups). etp: expert tensor parallelism (None: tp).
 
     dp_comm_max_ctas caps the thread blocks NCCL gives the gradient reduction's collectives (the replica group):
     those run beside backward/forward compute, and every SM they take is one the matmuls lose.
@@ -189,7 +212,7 @@ def build_mesh(
     rank = dist.get_rank() if dist.is_initialized() else 0
     dp = check_sizes(world_size, tp, pp, cp, ep)
     tp_rank, dp_rank, pp_rank, cp_rank = coordinates(rank, tp, dp, cp)
-    mesh = Mesh(world_size, rank, tp, pp, dp, cp, tp_rank, pp_rank, dp_rank, cp_rank, ep)
+    mesh = Mesh(world_size, rank, tp, pp, dp, cp, tp_rank, pp_rank, dp_rank, cp_rank, ep, etp)
     if world_size == 1:
         return mesh
     # Every rank must create every group, in the same order, even those it is not in.
@@ -226,6 +249,9 @@ def build_mesh(
     if ep > 1:  # (t, d, p, c): the ep group shares t, p, c and d // ep; expert replicas share t, p and d % ep
         mesh.ep_group = groups_by(lambda c: (c[0], c[1] // ep, c[2], c[3]))[0]
         mesh.expert_replica_group = groups_by(lambda c: (c[0], c[1] % ep, c[2]), max_ctas=dp_comm_max_ctas)[0]
+    mesh.expert_group = mesh.ep_group
+    if mesh.experts_fold_tp:  # the ep_group's dp ranks with all their tp ranks
+        mesh.expert_group = mesh.tp_group if ep == 1 else groups_by(lambda c: (c[1] // ep, c[2], c[3]))[0]
     if fsdp_shard:  # a replica's index is d * cp + c
         mesh.fsdp_shard = fsdp_shard
         mesh.fsdp_shard_group = groups_by(lambda c: (c[0], c[2], (c[1] * cp + c[3]) // fsdp_shard))[0]

@@ -60,7 +60,7 @@ class DistributedAdamW:
         for buf in buffers:
             for p, s, e, start in owned_ranges(buf):
                 spec = buf.spec_of[p]
-                replicated_copy = (mesh.tp_rank > 0 and not spec.tensor_parallel) or spec.shared_replica
+                replicated_copy = (mesh.tp_rank > 0 and not spec.split_over_tp) or spec.shared_replica
                 self.segments.append(
                     Segment(p, spec, buf, s, e, s - start, decay=p.ndim > 1, count_in_norm=not replicated_copy)
                 )

@@ -43,6 +43,9 @@ class ParamSpec:
     norm_exclude: tuple[tuple[int, int], ...] = ()
     # Expert parallelism (parallel/expert.py): (first, count) of the experts (dim 0) this rank holds; None: all
     expert_shard: tuple[int, int] | None = None
+    # Expert tensor parallelism 1: the tp ranks hold different expert_shards of whole experts (tp_layout None), so
+    # every tp rank counts its shard in the grad norm and writes it to checkpoints, as a tp shard's holder does.
+    experts_over_tp: bool = False
 
     @property
     def is_expert(self) -> bool:
@@ -52,6 +55,11 @@ class ParamSpec:
     @property
     def tensor_parallel(self) -> bool:
         return self.tp_layout is not None
+
+    @property
+    def split_over_tp(self) -> bool:
+        """Each tp rank holds different elements (a tp shard, or etp 1's experts): none of them a replica."""
+        return self.tp_layout is not None or self.experts_over_tp
 
     @property
     def local_shape(self) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device, cfg.train.dist_timeout)
     p = cfg.parallel
-    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None)
+    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None, p.etp)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)

@@ -253,7 +253,7 @@ def _train_on_this_rank(
 ) -> TrainResult:
     t = cfg.train
     p = cfg.parallel
-    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None)
+    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None, p.etp)
     if mesh.rank == 0:
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)

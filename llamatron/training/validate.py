@@ -50,7 +50,10 @@ def _validate_layout(
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep, world_flag))
     dp = world_size // (p.tp * p.pp * p.cp)
-    _raise_if(tensor_parallel_problems(model, p.tp, p.sequence_parallel) + expert_parallel_problems(model, p.ep, p.cp))
+    _raise_if(
+        tensor_parallel_problems(model, p.tp, p.sequence_parallel)
+        + expert_parallel_problems(model, p.ep, p.cp, p.tp, p.etp, p.sequence_parallel)
+    )
     _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
     _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
     given = [k for k in asdict(p) if k in cfg.explicit]
