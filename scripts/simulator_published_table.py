@@ -16,6 +16,7 @@ def layout_text(r: dict) -> str:
     pp = f"pp {r['pp']}" + (f" x vpp {r['vpp']}" if r["vpp"] > 1 else "")
     dp = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
     parts = [f"tp {r['tp']}", pp, f"dp {dp}"] + [f"{k} {r[k]}" for k in ("cp", "ep") if r[k] > 1]
+    parts += ["etp 1"] if r.get("etp") == 1 and r["tp"] > 1 else []  # Megatron's ep counts these tp ranks
     return ", ".join(parts + [f"mb {r['micro_batch_size']}", f"gbs {r['global_batch_size']}", f"seq {r['seq_length']}"])
 
 

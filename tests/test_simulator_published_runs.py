@@ -189,3 +189,36 @@ def test_a_rows_flop_count_is_the_sources(model, causal):
     megatron = 12 * layers * h * h * (attention + m.ffn_hidden_size / h * 2 * 1.5 + m.vocab_size / (2 * layers * h))
     counted = counted_flops_per_token(m, seq, "causal" if causal else "full")
     assert counted == pytest.approx(megatron, rel=1e-3)
+
+
+def test_expert_tensor_parallelism_1_dispatches_each_tp_ranks_shard_over_ep_x_tp():
+    """--etp 1 at tp 2 x ep 4 (Mixtral 8x22B, 4096 tokens a micro-batch): each tp rank sends its half of the tokens'
+    k copies over 8 ranks (7/8 of them off the rank) instead of all of them over 4 (3/4 off), the MoE layer runs
+    no tp collective (the attention's gather and reduce-scatter remain: 2 of the 4 forward), and the expert GEMMs
+    are the experts' whole ffn wide (narrower than hidden: Qwen3-30B-A3B's). The Model Zoo rows carrying etp 1
+    then predict faster than as split."""
+    from llamatron.models.inventory import experts_taken
+    from llamatron.planning.simulator.calibration import load_calibration
+    from llamatron.planning.simulator.costs import Costs, Shape
+    from llamatron.planning.simulator.hardware import resolve_hardware
+
+    model, hw, cal = run_model({"model": "mixtral-8x22b"}), resolve_hardware("h100-sxm"), load_calibration()
+    split, whole = (
+        Costs(model, Shape(tp=2, dp=8, ep=4, sequence_parallel=True, experts_fold_tp=fold), hw, cal)
+        for fold in (False, True)
+    )
+    copies = 4096 * experts_taken(model) * model.hidden_size * 2  # bf16
+    assert split.all_to_all_bytes() == pytest.approx(copies * 3 / 4)
+    assert whole.all_to_all_bytes() == pytest.approx(copies / 2 * 7 / 8)
+    assert split.layer().forward.parts["tp"] == pytest.approx(4 * split.tp_collective())
+    assert whole.layer().forward.parts["tp"] == pytest.approx(2 * whole.tp_collective())
+    fine = run_model({"model": "qwen3-30b-a3b"})  # experts of ffn 768: 384 wide when split over tp 2
+    thin, wide = (
+        Costs(
+            fine, Shape(tp=2, dp=8, ep=4, sequence_parallel=True, experts_fold_tp=fold), hw, cal
+        ).expert_gemm_forward()
+        for fold in (False, True)
+    )
+    assert wide < thin  # as many FLOPs, in wider GEMMs
+    row = next(r for r in published_runs() if r.get("etp") == 1)
+    assert predict(row).predicted > 1.1 * predict({**row, "etp": None}).predicted

@@ -68,10 +68,33 @@ class Shape:
     # expert's rank) or "hybridep" (Megatron-core's flex dispatcher with DeepEP's HybridEP backend: a token crosses
     # to a remote node once, then fans out over NVLink, one copy per GPU holding any of its experts).
     ep_dispatcher: str = "alltoall"
+    # --etp 1 (Megatron-core's expert tensor parallelism 1): every expert whole, the tp ranks more expert-parallel
+    # ranks (the all-to-all over ep x tp), each tp rank dispatching its own sequence shard; no tp collectives around
+    # the routed experts (a shared expert keeps its own)
+    experts_fold_tp: bool = False
 
     @property
     def tokens(self) -> float:
         return self.micro_batch_size * self.seq_length / self.cp
+
+    @property
+    def folded(self) -> bool:
+        return self.experts_fold_tp and self.tp > 1
+
+    @property
+    def a2a_ranks(self) -> int:
+        """The MoE all-to-all's ranks: ep, or ep x tp under --etp 1."""
+        return self.ep * self.tp if self.folded else self.ep
+
+    @property
+    def a2a_tokens(self) -> float:
+        """The tokens one rank routes and dispatches: the micro-batch's, or under --etp 1 its tp shard."""
+        return self.tokens / self.tp if self.folded else self.tokens
+
+    @property
+    def a2a_stride(self) -> int:
+        """Ranks between two of the all-to-all's (the tp ranks are adjacent: folded in, the stride is cp)."""
+        return self.cp if self.folded else self.tp * self.cp
 
 
 @dataclass(frozen=True)
@@ -183,8 +206,8 @@ class Costs:
         moe = router + experts
         if not moe:
             return 0.0
-        rows = s.tokens * experts_taken(m) * s.ep / m.num_experts
-        width = min(m.hidden_size, m.ffn_hidden_size / s.tp)
+        rows = s.tokens * experts_taken(m) * s.ep / m.num_experts  # etp 1: tokens / tp over ep x tp ranks, the same
+        width = min(m.hidden_size, m.ffn_hidden_size / (1 if s.folded else s.tp))
         shape = rows / (rows + c.grouped_rows_half) * width / (width + c.gemm_width_half)
         fp8 = c.fp8_gemm_speedup.get(s.fp8, 1.0) if s.fp8_experts else 1.0
         return 2 * s.tokens * moe / s.tp / (self._gemm_rate * c.grouped_gemm_efficiency * shape) / fp8
@@ -208,7 +231,8 @@ class Costs:
             + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
         )
         if m.is_moe:  # the token choices' rows permuted to their experts and back, forward and backward
-            per_token += c.permutation_passes * s.act_bytes * experts_taken(m) * m.hidden_size * moe_layer_share(m)
+            permuted = c.permutation_passes * s.act_bytes * experts_taken(m) * m.hidden_size * moe_layer_share(m)
+            per_token += permuted / (s.tp if s.folded else 1)  # etp 1: each tp rank permutes its shard's tokens
         t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
         return t * (1 if s.compiled else c.eager_factor)
 
@@ -283,25 +307,27 @@ class Costs:
     def all_to_all_bytes(self) -> float:
         """Bytes one MoE dispatch (or combine) sends off this rank (HybridEP: over the network and NVLink)."""
         m, s = self.model, self.s
-        if s.ep_dispatcher == "hybridep" and s.ep > 1:
-            return s.tokens * m.hidden_size * s.act_bytes * sum(self.hybrid_ep_copies())
-        return s.tokens * experts_taken(m) * m.hidden_size * s.act_bytes * (s.ep - 1) / s.ep
+        ranks = s.a2a_ranks
+        if s.ep_dispatcher == "hybridep" and ranks > 1:
+            return s.a2a_tokens * m.hidden_size * s.act_bytes * sum(self.hybrid_ep_copies())
+        return s.a2a_tokens * experts_taken(m) * m.hidden_size * s.act_bytes * (ranks - 1) / ranks
 
     def all_to_all(self) -> float:
         """One MoE dispatch (or combine) over the ep ranks: T x k x hidden values (the kept ones under a
         capacity), (ep-1)/ep off the rank."""
         m, s, hw, c = self.model, self.s, self.hw, self.cal
-        if not m.is_moe or s.ep == 1:
+        ranks = s.a2a_ranks
+        if not m.is_moe or ranks == 1:
             return 0.0
         if s.ep_dispatcher == "hybridep":
             return self.hybrid_ep()
-        size = s.tokens * experts_taken(m) * m.hidden_size * s.act_bytes
-        local = self.group_per_node(s.tp * s.cp, s.ep)
-        inside = size * (local - 1) / s.ep / (hw.link.bandwidth * c.nvlink["all_to_all"].efficiency)
+        size = s.a2a_tokens * experts_taken(m) * m.hidden_size * s.act_bytes
+        local = self.group_per_node(s.a2a_stride, ranks)
+        inside = size * (local - 1) / ranks / (hw.link.bandwidth * c.nvlink["all_to_all"].efficiency)
         outside = 0.0
-        if local < s.ep:
-            outside = size * (s.ep - local) / s.ep / (hw.nic_bandwidth_per_gpu() * c.network.efficiency)
-        latency = hw.network.latency if local < s.ep else hw.link.latency
+        if local < ranks:
+            outside = size * (ranks - local) / ranks / (hw.nic_bandwidth_per_gpu() * c.network.efficiency)
+        latency = hw.network.latency if local < ranks else hw.link.latency
         return latency + max(inside, outside)
 
     def hybrid_ep_copies(self) -> tuple[float, float]:
@@ -311,16 +337,17 @@ class Costs:
         arriving from the network). With k of E experts chosen uniformly (the even loads assumed throughout), a
         group of g experts holds none of a token's with probability C(E - g, k) / C(E, k)."""
         m, s = self.model, self.s
-        local = self.group_per_node(s.tp * s.cp, s.ep)
-        nodes = s.ep // local
+        ranks = s.a2a_ranks
+        local = self.group_per_node(s.a2a_stride, ranks)
+        nodes = ranks // local
         k, experts = m.experts_per_token, m.num_experts
 
         def hit(group: float) -> float:
             return 1 - math.comb(experts - round(group), k) / math.comb(experts, k)
 
         kept = experts_taken(m) / k
-        network = (nodes - 1) * hit(experts * local / s.ep) * kept
-        return network, nodes * (local - 1) * hit(experts / s.ep) * kept
+        network = (nodes - 1) * hit(experts * local / ranks) * kept
+        return network, nodes * (local - 1) * hit(experts / ranks) * kept
 
     def hybrid_ep(self) -> float:
         """One HybridEP dispatch (or combine): its network and NVLink stages pipelined (warp-level, TMA copies), so
@@ -349,7 +376,8 @@ class Costs:
         tp_one, cp_one, a2a = self.tp_collective(), self.cp_gather(), self.all_to_all()
         fwd = Piece()
         fwd.add("compute", gemm + a_fwd + 0.4 * elem)
-        n_fwd = TP_SP_FORWARD if s.sequence_parallel else 2
+        unfolded = 1 - self.mlp_tp_free_share()
+        n_fwd = (TP_SP_FORWARD - 2 + 2 * unfolded) if s.sequence_parallel else 2
         if s.tp_overlap_all and s.tp > 1:  # each collective runs under its GEMM: exposed only what outlasts them
             fwd.add("tp", max(0.0, n_fwd * tp_one - gemm))
             fwd.add("contention", min(n_fwd * tp_one, gemm) * c.tp_userbuffers_sm_share)  # SMs taken beside it
@@ -362,8 +390,8 @@ class Costs:
         back.add("cp", cp_one)
         back.add("ep", 2 * a2a)
         weight = Piece({"compute": gemm})
-        exposed = TP_SP_BACKWARD_EXPOSED if s.sequence_parallel else 1
-        overlapped = TP_SP_BACKWARD_OVERLAPPED if s.sequence_parallel else 1
+        exposed = (TP_SP_BACKWARD_EXPOSED - 1 + unfolded) if s.sequence_parallel else 1
+        overlapped = (TP_SP_BACKWARD_OVERLAPPED - 1 + unfolded) if s.sequence_parallel else 1
         if s.tp_overlap_all and s.tp > 1:  # under the input- and weight-gradient GEMMs together
             back.add("tp", max(0.0, (exposed + overlapped) * tp_one - 2 * gemm))
             back.add("contention", min((exposed + overlapped) * tp_one, 2 * gemm) * c.tp_userbuffers_sm_share)
@@ -381,6 +409,12 @@ class Costs:
         elif recomputed and s.recompute == "selective":
             recompute = Piece({"compute": a_fwd})
         return LayerCost(fwd, back, weight, recompute)
+
+    def mlp_tp_free_share(self) -> float:
+        """The share of layers whose MLP runs no tp collective: MoE layers under --etp 1 without a shared expert
+        (one of the MLP's gather and reduce-scatter each way, and its backward's two)."""
+        m, s = self.model, self.s
+        return moe_layer_share(m) if s.folded and not m.shared_expert_ffn else 0.0
 
     def head(self) -> tuple[Piece, Piece, Piece]:
         """(forward, backward input, backward weight) of the output head and the loss for one micro-batch."""

@@ -33,6 +33,7 @@ class SimSettings:
     fp8_experts: bool = False  # --fp8 on the experts' grouped GEMMs too (Transformer Engine's; not llamatron's)
     ep_dispatcher: str = "alltoall"  # or "hybridep" (Megatron-core's flex dispatcher, HybridEP: published runs)
     fp8_param_gather: bool = False  # Megatron-core's: FP8 weights all-gathered, 1 byte each (published runs)
+    etp: int | None = None  # --etp: 1 keeps every expert whole over ep x tp ranks (None: tp)
 
 
 @dataclass
@@ -136,6 +137,7 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
         fused_grad_accumulation=settings.fused_grad_accumulation,
         fp8_experts=settings.fp8_experts,
         ep_dispatcher=settings.ep_dispatcher,
+        experts_fold_tp=settings.etp == 1,
     )
 
 
