@@ -160,3 +160,21 @@ def test_the_distributed_optimizer_is_not_recommended_without_replicas(capsys):
     assert "with one it saves nothing" in capsys.readouterr().out
     assert main_code([*one, "--gpus", "2"]) == 0
     assert "--distributed-optimizer" in json.loads(capsys.readouterr().out)["train_flags"]
+
+
+def test_a_fixed_layout_with_whole_experts_is_simulated_and_trained_as_such(capsys):
+    """--etp 1 on Mixtral 8x22B at tp 2 x ep 4 (one node's 8 ranks an all-to-all): the experts whole, one a rank,
+    fewer all-to-all bytes than with each expert split over tp (each tp rank sends its own shard: 7/16 of the
+    split layout's 3/4 of the micro-batch's copies), a faster simulated step, and --etp 1 in the train flags."""
+    base = ["plan", "--model", "mixtral-8x22b", "--gpus", "128", "--tp", "2", "--pp", "8", "--vpp", "7", "--ep", "4"]
+    base += ["--micro-batch-size", "1", "--global-batch-size", "256", "--seq-length", "4096", "--json"]
+    runs = {}
+    for etp in ("2", "1"):
+        assert main_code([*base, "--etp", etp]) in (0, 1)  # 1: does not fit in 80 GB, still simulated
+        runs[etp] = json.loads(capsys.readouterr().out)
+    split, whole = runs["2"], runs["1"]
+    assert (split["simulation"]["moe"]["experts_per_rank"], whole["simulation"]["moe"]["experts_per_rank"]) == (2, 1)
+    gb = "all_to_all_gb_per_rank_and_step"
+    assert whole["simulation"]["moe"][gb] == pytest.approx(split["simulation"]["moe"][gb] * (7 / 16) / (3 / 4))
+    assert whole["tokens_per_sec_per_gpu"] > split["tokens_per_sec_per_gpu"]
+    assert "--etp 1" in whole["train_flags"] and "--etp" not in split["train_flags"]

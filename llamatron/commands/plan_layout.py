@@ -27,6 +27,7 @@ _LAYOUT_FLAGS: list[tuple[str, type, str]] = [
     ("vpp", int, "virtual pipeline chunks per stage"),
     ("cp", int, "context-parallel size"),
     ("ep", int, "expert-parallel size (a mixture of experts)"),
+    ("etp", int, "expert tensor-parallel size: 1 keeps each expert whole over ep x tp ranks (default: tp)"),
     ("micro-batch-size", int, "samples per micro-batch"),
     ("recompute", str, "none, selective or full"),
     ("recompute-layers", int, "recompute only the first N layers of each chunk"),

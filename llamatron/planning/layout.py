@@ -28,6 +28,10 @@ class Layout:
     fsdp_shard_group: int | None = None  # --fsdp-shard-group N: hybrid sharding, shard over N replicas
     fsdp_keep_params: bool = False  # --fsdp-keep-params-in-backward: no re-gather in backward
     pp_layers: str | None = None  # --pp-layers: decoder layers per chunk where the split is not even
+    # --etp: 1 keeps each expert whole, the experts over ep x tp ranks (None: tp, each expert split over tp). The
+    # weights per rank are the same either way; the simulator models the step (simulator/costs.py), the memory model
+    # still counts the gathered sequence's dispatched copies (1/tp of them are held under etp 1: an overestimate)
+    etp: int | None = None
 
     @property
     def expert_replicas(self) -> int:
@@ -61,7 +65,15 @@ class Layout:
     def label(self) -> str:
         """The parallel sizes in words, for messages: 'tp 8 x cp 2 x pp 1, dp 1'."""
         label = f"tp {self.tp} x cp {self.cp} x pp {self.pp}, dp {self.dp}"
-        return label + (f" (ep {self.ep})" if self.ep > 1 else "") + (f", {self.sharding}" if self.fsdp else "")
+        experts = (
+            f" (ep {self.ep}{', etp 1' if self.experts_whole else ''})" if self.ep > 1 or self.experts_whole else ""
+        )
+        return label + experts + (f", {self.sharding}" if self.fsdp else "")
+
+    @property
+    def experts_whole(self) -> bool:
+        """--etp 1 under tp > 1: every expert whole, the tp ranks more expert-parallel ranks."""
+        return self.etp == 1 and self.tp > 1
 
     @property
     def sharding(self) -> str:
@@ -80,6 +92,7 @@ class Layout:
         flags = [f"--tp {self.tp}", f"--pp {self.pp}"]
         flags += [f"--cp {self.cp}"] if self.cp > 1 else []
         flags += [f"--ep {self.ep}"] if self.ep > 1 else []
+        flags += ["--etp 1"] if self.experts_whole else []
         flags += [f"--vpp {self.vpp}"] if self.vpp > 1 else []
         flags += [f"--pp-layers {self.pp_layers}"] if self.pp_layers else []
         flags += ["--sequence-parallel"] if self.sequence_parallel else []

@@ -294,7 +294,8 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
         p.fsdp,
         p.fsdp_shard_group if p.fsdp else None,
         p.fsdp and p.fsdp_keep_params_in_backward,
-        p.pp_layers,
+        pp_layers=p.pp_layers,
+        etp=p.etp,
     )
 
 

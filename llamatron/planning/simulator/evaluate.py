@@ -33,7 +33,6 @@ class SimSettings:
     fp8_experts: bool = False  # --fp8 on the experts' grouped GEMMs too (Transformer Engine's; not llamatron's)
     ep_dispatcher: str = "alltoall"  # or "hybridep" (Megatron-core's flex dispatcher, HybridEP: published runs)
     fp8_param_gather: bool = False  # Megatron-core's: FP8 weights all-gathered, 1 byte each (published runs)
-    etp: int | None = None  # --etp: 1 keeps every expert whole over ep x tp ranks (None: tp)
 
 
 @dataclass
@@ -104,7 +103,7 @@ class Simulation:
             lay = self.layout
             layers = max(sum(chunk) for chunk in stage_layers(m, lay.pp, lay.vpp, lay.pp_layers))
             out["moe"] = {
-                "experts_per_rank": m.num_experts // lay.ep,
+                "experts_per_rank": m.num_experts // (lay.ep * (lay.tp if lay.experts_whole else 1)),  # whole or split
                 "expert_weights_gb_per_rank": layers * expert_layer_params(m, lay.tp, lay.ep) * 2 / GB,
                 "all_to_all_gb_per_rank_and_step": self.all_to_all_bytes / GB,
                 "all_to_all_seconds_exposed": parts.get("ep", 0.0),
@@ -137,7 +136,7 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
         fused_grad_accumulation=settings.fused_grad_accumulation,
         fp8_experts=settings.fp8_experts,
         ep_dispatcher=settings.ep_dispatcher,
-        experts_fold_tp=settings.etp == 1,
+        experts_fold_tp=lay.experts_whole,
     )
 
 

@@ -56,6 +56,7 @@ def run_layout(run: dict[str, Any]) -> Layout:
         ep=run["ep"] // tp if run.get("etp") == 1 else run["ep"],
         fsdp=run.get("fsdp", False),
         pp_layers=run.get("pp_layers"),
+        etp=run.get("etp"),
     )
 
 
@@ -87,7 +88,6 @@ def predict(run: dict[str, Any], cal: Calibration | None = None) -> Prediction:
         ep_dispatcher=run.get("dispatcher", "alltoall"),
         grad_reduce_dtype=run.get("grad_reduce_dtype", "fp32"),  # a recipe's grad_sync_dtype where it gives one
         fp8_param_gather=run.get("param_gather") == "fp8",  # a recipe's fp8_param_gather where it sets one
-        etp=run.get("etp"),
     )
     sim = simulate_layout(model, run_layout(run), run["seq_length"], hw, precision, settings, cal)
     per_gpu = sim.result.tokens_per_sec_per_gpu
