@@ -46,6 +46,8 @@ def planned_run_config(model_name: str, overrides: dict | None, lay: Layout, seq
         values["fsdp_keep_params_in_backward"] = lay.fsdp_keep_params
     else:
         values["distributed_optimizer"] = lay.distributed_optimizer
+    if lay.etp is not None:
+        values["etp"] = lay.etp
     if overrides:
         values["model_overrides"] = overrides
     return config_from_values(values)
