@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..config.settings import RunConfig, section_of
@@ -89,16 +90,21 @@ def _prepare_dpo_demo(cfg: RunConfig) -> None:
         print(f"no language-model demo checkpoint in {start} (run `llamatron train` first): DPO from initialisation")
 
 
-def clear_previous_demo_checkpoint(cfg: RunConfig) -> bool:
-    """The demo's own checkpoint directory (no --save given) holds the previous demo run: a new run replaces it,
-    where a run saving into another run's directory is refused (train.check_save_dir)."""
+def previous_demo_replacer(cfg: RunConfig) -> Callable[[], None] | None:
+    """The demo's own checkpoint directory (no --save given) holds the previous demo run, which a new run replaces
+    (where a run saving into another run's directory is refused: train.check_save_dir): the step that clears it,
+    for run_training to take once the run's settings are checked, so that a refused run leaves it (the DPO demo
+    starts from it). None for a run with its own --save or --load."""
     if "save" in cfg.explicit or "load" in cfg.explicit:
-        return False
+        return None
     save = str(cfg.train.save)  # apply_demo_defaults set it
-    if os.environ.get("RANK", "0") == "0" and os.path.isdir(save) and os.listdir(save):
-        print(f"replacing the previous demo run's checkpoints in {save}", flush=True)
-        shutil.rmtree(save)
-    return True
+
+    def clear() -> None:
+        if os.environ.get("RANK", "0") == "0" and os.path.isdir(save) and os.listdir(save):
+            print(f"replacing the previous demo run's checkpoints in {save}", flush=True)
+            shutil.rmtree(save)
+
+    return clear
 
 
 def validation_summary(valid: list[dict[str, Any]]) -> str | None:

@@ -33,10 +33,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     is_demo = demo.is_demo(cfg)
-    replace_save = False
+    replace_save = None
     if is_demo:
         demo.apply_demo_defaults(cfg)
-        replace_save = demo.clear_previous_demo_checkpoint(cfg)
+        replace_save = demo.previous_demo_replacer(cfg)
     result = run_training(cfg, replace_save=replace_save, faults=args.faults)
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         if cfg.objective.objective == "dpo":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,9 +214,11 @@ def model_to_train(cfg: RunConfig) -> ModelConfig:
     return cfg.model_config()
 
 
-def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInjection = NO_FAULTS) -> TrainResult:
-    """Train as configured. replace_save: the caller has cleared --save (the demo's own directory); faults:
-    what a test injects (none in a real run)."""
+def run_training(
+    cfg: RunConfig, replace_save: Callable[[], None] | None = None, faults: FaultInjection = NO_FAULTS
+) -> TrainResult:
+    """Train as configured. replace_save: clears --save (the demo's own directory) once the settings are checked,
+    instead of refusing a directory another run saved to; faults: what a test injects (none in a real run)."""
     t = cfg.train
     if cfg.data.tokenizer and os.path.exists(cfg.data.tokenizer):
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)  # checkpoints must name it from anywhere
@@ -226,8 +229,10 @@ def run_training(cfg: RunConfig, replace_save: bool = False, faults: FaultInject
         check_adapters(read_meta(t.load), cfg)
         added = adapter_shapes(model_cfg, cfg.lora.lora_rank, cfg.lora.lora_targets)
         check_checkpoint_fits(t.load, model_cfg, model_label(cfg), added)
-    if not replace_save:
+    if replace_save is None:
         check_save_dir(cfg)  # first: a refused run leaves the directory exactly as it was, no lock file either
+    else:
+        replace_save()  # after every check: a refused demo run leaves the previous one's checkpoints
     lock = _lock_save_dir(cfg)
     try:
         init_distributed(derived.device, t.dist_timeout)
