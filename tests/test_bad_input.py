@@ -280,6 +280,24 @@ def test_a_metrics_file_that_is_a_directory_is_refused_before_anything_is_built(
     validate(config_from_values({**BASE, "tensorboard_dir": str(tmp_path / "new" / "tb")}))
 
 
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([*BASE_FLAGS, "--metrics-file", "/proc/m.jsonl"], "--metrics-file /proc/m.jsonl: cannot create /proc/m.jsonl"),
+        ([*BASE_FLAGS, "--tensorboard-dir", "/proc/a/tb"], "--tensorboard-dir /proc/a/tb: cannot create /proc/a/tb"),
+        (
+            ["preprocess", "--input", "absent.jsonl", "--output-prefix", "/proc/x", "--tokenizer", "absent"],
+            "--output-prefix /proc/x: cannot create /proc/x_*",
+        ),
+    ],
+)
+def test_an_output_path_that_cannot_be_created_is_refused_before_the_work(argv, expected, no_building, capsys):
+    """/proc takes no new files even for root, whom every os.access check passes: creating is tried."""
+    code, err = _cli(argv, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert expected in err and err.rstrip().endswith("): choose a writable directory"), err
+
+
 def test_a_nul_character_in_a_yaml_string_is_refused():
     """No path can hold one (argv cannot), so a YAML string with one would fail deep inside os calls."""
     with pytest.raises(ConfigError, match=r"setting save \(--save\): 'ck\\x00' holds a NUL character"):

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..config.output_paths import check_output_prefix
 from ..data.preference import preprocess_preferences
 from ..data.preprocess import format_summary, preprocess
 from ..data.sft import preprocess_conversations
@@ -98,6 +99,7 @@ def run_preprocess(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--workers {args.workers}: need at least 1 tokenizer process (default: 1)")
     if getattr(args, "preference", False) and getattr(args, "sft", False):
         raise ConfigError("--preference and --sft are two kinds of records: give one")
+    check_output_prefix(args.output_prefix, "--output-prefix")  # before the tokenizer loads and the input is read
     if getattr(args, "preference", False):
         summary = preprocess_preferences(
             args.input,

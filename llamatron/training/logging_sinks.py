@@ -9,10 +9,10 @@ naming the package to install, raised by `check_sink_dependencies` before any me
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 from typing import Any
 
+from ..config.output_paths import check_output_directory, check_output_file
 from ..errors import ConfigError
 
 # (config field, flag, module to import, pip package)
@@ -44,39 +44,9 @@ def check_output_paths(metrics_file: str | None, tensorboard_dir: str | None) ->
     their missing parents): checked by training/validate.py, so that a directory given as the file, a file given as
     the directory or an unwritable place is refused before the model is built."""
     if metrics_file:
-        _check_metrics_file(metrics_file)
+        check_output_file(metrics_file, "--metrics-file")
     if tensorboard_dir:
         check_output_directory(tensorboard_dir, "--tensorboard-dir", "the TensorBoard event files")
-
-
-def check_output_directory(path: str, flag: str, what: str) -> None:
-    """The directory `path` given by `flag` exists or can be created, and is writable."""
-    flag = f"{flag} {path}"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{flag} is a file; give a directory for {what}")
-    _check_creatable(path, flag)
-
-
-def _check_metrics_file(path: str) -> None:
-    flag = f"--metrics-file {path}"
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} is a directory; give a file name, e.g. {os.path.join(path, 'metrics.jsonl')}")
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise ConfigError(f"{flag} is not writable by this user; give another file")
-        return
-    _check_creatable(path, flag)
-
-
-def _check_creatable(path: str, flag: str) -> None:
-    """`path` (a file or directory that does not exist yet, or a directory that does) can be created or written."""
-    parent = os.path.abspath(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):  # the nearest directory that exists: the missing ones are created in it
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{flag}: {parent} is a file, so the directory cannot be created there")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag}: cannot write in {parent} (not writable by this user)")
 
 
 def scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:

@@ -11,6 +11,7 @@ import re
 from dataclasses import asdict
 
 from ..adapters.problems import lora_problems
+from ..config.output_paths import check_output_directory
 from ..config.settings import Derived, RunConfig, range_problems
 from ..data.batch_rampup import BatchSizes, rampup_problems
 from ..data.batches import batch_problems
@@ -35,7 +36,7 @@ from .eval_tasks import eval_task_problems
 from .evaluation import resolve_eval_metrics
 from .fp8 import fp8_problems
 from .kernel_settings import KernelFlags, kernel_problems
-from .logging_sinks import check_output_directory, check_output_paths, check_sink_dependencies
+from .logging_sinks import check_output_paths, check_sink_dependencies
 
 
 def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
