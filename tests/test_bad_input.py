@@ -298,6 +298,13 @@ def test_an_output_path_that_cannot_be_created_is_refused_before_the_work(argv, 
     assert expected in err and err.rstrip().endswith("): choose a writable directory"), err
 
 
+def test_a_run_of_no_steps_is_refused(no_building, capsys):
+    """0 steps used to train nothing, save nothing and exit 0: a run that did nothing looked like a success."""
+    code, err = _cli([*BASE_FLAGS, "--train-steps", "0"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "--train-steps 0 must be >= 1" in err, err
+
+
 def test_a_nul_character_in_a_yaml_string_is_refused():
     """No path can hold one (argv cannot), so a YAML string with one would fail deep inside os calls."""
     with pytest.raises(ConfigError, match=r"setting save \(--save\): 'ck\\x00' holds a NUL character"):

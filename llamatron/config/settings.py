@@ -171,7 +171,7 @@ class TrainConfig:
     model: str = _f(DEFAULT_PRESET, f"model preset ({', '.join(PRESET_NAMES)})")
     micro_batch_size: int = _f(4, "samples per forward/backward on one rank", allowed=at_least(1))
     global_batch_size: int = _f(16, "samples per optimizer step over all data-parallel ranks", allowed=at_least(1))
-    train_steps: int = _f(100, "optimizer steps", allowed=at_least(0))
+    train_steps: int = _f(100, "optimizer steps", allowed=at_least(1, "a run of 0 steps trains and saves nothing"))
     rampup_batch_size: list[int] | None = _f(
         None, "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over the first SAMPLES samples"
     )
