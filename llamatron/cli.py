@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from . import __version__
 from .commands import COMMANDS
+from .config.megatron_flags import not_aliased_hint
 from .dependency_noise import quiet_dependency_noise
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
 from .models.config import ModelConfig
@@ -48,7 +49,10 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str | None, unknow
         flag = arg.split("=")[0]
         close = difflib.get_close_matches(flag, known, n=2, cutoff=0.6)
         field = flag.lstrip("-").replace("-", "_")
-        if arg.startswith("--") and field in model_fields:  # the model's shape is the preset's, changed by these
+        megatron_hint = not_aliased_hint(flag, known)
+        if megatron_hint:
+            hints.append(megatron_hint)
+        elif arg.startswith("--") and field in model_fields:  # the model's shape is the preset's, changed by these
             flag_way = f"with --model-override {field}=VALUE or " if "--model-override" in known else ""
             hints.append(
                 f"{flag}: {field} is a field of the model; set it {flag_way}in a YAML file given with --config, "

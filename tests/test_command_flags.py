@@ -128,6 +128,24 @@ def test_megatron_expert_parallel_size_is_refused_where_it_counts_the_tp_ranks()
     assert (same.parallel.ep, same.parallel.etp) == (2, None)  # experts split over tp: the same meaning
 
 
+@pytest.mark.parametrize(
+    "flag, instead",
+    [
+        ("--lr-decay-iters", "decays the learning rate over --train-steps"),
+        ("--recompute-granularity", "--recompute full|selective"),
+        ("--lr-decay-style", "--lr-schedule constant|linear|cosine"),
+        ("--tokenizer-type", "give --tokenizer PATH"),
+    ],
+)
+def test_megatron_flags_not_aliased_say_what_to_give_instead(flag, instead, capsys):
+    """Not a near spelling of another flag: --lr-decay-iters was answered 'did you mean --lr-warmup-iters?'."""
+    with pytest.raises(SystemExit) as done:
+        main(["train", flag, "3"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "did you mean" not in err, err
+    assert f"\n{flag} is Megatron-LM's, not aliased (docs/megatron.md): " in err and instead in err, err
+
+
 def test_no_progress_bar_when_the_output_is_not_a_terminal(tmp_path):
     """Issue 23, item 13: without --no-progress but into a pipe, plain lines per logged step and no bar."""
     import os

@@ -2,8 +2,9 @@
 
 Users of Megatron-LLaMA and Megatron-LLM bring launch scripts full of them. Each alias is a second spelling of
 the same setting (`--tensor-model-parallel-size 8` is `--tp 8`), never a conversion: flags whose Megatron
-meaning differs (`--lr-decay-iters`, `--lr-warmup-fraction`) are not aliased. The model-shape flags set the
-matching `model_overrides` key. docs/megatron.md lists them.
+meaning differs (`--lr-decay-iters`, `--lr-warmup-fraction`) are not aliased: NOT_ALIASED says what to give
+instead, in the unknown-flag error. The model-shape flags set the matching `model_overrides` key.
+docs/megatron.md lists them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,36 @@ _FLOAT_FIELDS = {"router_aux_loss_coef", "router_z_loss_coef", "router_bias_upda
 
 # Megatron-LM's precision switches -> --precision
 PRECISION_ALIASES = {"--bf16": "bf16", "--fp16": "fp16"}
+
+
+# Megatron-LM's flags not aliased (the meaning differs, or llamatron spells the setting its own way) -> what to give
+# instead, told where a command takes the aliases (train, bench); a near spelling of another flag would mislead
+# (--lr-decay-iters is not --lr-warmup-iters)
+NOT_ALIASED: dict[str, str] = {
+    "--lr-decay-iters": "llamatron decays the learning rate over --train-steps (after --warmup-steps)",
+    "--lr-warmup-fraction": "give the warm-up in steps, --warmup-steps N",
+    "--lr-decay-style": "llamatron's is --lr-schedule constant|linear|cosine",
+    "--recompute-granularity": "llamatron's is --recompute full|selective",
+    "--virtual-pipeline-model-parallel-size": "llamatron's is --vpp N (model chunks per pipeline rank)",
+    "--tokenizer-type": "llamatron tells the kind from the files: give --tokenizer PATH (a Hugging Face directory, "
+    "tokenizer.json or tokenizer.model)",
+    "--tokenizer-model": "give the file as --tokenizer PATH",
+    "--moe-router-enable-expert-bias": "give --model-override router_expert_bias=true",
+    "--moe-expert-capacity-factor": "Megatron's capacity counts a micro-batch's tokens, llamatron's each "
+    "sequence's: give --model-override moe_capacity_factor=X",
+    "--moe-token-drop-policy": "give --model-override moe_token_drop_policy=probs|position",
+    "--moe-router-load-balancing-type": "seq_aux_loss is --model-override router_aux_loss_scope=sequence; "
+    "llamatron's global_batch (the whole step's counts) is not Megatron's global_aux_loss (the micro-batches seen "
+    "so far)",
+}
+
+
+def not_aliased_hint(flag: str, known: list[str]) -> str | None:
+    """What to give instead of Megatron-LM's `flag`, where it is one llamatron does not alias and the command
+    (known: its flags) takes the aliases."""
+    if flag not in NOT_ALIASED or SETTING_ALIASES["train_steps"][0] not in known:
+        return None
+    return f"{flag} is Megatron-LM's, not aliased (docs/megatron.md): {NOT_ALIASED[flag]}"
 
 
 def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
