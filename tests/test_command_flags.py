@@ -129,6 +129,28 @@ def test_megatron_expert_parallel_size_is_refused_where_it_counts_the_tp_ranks()
 
 
 @pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--train-iters", "3", "--train-steps", "5"], "--train-iters 3 and --train-steps 5 both set train_steps"),
+        (["--tp", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 and --tp 2 both set tp"),
+        (["--no-distributed-optimizer", "--use-distributed-optimizer"], "--use-distributed-optimizer and --no-"),
+        (["--bf16", "--precision", "bf16"], "--bf16 and --precision bf16 both set precision"),
+        (["--bf16", "--fp16"], "--bf16 and --fp16 both set precision: give one of them"),
+    ],
+)
+def test_a_megatron_alias_beside_its_own_flag_is_refused_naming_both(argv, message):
+    """--train-iters 3 --train-steps 5 used to run 5 steps: whichever came last won, silently."""
+    import argparse
+
+    from llamatron.config.settings import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    with pytest.raises(ConfigError, match=message):
+        load_config(parser.parse_args(["--model", "llama-test", *argv]))
+
+
+@pytest.mark.parametrize(
     "flag, instead",
     [
         ("--lr-decay-iters", "decays the learning rate over --train-steps"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..errors import ConfigError
+
 # llamatron setting -> Megatron-LM's flags for it
 SETTING_ALIASES: dict[str, tuple[str, ...]] = {
     "tp": ("--tensor-model-parallel-size",),
@@ -25,10 +27,8 @@ SETTING_ALIASES: dict[str, tuple[str, ...]] = {
     "data": ("--data-path",),
 }
 
-# Aliases whose Megatron meaning holds only beside other settings: Megatron-core's expert-parallel size counts the
-# tp ranks that --expert-tensor-parallel-size 1 folds into it; --ep counts data-parallel ranks only (parallel/mesh.py)
-SPELLED = "spelled_megatron"  # the namespace key listing the conditional aliases given
-_CONDITIONAL = {"--expert-model-parallel-size"}
+# The namespace key an alias writes (beside the setting's own), so that the two given together are told apart
+ALIAS_DEST = "alias:"
 
 # Megatron-LM's model-shape flag -> the ModelConfig field it sets through model_overrides
 MODEL_ALIASES: dict[str, str] = {
@@ -82,21 +82,20 @@ def not_aliased_hint(flag: str, known: list[str]) -> str | None:
 
 
 def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
-    """Each alias as its own hidden flag writing the setting's dest, parsed like the setting's own flag (so an
-    error names the spelling the user typed)."""
+    """Each alias as its own hidden flag, parsed like the setting's own flag (so an error names the spelling the user
+    typed), writing ALIAS_DEST + the alias: settings_from_aliases moves it to the setting."""
     own = {action.dest: action for action in parser._actions}
     for setting, flags in SETTING_ALIASES.items():
         action = own[setting]
         for flag in flags:
             if isinstance(action, argparse.BooleanOptionalAction):
                 parser.add_argument(
-                    flag, dest=setting, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+                    flag, dest=ALIAS_DEST + flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
                 )
             else:
                 parser.add_argument(
                     flag,
-                    action=_NotedStore if flag in _CONDITIONAL else "store",
-                    dest=setting,
+                    dest=ALIAS_DEST + flag,
                     type=action.type or str,
                     nargs=action.nargs,
                     choices=action.choices,
@@ -105,12 +104,32 @@ def add_setting_aliases(parser: argparse.ArgumentParser) -> None:
                 )
 
 
-class _NotedStore(argparse.Action):
-    """Stores the setting, and notes the spelling under SPELLED (alias_problems checks its condition)."""
+def settings_from_aliases(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The settings the aliases in parsed `given` set (popped from it) and the aliases given. An alias given beside
+    its setting's own flag, or beside another alias of it (--bf16 --fp16), is an error: one would be dropped."""
+    setting_of = {flag: setting for setting, flags in SETTING_ALIASES.items() for flag in flags}
+    setting_of.update(dict.fromkeys(PRECISION_ALIASES, "precision"))
+    typed: dict[str, str] = {}  # setting -> the alias that set it, as typed
+    settings = {}
+    for key in [k for k in given if k.startswith(ALIAS_DEST)]:
+        flag, value = key.removeprefix(ALIAS_DEST), given.pop(key)
+        setting = setting_of[flag]
+        if setting in typed:
+            raise ConfigError(f"{typed[setting]} and {_as_typed(flag, value)} both set {setting}: give one of them")
+        if setting in given:
+            own = _as_typed(f"--{'no-' if given[setting] is False else ''}{setting.replace('_', '-')}", given[setting])
+            raise ConfigError(
+                f"{_as_typed(flag, value)} and {own} both set {setting} (Megatron-LM's name and llamatron's): "
+                "give one of them"
+            )
+        typed[setting], settings[setting] = _as_typed(flag, value), PRECISION_ALIASES.get(flag, value)
+    return settings, [key.split(" ")[0] for key in typed.values()]
 
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        setattr(namespace, SPELLED, [*getattr(namespace, SPELLED, []), option_string])
+
+def _as_typed(flag: str, value: Any) -> str:
+    if isinstance(value, bool):  # a switch: the flag alone
+        return flag
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def alias_problems(spelled: list[str], tp: int, etp: int | None) -> list[str]:
@@ -138,9 +157,8 @@ def add_model_aliases(parser: argparse.ArgumentParser) -> None:
     for flag, precision in PRECISION_ALIASES.items():
         group.add_argument(
             flag,
-            action="store_const",
-            const=precision,
-            dest="precision",
+            action="store_true",
+            dest=ALIAS_DEST + flag,
             default=argparse.SUPPRESS,
             help=f"= --precision {precision}",
         )

@@ -24,11 +24,11 @@ from ..models import ModelConfig, get_preset
 from ..models.families import DEFAULT_PRESET, PRESET_NAMES
 from .megatron_flags import (
     MODEL_ALIASES,
-    SPELLED,
     add_model_aliases,
     add_setting_aliases,
     alias_problems,
     model_overrides_from_flags,
+    settings_from_aliases,
 )
 from .model_overrides import add_model_override_argument, did_you_mean, merged_overrides, parse_model_overrides
 from .ranges import Range, above, at_least, problem
@@ -535,7 +535,8 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     """YAML file (if --config) then the flags given explicitly."""
     values: dict[str, Any] = {}
     given = vars(args).copy()
-    spelled = given.pop(SPELLED, [])
+    aliased_settings, spelled = settings_from_aliases(given)  # Megatron-LM's --train-iters and the like
+    given.update(aliased_settings)
     config_file = given.pop("config", None)
     if config_file:
         path = Path(config_file)
