@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None, faults: FaultInjection = NO_FAULTS) -> N
         sys.exit(2)
     except CheckpointError as e:
         if first_rank or not e.same_on_every_rank:
-            print(f"llamatron {args.command}: checkpoint error: {e}", file=sys.stderr)
+            print(f"llamatron {args.command}: checkpoint error: {e.for_command(args.command)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C outside training's steps (which stop at the step's end and save instead)
         if first_rank:

@@ -34,6 +34,32 @@ class CheckpointError(ValueError):
 
     same_on_every_rank = False
 
+    def for_command(self, command: str) -> str:
+        """The message as `llamatron COMMAND` reports it (the same for every command unless a subclass says)."""
+        return str(self)
+
+
+class ForeignCheckpointError(CheckpointError):
+    """A directory of a format llamatron converts (`what`, converted by `convert`), given where a llamatron
+    checkpoint is needed; the way to use the converted one differs per command."""
+
+    def __init__(self, path: str, what: str, convert: str):
+        self.path, self.what, self.convert = path, what, convert
+        super().__init__(self.for_command("train"))
+
+    def for_command(self, command: str) -> str:
+        # the conversions write weights only: training starts from them with --finetune; verify and export-hf take
+        # the checkpoint as their first argument
+        if command == "train":
+            then = "--load OUT --finetune"
+        elif command in ("verify", "export-hf"):
+            then = f"`llamatron {command} OUT ...`"
+        else:
+            then = "--load OUT"
+        return (
+            f"{self.path} is {self.what}, not a llamatron checkpoint: convert it first with {self.convert}, then {then}"
+        )
+
 
 class HFConversionError(CheckpointError):
     """A Hugging Face model llamatron cannot represent, or weights that do not fit their config."""
@@ -52,6 +78,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
+    "ForeignCheckpointError",
     "HFConversionError",
     "MissingDataError",
     "MissingPackageError",

@@ -468,6 +468,24 @@ def test_loading_a_directory_of_another_format_names_the_import_command(files, s
     assert says.format(d=foreign) in err, err
 
 
+@pytest.mark.parametrize(
+    "command, then",
+    [
+        (["generate", "--prompt", "x", "--load"], "then --load OUT"),  # generate has no --finetune
+        (["eval", "--data-path", "x", "--load"], "then --load OUT"),
+        ([*BASE_FLAGS, "--load"], "then --load OUT --finetune"),  # weights only: training starts from them
+        (["export-hf", "--"], "then `llamatron export-hf OUT ...`"),  # the checkpoint is its first argument
+    ],
+    ids=["generate", "eval", "train", "export-hf"],
+)
+def test_the_import_hint_says_how_the_command_takes_the_converted_checkpoint(command, then, tmp_path, capsys):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")  # a Megatron-LM checkpoint
+    out = ["out"] if command[0] == "export-hf" else []
+    code, err = _cli([*command, str(tmp_path), *out], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.rstrip().endswith(f"`llamatron import-megatron --load {tmp_path} --save OUT`, {then}"), err
+
+
 # --- metric records ------------------------------------------------------------------------------------------
 
 

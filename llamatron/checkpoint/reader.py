@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 
 from ..dtypes import TORCH_DTYPES
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ForeignCheckpointError
 from .pieces import Box
 
 META_FILE, INDEX_FILE = "meta.json", "index.json"
@@ -182,18 +182,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
         )
     foreign = _foreign_format(p)
     if foreign is not None:
-        raise CheckpointError(f"{path} is {foreign[0]}, not a llamatron checkpoint: convert it first with {foreign[1]}")
+        raise ForeignCheckpointError(str(path), *foreign)
     raise CheckpointError(f"no checkpoint at {path}: expected {path}/latest or {path}/{META_FILE}")
 
 
 def _foreign_format(p: Path) -> tuple[str, str] | None:
     """(what the directory is, the command that converts it) for the formats llamatron imports; None otherwise."""
     if (p / "config.json").is_file():
-        return "a Hugging Face model directory", f"`llamatron import-hf {p} OUT`, then --load OUT --finetune"
+        return "a Hugging Face model directory", f"`llamatron import-hf {p} OUT`"
     if (p / "params.json").is_file() and any(p.glob("consolidated.*.pth")):
-        return "a Meta consolidated checkpoint", f"`llamatron import-hf {p} OUT`, then --load OUT --finetune"
+        return "a Meta consolidated checkpoint", f"`llamatron import-hf {p} OUT`"
     if (p / "latest_checkpointed_iteration.txt").is_file():
-        return "a Megatron-LM checkpoint", f"`llamatron import-megatron --load {p} --save OUT`, then --load OUT"
+        return "a Megatron-LM checkpoint", f"`llamatron import-megatron --load {p} --save OUT`"
     return None
 
 
