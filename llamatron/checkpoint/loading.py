@@ -82,14 +82,17 @@ def check_architecture(
             problems += [] if name in added else [f"missing {name}"]
         elif reader.stored("model", name).shape != shape:
             problems.append(f"{name}: checkpoint {reader.stored('model', name).shape} vs model {shape}")
-    problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected) - set(added))[:10]]
-    if problems:
+    problems += [f"unexpected {n}" for n in sorted(reader.names("model") - set(expected) - set(added))]
+    if problems:  # the problem and the fix first: a model of another size differs in every weight
+        more = f"\n  ... {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
         raise CheckpointError(
-            f"checkpoint {reader.step_dir} does not fit this model ({model_name}):\n  "
-            + "\n  ".join(problems[:40])
-            + "\nload a checkpoint of this model, or leave out "
-            "--model: --load then takes the checkpoint's own architecture"
+            f"checkpoint {reader.step_dir} does not fit this model ({model_name}), {len(problems)} weights differ; "
+            "load a checkpoint of this model, or leave out --model: --load then takes the checkpoint's own "
+            "architecture\n  " + "\n  ".join(problems[:_SHOWN]) + more
         )
+
+
+_SHOWN = 5  # weights a mismatch lists
 
 
 def read_into(reader: BoxReader, kind: str, spec: ParamSpec, dst: torch.Tensor, start: int) -> None:
