@@ -1,13 +1,26 @@
 """The errors llamatron reports to a user: one type per kind of input, each message naming the fix.
 
-A leaf module (it imports nothing), so any module may raise these without pulling in torch or another
-package. `llamatron.cli.main` turns each into one line and an exit code.
+A leaf module (it imports only the standard library), so any module may raise these without pulling in torch or
+another package. `llamatron.cli.main` turns each into one line and an exit code.
 """
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 # The exit status of a training run that stopped before --train-steps (a stop signal, --exit-duration-mins) after
 # saving what it could: not 0, as the run did not finish; not 1 or 2 (a failure, bad input), so that a job script
 # can tell "resubmit with --load" from "fix something first".
 STOPPED_EARLY_EXIT = 3
+
+
+def did_you_mean(name: object, names: Iterable[str]) -> str:
+    """' (did you mean X?)' for the nearest of `names` to a misspelt `name`; '' when none is near."""
+    if not isinstance(name, str):  # a YAML key such as 1
+        return ""
+    near = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 class ConfigError(ValueError):
@@ -83,4 +96,5 @@ __all__ = [
     "MissingDataError",
     "MissingPackageError",
     "TrainingAborted",
+    "did_you_mean",
 ]

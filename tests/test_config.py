@@ -92,6 +92,7 @@ def test_model_overrides():
         ({"model": "llama-test", "sequence_parallel": True}, 1, "--sequence-parallel needs --tp > 1"),
         ({"model": "llama-test", "device": "cuda"}, 1, "no CUDA GPU"),
         ({"model": "no-such-model"}, 1, "unknown model preset 'no-such-model'; choose one of"),
+        ({"model": "llama-tinyy"}, 1, r"unknown model preset 'llama-tinyy' \(did you mean 'llama-tiny'\?\); choose"),
         ({"model": "llama-test", "min_lr": 1.0, "lr": 0.1}, 1, "--min-lr 1.0 is above --lr"),
         ({"model": "llama-test", "finetune": True}, 1, "--finetune needs --load"),
         ({"model": "llama-test", "dp_comm_max_ctas": 0}, 1, "--dp-comm-max-ctas 0 must be >= 1"),

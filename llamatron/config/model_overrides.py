@@ -9,26 +9,16 @@ mixture-of-experts options whose meaning differs (its capacity factor, balancing
 from __future__ import annotations
 
 import argparse
-import difflib
-import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 from ..models.config import ModelConfig, field_value_problem
 
 FLAG = "--model-override"
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
-
-
-def did_you_mean(name: str, names: typing.Iterable[str]) -> str:
-    """' (did you mean X?)' for the nearest of `names` to a misspelt `name`; '' when none is near."""
-    if not isinstance(name, str):  # a YAML key such as 1
-        return ""
-    near = difflib.get_close_matches(name, list(names), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def add_model_override_argument(parser: argparse.ArgumentParser, default: Any = argparse.SUPPRESS) -> None:

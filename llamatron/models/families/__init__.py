@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...errors import did_you_mean
 from ..config import ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
 from . import falcon, llama, llama4, qwen
@@ -51,7 +52,8 @@ def hf_model_types() -> list[str]:
 
 def get_preset(name: str) -> ModelConfig:
     if name not in _PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESET_NAMES)}")
+        near = did_you_mean(name, PRESET_NAMES)
+        raise ValueError(f"unknown model preset {name!r}{near}; choose one of: {', '.join(PRESET_NAMES)}")
     return _PRESETS[name]()
 
 
