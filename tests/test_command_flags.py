@@ -110,6 +110,24 @@ def test_megatron_flag_names_set_the_same_settings():
     )
 
 
+def test_a_blend_is_taken_unquoted_as_megatron_scripts_give_it():
+    """Megatron-LM's `--data-path 0.5 a 0.5 b` (and llamatron's --data) take a blend's words unquoted: the same
+    setting as the quoted text; one prefix stays one prefix."""
+    import argparse
+
+    from llamatron.config.settings import add_config_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    for argv in (
+        ["--data-path", "0.5", "a", "0.5", "b"],
+        ["--data", "0.5", "a", "0.5", "b"],
+        ["--data", "0.5 a 0.5 b"],
+    ):
+        assert load_config(parser.parse_args(argv)).data.data == "0.5 a 0.5 b", argv
+    assert load_config(parser.parse_args(["--data-path", "corpus", "--train-iters", "2"])).data.data == "corpus"
+
+
 def test_megatron_expert_parallel_size_is_refused_where_it_counts_the_tp_ranks():
     """--expert-tensor-parallel-size 1 is --etp 1; beside it, Megatron-core's --expert-model-parallel-size counts the
     tp ranks folded into the expert groups, which --ep does not: refused naming the fix, not taken as --ep."""

@@ -41,9 +41,13 @@ OBJECTIVES = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None) -> Any:
-    """A setting: its default, help and choices; `allowed`: the range of a number (every int and float has one)."""
+def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None, words: bool = False) -> Any:
+    """A setting: its default, help and choices; `allowed`: the range of a number (every int and float has one);
+    `words`: a text of several words (a blend's W1 P1 W2 P2) that its flag also takes unquoted, as Megatron-LM's
+    --data-path does."""
     meta: dict[str, Any] = {"help": help}
+    if words:
+        meta["words"] = True
     if choices:
         meta["choices"] = choices
     if allowed is not None:
@@ -146,7 +150,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    data: str | None = _f(None, "dataset prefix, or 'W1 PREFIX1 W2 PREFIX2 ...' to blend")
+    data: str | None = _f(None, "dataset prefix, or W1 PREFIX1 W2 PREFIX2 ... to blend", words=True)
     mock_data: bool = _f(False, "deterministic synthetic tokens with learnable structure")
     tokenizer: str | None = _f(None, "tokenizer (HF directory, tokenizer.json or tokenizer.model)")
     split: str = _f("98,2,0", "train,valid,test split of the documents")
@@ -387,6 +391,8 @@ def _field_type(f) -> type:
 
 
 SECTIONS_OWNER: dict[str, type] = {f.name: cls for cls in SECTIONS.values() for f in fields(cls)}
+# Settings of several words that their flags take unquoted (_f(words=True))
+WORD_SETTINGS = tuple(f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata.get("words"))
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, unlisted: frozenset[str] = frozenset()) -> None:
@@ -433,6 +439,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, unlisted: frozenset[st
             else:
                 group.add_argument(
                     flag,
+                    nargs="+" if f.metadata.get("words") else None,
                     type=t,
                     default=argparse.SUPPRESS,
                     choices=f.metadata.get("choices"),
@@ -537,6 +544,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     given = vars(args).copy()
     aliased_settings, spelled = settings_from_aliases(given)  # Megatron-LM's --train-iters and the like
     given.update(aliased_settings)
+    for name in WORD_SETTINGS:  # `--data 0.5 a 0.5 b` unquoted: one text, as quoted
+        if isinstance(given.get(name), list):
+            given[name] = " ".join(given[name])
     config_file = given.pop("config", None)
     if config_file:
         path = Path(config_file)
