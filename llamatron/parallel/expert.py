@@ -86,7 +86,12 @@ class TensorParallelShards(SequenceShards):
 
     def __init__(self, group: dist.ProcessGroup | None, tp: int, rank: int):
         self.group, self.count, self.rank = group, tp, rank
-        # Collectives outside a compiled layer's graph (as ExpertParallelDispatch's exchange)
+        self.sum = self._sum  # type: ignore[method-assign]
+        self.gather = self._gather  # type: ignore[method-assign]
+
+    def run_eagerly_under_compile(self) -> None:
+        """Keep torch.compile out of the collectives, as ExpertParallelDispatch's exchange (called by
+        apply_compile: torch.compiler.disable imports torch._dynamo, which an eager run never needs)."""
         self.sum = torch.compiler.disable(self._sum)  # type: ignore[method-assign]
         self.gather = torch.compiler.disable(self._gather)  # type: ignore[method-assign]
 

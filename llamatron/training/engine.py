@@ -33,7 +33,7 @@ from ..objectives import Objective
 from ..objectives.language_model import LanguageModelObjective
 from ..objectives.preference import PreferenceObjective
 from ..parallel.context import apply_context_parallel
-from ..parallel.expert import ExpertParallelDispatch, apply_expert_parallel
+from ..parallel.expert import ExpertParallelDispatch, TensorParallelShards, apply_expert_parallel
 from ..parallel.fsdp import Buffer, ShardedBuffer
 from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
 from ..parallel.loss_scale import DynamicLossScaler
@@ -147,6 +147,8 @@ def apply_compile(model: Transformer) -> None:
     for module in model.modules():
         if isinstance(module, MoE) and isinstance(module.dispatch, ExpertParallelDispatch):
             module.dispatch.run_eagerly_under_compile()
+        if isinstance(module, MoE) and isinstance(module.shards, TensorParallelShards):
+            module.shards.run_eagerly_under_compile()
     for layer in model.layers.values():
         inner = layer.forward if isinstance(layer.forward, _Checkpointed) else layer  # compile inside the checkpoint
         inner.forward = torch.compile(inner.forward, dynamic=False)
