@@ -4,7 +4,6 @@ user can fix into one line and an exit status."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import errno
 import os
@@ -17,7 +16,7 @@ from .commands import COMMANDS
 from .config.megatron_flags import not_aliased_hint
 from .dependency_noise import quiet_dependency_noise
 from .errors import CheckpointError, ConfigError, DataError, TrainingAborted
-from .models.config import ModelConfig
+from .models.families import CONFIG_FIELDS
 from .parent_watch import stop_with_parent
 from .training.faults import NO_FAULTS, FaultInjection
 
@@ -43,7 +42,7 @@ def _reject_unknown(parser: argparse.ArgumentParser, command: str | None, unknow
     sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     target = sub_action.choices.get(command, parser) if command else parser
     known = [opt for action in target._actions for opt in action.option_strings]
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_fields = set(CONFIG_FIELDS)
     hints = []
     for arg in unknown:
         flag = arg.split("=")[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llamatron.inference.generate import next_token_logits, sample
-from llamatron.models import ModelConfig, RopeScaling, build_model, materialize
+from llamatron.models import RopeScaling, build_model, config_from_dict, materialize
 from llamatron.models.kv_cache import KVCache
 
 # init_std 0.15, seed 1: a random tiny model whose next token depends on its context (at 0.02 it repeats one token).
@@ -34,7 +34,7 @@ PROMPT, NEW = [5, 17, 99, 3], 24
 
 
 def tiny_model(shape: str):
-    cfg = ModelConfig(**SHAPES[shape], init_std=0.15)
+    cfg = config_from_dict({**SHAPES[shape], "init_std": 0.15})  # each family's config class
     return materialize(build_model(cfg), cfg, 1, "cpu", torch.float32).eval()
 
 
@@ -72,7 +72,7 @@ def test_the_prompt_runs_once_then_one_token_per_step():
 @pytest.mark.parametrize("window", [None, 3])
 def test_a_chunk_after_the_cache_sees_the_cached_prefix(window):
     """Several tokens at once after a cache (queries at an offset: the mask of models/attention.py)."""
-    cfg = ModelConfig(**{**SHAPES["llama-gqa"], "sliding_window": window}, init_std=0.15)
+    cfg = config_from_dict({**SHAPES["llama-gqa"], "sliding_window": window, "init_std": 0.15})
     model = materialize(build_model(cfg), cfg, 1, "cpu", torch.float32).eval()
     tokens = torch.randint(0, cfg.vocab_size, (1, 11), generator=torch.Generator().manual_seed(0))
     cache = KVCache(16)

@@ -6,7 +6,7 @@ import torch
 from test_kv_cache import NEW, PROMPT, SHAPES
 
 from llamatron.inference.generate import next_token_logits, sample
-from llamatron.models import ModelConfig, build_model, materialize
+from llamatron.models import build_model, config_from_dict, materialize
 from llamatron.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.gpu
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("shape", ["llama-gqa", "mistral-window", "falcon-7b-layout"])
 def test_cached_steps_on_cuda_match_the_full_recompute(shape):
-    cfg = ModelConfig(**SHAPES[shape], init_std=0.15)
+    cfg = config_from_dict({**SHAPES[shape], "init_std": 0.15})  # each family's config class
     model = materialize(build_model(cfg), cfg, 1, "cuda", torch.float32).eval()
     ids, cache = list(PROMPT), KVCache(len(PROMPT) + NEW)
     with torch.no_grad():

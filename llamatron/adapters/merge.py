@@ -17,7 +17,7 @@ import torch
 
 from ..checkpoint.pieces import Box
 from ..checkpoint.reader import CheckpointReader, read_meta, saved_lora_settings
-from ..models import ModelConfig, build_model
+from ..models import build_model, config_from_dict
 from .targets import LoraTarget, find_targets, requested
 
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
@@ -42,7 +42,7 @@ def saved_lora(run_meta: dict[str, Any]) -> SavedLora | None:
     lora = saved_lora_settings(run_meta)
     if not lora.get("lora_rank"):
         return None
-    cfg = ModelConfig.from_dict(run_meta["model_config"])
+    cfg = config_from_dict(run_meta["model_config"])
     targets = find_targets(build_model(cfg, device="meta"), cfg, requested(lora["lora_targets"]))
     return SavedLora(int(lora["lora_rank"]), float(lora["lora_alpha"]), tuple(targets))
 

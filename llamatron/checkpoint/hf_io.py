@@ -24,7 +24,7 @@ from ..config.settings import RunConfig
 from ..data.sft import CHAT_FORMATS, LLAMA3, ChatRenderer, chat_template
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
 from ..errors import CheckpointError
-from ..models import ModelConfig, build_model
+from ..models import ModelConfig, build_model, config_from_dict
 from ..models.families import family_for_model_type
 from .hf import (
     TensorRule,
@@ -334,7 +334,7 @@ def export_hf(
             f"{out} already exists and is not empty; export into a new directory (or delete {out} first)"
         )
     meta = read_meta(step_dir)
-    cfg = ModelConfig.from_dict(meta["model_config"])
+    cfg = config_from_dict(meta["model_config"])
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
     tok = find_tokenizer(step_dir, meta, tokenizer)  # before writing anything: a missing one is an error

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import CheckpointError
-from ..models import ModelConfig, Transformer, build_model
+from ..models import ModelConfig, Transformer, build_model, config_from_dict
 from ..parallel.param_spec import ParamSpec, ParamSpecs
 from .pieces import Box, local_pieces
 from .reader import CheckpointReader, read_meta, refuse_adapters
@@ -37,7 +37,7 @@ class TensorsInMemory:
 def read_model_config(path: str) -> ModelConfig:
     meta = read_meta(path)  # outside the try: its own errors (no checkpoint there, say) say what is wrong
     try:
-        return ModelConfig.from_dict(meta["model_config"])
+        return config_from_dict(meta["model_config"])
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: the model_config in its meta.json is not a model's ({err})") from None
 

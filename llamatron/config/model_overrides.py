@@ -9,16 +9,17 @@ mixture-of-experts options whose meaning differs (its capacity factor, balancing
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from ..errors import ConfigError, did_you_mean
-from ..models.config import ModelConfig, field_value_problem
+from ..models.config import field_value_problem
+from ..models.families import CONFIG_FIELDS
 
 FLAG = "--model-override"
-MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
+MODEL_FIELDS = tuple(CONFIG_FIELDS)  # ModelConfig's fields and every family config's own
 
 
 def add_model_override_argument(parser: argparse.ArgumentParser, default: Any = argparse.SUPPRESS) -> None:
@@ -28,7 +29,8 @@ def add_model_override_argument(parser: argparse.ArgumentParser, default: Any = 
         dest="model_override",
         default=default,
         metavar="FIELD=VALUE",
-        help="change a field of the --model preset (any field of llamatron/models/config.py's ModelConfig, e.g. "
+        help="change a field of the --model preset (any field of llamatron/models/config.py's ModelConfig, or of "
+        "its family's config, e.g. "
         "num_layers=8, moe_capacity_factor=1.25, router_aux_loss_scope=global_batch); VALUE is read as YAML "
         "(4, 0.5, true, null, a word); repeatable; over the --config file's model_overrides, field by field",
     )
@@ -68,18 +70,19 @@ def _value(item: str, name: str, text: str) -> Any:
     except yaml.YAMLError as e:
         why = str(getattr(e, "problem", None) or e).splitlines()[0]
         raise ConfigError(f"{FLAG} {item}: {text!r} is not a YAML value ({why}); quote it or give a number") from None
-    problem = field_value_problem(name, value)
+    owner = CONFIG_FIELDS[name]
+    problem = field_value_problem(name, value, owner)
     if problem is not None and isinstance(value, str):  # YAML reads `1e-3` (no dot) as text: a flag means a number
         for number in (int, float):
             try:
-                if field_value_problem(name, number(value)) is None:
+                if field_value_problem(name, number(value), owner) is None:
                     return number(value)
             except ValueError:
                 pass
     if problem is None:
         return value
     word = isinstance(value, bool) or value is None  # `no`, `on`, `null`: words YAML reads as no text
-    if word and isinstance(ModelConfig.__dataclass_fields__[name].default, str):
+    if word and isinstance(owner.__dataclass_fields__[name].default, str):
         problem += f" (YAML reads {text!r} as {value!r}: quote the word, {FLAG} \"{name}='{text}'\")"
     raise ConfigError(f"{FLAG} {item}: {problem}")
 

@@ -21,7 +21,7 @@ import yaml
 from ..data.cache import KEEP_PER_KIND
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
-from ..models.families import DEFAULT_PRESET, PRESET_NAMES
+from ..models.families import DEFAULT_PRESET, PRESET_NAMES, families_with_field
 from .megatron_flags import (
     MODEL_ALIASES,
     add_model_aliases,
@@ -359,8 +359,15 @@ class RunConfig:
             raise ConfigError(str(e)) from None
         names = [f.name for f in fields(cfg)]  # not hasattr: a property or method is no field
         for key in self.model_overrides:
-            if key not in names:
-                raise ConfigError(f"model_overrides: unknown model field {key!r}{did_you_mean(key, names)}")
+            if key in names:
+                continue
+            owners = families_with_field(key)
+            if owners:
+                raise ConfigError(
+                    f"model_overrides: {key} is an option of the {' and '.join(owners)} family's config, not of "
+                    f"{self.train.model} ({cfg.family}): remove it, or choose a {owners[0]} model"
+                )
+            raise ConfigError(f"model_overrides: unknown model field {key!r}{did_you_mean(key, names)}")
         return cfg.with_changes(self.model_overrides) if self.model_overrides else cfg
 
     def to_dict(self) -> dict:

@@ -1,5 +1,5 @@
 from .config import ModelConfig, RopeScaling
-from .families import PRESET_NAMES, get_preset
+from .families import PRESET_NAMES, config_from_dict, get_preset
 from .init import materialize
 from .kernels import KernelChoices, apply_kernels
 from .transformer import IGNORE_INDEX, Transformer, build_model
@@ -13,6 +13,7 @@ __all__ = [
     "Transformer",
     "apply_kernels",
     "build_model",
+    "config_from_dict",
     "get_preset",
     "materialize",
 ]

@@ -46,12 +46,13 @@ class SwiGLU(nn.Module):
 
 class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(...)): the pre-norm layer. Layer `index` of the model: whether it has
-    experts, its MLP's width and whether it rotates come from the config (ModelConfig.is_moe_layer, ...)."""
+    experts, its MLP's width and whether it rotates come from the config (ModelConfig.is_moe_layer, ...). A family
+    with an attention of its own passes it (`attn`: Llama 4's)."""
 
-    def __init__(self, cfg: ModelConfig, index: int = 0):
+    def __init__(self, cfg: ModelConfig, index: int = 0, attn: Attention | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, rope=cfg.layer_has_rope(index))
+        self.attn = Attention(cfg, rope=cfg.layer_has_rope(index)) if attn is None else attn
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp: SwiGLU | MoE = MoE(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg, cfg.layer_ffn(index))
 

@@ -57,10 +57,12 @@ MAX_SIZE = 2**31 - 1  # any size of a model (an int32 index is what kernels take
 @dataclass
 class ModelConfig:
     """One architecture: its family (a plug-in of models/families/, which builds its layers, converts its Hugging
-    Face files and says which of the options below it has) and its shape.
+    Face files and says which of the options below it has) and its shape: the common decoder config.
 
     The fields after `init_std` are options of the shared building blocks (models/layers.py, blocks.py, moe.py); a
-    family lists the ones it uses (`Family.options`), and the others must keep their defaults."""
+    family lists the ones it uses (`Family.options`), and the others must keep their defaults. What only one
+    family's own modules read lives in that family's config, a subclass in its folder (`Family.config_class`),
+    which also overrides the per-layer hooks (`layer_has_rope`, `layer_attention_chunk`) where its layers differ."""
 
     family: str  # a name in models/families/ (registry: models/families/__init__.py)
     vocab_size: int = 32000
@@ -83,7 +85,6 @@ class ModelConfig:
     bias: bool = False  # biases on every linear layer
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotary embedding (Qwen3)
-    separate_mlp_norm: bool = False  # a parallel block's second norm for the MLP (Falcon 40B/180B)
     # Mixture of experts (models/moe.py): 0 for a dense MLP, else each layer's MLP is this many SwiGLU
     # experts of ffn_hidden_size, of which a router picks experts_per_token for each token
     num_experts: int = 0
@@ -116,16 +117,6 @@ class ModelConfig:
     router_bias_update_rate: float = 1e-3
     moe_capacity_factor: float | None = None
     moe_token_drop_policy: str = "probs"
-    # Attention of Llama 4: every nope_layer_interval-th layer has no rotary embedding (0: every layer has it); the
-    # other layers attend within chunks of attention_chunk_size tokens (None: the whole causal context) and, with
-    # qk_l2_norm, RMS-normalise (no weight) each query and key head after the rotary embedding. NoPE layers scale
-    # their queries by 1 + attn_temperature_scale * log(1 + floor((position + 1) / attn_temperature_floor))
-    # (attention temperature tuning; 0: off)
-    nope_layer_interval: int = 0
-    attention_chunk_size: int | None = None
-    qk_l2_norm: bool = False
-    attn_temperature_floor: int = 0
-    attn_temperature_scale: float = 0.1
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -153,7 +144,7 @@ class ModelConfig:
             return out
         if not self.init_std >= 0:
             out.append(f"init_std {self.init_std} must be >= 0")
-        out += self._moe_problems() + self._attention_problems()
+        out += self._moe_problems()
         out += [
             f"{name} {getattr(self, name)} must be >= 1"
             for name in (
@@ -171,7 +162,7 @@ class ModelConfig:
         out += [
             f"{f.name} {getattr(self, f.name)} is out of range: at most {MAX_SIZE}"
             for f in fields(self)
-            if _FIELD_KINDS[ModelConfig][f.name][0] is int and (getattr(self, f.name) or 0) > MAX_SIZE
+            if field_kinds(type(self))[f.name][0] is int and (getattr(self, f.name) or 0) > MAX_SIZE
         ]
         if out:
             return out
@@ -250,21 +241,6 @@ class ModelConfig:
             out.append("router_bias_update_rate needs router_expert_bias: true (the bias it moves)")
         return out
 
-    def _attention_problems(self) -> list[str]:
-        out = []
-        if not self.nope_layer_interval >= 0:
-            out.append(f"nope_layer_interval {self.nope_layer_interval} must be >= 0 (0: rotary in every layer)")
-        if self.attention_chunk_size is not None:
-            if not self.attention_chunk_size >= 1:
-                out.append(f"attention_chunk_size {self.attention_chunk_size} must be >= 1 (or null: no chunks)")
-            if self.sliding_window is not None:
-                out.append("attention_chunk_size and sliding_window are both set: a layer attends one way; drop one")
-        if not self.attn_temperature_floor >= 0:
-            out.append(f"attn_temperature_floor {self.attn_temperature_floor} must be >= 0 (0: no tuning)")
-        if not self.attn_temperature_scale >= 0:
-            out.append(f"attn_temperature_scale {self.attn_temperature_scale} must be >= 0")
-        return out
-
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -284,12 +260,14 @@ class ModelConfig:
             return self.ffn_hidden_size
         return self.dense_ffn_hidden_size
 
+    # Per-layer hooks: a family's config (a subclass in its folder) overrides them where its layers differ.
     def layer_has_rope(self, index: int) -> bool:
-        return not (self.nope_layer_interval and (index + 1) % self.nope_layer_interval == 0)
+        """Whether layer `index` rotates its queries and keys (every layer of the shared blocks does)."""
+        return True
 
     def layer_attention_chunk(self, index: int) -> int | None:
-        """The chunk layer `index` attends within (None: the whole causal context): rotary layers only."""
-        return self.attention_chunk_size if self.layer_has_rope(index) else None
+        """The chunk of tokens layer `index` attends within (None: the whole causal context, or the window)."""
+        return None
 
     def layer_variant(self, index: int) -> tuple:
         """What sets layer `index`'s shape and attention apart from the others (equal for layers built alike)."""
@@ -315,10 +293,11 @@ class ModelConfig:
         return asdict(self)
 
     def changed_options(self) -> list[str]:
-        """The options (the fields after init_std) not at their defaults: what a family must have to build this."""
-        names = [f.name for f in fields(self)]
+        """The shared blocks' options (ModelConfig's fields after init_std) not at their defaults: what a family
+        must have to build this. A family config's own fields (a subclass's) are its family's alone."""
+        names = [f.name for f in fields(ModelConfig)]
         out = []
-        for f in fields(self)[names.index("init_std") + 1 :]:
+        for f in fields(ModelConfig)[names.index("init_std") + 1 :]:
             value = getattr(self, f.name)
             if f.name == "head_dim":
                 if value != self.hidden_size // max(self.num_heads, 1):
@@ -331,7 +310,15 @@ class ModelConfig:
         return out
 
     @classmethod
+    def own_fields(cls) -> tuple[str, ...]:
+        """The fields this config class adds to ModelConfig's (a family's own; none for ModelConfig)."""
+        base = {f.name for f in fields(ModelConfig)}
+        return tuple(f.name for f in fields(cls) if f.name not in base)
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """A config of this class from its fields (a family's config class: models/families' config_from_dict
+        picks it by the family name)."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -348,7 +335,7 @@ class ModelConfig:
         d.update(changes)
         if derived and "head_dim" not in changes:
             d["head_dim"] = None
-        return ModelConfig(**d)
+        return type(self)(**d)
 
 
 def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
@@ -360,7 +347,16 @@ def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
     return kinds
 
 
-_FIELD_KINDS = {cls: _field_kinds(cls) for cls in (ModelConfig, RopeScaling)}
+_FIELD_KINDS: dict[type, dict[str, tuple[type, bool]]] = {}
+
+
+def field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
+    """(type, may be None) of each field of config class `cls` (ModelConfig, a family's subclass, RopeScaling)."""
+    if cls not in _FIELD_KINDS:
+        _FIELD_KINDS[cls] = _field_kinds(cls)
+    return _FIELD_KINDS[cls]
+
+
 _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
 
@@ -374,7 +370,7 @@ def _is_kind(value: Any, kind: type) -> bool:
 
 def _type_problem(cls: type[ModelConfig] | type[RopeScaling], name: str, value: Any) -> str | None:
     """Why `value` is not of field `name`'s declared type (None when it is; a nested RopeScaling is not checked)."""
-    kind, optional = _FIELD_KINDS[cls][name]
+    kind, optional = field_kinds(cls)[name]
     if kind is RopeScaling or (value is None and optional) or _is_kind(value, kind):
         return None
     return f"{name} {value!r} must be {_KIND_WORDS.get(kind, kind.__name__)}"
@@ -383,18 +379,19 @@ def _type_problem(cls: type[ModelConfig] | type[RopeScaling], name: str, value: 
 def type_problems(cfg: ModelConfig | RopeScaling, prefix: str = "") -> list[str]:
     """Each field of `cfg` (a ModelConfig or RopeScaling) whose value is not of its declared type; the nested
     rope_scaling is left to the caller. A float field takes an integer (YAML's `rope_theta: 500000`)."""
-    problems = (_type_problem(type(cfg), name, getattr(cfg, name)) for name in _FIELD_KINDS[type(cfg)])
+    problems = (_type_problem(type(cfg), name, getattr(cfg, name)) for name in field_kinds(type(cfg)))
     return [prefix + p for p in problems if p is not None]
 
 
-def field_value_problem(name: str, value: Any) -> str | None:
-    """Why `value` cannot be given to ModelConfig field `name` (a field), by its type; None when it can. None is
-    taken where the field's default is None (num_kv_heads, head_dim: derived from the others)."""
-    if value is None and ModelConfig.__dataclass_fields__[name].default is None:
+def field_value_problem(name: str, value: Any, cls: type[ModelConfig] = ModelConfig) -> str | None:
+    """Why `value` cannot be given to field `name` of config class `cls` (ModelConfig or a family's), by its type;
+    None when it can. None is taken where the field's default is None (num_kv_heads, head_dim: derived from the
+    others)."""
+    if value is None and cls.__dataclass_fields__[name].default is None:
         return None
     if name == "rope_scaling":
         return None if value is None else _rope_scaling_keys_problem(value)
-    return _type_problem(ModelConfig, name, value)
+    return _type_problem(cls, name, value)
 
 
 def _rope_scaling_keys_problem(value: Any) -> str | None:
@@ -411,4 +408,4 @@ def _rope_scaling_keys_problem(value: Any) -> str | None:
     return f"rope_scaling {value!r}: {'; '.join(parts)}; it must be {form}" if parts else None
 
 
-__all__ = ["ModelConfig", "RopeScaling", "field_value_problem", "type_problems"]
+__all__ = ["ModelConfig", "RopeScaling", "field_kinds", "field_value_problem", "type_problems"]

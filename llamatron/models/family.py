@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from torch import nn
 
 from .config import ModelConfig
 from .hf_format import TensorRule
+
+C = TypeVar("C", bound=ModelConfig)
 
 
 def no_problems(cfg: ModelConfig) -> list[str]:
@@ -31,35 +33,41 @@ def same_layers(cfg: ModelConfig, index: int) -> tuple:
 
 
 @dataclass(frozen=True)
-class HFAdapter:
-    """A family's Hugging Face format: the model_types of config.json it reads, and the conversions."""
+class HFAdapter(Generic[C]):
+    """A family's Hugging Face format: the model_types of config.json it reads, and the conversions (typed by the
+    family's config class C)."""
 
     model_types: tuple[str, ...]
     # config.json -> ModelConfig (HFConversionError for what the family cannot represent)
     config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
     # ModelConfig (and the config.json it came from, or {}) -> the family's own keys: model_type, architectures,
     # the shape in the family's names; the keys every family shares are written by checkpoint/hf.py
-    config_to_hf: Callable[[ModelConfig, Mapping[str, Any]], dict[str, Any]]
+    config_to_hf: Callable[[C, Mapping[str, Any]], dict[str, Any]]
     # (cfg, config.json, the Hugging Face tensor names at hand or ()) -> every llamatron tensor's rule, in order
-    weight_rules: Callable[[ModelConfig, Mapping[str, Any], Collection[str]], list[TensorRule]]
+    weight_rules: Callable[[C, Mapping[str, Any], Collection[str]], list[TensorRule]]
     # A multimodal config.json of one of model_types -> (its text model's config.json, the prefix of the text model's
     # tensors), which import-hf converts alone; None for a text model's config.json
     text_model: Callable[[Mapping[str, Any]], tuple[dict[str, Any], str] | None] = lambda hf: None
 
 
 @dataclass(frozen=True)
-class Family:
+class Family(Generic[C]):
+    """A family, typed by its config class C (ModelConfig, or the subclass in its folder that adds its own fields)."""
+
     name: str
     description: str  # what it covers, for messages and docs ("Llama 1/2/3, Code Llama, Mistral, Mixtral")
-    block: Callable[[ModelConfig, int], nn.Module]  # decoder layer `index` of a model
-    final_norm: Callable[[ModelConfig], nn.Module]
-    presets: Mapping[str, Callable[[], ModelConfig]]
-    hf: HFAdapter
+    block: Callable[[C, int], nn.Module]  # decoder layer `index` of a model
+    final_norm: Callable[[C], nn.Module]
+    presets: Mapping[str, Callable[[], C]]
+    hf: HFAdapter[C]
+    # Its config: ModelConfig, or a subclass in its folder holding what only this family's modules read (its
+    # checkpoints' and presets' configs are of this class: config_from_dict picks it by the family's name)
+    config_class: type[C] = ModelConfig  # type: ignore[assignment]
     # The ModelConfig options (the fields after init_std) this family's layers have; the others keep their defaults.
     options: frozenset[str] = frozenset()
-    problems: Callable[[ModelConfig], list[str]] = no_problems  # the family's own rules on a config
+    problems: Callable[[C], list[str]] = no_problems  # the family's own rules on a config
     # Layers of equal kind have equal shapes: models/inventory.py builds one of each on meta.
-    layer_kind: Callable[[ModelConfig, int], Any] = same_layers
+    layer_kind: Callable[[C, int], Any] = same_layers
     # Other checkpoint formats its models come in, read by checkpoint/ into Hugging Face names: Meta's consolidated
     # files (checkpoint/meta_consolidated.py), Megatron-LM runs (checkpoint/megatron.py).
     meta_format: MetaFormat | None = None

@@ -74,18 +74,23 @@ def head_dim_from_hf(hf: Mapping[str, Any], hidden: int, heads: int) -> Any:
 
 
 def decoder_config_from_hf(
-    hf: Mapping[str, Any], family: str, max_positions: int = 2048, head_dim: Any = None, **options: Any
+    hf: Mapping[str, Any],
+    family: str,
+    max_positions: int = 2048,
+    head_dim: Any = None,
+    config_class: type[ModelConfig] = ModelConfig,
+    **options: Any,
 ) -> ModelConfig:
-    """The ModelConfig of a transformers pre-norm decoder with SwiGLU and RMSNorm from its config.json keys
-    (`max_positions`: transformers' default max_position_embeddings; `head_dim`: the family's default when
-    config.json has none, else hidden_size / heads); `options`: the family's ModelConfig options."""
+    """The config (of `config_class`: the family's) of a transformers pre-norm decoder with SwiGLU and RMSNorm from
+    its config.json keys (`max_positions`: transformers' default max_position_embeddings; `head_dim`: the family's
+    default when config.json has none, else hidden_size / heads); `options`: the family's config options."""
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"hidden_act={hf['hidden_act']!r}: llamatron's SwiGLU uses silu")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     derived_head_dim = head_dim_from_hf(hf, hidden, heads)  # checks the sizes' types, whatever head_dim is
     max_positions = hf.get("max_position_embeddings", max_positions)
     theta, scaling = rope_from_hf(hf, max_positions)
-    return ModelConfig(
+    return config_class(
         family=family,
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,

@@ -115,7 +115,7 @@ def _describe(layer: nn.Module) -> Layer:
     )
 
 
-_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig) if f.name != "rope_scaling"))
+_FIELDS: dict[type, Callable[[ModelConfig], tuple]] = {}  # each config class's fields but rope_scaling, read at once
 _SCALING_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(RopeScaling)))  # its fields are scalars
 _CACHE: dict[tuple, tuple[tuple[Layer, ...], int]] = {}  # the planner asks thousands of times per search
 
@@ -128,9 +128,12 @@ def config_key(cfg: ModelConfig) -> tuple:
     known = _UNCHANGED.get(id(cfg))
     if known is not None and known[0] is cfg:
         return known[1]
+    cls = type(cfg)
+    if cls not in _FIELDS:
+        _FIELDS[cls] = operator.attrgetter(*(f.name for f in dataclasses.fields(cls) if f.name != "rope_scaling"))
     scaling = cfg.rope_scaling
     rope = _SCALING_FIELDS(scaling) if isinstance(scaling, RopeScaling) else scaling
-    return (*_FIELDS(cfg), rope)
+    return (cls, *_FIELDS[cls](cfg), rope)
 
 
 @contextlib.contextmanager
@@ -264,9 +267,7 @@ def moe_layer_share(cfg: ModelConfig) -> float:
 @per_config
 def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
     """The keys a query's attention score matrix spans, averaged over the layers (the S of the FLOP formula): the
-    sequence, the sliding window or the attention chunk where shorter."""
-    if cfg.attention_chunk_size is None:  # every layer alike
-        return min(seq_length, cfg.sliding_window) if cfg.sliding_window is not None else seq_length
+    sequence, the sliding window or the layer's attention chunk (ModelConfig.layer_attention_chunk) where shorter."""
     spans = []
     for i in range(cfg.num_layers):
         span = seq_length

@@ -113,28 +113,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, in fp32, no weight (Llama 4's q/k norm)."""
-    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
-
-
-class TemperatureTuning(nn.Module):
-    """Queries scaled by 1 + scale · log(1 + floor((position + 1) / floor)): attention sharpens at long range
-    (Llama 4's NoPE layers; 1 for the first `floor` - 1 positions)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.floor, self.scale = cfg.attn_temperature_floor, cfg.attn_temperature_scale
-
-    def forward(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """q: (batch, heads, seq, head_dim); positions: (batch, seq)."""
-        factor = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor)) * self.scale + 1.0
-        return (q * factor[:, None, :, None]).to(q.dtype)
-
-
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]; optionally an RMSNorm over
-    each query and key head before the rotary embedding (`cfg.qk_norm`, Qwen3)."""
+    each query and key head before the rotary embedding (`cfg.qk_norm`, Qwen3). A family's own attention subclasses
+    it where its queries and keys are treated otherwise after the rotary embedding (`adjust`: Llama 4's)."""
 
     # How tensor parallelism splits it (parallel/tensor.py): the heads over the ranks. The q/k norms' weights are
     # whole on every rank, each of which uses them on its own heads: their gradients are partial sums.
@@ -142,7 +124,7 @@ class Attention(nn.Module):
     core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
 
     def __init__(self, cfg: ModelConfig, rope: bool = True):
-        """rope: this layer rotates its queries and keys (False: a NoPE layer of Llama 4)."""
+        """rope: this layer rotates its queries and keys (False: a NoPE layer, ModelConfig.layer_has_rope)."""
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -153,10 +135,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.rope = rope
-        # Llama 4: rotary layers RMS-normalise q and k after rotating (no weight); NoPE layers tune the queries'
-        # temperature by position
-        self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm and rope else None
-        self.temperature = None if rope or not cfg.attn_temperature_floor else TemperatureTuning(cfg)
         self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
         # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
         self.backend = "auto"
@@ -172,7 +150,7 @@ class Attention(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """cache: this layer's KV cache; the new keys and values join the cached ones, and the queries see them all
-        (as `mask` says). positions: (batch, seq) of the queries, for temperature tuning."""
+        (as `mask` says). positions: (batch, seq) of the queries (for `adjust`)."""
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
@@ -190,11 +168,7 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if self.rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.l2_eps is not None:
-            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
-        if self.temperature is not None:
-            assert positions is not None, "temperature tuning needs the queries' positions"
-            q = self.temperature(q, positions)
+        q, k = self.adjust(q, k, positions)
         if cache is not None and mask is not None and mask.rows is not None:
             out = decode_step_attention(q, k, v, cache, mask.rows)  # writes the cache too
         else:
@@ -202,3 +176,10 @@ class Attention(nn.Module):
                 k, v = cache.append(k, v)
             out = self.core(q, k, v, mask, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def adjust(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries and keys (batch, heads, seq, head_dim) after the rotary embedding, before attention: as
+        they are here; a family's attention changes them by overriding this."""
+        return q, k

@@ -5,13 +5,15 @@ config.json's model_type; nothing outside this folder branches on a family's nam
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
 
 from ...errors import did_you_mean
 from ..config import ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
 from . import falcon, llama, llama4, qwen
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, Family[Any]] = {
     f.name: f
     for f in (llama.FAMILY, falcon.FAMILY, qwen.FAMILY, llama4.FAMILY)  # one entry a family
 }
@@ -21,19 +23,43 @@ PRESET_NAMES = sorted(_PRESETS)
 DEFAULT_PRESET = "llama-tiny"  # the demo's model, and --model's default
 
 
-def get_family(name: str) -> Family:
+def get_family(name: str) -> Family[Any]:
     if name not in FAMILIES:
         raise ValueError(f"model family {name!r} is not one of {', '.join(sorted(FAMILIES))}")
     return FAMILIES[name]
 
 
-def family_of(cfg: ModelConfig) -> Family:
+def family_of(cfg: ModelConfig) -> Family[Any]:
     return get_family(cfg.family)
 
 
-def family_for_model_type(model_type: object) -> Family | None:
+def family_for_model_type(model_type: object) -> Family[Any] | None:
     """The family whose Hugging Face format reads config.json's `model_type` (None: no family does)."""
     return next((f for f in FAMILIES.values() if model_type in f.hf.model_types), None)
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """A model config from its fields (a checkpoint's meta.json), of its family's config class; ValueError for an
+    unknown family or field."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a model config is a mapping of its fields, not {type(d).__name__}")
+    family = d.get("family")
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is not one of {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[family].config_class.from_dict(d)
+
+
+# Every field some family's config has, and the config class that declares it (the --model-override flags are
+# read before the preset, whose class then checks them again)
+CONFIG_FIELDS: dict[str, type[ModelConfig]] = {
+    **{name: family.config_class for family in FAMILIES.values() for name in family.config_class.own_fields()},
+    **{f.name: ModelConfig for f in fields(ModelConfig)},
+}
+
+
+def families_with_field(name: str) -> list[str]:
+    """The families whose config class has field `name` (every family for a ModelConfig field)."""
+    return [f.name for f in FAMILIES.values() if name in f.config_class.__dataclass_fields__]
 
 
 def meta_format() -> MetaFormat | None:
@@ -66,6 +92,8 @@ def model_problems(cfg: ModelConfig) -> list[str]:
     if cfg.family not in FAMILIES:
         return [f"family {cfg.family!r} is not one of {', '.join(sorted(FAMILIES))}"]
     family = FAMILIES[cfg.family]
+    if not isinstance(cfg, family.config_class):
+        return [f"a {family.name} model's config is a {family.config_class.__name__}, not {type(cfg).__name__}"]
     for option in cfg.changed_options():
         if option not in family.options:
             having = sorted(f.name for f in FAMILIES.values() if option in f.options)
@@ -77,9 +105,12 @@ def model_problems(cfg: ModelConfig) -> list[str]:
 
 
 __all__ = [
+    "CONFIG_FIELDS",
     "DEFAULT_PRESET",
     "FAMILIES",
     "PRESET_NAMES",
+    "config_from_dict",
+    "families_with_field",
     "family_for_model_type",
     "family_of",
     "get_family",

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from ...models import ModelConfig
-from ...models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share
+from ...models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share, per_config
 from ...parallel.tensor import local_kv_heads, padded_vocab_size
 from .calibration import Calibration
 from .fsdp import FsdpOptions
@@ -156,11 +156,18 @@ def linear_params(model: ModelConfig) -> tuple[float, float, float]:
     return dense, router, sum(layer.params("expert") * share for layer in all_layers) / n
 
 
+@per_config
 def keys_per_query(model: ModelConfig, seq: int) -> float:
     """Mean keys a query attends to under the causal mask (and the sliding window or attention chunks, if any),
     averaged over the layers."""
-    chunks = [model.layer_attention_chunk(i) for i in range(model.num_layers)] if model.attention_chunk_size else [None]
+    chunks = [model.layer_attention_chunk(i) for i in range(model.num_layers)]
     return sum(_keys_per_query(model.sliding_window, chunk, seq) for chunk in chunks) / len(chunks)
+
+
+@per_config
+def _chunked(model: ModelConfig, seq: int) -> bool:
+    """Whether some layer attends within chunks shorter than the sequence."""
+    return any((c or seq) < seq for c in map(model.layer_attention_chunk, range(model.num_layers)))
 
 
 def _keys_per_query(window: int | None, chunk: int | None, seq: int) -> float:
@@ -217,7 +224,7 @@ class Costs:
         flops = 3 * 4 * (m.num_heads * m.head_dim / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
         efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length, m.head_dim)
         windowed = m.sliding_window is not None and m.sliding_window < s.seq_length
-        chunked = m.attention_chunk_size is not None and m.attention_chunk_size < s.seq_length
+        chunked = _chunked(m, s.seq_length)
         if windowed or chunked:  # flex's block mask or FA4's local kernel
             efficiency *= self.cal.attention_window_factor
         return flops / (self.peak * efficiency)

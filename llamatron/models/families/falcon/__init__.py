@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...family import Family, HFAdapter
 from . import hf
 from .block import falcon_block, layer_norm
+from .config import FalconConfig
 from .presets import PRESETS
 
 FAMILY = Family(
@@ -14,5 +15,6 @@ FAMILY = Family(
     final_norm=layer_norm,
     presets=PRESETS,
     hf=HFAdapter(("falcon",), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
-    options=frozenset({"bias", "separate_mlp_norm"}),
+    config_class=FalconConfig,
+    options=frozenset({"bias"}),
 )

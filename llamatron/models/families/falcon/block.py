@@ -14,6 +14,7 @@ from ...attention import AttentionMask
 from ...config import ModelConfig
 from ...kv_cache import LayerKVCache
 from ...layers import Attention
+from .config import FalconConfig
 
 
 class GeluMLP(nn.Module):
@@ -31,7 +32,7 @@ class GeluMLP(nn.Module):
 class FalconBlock(nn.Module):
     parallel_residual = True  # attention and MLP read the same residual (the planner's activation model reads it)
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: FalconConfig):
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.separate_mlp_norm else None
@@ -52,7 +53,7 @@ class FalconBlock(nn.Module):
         return x + self.attn(attn_in, cos, sin, mask, cache) + self.mlp(mlp_in)
 
 
-def falcon_block(cfg: ModelConfig, index: int) -> FalconBlock:
+def falcon_block(cfg: FalconConfig, index: int) -> FalconBlock:
     return FalconBlock(cfg)
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ....errors import HFConversionError
-from ...config import ModelConfig
 from ...hf_format import TensorRule, check_head_dim_follows, get, itself, linear, only, rope_from_hf
+from .config import FalconConfig
 
 
 def qkv_layout(hf: Mapping[str, Any]) -> str:
@@ -30,7 +30,7 @@ def _separate_norms(hf: Mapping[str, Any]) -> bool:
     return bool(hf.get("new_decoder_architecture")) and hf.get("num_ln_in_parallel_attn") in (None, 2)
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+def config_from_hf(hf: Mapping[str, Any]) -> FalconConfig:
     if hf.get("alibi"):
         raise HFConversionError("Falcon with alibi=True is not supported (llamatron uses rotary embeddings)")
     if not hf.get("new_decoder_architecture") and not hf.get("parallel_attn", True):
@@ -46,7 +46,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     kv_heads = {"grouped": get(hf, "num_kv_heads", default=heads), "multi_query": 1, "interleaved": heads}[layout]
     max_positions = hf.get("max_position_embeddings", 2048)
     theta, scaling = rope_from_hf(hf, max_positions)
-    return ModelConfig(
+    return FalconConfig(
         family="falcon",
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,
@@ -65,7 +65,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
+def config_to_hf(cfg: FalconConfig, base: Mapping[str, Any]) -> dict[str, Any]:
     layout = qkv_layout(base) if base.get("model_type") == "falcon" else None
     fits = {
         "grouped": True,
@@ -142,7 +142,7 @@ def _interleaved_qkv(heads: int, head_dim: int) -> tuple[Callable, Callable]:
     return fuse, split
 
 
-def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
+def weight_rules(cfg: FalconConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
     layout, b = qkv_layout(hf), cfg.bias
     if layout == "grouped":
         qkv_fuse, qkv_split = _grouped_qkv(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)

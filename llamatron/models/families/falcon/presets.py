@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...config import ModelConfig
+from .config import FalconConfig
 
 
-def _falcon(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int = 65024, **kw) -> ModelConfig:
-    return ModelConfig(
+def _falcon(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int = 65024, **kw) -> FalconConfig:
+    return FalconConfig(
         family="falcon",
         vocab_size=vocab,
         hidden_size=h,
@@ -22,7 +22,7 @@ def _falcon(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int = 650
     )
 
 
-PRESETS: dict[str, Callable[[], ModelConfig]] = {
+PRESETS: dict[str, Callable[[], FalconConfig]] = {
     # parallel attention/MLP, LayerNorm, GELU MLP, tied embeddings
     "falcon-7b": lambda: _falcon(4544, 32, 71, 1, 4 * 4544),
     "falcon-40b": lambda: _falcon(8192, 60, 128, 8, 4 * 8192, separate_mlp_norm=True),

@@ -1,6 +1,6 @@
 """The llama4 family's Hugging Face format: model_type llama4_text (Llama4ForCausalLM).
 
-Llama 4's decoder layers are Llama's pre-norm layers with these differences (ModelConfig's options, models/):
+Llama 4's decoder layers are Llama's pre-norm layers with these differences (Llama4Config's options):
 - attention: every `no_rope_layer_interval`-th layer has no rotary embedding (NoPE) and attends to the whole causal
   context, with its queries' temperature tuned by position (`attn_temperature_tuning`, `floor_scale`,
   `attn_scale`); the other layers attend within chunks of `attention_chunk_size` tokens and, with `use_qk_norm`,
@@ -36,6 +36,7 @@ import torch
 from ....errors import HFConversionError
 from ...config import ModelConfig
 from ...hf_format import TensorRule, cat, decoder_config_from_hf, decoder_config_keys, decoder_rules, linear, split_rows
+from .config import Llama4Config
 
 # transformers' Llama4TextConfig defaults (Scout's) for keys a config.json may leave out
 DEFAULTS: dict[str, Any] = {
@@ -93,6 +94,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         get,
         "llama4",
         head_dim=DEFAULTS["head_dim"],
+        config_class=Llama4Config,
         num_experts=get.get("num_local_experts"),
         experts_per_token=get["num_experts_per_tok"],
         router_aux_loss_coef=float(get["router_aux_loss_coef"]),
@@ -138,7 +140,7 @@ def _check_list(given: Any, derived: list[int], name: str, rule: str) -> None:
         )
 
 
-def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
+def config_to_hf(cfg: Llama4Config, base: Mapping[str, Any]) -> dict[str, Any]:
     layers, step = cfg.num_layers, cfg.moe_layer_step
     out = {
         "architectures": ["Llama4ForCausalLM"],
@@ -176,7 +178,7 @@ def halves_to_interleaved(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda w: w.reshape(heads, 2, -1, w.shape[-1]).transpose(1, 2).reshape(w.shape)
 
 
-def _qkv_rule(cfg: ModelConfig, h: str, L: str) -> TensorRule:
+def _qkv_rule(cfg: Llama4Config, h: str, L: str) -> TensorRule:
     d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     to_q, to_k = interleaved_to_halves(heads), interleaved_to_halves(kv)
     from_q, from_k = halves_to_interleaved(heads), halves_to_interleaved(kv)
@@ -202,7 +204,7 @@ def _transpose_one(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0].transpose(1, 2)
 
 
-def layer_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
+def layer_rules(cfg: Llama4Config, i: int) -> list[TensorRule]:
     h, L = f"model.layers.{i}", f"layers.{i}"
     f = f"{h}.feed_forward"
     rules = [TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",)), _qkv_rule(cfg, h, L)]
@@ -223,7 +225,7 @@ def layer_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
     return rules + linear(f"{L}.mlp.shared.down", f"{s}.down_proj", False)
 
 
-def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
+def weight_rules(cfg: Llama4Config, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
     return decoder_rules(cfg, [layer_rules(cfg, i) for i in range(cfg.num_layers)])
 
 

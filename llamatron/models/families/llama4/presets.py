@@ -9,10 +9,10 @@ parameter counts come out as Meta publishes them: Scout 109B in all, 17B active;
 
 from __future__ import annotations
 
-from ...config import ModelConfig
+from .config import Llama4Config
 
 
-def _llama4(**shape) -> ModelConfig:
+def _llama4(**shape) -> Llama4Config:
     base = dict(
         family="llama4",
         vocab_size=202048,
@@ -39,7 +39,7 @@ def _llama4(**shape) -> ModelConfig:
         attn_temperature_floor=8192,
         attn_temperature_scale=0.1,
     )
-    return ModelConfig(**{**base, **shape})
+    return Llama4Config(**{**base, **shape})
 
 
 PRESETS = {

@@ -1,0 +1,67 @@
+"""A family's own options live in its config class (issue 49): a subclass of the common ModelConfig in its folder,
+which its presets, its Hugging Face import and its checkpoints' meta.json come back as; what only one family's
+modules read is not a field of ModelConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llamatron.cli import main
+from llamatron.models import ModelConfig, build_model, config_from_dict
+from llamatron.models.families import FAMILIES, families_with_field, get_preset, model_problems
+
+# Options that moved from the common config into their family's (the one family whose modules read them)
+FAMILY_ONLY = {
+    "falcon": {"separate_mlp_norm"},
+    "llama4": {"nope_layer_interval", "attention_chunk_size", "qk_l2_norm", "attn_temperature_floor"},
+}
+
+
+def _code(argv: list[str]) -> int:
+    try:
+        main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_presets_are_their_familys_config_and_round_trip_through_a_dict(family):
+    cls = FAMILIES[family].config_class
+    for name, make in FAMILIES[family].presets.items():
+        cfg = make()
+        assert type(cfg) is cls, name
+        back = config_from_dict(cfg.to_dict())
+        assert type(back) is cls and back == cfg, name
+        assert type(cfg.with_changes({"num_layers": 1})) is cls
+
+
+@pytest.mark.parametrize(("family", "names"), sorted(FAMILY_ONLY.items()))
+def test_a_familys_own_options_are_not_common_fields(family, names):
+    common = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert not names & common
+    assert names <= set(FAMILIES[family].config_class.own_fields())
+    assert all(families_with_field(n) == [family] for n in names)
+
+
+def test_a_config_of_the_wrong_class_is_refused_in_one_line():
+    problems = model_problems(ModelConfig(family="falcon", num_layers=2))
+    assert problems == ["a falcon model's config is a FalconConfig, not ModelConfig"]
+    with pytest.raises(ValueError, match="not one of"):
+        config_from_dict({"family": "gpt2"})
+    with pytest.raises(ValueError, match="mapping of its fields"):
+        config_from_dict(["llama"])  # type: ignore[arg-type]
+
+
+def test_a_familys_option_changes_its_layers_and_is_refused_on_another_family(capsys):
+    cfg = get_preset("llama4-test").with_changes({"attention_chunk_size": 8})
+    model = build_model(cfg)
+    rotary = [str(i) for i in range(cfg.num_layers) if cfg.layer_has_rope(i)]
+    assert rotary and all(model.attention_chunks[i] == 8 for i in rotary)
+    assert all(model.attention_chunks[str(i)] is None for i in range(cfg.num_layers) if str(i) not in rotary)
+    argv = ["train", "--model", "llama-test", "--model-override", "attention_chunk_size=8", "--train-steps", "1"]
+    assert _code(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "attention_chunk_size is an option of the llama4 family's config" in err[0], err
