@@ -65,3 +65,13 @@ def test_a_familys_option_changes_its_layers_and_is_refused_on_another_family(ca
     assert _code(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "attention_chunk_size is an option of the llama4 family's config" in err[0], err
+
+
+def test_a_checkpoint_config_written_before_the_split_still_loads():
+    """meta.json of a checkpoint saved when every option was a ModelConfig field: another family's options at their
+    defaults load; set to anything else they are refused (that model cannot be built)."""
+    old = {**get_preset("llama-test").to_dict(), "separate_mlp_norm": False, "nope_layer_interval": 0}
+    old.update(attention_chunk_size=None, qk_l2_norm=False, attn_temperature_floor=0, attn_temperature_scale=0.1)
+    assert config_from_dict(old) == get_preset("llama-test")
+    with pytest.raises(ValueError, match="qk_l2_norm"):
+        config_from_dict({**old, "qk_l2_norm": True})

@@ -38,6 +38,14 @@ def family_for_model_type(model_type: object) -> Family[Any] | None:
     return next((f for f in FAMILIES.values() if model_type in f.hf.model_types), None)
 
 
+# Every field some family's config has, and the config class that declares it (the --model-override flags are
+# read before the preset, whose class then checks them again)
+CONFIG_FIELDS: dict[str, type[ModelConfig]] = {
+    **{name: family.config_class for family in FAMILIES.values() for name in family.config_class.own_fields()},
+    **{f.name: ModelConfig for f in fields(ModelConfig)},
+}
+
+
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     """A model config from its fields (a checkpoint's meta.json), of its family's config class; ValueError for an
     unknown family or field."""
@@ -46,15 +54,15 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     family = d.get("family")
     if family not in FAMILIES:
         raise ValueError(f"model family {family!r} is not one of {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[family].config_class.from_dict(d)
+    cls = FAMILIES[family].config_class
+    # Checkpoints written while every option was a field of one config carry other families' options at their
+    # defaults: they said nothing, and are dropped (an option set to anything else is still refused).
+    foreign = {k for k, v in d.items() if k not in cls.__dataclass_fields__ and k in CONFIG_FIELDS and v == _default(k)}
+    return cls.from_dict({k: v for k, v in d.items() if k not in foreign})
 
 
-# Every field some family's config has, and the config class that declares it (the --model-override flags are
-# read before the preset, whose class then checks them again)
-CONFIG_FIELDS: dict[str, type[ModelConfig]] = {
-    **{name: family.config_class for family in FAMILIES.values() for name in family.config_class.own_fields()},
-    **{f.name: ModelConfig for f in fields(ModelConfig)},
-}
+def _default(name: str) -> Any:
+    return CONFIG_FIELDS[name].__dataclass_fields__[name].default
 
 
 def families_with_field(name: str) -> list[str]:
