@@ -108,3 +108,21 @@ def test_mean_mlp_width_is_the_mean_of_each_layers_width(step, dense_ffn, expert
     taken = cfg.experts_per_token * min(1.0, capacity or 1.0)
     widths = [cfg.layer_ffn(i) * (taken if experts and (i + 1) % step == 0 else 1) for i in range(7)]
     assert mean_mlp_width(cfg) == pytest.approx(sum(widths) / 7, rel=1e-12)
+
+
+def test_the_attention_term_is_each_layers_own_width(monkeypatch):
+    """12·Σ_layers w·S with w read off each layer's attention module (`flops_width`, a family's own attention may
+    declare another): Llama 4's test model (head_dim given, chunked and NoPE layers) written out by hand, then the
+    shared attention's width doubled moves exactly that term."""
+    from llamatron.models import inventory
+    from llamatron.models.layers import Attention
+
+    cfg = get_preset("llama4-test")
+    seq = 48  # longer than its chunks of 16
+    spans = [min(seq, cfg.attention_chunk_size) if cfg.layer_has_rope(i) else seq for i in range(cfg.num_layers)]
+    attention = 12.0 * cfg.num_heads * cfg.head_dim * sum(spans)
+    matmuls = flops_per_token(cfg, seq) - attention
+    assert matmuls == pytest.approx(6.0 * (inventory.active_params(cfg) - cfg.vocab_size * cfg.hidden_size))
+    doubled = cfg.with_changes({"init_std": 0.03})  # another config: nothing cached for it
+    monkeypatch.setattr(Attention, "flops_width", property(lambda self: 2 * self.num_heads * self.head_dim))
+    assert flops_per_token(doubled, seq) == pytest.approx(matmuls + 2 * attention)

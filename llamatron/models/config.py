@@ -273,11 +273,6 @@ class ModelConfig:
         """What sets layer `index`'s shape and attention apart from the others (equal for layers built alike)."""
         return (self.is_moe_layer(index), self.layer_ffn(index), self.layer_has_rope(index))
 
-    @property
-    def attention_width(self) -> int:
-        """num_heads x head_dim: the queries' width (hidden_size unless head_dim is given otherwise)."""
-        return self.num_heads * self.head_dim
-
     def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
         """Why `seq_length` is no length to train or plan this model at (empty when it is): a sanity bound of 64×
         its context, past which rotary positions, even scaled, are not what the model learned."""

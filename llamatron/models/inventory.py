@@ -56,6 +56,9 @@ class Layer:
     moe: bool
     qk_norm: bool
     parallel_residual: bool  # attention and MLP both read the layer's input (Falcon)
+    # The attention's width in the FLOP formula: (query·key width + probability·value width) / 2 over all heads,
+    # heads·head_dim for the shared attention; the layer's attention module says (`flops_width`)
+    attention_width: int
 
     def params(self, kind: str | None = None) -> int:
         """All its parameters, or those of one kind (matmul, expert, router, norm, bias)."""
@@ -102,6 +105,7 @@ def _describe(layer: nn.Module) -> Layer:
         split = "expert" if kind == "expert" else _split_of(plans.get(owner), leaf)
         weights.append(Weight(name, tuple(p.shape), split, kind))
     children = dict(layer.named_children())
+    attention = children.get("attn")
     residual_norms = [m for m in children.values() if isinstance(m, (RMSNorm, nn.LayerNorm))]
     mlp = children.get("mlp")
     return Layer(
@@ -112,6 +116,7 @@ def _describe(layer: nn.Module) -> Layer:
         moe=isinstance(mlp, MoE),
         qk_norm=any(n.endswith(("q_norm", "k_norm")) for n in modules),
         parallel_residual=bool(getattr(type(layer), "parallel_residual", False)),
+        attention_width=int(getattr(attention, "flops_width", 0)),
     )
 
 
@@ -268,32 +273,41 @@ def moe_layer_share(cfg: ModelConfig) -> float:
 def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
     """The keys a query's attention score matrix spans, averaged over the layers (the S of the FLOP formula): the
     sequence, the sliding window or the layer's attention chunk (ModelConfig.layer_attention_chunk) where shorter."""
-    spans = []
-    for i in range(cfg.num_layers):
-        span = seq_length
-        for limit in (cfg.sliding_window, cfg.layer_attention_chunk(i)):
-            span = min(span, limit) if limit is not None else span
-        spans.append(span)
-    return sum(spans) / len(spans)
+    return sum(_layer_keys(cfg, i, seq_length) for i in range(cfg.num_layers)) / cfg.num_layers
+
+
+def _layer_keys(cfg: ModelConfig, index: int, seq_length: int) -> int:
+    """The keys layer `index`'s queries span: the sequence, the window or its attention chunk where shorter."""
+    span = seq_length
+    for limit in (cfg.sliding_window, cfg.layer_attention_chunk(index)):
+        span = min(span, limit) if limit is not None else span
+    return span
+
+
+@per_config
+def attention_flops(cfg: ModelConfig, seq_length: int) -> float:
+    """Σ over layers of attention width x keys: the score and value products' share of the FLOP formula, / 12."""
+    return float(sum(layer.attention_width * _layer_keys(cfg, i, seq_length) for i, layer in enumerate(layers(cfg))))
 
 
 @per_config
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
-    6·(N - input-embedding params) + 12·L·(heads·head_dim)·S, as PaLM and torchtitan count them
-    (docs/design.md; heads·head_dim is hidden_size unless head_dim says otherwise). S is the keys a query attends
-    to: the sequence length, or the sliding window (or Llama 4's attention chunk) when it is shorter (else windowed
-    models report MFU above 100%), averaged over layers. N of a mixture of experts is its active parameters
-    (experts_per_token experts per layer, as Megatron-core and torchtitan count MoE FLOPs)."""
-    keys = mean_keys(cfg, seq_length)
+    6·(N - input-embedding params) + 12·Σ_layers w·S, as PaLM and torchtitan count them (docs/design.md), w the
+    layer's attention width (heads·head_dim, which is hidden_size unless head_dim says otherwise; a family's own
+    attention declares its `flops_width`). S is the keys a query attends to: the sequence length, or the sliding
+    window (or the layer's attention chunk) when it is shorter (else windowed models report MFU above 100%). N of a
+    mixture of experts is its active parameters (experts_per_token experts per layer, as Megatron-core and
+    torchtitan count MoE FLOPs)."""
     matmul_params = active_params(cfg) - input_embedding_params(cfg)
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.attention_width * keys
+    return 6.0 * matmul_params + 12.0 * attention_flops(cfg, seq_length)
 
 
 __all__ = [
     "Layer",
     "Weight",
     "active_params",
+    "attention_flops",
     "config_key",
     "expert_params",
     "final_norm_params",

@@ -177,6 +177,12 @@ class Attention(nn.Module):
             out = self.core(q, k, v, mask, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    @property
+    def flops_width(self) -> int:
+        """Its width in the FLOP formula (models/inventory.py): heads x head_dim, of the query·key and of the
+        probability·value products alike."""
+        return self.num_heads * self.head_dim
+
     def adjust(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ...models import ModelConfig
-from ...models.inventory import flops_per_token, mean_keys
+from ...models.inventory import attention_flops, flops_per_token
 from ..plan import Layout, Precision
 from .calibration import Calibration
 from .evaluate import SimSettings, Simulation, simulate_layout
@@ -103,7 +103,7 @@ def counted_flops_per_token(model: ModelConfig, seq_length: int, attention: str)
     num_floating_point_operations since 2025-03: the causal mask's zero half left out)."""
     full = flops_per_token(model, seq_length)
     if attention == "causal":
-        return full - 6.0 * model.num_layers * model.attention_width * mean_keys(model, seq_length)
+        return full - 6.0 * attention_flops(model, seq_length)
     return full
 
 
