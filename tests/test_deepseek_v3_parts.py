@@ -14,11 +14,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_msc
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RotaryEmbedding,
+    DeepseekV3TopkRouter,
 )
 
 from llamatron.errors import ConfigError
 from llamatron.models.attention import attention_mask, decode_mask
-from llamatron.models.families.deepseek_v3 import mla, rope
+from llamatron.models.families.deepseek_v3 import mla, rope, routing
 from llamatron.models.families.deepseek_v3.mla_cache import MLACache
 from llamatron.models.kv_cache import KVCache
 
@@ -346,3 +347,58 @@ def test_yarn_by_its_formula():
     assert rope.yarn_attention_factor(40.0, 1.0, 1.0) == 1.0
     inv_freq = rope.yarn_inv_freq(64, 10000.0, 40.0, 4096)
     assert inv_freq[0] == 1.0 and inv_freq[-1] == pytest.approx(10000.0 ** (-62 / 64) / 40)
+
+
+# ---- group-limited routing -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("experts", "n_group", "topk_group", "top_k", "norm"),
+    [(32, 8, 3, 6, True), (32, 8, 3, 6, False), (16, 4, 1, 4, True), (12, 1, 1, 3, True)],
+)
+def test_group_limited_topk_matches_transformers_router(experts, n_group, topk_group, top_k, norm):
+    config = DeepseekV3Config(
+        hidden_size=24,
+        n_routed_experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        routed_scaling_factor=2.5,
+    )
+    router = DeepseekV3TopkRouter(config)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.3)
+    hidden = torch.randn(96, 24, generator=g)  # continuous draws: no ties between scores
+    logits, hf_weights, hf_chosen = router(hidden)
+    chosen, weights = routing.group_limited_topk(
+        logits, router.e_score_correction_bias, n_group, topk_group, top_k, norm, 2.5
+    )
+    order, hf_order = chosen.sort(dim=-1), hf_chosen.sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(
+        weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices), rtol=1e-6, atol=0
+    )
+    if topk_group < n_group:  # the groups matter here: without them the choice differs for some tokens
+        plain = (torch.sigmoid(logits) + router.e_score_correction_bias).topk(top_k, dim=-1).indices.sort(-1).values
+        assert not torch.equal(plain, order.values)
+
+
+def test_the_bias_chooses_and_the_unbiased_score_weighs():
+    """A large bias on expert 3 puts it among every token's choices; its weight stays its plain sigmoid score."""
+    logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(10))
+    bias = torch.zeros(8)
+    bias[3] = 100.0
+    chosen, weights = routing.group_limited_topk(logits, bias, 1, 1, 2, False, 1.0)
+    assert (chosen == 3).any(-1).all()
+    torch.testing.assert_close(weights[chosen == 3], torch.sigmoid(logits[:, 3]))
+
+
+def test_routing_problems_name_each_rule_in_one_line():
+    assert routing.routing_problems(256, 8, 4, 8) == []
+    assert "does not divide" in routing.routing_problems(10, 4, 2, 2)[0]
+    assert "best 2" in routing.routing_problems(8, 8, 4, 2)[0]
+    assert "topk_group=5" in routing.routing_problems(16, 4, 5, 2)[0]
+    assert "num_experts_per_tok=9" in routing.routing_problems(16, 4, 2, 9)[0]
