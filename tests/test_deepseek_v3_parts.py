@@ -10,16 +10,18 @@ import math
 import pytest
 import torch
 from transformers import DeepseekV3Config
+from transformers.modeling_layers import MtpLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
+    DeepseekV3RMSNorm,
     DeepseekV3RotaryEmbedding,
     DeepseekV3TopkRouter,
 )
 
 from llamatron.errors import ConfigError
 from llamatron.models.attention import attention_mask, decode_mask
-from llamatron.models.families.deepseek_v3 import mla, rope, routing
+from llamatron.models.families.deepseek_v3 import mla, mtp, rope, routing
 from llamatron.models.families.deepseek_v3.mla_cache import MLACache
 from llamatron.models.kv_cache import KVCache
 
@@ -402,3 +404,105 @@ def test_routing_problems_name_each_rule_in_one_line():
     assert "best 2" in routing.routing_problems(8, 8, 4, 2)[0]
     assert "topk_group=5" in routing.routing_problems(16, 4, 5, 2)[0]
     assert "num_experts_per_tok=9" in routing.routing_problems(16, 4, 2, 9)[0]
+
+
+# ---- multi-token prediction ------------------------------------------------------------------------------------
+
+
+class HFToyLayer(torch.nn.Module):
+    """A stand-in decoder layer with transformers' call (MtpLayer builds its block from a class)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.mix = torch.nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states + torch.tanh(self.mix(hidden_states))
+
+
+class ToyLayer(torch.nn.Module):
+    """The same layer with llamatron's call; `causal`: plus a running sum over the positions (position i reads
+    positions <= i, so padding after the end cannot reach an earlier position)."""
+
+    def __init__(self, hidden: int, causal: bool = True):
+        super().__init__()
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.causal = causal
+
+    def forward(self, x, cos, sin, mask=None, cache=None, positions=None):
+        out = x + torch.tanh(self.mix(x))
+        return out + 0.1 * x.cumsum(dim=1) * cos[..., :1] if self.causal else out
+
+
+def test_mtp_module_matches_transformers_mtp_layer():
+    """enorm on the embedding, hnorm on the hidden state, eh_proj over [embedding; hidden] (DeepSeek's order),
+    the block, then the module's own norm (shared_head.norm, transformers' post_norm)."""
+    config = DeepseekV3Config(hidden_size=16, rms_norm_eps=1e-6)
+    theirs = MtpLayer(config, HFToyLayer, DeepseekV3RMSNorm, layer_idx=0)
+    randomize(theirs, 11)
+    ours = mtp.MTPModule(mtp.MTPConfig(16, 1e-6), ToyLayer(16, causal=False))
+    names = {"post_norm": "norm", "mtp_block": "block"}
+    ours.load_state_dict(
+        {names.get(k.split(".")[0], k.split(".")[0]) + k[k.index(".") :]: v for k, v in theirs.state_dict().items()}
+    )
+    g = torch.Generator().manual_seed(12)
+    h, emb = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    cos, sin = cos_sin(4, 5, 2)
+    expected = theirs(emb, h, position_embeddings=(cos, sin), attention_mask=None, position_ids=None, cache=None)
+    assert_close(ours.norm(ours(h, emb, cos, sin)), expected)
+
+
+def test_mtp_depths_read_the_tokens_ahead_and_chain_their_hidden_states():
+    """Depth k at position i reads token i + k and the previous depth's hidden state at i (before that depth's
+    norm); its logits are head(norm_k(h_k)). Written out position by position."""
+    hidden, vocab, depths = 8, 11, 2
+    g = torch.Generator().manual_seed(13)
+    embed, head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+    modules = [mtp.MTPModule(mtp.MTPConfig(hidden, 1e-6), ToyLayer(hidden)) for _ in range(depths)]
+    for i, m in enumerate([embed, head, *modules]):
+        randomize(m, 20 + i)
+    tokens = torch.randint(0, vocab, (2, 6), generator=g)
+    h0 = torch.randn(2, 6, hidden, generator=g)
+    cos, sin = cos_sin(4, 6, 2)
+    got = mtp.mtp_logits(modules, h0, tokens, embed, head, cos, sin)
+    h = h0
+    for k, module in enumerate(modules, start=1):
+        ahead = torch.zeros_like(tokens)
+        for b in range(2):
+            for i in range(6):
+                ahead[b, i] = tokens[b, i + k] if i + k < 6 else 0
+        h = module(h, embed(ahead), cos, sin)
+        assert_close(got[k - 1], head(module.norm(h)))
+
+
+def test_mtp_loss_against_the_formula_written_out():
+    """λ/D · Σ_k mean over the positions i whose target t_{i+k+1} = labels[i+k] exists and is not IGNORE_INDEX
+    of -log softmax(logits_k[i])[target]; the last k positions of depth k have none and count nothing."""
+    depths, batch, seq, vocab, weight = 3, 2, 7, 13, 0.3
+    g = torch.Generator().manual_seed(14)
+    logits = [torch.randn(batch, seq, vocab, generator=g) for _ in range(depths)]
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels[0, 4] = labels[1, 0] = -100  # IGNORE_INDEX: a masked label
+    per_depth = []
+    for k in range(1, depths + 1):
+        total, count = 0.0, 0
+        for b in range(batch):
+            for i in range(seq):
+                if i + k < seq and labels[b, i + k] != -100:
+                    total -= torch.log_softmax(logits[k - 1][b, i].double(), dim=-1)[labels[b, i + k]].item()
+                    count += 1
+        per_depth.append(total / count)
+    expected = weight * sum(per_depth) / depths
+    assert mtp.mtp_loss(logits, labels, weight).item() == pytest.approx(expected, rel=1e-6)
+    sums, counts = mtp.mtp_sums(logits, labels)
+    assert counts.tolist() == [2 * (seq - k) - (k <= 4) for k in range(1, depths + 1)]
+    # the positions without a target: anything there changes nothing
+    for k, depth in enumerate(logits, start=1):
+        depth[:, seq - k :] = 1e4 * torch.randn(batch, k, vocab, generator=g)
+    assert mtp.mtp_loss(logits, labels, weight).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_mtp_problems():
+    assert mtp.mtp_problems(1, 0.3, 4096) == [] and mtp.mtp_problems(0, 0.0, 1) == []
+    assert "must exceed" in mtp.mtp_problems(2, 0.1, 2)[0]
+    assert ">= 0" in mtp.mtp_problems(-1, 0.1, 8)[0]
