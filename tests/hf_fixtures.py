@@ -49,6 +49,22 @@ FAMILIES: dict[str, tuple[str, dict, int]] = {
     ),
     "codellama-theta": ("Llama", dict(_LLAMA, num_key_value_heads=2, rope_theta=1e6), 24),
     "llama-linear-scaling": ("Llama", dict(_LLAMA, rope_scaling={"rope_type": "linear", "factor": 4.0}), 24),
+    # YaRN (models/yarn.py): past its trained 16 positions, the attention factor on cos and sin (mscale alone)
+    "llama-yarn": (
+        "Llama",
+        dict(
+            _LLAMA,
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+            },
+        ),
+        40,
+    ),
     # Dynamic NTK only changes anything past max_position_embeddings: run longer than that.
     "llama-dynamic-scaling": (
         "Llama",

@@ -20,6 +20,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from llamatron.errors import ConfigError
+from llamatron.models import yarn as shared_yarn
 from llamatron.models.attention import attention_mask, decode_mask
 from llamatron.models.families.deepseek_v3 import mla, mtp, rope, routing
 from llamatron.models.families.deepseek_v3.mla_cache import MLACache
@@ -176,8 +177,8 @@ def test_mla_with_yarn_matches_transformers():
     x = torch.randn(1, seq, config.hidden_size, generator=torch.Generator().manual_seed(4))
     positions = torch.arange(seq)[None]
     hf_cos, hf_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
-    inv_freq = rope.yarn_inv_freq(config.qk_rope_head_dim, 500.0, 4.0, 16, beta_fast=8.0, beta_slow=1.0)
-    cos, sin = rope.rotary_cos_sin(inv_freq, positions, rope.yarn_attention_factor(4.0, 0.9, 0.7))
+    inv_freq = shared_yarn.yarn_inv_freq(config.qk_rope_head_dim, 500.0, 4.0, 16, beta_fast=8.0, beta_slow=1.0)
+    cos, sin = rope.rotary_cos_sin(inv_freq, positions, shared_yarn.yarn_attention_factor(4.0, 0.9, 0.7))
     assert_close(ours(x, cos, sin), hf_forward(theirs, x, hf_cos, hf_sin))
 
 
@@ -322,7 +323,7 @@ def test_yarn_tables_match_transformers(params, rope_dim, truncate):
     )
     hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
     p = params
-    got = rope.yarn_inv_freq(
+    got = shared_yarn.yarn_inv_freq(
         rope_dim,
         p["rope_theta"],
         p["factor"],
@@ -332,7 +333,7 @@ def test_yarn_tables_match_transformers(params, rope_dim, truncate):
         truncate,
     )
     torch.testing.assert_close(got, hf_inv_freq, rtol=1e-6, atol=0)
-    assert rope.yarn_attention_factor(p["factor"], p["mscale"], p["mscale_all_dim"]) == pytest.approx(
+    assert shared_yarn.yarn_attention_factor(p["factor"], p["mscale"], p["mscale_all_dim"]) == pytest.approx(
         hf_factor, rel=1e-12
     )
     qk = 3 * rope_dim
@@ -344,10 +345,10 @@ def test_yarn_by_its_formula():
     """The formula as the paper writes it, for DeepSeek-V3's numbers: mscale = 0.1 ln(40) + 1, the softmax scale
     192^-1/2 · mscale², the fastest dimension as trained and the slowest divided by 40."""
     m = 0.1 * math.log(40) + 1
-    assert rope.yarn_mscale(40.0, 1.0) == pytest.approx(m) and rope.yarn_mscale(0.5, 1.0) == 1.0
+    assert shared_yarn.yarn_mscale(40.0, 1.0) == pytest.approx(m) and shared_yarn.yarn_mscale(0.5, 1.0) == 1.0
     assert rope.yarn_softmax_scale(192, 40.0, 1.0) == pytest.approx(192**-0.5 * m * m)
-    assert rope.yarn_attention_factor(40.0, 1.0, 1.0) == 1.0
-    inv_freq = rope.yarn_inv_freq(64, 10000.0, 40.0, 4096)
+    assert shared_yarn.yarn_attention_factor(40.0, 1.0, 1.0) == 1.0
+    inv_freq = shared_yarn.yarn_inv_freq(64, 10000.0, 40.0, 4096)
     assert inv_freq[0] == 1.0 and inv_freq[-1] == pytest.approx(10000.0 ** (-62 / 64) / 40)
 
 

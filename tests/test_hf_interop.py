@@ -189,10 +189,13 @@ def test_other_architecture_fails_with_mismatch_list(tmp_path):
 def test_unsupported_configs_fail_clearly():
     with pytest.raises(HFConversionError, match="alibi"):
         config_from_hf({"model_type": "falcon", "alibi": True, "hidden_size": 64, "num_attention_heads": 4})
-    with pytest.raises(HFConversionError, match="yarn"):
+    with pytest.raises(HFConversionError, match="longrope"):
         config_from_hf(
-            dict(FAMILIES["llama"][1], model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 2.0})
+            dict(FAMILIES["llama"][1], model_type="llama", rope_scaling={"rope_type": "longrope", "factor": 2.0})
         )
+    yarn = {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5}
+    with pytest.raises(HFConversionError, match="attention_factor"):
+        config_from_hf(dict(FAMILIES["llama"][1], model_type="llama", rope_scaling=yarn))
     with pytest.raises(HFConversionError, match="model_type 'gpt2'"):
         config_from_hf({"model_type": "gpt2"})
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llamatron.inference.generate import next_token_logits, sample
-from llamatron.models import RopeScaling, build_model, config_from_dict, materialize
+from llamatron.models import RopeScaling, build_model, config_from_dict, get_preset, materialize
 from llamatron.models.kv_cache import KVCache
 
 # init_std 0.15, seed 1: a random tiny model whose next token depends on its context (at 0.02 it repeats one token).
@@ -29,6 +29,8 @@ SHAPES = {
     "falcon-40b-layout": dict(_BASE, family="falcon", num_heads=8, num_kv_heads=2, separate_mlp_norm=True, bias=True),
     "past-the-context": dict(_BASE, num_kv_heads=2, max_seq_length=12),  # 4 + 24 tokens: cropped, positions shift
     "mixtral-experts": dict(_BASE, num_kv_heads=2, num_experts=4, experts_per_token=2),
+    # latent attention (its compressed cache: the latent and the rotary key), YaRN, grouped routing, a dense layer
+    "deepseek-v3-latent": {**get_preset("deepseek-v3-test").to_dict(), "vocab_size": 128, "max_seq_length": 64},
 }
 PROMPT, NEW = [5, 17, 99, 3], 24
 

@@ -92,8 +92,11 @@ def test_rope_scaling_kinds():
     base = rope_inv_freq(64, 500000.0, None, 0)
     assert torch.equal(l3[0], base[0])  # highest frequency kept
     torch.testing.assert_close(l3[-1], base[-1] / 8)  # lowest slowed by the factor
+    yarn = rope_inv_freq(64, 10000.0, RopeScaling("yarn", 8.0, 4096), 0)
+    assert torch.equal(yarn[0], plain[0])  # high frequencies kept (transformers' table: tests/hf_fixtures llama-yarn)
+    torch.testing.assert_close(yarn[-1], plain[-1] / 8)  # low ones slowed by the factor
     with pytest.raises(ValueError, match="unknown rope scaling"):
-        rope_inv_freq(64, 1e4, RopeScaling("yarn", 2.0), 0)
+        rope_inv_freq(64, 1e4, RopeScaling("longrope", 2.0), 0)
 
 
 def test_tied_embeddings_share_one_tensor():

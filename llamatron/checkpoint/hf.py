@@ -69,7 +69,7 @@ def config_to_hf(
     still describes the same architecture; the architecture keys always come
     from `cfg`. `vocab_size` overrides cfg's (a padded vocabulary is cut back).
     """
-    if cfg.is_moe and cfg.router_expert_bias:
+    if cfg.is_moe and cfg.router_expert_bias and not _rules_name(cfg, ".expert_bias"):
         raise HFConversionError(
             "router_expert_bias: the Hugging Face formats of these experts have no tensor for the balancing bias, "
             "which routes this model; it cannot be exported"
@@ -92,6 +92,11 @@ def config_to_hf(
     name = str(dtype).removeprefix("torch.")
     hf["torch_dtype"] = hf["dtype"] = name  # transformers 4.x reads torch_dtype, 5.x dtype
     return dict(sorted(hf.items()))
+
+
+def _rules_name(cfg: ModelConfig, suffix: str) -> bool:
+    """Whether the family's Hugging Face format has a tensor for llamatron's tensors ending in `suffix`."""
+    return any(r.name.endswith(suffix) for r in family_of(cfg).hf.weight_rules(cfg, {}, ()))
 
 
 def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:

@@ -47,14 +47,19 @@ class SwiGLU(nn.Module):
 class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(...)): the pre-norm layer. Layer `index` of the model: whether it has
     experts, its MLP's width and whether it rotates come from the config (ModelConfig.is_moe_layer, ...). A family
-    with an attention of its own passes it (`attn`: Llama 4's)."""
+    with an attention or a mixture of experts of its own passes it (`attn`: Llama 4's, DeepSeek-V3's latent
+    attention; `moe`: DeepSeek-V3's group-limited routing), called as the shared ones are."""
 
-    def __init__(self, cfg: ModelConfig, index: int = 0, attn: Attention | None = None):
+    def __init__(self, cfg: ModelConfig, index: int = 0, attn: nn.Module | None = None, moe: MoE | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg, rope=cfg.layer_has_rope(index)) if attn is None else attn
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp: SwiGLU | MoE = MoE(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg, cfg.layer_ffn(index))
+        self.mlp: SwiGLU | MoE
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg) if moe is None else moe
+        else:
+            self.mlp = SwiGLU(cfg, cfg.layer_ffn(index))
 
     def forward(
         self,

@@ -40,8 +40,9 @@ class RopeScaling:
     """Rotary-embedding scaling for long context.
 
     kind: "linear" (positions divided by factor), "dynamic" (NTK-aware base
-    growth past original_max_position), or "llama3" (Llama 3.1's
-    frequency-dependent scheme).
+    growth past original_max_position), "llama3" (Llama 3.1's
+    frequency-dependent scheme) or "yarn" (models/yarn.py: beta_fast, beta_slow,
+    mscale, mscale_all_dim, truncate).
     """
 
     kind: str
@@ -49,6 +50,11 @@ class RopeScaling:
     original_max_position: int = 8192
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 MAX_SIZE = 2**31 - 1  # any size of a model (an int32 index is what kernels take)
@@ -183,12 +189,14 @@ class ModelConfig:
             out.append("rope_theta and norm_eps must be > 0")
         r = self.rope_scaling
         if r is not None:
-            if r.kind not in ("linear", "dynamic", "llama3"):
-                out.append(f"rope_scaling kind {r.kind!r} must be linear, dynamic or llama3")
+            if r.kind not in ("linear", "dynamic", "llama3", "yarn"):
+                out.append(f"rope_scaling kind {r.kind!r} must be linear, dynamic, llama3 or yarn")
             if not (r.factor > 0 and r.factor < float("inf")):
                 out.append(f"rope_scaling factor {r.factor} must be a positive number")
             if r.kind == "llama3" and not 0 < r.low_freq_factor <= r.high_freq_factor:
                 out.append("rope_scaling llama3 needs 0 < low_freq_factor <= high_freq_factor")
+            if r.kind == "yarn" and not 0 < r.beta_slow <= r.beta_fast:
+                out.append("rope_scaling yarn needs 0 < beta_slow <= beta_fast")
         return out
 
     def _moe_problems(self) -> list[str]:
@@ -259,6 +267,12 @@ class ModelConfig:
         if self.is_moe_layer(index) or not self.dense_ffn_hidden_size:
             return self.ffn_hidden_size
         return self.dense_ffn_hidden_size
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The dimensions of a head the rotary embedding turns (the tables' width): head_dim, unless a family's
+        attention rotates only part of each head (its config overrides this)."""
+        return self.head_dim
 
     # Per-layer hooks: a family's config (a subclass in its folder) overrides them where its layers differ.
     def layer_has_rope(self, index: int) -> bool:

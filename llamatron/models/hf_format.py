@@ -9,7 +9,7 @@ transformers >= 4.45 reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,27 @@ def rope_from_hf(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Rope
             float(params["low_freq_factor"]),
             float(params["high_freq_factor"]),
         )
-    raise HFConversionError(f"rope scaling {kind!r} is not supported; llamatron has linear, dynamic and llama3")
+    if kind == "yarn":
+        return theta, _yarn_from_hf(params, factor, max_positions)
+    raise HFConversionError(f"rope scaling {kind!r} is not supported; llamatron has linear, dynamic, llama3 and yarn")
+
+
+def _yarn_from_hf(params: Mapping[str, Any], factor: float, max_positions: int) -> RopeScaling:
+    """transformers' yarn parameters (modeling_rope_utils._compute_yarn_parameters' keys)."""
+    if params.get("attention_factor") is not None:
+        raise HFConversionError(
+            "rope scaling yarn with attention_factor set: llamatron derives it from factor, mscale and mscale_all_dim"
+        )
+    optional = {k: float(params[k]) for k in ("mscale", "mscale_all_dim") if params.get(k) is not None}
+    return RopeScaling(
+        "yarn",
+        factor,
+        int(params.get("original_max_position_embeddings") or max_positions),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        **optional,
+    )
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -56,6 +76,18 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any] | None:
         return None
     if s.kind in ("linear", "dynamic"):
         return {"rope_type": s.kind, "factor": s.factor}
+    if s.kind == "yarn":
+        out = {
+            "rope_type": "yarn",
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "mscale": s.mscale,
+            "mscale_all_dim": s.mscale_all_dim,
+            "truncate": s.truncate,
+        }
+        return {k: v for k, v in out.items() if v is not None}
     return {
         "rope_type": "llama3",
         "factor": s.factor,
@@ -189,6 +221,24 @@ def linear(name: str, hf_name: str, bias: bool, **fns) -> list[TensorRule]:
     return [TensorRule(f"{name}.{s}", tuple(f"{h}.{s}" for h in hf_name.split("|")), **fns) for s in suffixes]
 
 
+def stacked_expert_rules(h: str, L: str, num_experts: int, ffn: int, names: Collection[str] = ()) -> list[TensorRule]:
+    """A layer's stacked experts (`L`.experts.gate_up (E, 2·ffn, hidden), .down (E, hidden, ffn)) under the Hub's
+    per-expert names (`h`.experts.{e}.gate_proj.weight, ...), or transformers 5's stacked ones
+    (`h`.experts.gate_up_proj, .down_proj) when `names` (the tensors at hand on import) hold those."""
+    if any(n.endswith(".mlp.experts.gate_up_proj") for n in names):
+        return [
+            TensorRule(f"{L}.experts.gate_up", (f"{h}.experts.gate_up_proj",)),
+            TensorRule(f"{L}.experts.down", (f"{h}.experts.down_proj",)),
+        ]
+    e = range(num_experts)
+    gate_up = tuple(f"{h}.experts.{i}.{w}_proj.weight" for i in e for w in ("gate", "up"))
+    down = tuple(f"{h}.experts.{i}.down_proj.weight" for i in e)
+    return [
+        TensorRule(f"{L}.experts.gate_up", gate_up, stack_gate_up, split_gate_up(ffn)),
+        TensorRule(f"{L}.experts.down", down, stack_experts, unstack),
+    ]
+
+
 def decoder_config_keys(cfg: ModelConfig) -> dict[str, Any]:
     """The shape keys of config.json that transformers' pre-norm decoders with SwiGLU and RMSNorm share."""
     return {
@@ -260,4 +310,5 @@ __all__ = [
     "rope_from_hf",
     "rope_to_hf",
     "split_rows",
+    "stacked_expert_rules",
 ]

@@ -58,7 +58,7 @@ class Layer:
     parallel_residual: bool  # attention and MLP both read the layer's input (Falcon)
     # The attention's width in the FLOP formula: (query·key width + probability·value width) / 2 over all heads,
     # heads·head_dim for the shared attention; the layer's attention module says (`flops_width`)
-    attention_width: int
+    attention_width: float
 
     def params(self, kind: str | None = None) -> int:
         """All its parameters, or those of one kind (matmul, expert, router, norm, bias)."""
@@ -116,7 +116,7 @@ def _describe(layer: nn.Module) -> Layer:
         moe=isinstance(mlp, MoE),
         qk_norm=any(n.endswith(("q_norm", "k_norm")) for n in modules),
         parallel_residual=bool(getattr(type(layer), "parallel_residual", False)),
-        attention_width=int(getattr(attention, "flops_width", 0)),
+        attention_width=float(getattr(attention, "flops_width", 0)),
     )
 
 

@@ -20,6 +20,9 @@ Two ways to fill it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -69,11 +72,13 @@ class KVCache:
         self.length = 0  # aligned: tokens cached so far in every row, the position of the next input
         self.per_row = False  # positions per row (continue_rows) instead of `length`
         self.positions: torch.Tensor | None = None  # per row: (batch,) each row's next position, on the device
-        self._layers: dict[str, LayerKVCache] = {}
+        self._layers: dict[str, Any] = {}
 
-    def layer(self, name: str) -> LayerKVCache:
+    def layer(self, name: str, kind: Callable[[KVCache], Any] | None = None) -> Any:
+        """Layer `name`'s cache, made at its first use by `kind` (a layer's attention may keep another form than
+        keys and values: its `cache_kind`; default LayerKVCache)."""
         if name not in self._layers:
-            self._layers[name] = LayerKVCache(self)
+            self._layers[name] = (LayerKVCache if kind is None else kind)(self)
         return self._layers[name]
 
     def check_room(self, new_tokens: int) -> None:

@@ -20,6 +20,7 @@ from .attention import AttentionMask, attention_core
 from .config import ModelConfig, RopeScaling
 from .decode_attention_op import decode_step_attention
 from .kv_cache import LayerKVCache
+from .yarn import yarn_attention_factor, yarn_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -59,6 +60,17 @@ def rope_inv_freq(
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return yarn_inv_freq(
+            head_dim,
+            theta,
+            scaling.factor,
+            scaling.original_max_position,
+            scaling.beta_fast,
+            scaling.beta_slow,
+            scaling.truncate,
+            device,
+        )
     if scaling.kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
         old = scaling.original_max_position
@@ -70,7 +82,7 @@ def rope_inv_freq(
         blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)
-    raise ValueError(f"unknown rope scaling kind {scaling.kind!r}; use linear, dynamic or llama3")
+    raise ValueError(f"unknown rope scaling kind {scaling.kind!r}; use linear, dynamic, llama3 or yarn")
 
 
 def rope_depends_on_length(cfg: ModelConfig, seq_len: int) -> bool:
@@ -84,22 +96,27 @@ _INV_FREQ: dict[tuple, torch.Tensor] = {}  # a model's frequencies, once per dev
 
 
 def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (batch, seq, head_dim) for the given positions."""
-    dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic"
-    if dynamic:  # the frequencies change with the length
+    """cos and sin of shape (batch, seq, rope_head_dim) for the given positions (YaRN's: times its attention
+    factor)."""
+    dim, r = cfg.rope_head_dim, cfg.rope_scaling
+    if r is not None and r.kind == "dynamic":  # the frequencies change with the length
         seq_len = int(position_ids.max()) + 1
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, seq_len, position_ids.device)
+        inv_freq = rope_inv_freq(dim, cfg.rope_theta, r, seq_len, position_ids.device)
     else:
-        scaling = None if cfg.rope_scaling is None else dataclasses.astuple(cfg.rope_scaling)
-        key = (cfg.head_dim, cfg.rope_theta, scaling, str(position_ids.device))
+        scaling = None if r is None else dataclasses.astuple(r)
+        key = (dim, cfg.rope_theta, scaling, str(position_ids.device))
         if key not in _INV_FREQ:
             if len(_INV_FREQ) > 64:
                 _INV_FREQ.clear()
-            _INV_FREQ[key] = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 0, position_ids.device)
+            _INV_FREQ[key] = rope_inv_freq(dim, cfg.rope_theta, r, 0, position_ids.device)
         inv_freq = _INV_FREQ[key]
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if r is not None and r.kind == "yarn":
+        factor = yarn_attention_factor(r.factor, r.mscale, r.mscale_all_dim)
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

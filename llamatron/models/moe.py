@@ -375,8 +375,8 @@ class MoE(nn.Module):
         tokens = full.reshape(-1, hidden)
         logits = self.router(tokens)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # the load-balancing loss's, whatever the score
-        top, chosen = self._choose(logits, probs)
-        weights = (top / top.sum(-1, keepdim=True) if self.renormalize else top).to(full.dtype)
+        weights, chosen = self.route(logits, probs)
+        weights = weights.to(full.dtype)
         keep = None if self.capacity_factor is None else self._capacity_keep(chosen, weights, batch)
         if self.weights_input:
             out, routing = self._route_weighted_inputs(tokens, chosen, weights, keep)
@@ -411,6 +411,13 @@ class MoE(nn.Module):
             self.num_experts,
         )
         return parts.local(keep.view(batch, -1, k)).reshape(-1, k)
+
+    def route(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chosen experts' weights (tokens, k), fp32; the experts (tokens, k)) from the router's logits and
+        their softmax: the top k (_choose), renormalised where the model says. A family's MoE routes otherwise by
+        overriding this (DeepSeek-V3's group-limited routing)."""
+        top, chosen = self._choose(logits, probs)
+        return (top / top.sum(-1, keepdim=True) if self.renormalize else top), chosen
 
     def _choose(self, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the chosen experts' scores, (tokens, k) experts): the top k by score, or with the balancing bias by

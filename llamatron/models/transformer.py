@@ -82,6 +82,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): family.block(cfg, i) for i in ids})
         # one attention mask per kind of layer (Llama 4: chunked and whole-context), built once per forward
         self.attention_chunks = {str(i): cfg.layer_attention_chunk(i) for i in ids}
+        # the decode cache each layer's attention keeps (None: keys and values, models/kv_cache.py)
+        self.cache_kinds = {
+            name: getattr(getattr(layer, "attn", None), "cache_kind", None) for name, layer in self.layers.items()
+        }
         self._chunks = sorted(set(self.attention_chunks.values()), key=lambda c: c or 0)
         self.norm: nn.Module | None = family.final_norm(cfg) if head else None
         # Tied embeddings: the embedding is the head; a last pipeline stage without the embedding holds a copy of
@@ -153,7 +157,7 @@ class Transformer(nn.Module):
         masks = {chunk: self._mask(seq, position_ids, document_ids, h, cache, offset, chunk) for chunk in self._chunks}
         for name, layer in self.layers.items():
             mask = masks[self.attention_chunks[name]]
-            layer_cache = None if cache is None else cache.layer(name)
+            layer_cache = None if cache is None else cache.layer(name, self.cache_kinds[name])
             h = layer(h, cos, sin, mask, layer_cache, position_ids)
         if cache is not None:
             cache.advance(seq)

@@ -11,11 +11,11 @@ from typing import Any
 from ...errors import did_you_mean
 from ..config import ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
-from . import falcon, llama, llama4, qwen
+from . import deepseek_v3, falcon, llama, llama4, qwen
 
 FAMILIES: dict[str, Family[Any]] = {
     f.name: f
-    for f in (llama.FAMILY, falcon.FAMILY, qwen.FAMILY, llama4.FAMILY)  # one entry a family
+    for f in (llama.FAMILY, falcon.FAMILY, qwen.FAMILY, llama4.FAMILY, deepseek_v3.FAMILY)  # one entry a family
 }
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {n: p for f in FAMILIES.values() for n, p in f.presets.items()}

@@ -108,6 +108,7 @@ class MLAttention(nn.Module):
     # parallelism; identity forward, all-reduced gradient without).
     tp_plan = {"q": "column", "q_b": "column", "kv_b": "column", "o": "row", "q_a": "replicated", "kv_a": "replicated"}
     core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
+    cache_kind = MLACache  # the decode cache it keeps (the transformer makes one per layer)
 
     def __init__(self, cfg: MLAConfig):
         super().__init__()
@@ -134,6 +135,12 @@ class MLAttention(nn.Module):
         self.shared_key: Callable[[torch.Tensor], torch.Tensor] = _identity  # tensor parallelism's (see tp_plan)
         self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
         self.backend = "auto"  # an ATTENTION_BACKENDS name: this model's choice (models/kernels.py)
+
+    @property
+    def flops_width(self) -> float:
+        """Its width in the FLOP formula (models/inventory.py): the mean of the query·key width (heads x
+        qk_head_dim) and the probability·value width (heads x v_head_dim)."""
+        return self.num_heads * (self.cfg.qk_head_dim + self.cfg.v_head_dim) / 2
 
     def forward(
         self,

@@ -29,18 +29,7 @@ from typing import Any
 
 from ....errors import HFConversionError
 from ...config import ModelConfig
-from ...hf_format import (
-    TensorRule,
-    cat,
-    itself,
-    linear,
-    only,
-    split_gate_up,
-    split_rows,
-    stack_experts,
-    stack_gate_up,
-    unstack,
-)
+from ...hf_format import TensorRule, cat, itself, linear, only, split_rows, stacked_expert_rules
 
 # transformers' Qwen3MoeConfig and Qwen2MoeConfig defaults for keys a config.json may leave out
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -121,22 +110,8 @@ def expert_rules(cfg: ModelConfig, layer: int, names: Collection[str] = ()) -> l
     ones when `names` (the tensors at hand on import) hold those."""
     h, L = f"model.layers.{layer}.mlp", f"layers.{layer}.mlp"
     router = TensorRule(f"{L}.router.weight", (f"{h}.gate.weight",), only, itself)
-    if any(n.endswith(".mlp.experts.gate_up_proj") for n in names):
-        return [
-            router,
-            *_shared_rules(cfg, h, L),
-            TensorRule(f"{L}.experts.gate_up", (f"{h}.experts.gate_up_proj",)),
-            TensorRule(f"{L}.experts.down", (f"{h}.experts.down_proj",)),
-        ]
-    rules = [router, *_shared_rules(cfg, h, L)]
-    e = range(cfg.num_experts)
-    gate_up = tuple(f"{h}.experts.{i}.{w}_proj.weight" for i in e for w in ("gate", "up"))
-    down = tuple(f"{h}.experts.{i}.down_proj.weight" for i in e)
-    return [
-        *rules,
-        TensorRule(f"{L}.experts.gate_up", gate_up, stack_gate_up, split_gate_up(cfg.ffn_hidden_size)),
-        TensorRule(f"{L}.experts.down", down, stack_experts, unstack),
-    ]
+    experts = stacked_expert_rules(h, L, cfg.num_experts, cfg.ffn_hidden_size, names)
+    return [router, *_shared_rules(cfg, h, L), *experts]
 
 
 def _shared_rules(cfg: ModelConfig, h: str, L: str) -> list[TensorRule]:
