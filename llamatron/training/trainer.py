@@ -82,7 +82,7 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     prefix, tokenizer = d.data, d.tokenizer
     if prefix is None:  # the embedded demo corpus
         if mesh.rank == 0:
-            info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR)
+            info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR, say=demo_corpus.on_console)
         if dist.is_initialized():
             dist.barrier()
         info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR) if mesh.rank != 0 else info
