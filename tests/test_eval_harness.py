@@ -222,6 +222,10 @@ def test_perplexity_on_an_indexed_set_equals_transformers_loss(models, tmp_path)
             ["--load", "CKPT", "--tasks", "local_mc,no_such_task", "--include-path", "TASKS"],
             "configuration error: --tasks: unknown task no_such_task: not in lm-eval's tasks or ",
         ),
+        (
+            ["--load", "CKPT", "--tasks", "local_mcq", "--include-path", "TASKS"],
+            "--tasks: unknown task local_mcq (did you mean local_mc?): not in lm-eval's tasks or ",
+        ),
         (["--load", "CKPT", "--tasks", "local_mc", "--include-path", "nowhere"], "--include-path nowhere: not a dir"),
         (["--load", "nowhere", "--tasks", "local_mc"], "configuration error: --load nowhere: no such checkpoint"),
         (["--load", "CKPT", "--data-path", "nowhere"], "data error: "),

@@ -62,7 +62,8 @@ def task_manager(names: Sequence[str], include_path: str | None) -> TaskManager:
     builtin = _indexed(None, True)
     unknown = [n for n in _unknown(names, builtin) if local is None or n in _unknown(names, local)]
     if unknown:
-        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, builtin)) else n for n in unknown]
+        known = [*(local.all_tasks if local is not None else []), *builtin.all_tasks]  # a misspelt local one too
+        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, known)) else n for n in unknown]
         where = (
             f"lm-eval's tasks or {include_path}" if include_path else "lm-eval's tasks (add yours with --include-path)"
         )
@@ -79,8 +80,8 @@ def _unknown(names: Sequence[str], manager: TaskManager) -> list[str]:
     return [n for n in names if not lm_utils.pattern_match([n], manager.all_tasks)]
 
 
-def _close(name: str, manager: TaskManager) -> list[str]:
-    return difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.75)
+def _close(name: str, known: Sequence[str]) -> list[str]:
+    return difflib.get_close_matches(name, list(dict.fromkeys(known)), n=3, cutoff=0.75)
 
 
 def run_tasks(
