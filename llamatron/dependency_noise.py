@@ -4,8 +4,9 @@ Importing transformers or peft imports torchao when it is installed, and torchao
 its optional native kernels the machine cannot load (its CUDA kernels on a CPU machine, kernels for another
 Python: "Failed to load .../_C_cutlass_90a.abi3.so"), and torch one for each of torchao's enums it registers ("is
 an Enum subclass and is now natively supported"). llamatron calls neither torchao's native kernels (its FP8 paths
-use torch's scaled matmuls and torchao's Triton kernels) nor anything those lines concern. Every other warning of
-these loggers still shows.
+use torch's scaled matmuls and torchao's Triton kernels) nor anything those lines concern. lm-eval notes each metric
+a task file lists without its aggregation, which it then takes from the metric. Every other warning of these
+loggers still shows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import logging
 _DROPPED = {
     "torchao": ("Failed to load ", ".so: "),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    # lm-eval, for each metric a task file lists without its aggregation or direction: it takes the metric's
+    # own default (mean, higher is better for acc), as the task's author left it to
+    "lm_eval.api.task": ("[Task: ", "] metric ", " is defined, but ", " is not. using default "),
 }
 
 

@@ -74,6 +74,7 @@ def run_train(
     include_eval: bool = False,
     faults: Sequence[str] = (),
     mock_data: bool = True,
+    stdout: list[str] | None = None,
 ) -> list[dict]:
     """Train through the public command; returns the per-step metric records (evaluation lines only if asked).
 
@@ -81,7 +82,7 @@ def run_train(
     itself, one more process importing torch, ~1.7 s of CPU a run, only with faults: tests/test_ops.py and
     tests/test_launch_files.py test the launchers). faults: flags of tests/inject_faults.py (e.g.
     ["--fail-save", "4:1"]), which then runs the command; mock_data False: BASE_ARGS without --mock-data (`args`
-    name the data)."""
+    name the data); stdout: a list that gets the ranks' standard output."""
     metrics = workdir / f"metrics-{nproc}-{abs(hash(tuple(args))) % 10**8}.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -112,6 +113,8 @@ def run_train(
         code, out, err = proc.returncode, proc.stdout, proc.stderr
     if code != 0:
         raise AssertionError(f"command failed ({code}): {' '.join(cmd)}\n{out[-3000:]}\n{err[-6000:]}")
+    if stdout is not None:
+        stdout.append(out)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return records if include_eval else [r for r in records if r.get("split") is None]
 

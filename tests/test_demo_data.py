@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 
 import numpy as np
@@ -13,7 +14,12 @@ from llamatron.data.tokenizer import load_tokenizer
 
 
 def test_demo_data_builds_reads_and_is_reused(tmp_path):
-    result = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=400_000)
+    said: list[str] = []
+    result = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=400_000, say=said.append)
+    # each phase is said as it starts (the demo is otherwise silent while its tokenizer trains), then the end
+    phases = ["collecting up to 0.381 MiB", "training a 512-token byte-level BPE tokenizer", "tokenizing", "built in"]
+    assert len(said) == len(phases) and all(p in line for p, line in zip(phases, said)), said
+    assert f"({result['tokens']:,} tokens)" in said[-1]
     dataset = IndexedDataset(result["prefix"])
     assert len(dataset) == result["documents"] == result["files"] > 10
     assert dataset.num_tokens == result["tokens"]
@@ -34,8 +40,9 @@ def test_demo_data_builds_reads_and_is_reused(tmp_path):
 
     marker_time = os.path.getmtime(tmp_path / "demo" / "demo_data.json")
     start = time.perf_counter()
-    again = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=400_000)
+    again = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=400_000, say=said.append)
     assert time.perf_counter() - start < 1.0
+    assert said[-1] == f"demo corpus: built before, in {tmp_path / 'demo'}"
     assert again["prefix"] == result["prefix"] and again["tokens"] == result["tokens"]
     assert os.path.getmtime(tmp_path / "demo" / "demo_data.json") == marker_time
 
@@ -72,7 +79,9 @@ def test_the_dpo_demos_pairs_are_real_against_swapped_continuations(tmp_path):
     from llamatron.data.preference_dataset import PreferencePairs
 
     corpus = prepare_demo_data(str(tmp_path / "demo"), vocab_size=512, max_bytes=200_000)
-    prefix = prepare_demo_pairs(str(tmp_path / "demo"), corpus["prefix"], count=50, prompt=16, reply=8)
+    said: list[str] = []
+    prefix = prepare_demo_pairs(str(tmp_path / "demo"), corpus["prefix"], count=50, prompt=16, reply=8, say=said.append)
+    assert said == [f"demo pairs: building 50 preference pairs (16-token prompts, 8-token replies) in {prefix}"]
     pairs, text = PreferencePairs(prefix), IndexedDataset(corpus["prefix"])
     assert len(pairs) == 50
     joined = np.concatenate([text[i] for i in range(len(text))])
@@ -86,3 +95,48 @@ def test_the_dpo_demos_pairs_are_real_against_swapped_continuations(tmp_path):
     marker = os.path.getmtime(prefix + ".json")
     assert prepare_demo_pairs(str(tmp_path / "demo"), corpus["prefix"], count=50, prompt=16, reply=8) == prefix
     assert os.path.getmtime(prefix + ".json") == marker  # reused
+
+
+def test_a_logs_step_lines_give_the_progress_bars_percentage_and_time_left(monkeypatch, capsys):
+    """Without a terminal (a log) there is no bar: each step line ends with what the bar would show, the share of
+    the steps done and the time left at the run's pace so far, as tqdm's own meter computes them (a resumed run
+    counts its own steps' pace)."""
+    from types import SimpleNamespace
+
+    from tqdm import tqdm
+
+    from llamatron.config.settings import RunConfig
+    from llamatron.models import get_preset
+    from llamatron.training import metrics
+
+    cfg = RunConfig()
+    cfg.train.train_steps, cfg.train.progress = 1000, False
+    mesh = SimpleNamespace(is_logging_rank=True, world_size=1)
+    engine = SimpleNamespace(cfg=cfg, mesh=mesh, model_cfg=get_preset("llama-test"), device="cpu")
+    now = [100.0]
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=lambda: now[0]))
+    record = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "steps_in_record": 1}
+    speed = {"tokens_per_sec": 10.0, "mfu": None}
+    for start, step, seconds in ((0, 130, 250.0), (400, 430, 7300.0), (0, 1000, 90.0)):
+        log = metrics.MetricsLog(engine, start)  # type: ignore[arg-type]
+        log.start_clock()
+        now[0] += seconds
+        log._show({**record, "step": step}, speed)
+        line = capsys.readouterr().out.strip()
+        meter = tqdm.format_meter(step, 1000, seconds, initial=start)  # e.g. " 13%|#3   | 130/1000 [04:10<27:53, ...]"
+        percent, left = meter.split("|")[0].strip(), meter.split("<")[1].split(",")[0]
+        assert line.startswith(f"step {step}: loss 1.0000") and f"| {percent} of 1000 steps, " in line, (line, meter)
+        assert f"{metrics.duration(seconds)} elapsed" in line
+        if step < 1000:  # to the second (tqdm truncates, we round), past an hour to the minute
+            gap = abs(_clock(line.split("ETA ")[1]) - _clock(left))
+            assert gap <= (60 if _clock(left) >= 3600 else 1), (line, meter)
+        else:
+            assert "ETA" not in line
+
+
+def _clock(text: str) -> int:
+    """Seconds of ours (45s, 4m07s, 2h05m) or tqdm's (04:07, 2:05:30)."""
+    if ":" in text:
+        return sum(int(p) * 60**i for i, p in enumerate(reversed(text.split(":"))))
+    h, m, s = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text).groups()  # type: ignore[union-attr]
+    return int(h or 0) * 3600 + int(m or 0) * 60 + int(s or 0)

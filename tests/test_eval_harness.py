@@ -9,8 +9,11 @@ JSON-lines dataset written here; perplexity on a .bin/.idx set against transform
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import subprocess
 
 import numpy as np
 import pytest
@@ -102,6 +105,20 @@ def test_loglikelihoods_equal_hflm_on_the_exported_model(models):
     )
 
 
+@contextlib.contextmanager
+def logged(name: str):
+    """The messages logger `name` lets through (its level and filters passed) while the block runs: what reaches
+    the console outside pytest, whose own log capture takes them here."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+
+
 def write_tasks(directory) -> list[str]:
     """Three local tasks over JSON-lines files in `directory`: multiple choice, rolling perplexity, generation."""
     directory.mkdir(exist_ok=True)
@@ -140,21 +157,28 @@ def write_tasks(directory) -> list[str]:
     return ["local_mc", "local_pages", "local_gen"]
 
 
-def test_local_tasks_give_hflms_results(models, tmp_path, monkeypatch, capsys):
+def test_local_tasks_give_hflms_results(models, tmp_path, monkeypatch, capfd):
     """`llamatron eval --include-path` on local task files and data, JSON and table; lm-eval's simple_evaluate with
-    HFLM on the exported model gives the same numbers. Nothing is downloaded."""
+    HFLM on the exported model gives the same numbers. Nothing is downloaded. Run outside a git repository, lm-eval
+    says nothing of it (git's 'fatal: not a git repository'), nor of the metrics its tasks list without an
+    aggregation."""
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert subprocess.run(["git", "rev-parse"], capture_output=True).returncode != 0  # not inside a repository
     ckpt, hf_dir, _ = models
     tasks = write_tasks(tmp_path / "tasks")
     out = tmp_path / "results.json"
     args = ["--tasks", ",".join(tasks), "--include-path", tmp_path / "tasks", "--batch-size", "2"]
-    assert run("eval", "--load", ckpt, *args, "--output", out, "--device", "cpu") == 0
-    table = capsys.readouterr().out
+    with logged("lm_eval.api.task") as records:
+        assert run("eval", "--load", ckpt, *args, "--output", out, "--device", "cpu") == 0
+    table, err = capfd.readouterr()
     assert "local_mc" in table and "acc" in table and "word_perplexity" in table and "exact_match" in table
+    assert "not a git repository" not in err, err
+    assert not [m for m in records if "is defined, but" in m], records
     ours = json.loads(out.read_text())["results"]
     manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
     hf = HFLM(pretrained=str(hf_dir), dtype="float32", batch_size=2, device="cpu")
@@ -221,6 +245,10 @@ def test_perplexity_on_an_indexed_set_equals_transformers_loss(models, tmp_path)
         (
             ["--load", "CKPT", "--tasks", "local_mc,no_such_task", "--include-path", "TASKS"],
             "configuration error: --tasks: unknown task no_such_task: not in lm-eval's tasks or ",
+        ),
+        (
+            ["--load", "CKPT", "--tasks", "local_mcq", "--include-path", "TASKS"],
+            "--tasks: unknown task local_mcq (did you mean local_mc?): not in lm-eval's tasks or ",
         ),
         (["--load", "CKPT", "--tasks", "local_mc", "--include-path", "nowhere"], "--include-path nowhere: not a dir"),
         (["--load", "nowhere", "--tasks", "local_mc"], "configuration error: --load nowhere: no such checkpoint"),
@@ -306,3 +334,26 @@ def test_bos_as_hflm_adds_it(models, tmp_path):
         theirs.loglikelihood_rolling(requests("loglikelihood_rolling", rolling)),
         atol=1e-4,
     )
+
+
+def test_a_dataset_the_hub_does_not_give_is_one_line(models, tmp_path, monkeypatch, capfd):
+    """No Hub (here datasets' load_dataset as it fails without a network, after huggingface_hub's retry lines): one
+    line saying what failed and what works, no retry lines, no traceback, exit 2."""
+    import datasets
+
+    def unreachable(path, *args, **kwargs):
+        retries = logging.getLogger("huggingface_hub.utils._http")
+        for attempt in range(1, 6):
+            retries.warning(f"'[Errno -2] Name or service not known' thrown while requesting HEAD {path}")
+            retries.warning(f"Retrying in {2**attempt}s [Retry {attempt}/5].")
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    tasks = tmp_path / "tasks"
+    write_tasks(tasks)
+    with logged("huggingface_hub.utils._http") as records:
+        assert run("eval", "--load", models[0], "--tasks", "local_mc", "--include-path", tasks, "--device", "cpu") == 2
+    assert records == []
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Couldn't reach 'json' on the Hub" in err[0], err
+    assert err[0].startswith("llamatron eval: data error: --tasks local_mc: ") and "HF_DATASETS_OFFLINE=1" in err[0]

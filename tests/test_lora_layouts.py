@@ -36,4 +36,37 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lora_layout_matches_single_process(name, reference, tmp_path):
     flags, nproc, model = LAYOUTS[name]
-    assert_matches(reference(model), run_train([*LORA, *flags], nproc, tmp_path, model=model))
+    stdout: list[str] = []
+    assert_matches(reference(model), run_train([*LORA, *flags], nproc, tmp_path, model=model, stdout=stdout))
+    if name == "pp2-vpp2-dp2-distopt":
+        _check_startup_summary(stdout[0], model)
+
+
+def _check_startup_summary(stdout: str, model: str) -> None:
+    """The summary train prints once (rank 0) at its start: the model's parameters and layers as transformers counts
+    them, the layout as given (4 processes: pp 2 x dp 2), and what LoRA trains in peft's own words."""
+    import contextlib
+    import io
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from llamatron.checkpoint.hf import config_to_hf
+    from llamatron.models import get_preset
+
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_to_hf(get_preset(model))))
+    model_line = f"model: {model}, {hf.num_parameters():,} parameters"
+    layers = f"{hf.config.num_hidden_layers} layers"
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        adapted = peft.get_peft_model(hf, lora)
+        adapted.print_trainable_parameters()
+    targets = ",".join(sorted(adapted.peft_config["default"].target_modules))  # all-linear, as peft resolves it
+    lines = stdout.splitlines()
+    assert sum(line.startswith("model: ") for line in lines) == 1, stdout  # rank 0 alone
+    start = next(i for i, line in enumerate(lines) if line.startswith("model: "))
+    assert lines[start].startswith(model_line) and lines[start].endswith(layers), lines[start]
+    layout = "layout: 4 processes, tp 1 x pp 2 (vpp 2) x cp 1 x dp 2, ep 1; fsdp off, distributed optimizer on"
+    assert lines[start + 1].startswith(layout), lines[start + 1]
+    assert lines[start + 2].startswith(f"LoRA: rank 4, alpha 8, targets {targets} "), lines[start + 2]
+    assert lines[start + 3] == printed.getvalue().strip(), (lines[start + 3], printed.getvalue())

@@ -8,11 +8,12 @@ import json
 import shutil
 
 import pytest
+import safetensors.torch
 import torch
 from test_train import llamatron
 
 from llamatron.adapters.export import export_adapter
-from llamatron.adapters.merge import open_model_weights
+from llamatron.adapters.merge import open_base_weights, open_model_weights
 from llamatron.adapters.targets import apply_lora, find_targets
 from llamatron.checkpoint.hf_io import export_hf
 from llamatron.checkpoint.reader import CheckpointReader, load_full_tensors, open_weights
@@ -180,3 +181,91 @@ def test_a_lora_checkpoint_stores_the_adapters_and_names_its_base(runs, tmp_path
     shutil.rmtree(tmp_path / "base")
     proc = llamatron("export-hf", str(tmp_path / "lora"), str(tmp_path / "hf"), cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "its base checkpoint" in proc.stderr and "is gone" in proc.stderr, proc.stderr
+
+
+def _peft_logits(adapter, tokens):
+    """What a PEFT user gets from the adapter directory alone: its base_model_name_or_path, loaded by peft."""
+    with torch.no_grad():
+        return peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()(tokens).logits
+
+
+def test_an_adapter_names_its_base_in_hugging_face_format(runs, tmp_path):
+    """No Hugging Face directory of the base yet: adapter_config.json names BASE-step-N-hf beside it and the export
+    prints the command that writes it there; run, AutoPeftModelForCausalLM loads the adapter onto it, with
+    llamatron's logits. A later export finds it, --base-model names another, and another model's is refused."""
+    proc = llamatron("export-hf", str(runs / "a"), str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
+    command = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("llamatron export-hf")]
+    hf = tmp_path / "base-step-2-hf"
+    want = ["llamatron", "export-hf", str((runs / "base" / "step-2").resolve()), str(hf)]
+    assert command == [want], proc.stdout
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf)
+    llamatron(*want[1:], cwd=tmp_path)
+    tokens = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    assert (
+        _peft_logits(tmp_path / "adapter", tokens) - _our_lora_logits(runs / "a", tokens)[..., :vocab]
+    ).abs().max() < 1e-5
+    assert export_adapter(runs / "a", tmp_path / "again")["base"] == str(hf)  # found beside the adapter
+
+    shutil.copytree(hf, tmp_path / "given")
+    llamatron("export-hf", str(runs / "a"), str(tmp_path / "b"), "--adapter", "--base-model", "given", cwd=tmp_path)
+    config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "given")
+    weights = safetensors.torch.load_file(tmp_path / "given" / "model.safetensors")
+    weights["model.norm.weight"] *= 2
+    safetensors.torch.save_file(weights, tmp_path / "given" / "model.safetensors", {"format": "pt"})
+    for given, problem in (
+        (tmp_path / "given", r"another model .*\(norm.weight differs\)"),
+        (tmp_path / "b", "no config.json there"),
+    ):
+        with pytest.raises(CheckpointError, match=f"--base-model {given}: {problem}"):
+            export_adapter(runs / "a", tmp_path / "c", given)
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_adapter_of_an_imported_base_names_the_directory_it_came_from(runs, tmp_path):
+    export_hf(runs / "base", tmp_path / "hf")
+    llamatron("import-hf", str(tmp_path / "hf"), str(tmp_path / "imported"), cwd=tmp_path)
+    tuned = ["--load", str(tmp_path / "imported"), "--finetune", "--train-steps", "1", "--save", str(tmp_path / "t")]
+    llamatron("train", *RUN, *LORA, *tuned, cwd=tmp_path)
+    proc = llamatron("export-hf", str(tmp_path / "t"), str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
+    assert "llamatron export-hf" not in proc.stdout, proc.stdout
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "hf").resolve())
+    tokens = torch.randint(0, 200, (1, 8), generator=torch.Generator().manual_seed(2))
+    assert (_peft_logits(tmp_path / "adapter", tokens) - _our_lora_logits(tmp_path / "t", tokens)).abs().max() < 1e-5
+
+
+def _edit_meta(step_dir, **changes):
+    """meta.json's keys changed (a checkpoint with an index.json: its fingerprint, the index's sha256, stays)."""
+    meta = json.loads((step_dir / "meta.json").read_text())
+    (step_dir / "meta.json").write_text(json.dumps({**meta, **changes}))
+
+
+def test_an_adapter_names_the_directory_its_base_was_imported_from_only_for_the_import_itself(runs, tmp_path):
+    """A fine-tune of an import carries the import's Hugging Face source in its meta.json, not its weights: the
+    adapters of a LoRA run on it are not named after that source (here a copy whose meta says so)."""
+    export_hf(runs / "base", tmp_path / "hf")
+    shutil.copytree(runs / "base" / "step-2", tmp_path / "tuned" / "step-2")
+    shutil.copytree(runs / "a" / "step-6", tmp_path / "lora")
+    origin = {"source": str(tmp_path / "hf"), "format": "safetensors"}
+    _edit_meta(tmp_path / "tuned" / "step-2", hf=origin)
+    base = json.loads((tmp_path / "lora" / "meta.json").read_text())["base_checkpoint"]
+    _edit_meta(tmp_path / "lora", hf=origin, base_checkpoint={**base, "path": str(tmp_path / "tuned" / "step-2")})
+    summary = export_adapter(tmp_path / "lora", tmp_path / "adapter")
+    assert summary["base"] == str(tmp_path / "tuned-step-2-hf") and summary["export_base"], summary
+    _edit_meta(tmp_path / "tuned" / "step-2", weights_only=True)  # as an import's says
+    assert export_adapter(tmp_path / "lora", tmp_path / "again")["base"] == str(tmp_path / "hf")
+
+
+def test_without_adapters_exports_the_base_a_lora_checkpoint_was_trained_on(runs, tmp_path):
+    """A LoRA run from random weights holds its base itself: --without-adapters writes it (the export of the
+    base checkpoint here, which the adapters' checkpoint reads through)."""
+    export_hf(runs / "base", tmp_path / "base")
+    llamatron("export-hf", str(runs / "a"), str(tmp_path / "frozen"), "--without-adapters", cwd=tmp_path)
+    want = safetensors.torch.load_file(tmp_path / "base" / "model.safetensors")
+    got = safetensors.torch.load_file(tmp_path / "frozen" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(CheckpointError, match="holds no LoRA adapters; drop --without-adapters"):
+        open_base_weights(runs / "base")

@@ -200,3 +200,53 @@ def test_llama31_405b_preset_has_the_published_parameter_count():
     from llamatron.models.inventory import num_params
 
     assert num_params(get_preset("llama3.1-405b")) == pytest.approx(405.85e9, rel=0.001)
+
+
+# The published config.json values of Meta's Llama 3.1/3.2/3.3 releases (the keys the shape depends on).
+_LLAMA3_COMMON = {
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+}
+_LLAMA_70B = {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "intermediate_size": 28672}
+PUBLISHED_LLAMA3 = {
+    # preset: (config.json keys, rope scaling factor, billions of parameters as the model card rounds them)
+    "llama3.1-70b": ({**_LLAMA_70B, "tie_word_embeddings": False}, 8.0, 70.6),
+    "llama3.3-70b": ({**_LLAMA_70B, "tie_word_embeddings": False}, 8.0, 70.6),
+    "llama3.2-1b": (
+        {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "intermediate_size": 8192,
+         "head_dim": 64, "tie_word_embeddings": True},
+        32.0,
+        1.24,
+    ),
+    "llama3.2-3b": (
+        {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "intermediate_size": 8192,
+         "head_dim": 128, "tie_word_embeddings": True},
+        32.0,
+        3.21,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_LLAMA3))
+def test_llama3_point_releases_have_the_published_shape_and_parameter_count(name):
+    """Llama 3.1 70B, 3.2 1B/3B, 3.3 70B: the export's config.json holds the published values, the inventory's count
+    rounds to the model card's, and transformers' own model built from the export counts the same."""
+    import transformers
+
+    from llamatron.checkpoint.hf import config_to_hf
+
+    keys, factor, billions = PUBLISHED_LLAMA3[name]
+    cfg = get_preset(name)
+    hf = config_to_hf(cfg)
+    assert {k: hf[k] for k in {**_LLAMA3_COMMON, **keys}} == {**_LLAMA3_COMMON, **keys}
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    assert {k: hf["rope_scaling"][k] for k in scaling} == scaling
+    assert hf["rope_scaling"]["original_max_position_embeddings"] == 8192
+    digits = 1 if billions > 10 else 2
+    assert round(num_params(cfg) / 1e9, digits) == billions
+    with torch.device("meta"):  # no memory, even for 70B
+        reference = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**hf))
+    assert reference.num_parameters() == num_params(cfg)

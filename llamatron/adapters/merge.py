@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..checkpoint.pieces import Box
-from ..checkpoint.reader import CheckpointReader, read_meta, saved_lora_settings
+from ..checkpoint.reader import CheckpointReader, read_meta, resolve_checkpoint, saved_lora_settings
+from ..errors import CheckpointError
 from ..models import build_model, config_from_dict
 from .targets import LoraTarget, find_targets, requested
 
@@ -89,6 +90,21 @@ class MergedLoraReader(CheckpointReader):
         return merged if box is None else merged[box.slices_within(Box.whole(tuple(merged.shape)))].clone()
 
 
+class LoraBaseReader(MergedLoraReader):
+    """A LoRA checkpoint's frozen base weights, its adapters left out (export-hf --without-adapters)."""
+
+    def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor:
+        return CheckpointReader.read(self, kind, name, box)
+
+
+def open_base_weights(path: str | Path) -> LoraBaseReader:
+    """The weights a LoRA checkpoint was trained on, without its adapters."""
+    lora = saved_lora(read_meta(path))
+    if lora is None:
+        raise CheckpointError(f"{resolve_checkpoint(path)} holds no LoRA adapters; drop --without-adapters")
+    return LoraBaseReader(path, lora)
+
+
 def open_model_weights(path: str | Path) -> CheckpointReader:
     """The weights of any checkpoint as the plain model's: a LoRA checkpoint's adapters merged into its base."""
     lora = saved_lora(read_meta(path))  # meta.json alone: the checkpoint (and any base) is opened once, below
@@ -98,9 +114,11 @@ def open_model_weights(path: str | Path) -> CheckpointReader:
 __all__ = [
     "ADAPTER_KIND",
     "ADAPTER_SUFFIXES",
+    "LoraBaseReader",
     "MergedLoraReader",
     "SavedLora",
     "lora_update",
+    "open_base_weights",
     "open_model_weights",
     "saved_lora",
 ]

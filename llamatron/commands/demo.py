@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config.settings import RunConfig, section_of
-from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR, prepare_demo_data
+from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR, on_console, prepare_demo_data
 from ..data.demo_preference import PAIRS_NAME, prepare_demo_pairs
 from ..data.tokenizer import load_tokenizer
 from ..inference.generate import load_for_generation, sample
@@ -73,8 +73,8 @@ def _prepare_dpo_demo(cfg: RunConfig) -> None:
     """The pairs (rank 0 builds them, the other ranks wait for them), and the language-model demo's checkpoint as
     the start and reference when it exists."""
     if os.environ.get("RANK", "0") == "0":
-        corpus = prepare_demo_data(DEMO_DATA_DIR)
-        prefix = prepare_demo_pairs(DEMO_DATA_DIR, corpus["prefix"])
+        corpus = prepare_demo_data(DEMO_DATA_DIR, say=on_console)
+        prefix = prepare_demo_pairs(DEMO_DATA_DIR, corpus["prefix"], say=on_console)
     else:
         prefix = os.path.join(os.path.abspath(DEMO_DATA_DIR), PAIRS_NAME)
         while not os.path.isfile(prefix + ".json"):

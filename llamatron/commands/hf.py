@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..adapters.export import export_adapter
-from ..adapters.merge import open_model_weights
+from ..adapters.merge import open_base_weights, open_model_weights
 from ..checkpoint.hf_files import check_hf_files
 from ..checkpoint.hf_io import export_hf, import_hf, open_hf_dir
 from ..checkpoint.hub import push_to_hub
@@ -66,6 +66,19 @@ def _register_export(sub) -> None:
         action="store_true",
         help="a LoRA checkpoint: write only its adapters, as a PEFT adapter directory (adapter_config.json, "
         "adapter_model.safetensors) that peft loads onto the base model",
+    )
+    kind.add_argument(
+        "--without-adapters",
+        action="store_true",
+        help="a LoRA checkpoint: write the base model it was trained on, without its adapters",
+    )
+    p.add_argument(
+        "--base-model",
+        metavar="HF_DIR",
+        default=None,
+        help="with --adapter: the Hugging Face directory of the base model, which adapter_config.json names "
+        "(checked to be that model; default: the directory the base was imported from, else "
+        "BASE-step-N-hf beside OUT_DIR, with the command that writes it)",
     )
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload OUT_DIR to this Hub repository")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
@@ -133,17 +146,20 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         if ignored or args.max_shard_size != "5GB":
             flags = ", ".join(ignored + (["--max-shard-size"] if args.max_shard_size != "5GB" else []))
             raise ConfigError(f"--adapter writes the adapters as trained, in one file: drop {flags}")
-        summary = export_adapter(args.ckpt, args.out_dir)
+        summary = export_adapter(args.ckpt, args.out_dir, args.base_model)
         print(f"exported the LoRA adapters of {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}")
-        print(f"  base model: {summary['base']} (load with peft.PeftModel.from_pretrained(base, {args.out_dir!r}))")
+        _print_adapter_base(summary, args.out_dir)
     else:
+        if args.base_model:
+            raise ConfigError("--base-model names the base of an adapter: give it with --adapter, or drop it")
         summary = export_hf(
             args.ckpt,
             args.out_dir,
             parse_size(args.max_shard_size),
             DTYPES[args.dtype] if args.dtype else None,
             args.tokenizer,
-            open_model_weights(args.ckpt),  # a LoRA checkpoint with its adapters merged
+            # a LoRA checkpoint with its adapters merged, or left out
+            open_base_weights(args.ckpt) if args.without_adapters else open_model_weights(args.ckpt),
         )
         print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
         _print_tokenizer(summary, args.out_dir)
@@ -153,6 +169,17 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         url = push_to_hub(Path(args.out_dir), args.push_to_hub, args.private)
         print(f"  uploaded to {url}")
     return 0
+
+
+def _print_adapter_base(summary: dict, out_dir: str) -> None:
+    load = f"peft.AutoPeftModelForCausalLM.from_pretrained({out_dir!r})"
+    if summary["export_base"] is None:
+        print(f"  base model: {summary['base']} (adapter_config.json names it; load with {load})")
+        return
+    print(
+        f"  base model: none in Hugging Face format yet; adapter_config.json names {summary['base']}: write it "
+        f"there with\n    {summary['export_base']}\n  then load with {load} (or give --base-model HF_DIR)"
+    )
 
 
 def _print_tokenizer(summary: dict, out_dir: str) -> None:

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 import sysconfig
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .indexed import IndexedDataset
@@ -82,10 +84,24 @@ def _completed_build(work_dir: str, settings: dict[str, Any]) -> dict[str, Any] 
     return {**recorded, **paths} if all(os.path.isfile(p) for p in needed) else None
 
 
+def silent(message: str) -> None:
+    """A `say` that says nothing (a library call, a test)."""
+
+
+def on_console(message: str) -> None:
+    """A `say` for the demo's run: the line now, before the run's own lines."""
+    print(message, flush=True)
+
+
 def prepare_demo_data(
-    work_dir: str, vocab_size: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 1
+    work_dir: str,
+    vocab_size: int = 4096,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    workers: int = 1,
+    say: Callable[[str], None] = silent,
 ) -> dict[str, Any]:
-    """Build (or reuse) the demo corpus in ``work_dir``.
+    """Build (or reuse) the demo corpus in ``work_dir``; ``say`` gets a line as each phase starts (the tokenizer's
+    training and the tokenizing take a while on a small machine, with nothing else to show).
 
     Returns ``prefix`` (for ``--data``), ``tokenizer`` (a directory), ``jsonl``,
     and the counts ``files``, ``bytes``, ``documents``, ``tokens``, ``vocab_size``.
@@ -94,13 +110,17 @@ def prepare_demo_data(
     settings = {"vocab_size": vocab_size, "max_bytes": max_bytes, "python": sys.version.split()[0]}
     recorded = _completed_build(work_dir, settings)
     if recorded is not None:
+        say(f"demo corpus: built before, in {work_dir}")
         return recorded
+    began = time.monotonic()
 
     os.makedirs(work_dir, exist_ok=True)
     marker = os.path.join(work_dir, MARKER)
     if os.path.exists(marker):
         os.remove(marker)  # different settings: this build replaces the old one
+    say(f"demo corpus: collecting up to {max_bytes / 2**20:.3g} MiB of the standard library's .py files")
     sources = stdlib_source_files(max_bytes)
+    size = sum(len(text.encode("utf-8")) for _, text in sources)
     paths = _layout(work_dir)
     jsonl, tokenizer_dir, prefix = paths["jsonl"], paths["tokenizer"], paths["prefix"]
     with open(jsonl + ".tmp", "w", encoding="utf-8") as f:
@@ -108,14 +128,20 @@ def prepare_demo_data(
             f.write(json.dumps({"text": text}) + "\n")
     os.replace(jsonl + ".tmp", jsonl)
 
+    say(
+        f"demo corpus: training a {vocab_size:,}-token byte-level BPE tokenizer on {len(sources):,} files "
+        f"({size / 2**20:.1f} MiB)"
+    )
     tokenizer = train_bpe_tokenizer((text for _, text in sources), vocab_size, tokenizer_dir)
+    say(f"demo corpus: tokenizing the files into {prefix}.bin/.idx")
     summary = preprocess(jsonl, os.path.join(work_dir, "demo"), tokenizer_dir, workers=workers, progress=False)
     IndexedDataset(prefix)  # fail here, not in the trainer, if anything is off
+    say(f"demo corpus: built in {time.monotonic() - began:.0f}s ({summary['tokens']:,} tokens)")
 
     result = {
         **paths,
         "files": len(sources),
-        "bytes": sum(len(text.encode("utf-8")) for _, text in sources),
+        "bytes": size,
         "documents": summary["documents"],
         "tokens": summary["tokens"],
         "vocab_size": tokenizer.vocab_size,

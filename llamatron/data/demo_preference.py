@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 
 from .cache import file_signature
+from .demo_corpus import silent
 from .indexed import IndexedDataset, IndexedDatasetWriter, index_path
 from .preference import preference_outputs
 
@@ -28,9 +30,10 @@ def prepare_demo_pairs(
     reply: int = 32,
     swaps: int = 2,
     seed: int = 0,
+    say: Callable[[str], None] = silent,
 ) -> str:
     """Build (or reuse) the demo's pairs in `work_dir` from the token corpus `corpus_prefix`; returns the prefix
-    for --preference-data."""
+    for --preference-data. `say` gets a line before the build."""
     prefix = os.path.join(os.path.abspath(work_dir), PAIRS_NAME)
     marker = prefix + ".json"
     corpus_file = list(file_signature(index_path(corpus_prefix)))
@@ -40,6 +43,7 @@ def prepare_demo_pairs(
             if json.load(f) == settings:
                 return prefix
         os.remove(marker)
+    say(f"demo pairs: building {count:,} preference pairs ({prompt}-token prompts, {reply}-token replies) in {prefix}")
     corpus = IndexedDataset(corpus_prefix)
     long_enough = np.flatnonzero(corpus.sizes >= prompt + reply)
     rng = np.random.default_rng(seed)

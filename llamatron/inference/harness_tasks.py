@@ -12,17 +12,20 @@ import difflib
 import functools
 import logging
 import math
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from datasets.exceptions import DatasetNotFoundError
 from lm_eval import evaluator
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from .harness import LlamatronLM
 
 __all__ = ["LlamatronLM", "run_tasks", "results_table", "split_names", "task_manager", "task_metrics", "task_problems"]
@@ -62,7 +65,8 @@ def task_manager(names: Sequence[str], include_path: str | None) -> TaskManager:
     builtin = _indexed(None, True)
     unknown = [n for n in _unknown(names, builtin) if local is None or n in _unknown(names, local)]
     if unknown:
-        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, builtin)) else n for n in unknown]
+        known = [*(local.all_tasks if local is not None else []), *builtin.all_tasks]  # a misspelt local one too
+        hints = [f"{n} (did you mean {', '.join(c)}?)" if (c := _close(n, known)) else n for n in unknown]
         where = (
             f"lm-eval's tasks or {include_path}" if include_path else "lm-eval's tasks (add yours with --include-path)"
         )
@@ -79,8 +83,8 @@ def _unknown(names: Sequence[str], manager: TaskManager) -> list[str]:
     return [n for n in names if not lm_utils.pattern_match([n], manager.all_tasks)]
 
 
-def _close(name: str, manager: TaskManager) -> list[str]:
-    return difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.75)
+def _close(name: str, known: Sequence[str]) -> list[str]:
+    return difflib.get_close_matches(name, list(dict.fromkeys(known)), n=3, cutoff=0.75)
 
 
 def run_tasks(
@@ -92,25 +96,66 @@ def run_tasks(
     seed: int = 0,
 ) -> dict[str, Any]:
     """lm-eval's results dict (results, groups, configs, versions, n-shot, ...) of `names` on `lm`; on every rank
-    where `lm` is data-parallel."""
-    results = evaluator.simple_evaluate(
-        model=lm,
-        tasks=list(names),
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=False,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    where `lm` is data-parallel. A dataset the Hub does not give is a DataError (one line)."""
+    with _quiet_lm_eval(), _hub_failure_as_one_line(names):
+        results = evaluator.simple_evaluate(
+            model=lm,
+            tasks=list(names),
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     if lm.world_size > 1:  # lm-eval gathers the results on rank 0: every rank gets them
         box = [results]
         dist.broadcast_object_list(box, src=0)
         results = box[0]
     assert results is not None
     return results
+
+
+@contextmanager
+def _hub_failure_as_one_line(names: Sequence[str]) -> Iterator[None]:
+    """A task's dataset that cannot be fetched (no network, a gated or missing dataset) stops the run with one
+    line: what failed and what works instead (was huggingface_hub's retry lines, then datasets' traceback)."""
+    try:
+        yield
+    except (ConnectionError, DatasetNotFoundError) as e:
+        raise DataError(
+            f"--tasks {','.join(names)}: {e}; lm-eval's tasks fetch their datasets from the Hugging Face Hub: run "
+            "where it can be reached (once fills the cache; then HF_DATASETS_OFFLINE=1 reads it), or name local "
+            "files in a task of --include-path"
+        ) from None
+
+
+@contextmanager
+def _quiet_lm_eval() -> Iterator[None]:
+    """Without lm-eval's lines that concern no user of llamatron, while a run lasts: its record of the current
+    directory's git commit runs `git describe` with git's stderr on the console (outside a repository: 'fatal:
+    not a git repository'), and huggingface_hub says each retry of a request that fails (the failure is one line)."""
+    retries = logging.getLogger("huggingface_hub.utils._http")
+    level = retries.level
+    retries.setLevel(logging.ERROR)
+    recorded = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = _git_commit_quietly
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = recorded
+        retries.setLevel(level)
+
+
+def _git_commit_quietly() -> str | None:
+    """lm-eval's git_hash (the current directory's commit, where there is one), git's complaints kept quiet."""
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def results_table(results: dict[str, Any]) -> str:

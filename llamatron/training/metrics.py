@@ -138,11 +138,13 @@ class MetricsLog:
         self.train_seconds = 0.0  # training time of the pending steps before the timer's last reset
         self.seq_length = cfg.data.seq_length
         self.pending: list[tuple[int, dict, int]] = []  # (1-based step, train_step's output, samples) not logged
+        self.start_step, self.began = start_step, time.monotonic()
 
     def start_clock(self) -> None:
         """Training starts now: the first record's speed counts from here."""
         self.timer.reset()
         self.train_seconds = 0.0
+        self.began = time.monotonic()
 
     def add_step(self, step: int, out: dict, samples: int) -> None:
         """A step's output and its global batch size (--rampup-batch-size varies it)."""
@@ -229,8 +231,18 @@ class MetricsLog:
             mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
             self.echo(
                 f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu}"
+                f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu} | "
+                + self._progress_note(record["step"])
             )
+
+    def _progress_note(self, step: int) -> str:
+        """The bar's percentage and time left, for a log: from the wall time of this run's steps so far
+        (evaluations and saves included, as they will be again)."""
+        elapsed = time.monotonic() - self.began
+        done = step - self.start_step
+        left = elapsed / done * (self.total_steps - step) if 0 < done and step < self.total_steps else None
+        eta = "" if left is None else f", ETA {duration(left)}"
+        return f"{step / self.total_steps:.0%} of {self.total_steps} steps, {duration(elapsed)} elapsed{eta}"
 
     def write_evaluation(self, step: int, metrics: dict[str, float], consumed: int) -> dict:
         """The evaluation record of (1-based) `step`, written and shown (also with --no-progress: batch logs
@@ -253,6 +265,16 @@ class MetricsLog:
         if self.progress is not None:
             self.progress.close()
         self.sink.close()
+
+
+def duration(seconds: float) -> str:
+    """A time span as a log line says it: 45s, 2m07s, 3h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _loss_scale(step_out: dict) -> dict:

@@ -35,6 +35,7 @@ from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_fa
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
 from .reference_logps import REFERENCE_KEY, attach_reference
+from .summary import startup_summary
 from .validate import validate
 
 
@@ -81,7 +82,7 @@ def build_datasets(cfg: RunConfig, model_cfg: ModelConfig, mesh: Mesh) -> Datase
     prefix, tokenizer = d.data, d.tokenizer
     if prefix is None:  # the embedded demo corpus
         if mesh.rank == 0:
-            info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR)
+            info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR, say=demo_corpus.on_console)
         if dist.is_initialized():
             dist.barrier()
         info = demo_corpus.prepare_demo_data(demo_corpus.DEMO_DATA_DIR) if mesh.rank != 0 else info
@@ -260,6 +261,7 @@ def _train_on_this_rank(
     p = cfg.parallel
     mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None, p.etp)
     if mesh.rank == 0:
+        print("\n".join(startup_summary(cfg, derived, model_cfg, model_label(cfg))), flush=True)
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)
     datasets = build_datasets(cfg, model_cfg, mesh)

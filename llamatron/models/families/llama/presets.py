@@ -34,8 +34,18 @@ def _llama(
     )
 
 
-def _llama3_scaling() -> RopeScaling:
-    return RopeScaling(kind="llama3", factor=8.0, original_max_position=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+def _llama3_scaling(factor: float = 8.0) -> RopeScaling:
+    return RopeScaling(
+        kind="llama3", factor=factor, original_max_position=8192, low_freq_factor=1.0, high_freq_factor=4.0
+    )
+
+
+def _llama31(h: int, layers: int, heads: int, ffn: int, factor: float = 8.0, **kw) -> ModelConfig:
+    """Llama 3.1 / 3.2 / 3.3 (their config.json): 128k vocab and context, 8 KV heads, theta 5e5, llama3 rope scaling."""
+    scaling = _llama3_scaling(factor)
+    return _llama(
+        h, layers, heads, ffn, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5, rope_scaling=scaling, **kw
+    )
 
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -55,13 +65,16 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     # Llama 3 / 3.1: 128k vocab, GQA, theta 5e5; 3.1 adds the llama3 rope scaling
     "llama3-8b": lambda: _llama(4096, 32, 32, 14336, kv=8, vocab=128256, seq=8192, theta=500000.0, eps=1e-5),
     "llama3-70b": lambda: _llama(8192, 80, 64, 28672, kv=8, vocab=128256, seq=8192, theta=500000.0, eps=1e-5),
-    "llama3.1-8b": lambda: _llama(
-        4096, 32, 32, 14336, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5, rope_scaling=_llama3_scaling()
-    ),
+    "llama3.1-8b": lambda: _llama31(4096, 32, 32, 14336),
+    "llama3.1-70b": lambda: _llama31(8192, 80, 64, 28672),
     # Llama 3.1 405B (Dubey et al. 2024, Table 3: 126 layers, 16384 wide, 128 heads, 8 KV heads, FFN 53248)
-    "llama3.1-405b": lambda: _llama(
-        16384, 126, 128, 53248, kv=8, vocab=128256, seq=131072, theta=500000.0, eps=1e-5, rope_scaling=_llama3_scaling()
-    ),
+    "llama3.1-405b": lambda: _llama31(16384, 126, 128, 53248),
+    # Llama 3.2 1B / 3B: the embedding is the head (tie_word_embeddings), rope scaling factor 32; 3B's head_dim
+    # 128 is 3072 / 24 (config.json says it too)
+    "llama3.2-1b": lambda: _llama31(2048, 16, 32, 8192, factor=32.0, tie_embeddings=True),
+    "llama3.2-3b": lambda: _llama31(3072, 28, 24, 8192, factor=32.0, tie_embeddings=True),
+    # Llama 3.3 70B: Llama 3.1 70B's shape
+    "llama3.3-70b": lambda: _llama31(8192, 80, 64, 28672),
     # Mistral 7B v0.1: GQA + sliding window 4096
     "mistral-7b": lambda: _llama(4096, 32, 32, 14336, kv=8, seq=32768, eps=1e-5, sliding_window=4096),
     # Mixtral: Mistral's attention (no window) with 8 SwiGLU experts per layer, 2 per token; theta 1e6
