@@ -16,6 +16,8 @@ from llamatron.models.families import FAMILIES, families_with_field, get_preset,
 FAMILY_ONLY = {
     "falcon": {"separate_mlp_norm"},
     "llama4": {"nope_layer_interval", "attention_chunk_size", "qk_l2_norm", "attn_temperature_floor"},
+    "qwen": {"mlp_only_layers"},
+    "deepseek_v3": {"kv_lora_rank", "q_lora_rank", "n_group", "first_k_dense_replace", "num_nextn_predict_layers"},
 }
 
 

@@ -74,6 +74,17 @@ def test_dense_layers_among_the_sparse_ones_match_transformers():
     assert cfg.layer_ffn(0) == config["intermediate_size"] != cfg.layer_ffn(1)
 
 
+def test_dense_layers_at_chosen_indices_match_transformers(tmp_path):
+    """mlp_only_layers [0] (issue 49: DeepSeek-V3's dense first layers by the same per-layer hook): layer 0 a dense
+    SwiGLU `intermediate_size` wide, the others sparse; imported, exported and imported again alike."""
+    config = {**random_config(5), "num_hidden_layers": 3, "mlp_only_layers": [0]}
+    hf_model = make_random_model("Qwen3Moe", config, seed=5)
+    cfg = assert_imports_exactly(hf_model, 5)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True] and cfg.num_moe_layers == 2
+    exported = assert_round_trip_is_bitwise(hf_model, tmp_path, per_expert_names=True)
+    assert exported["mlp_only_layers"] == [0]
+
+
 @pytest.mark.parametrize("kind, seed", [(k, s) for k in ("Qwen3Moe", "Qwen2Moe") for s in range(3)])
 def test_logits_of_unseen_random_configs_match_transformers(kind, seed):
     hf_model = make_random_model(kind, random_config(seed, kind), seed=seed)
@@ -117,7 +128,7 @@ def test_import_export_round_trip_is_bitwise_under_the_hubs_expert_names(kind, t
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"mlp_only_layers": [0]}, "dense layers at chosen indices"),
+        ({"mlp_only_layers": "0"}, "a list of layer indices"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
         ({"num_experts_per_tok": 9}, "1 <= num_experts_per_tok <= num_experts"),
     ],

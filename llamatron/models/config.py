@@ -352,7 +352,8 @@ def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
     kinds = {}
     for name, hint in typing.get_type_hints(cls).items():
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        kinds[name] = (next(a for a in args if a is not type(None)), type(None) in args)
+        kind = next(a for a in args if a is not type(None))
+        kinds[name] = (typing.get_origin(kind) or kind, type(None) in args)  # tuple[int, ...]: a tuple
     return kinds
 
 

@@ -5,20 +5,22 @@ gated shared expert), built of the pre-norm decoder layers of models/blocks.py."
 from __future__ import annotations
 
 from ...blocks import decoder_block, rms_norm
-from ...config import MOE_SETTINGS, ModelConfig
+from ...config import MOE_SETTINGS
 from ...family import Family, HFAdapter
 from . import hf
+from .config import QwenConfig
 from .presets import PRESETS
 
 
-def problems(cfg: ModelConfig) -> list[str]:
+def problems(cfg: QwenConfig) -> list[str]:
     """A Qwen model is Qwen2 (qkv_bias) or Qwen3 (qk_norm): exactly one of them."""
+    out = cfg.dense_layer_problems()
     if cfg.qkv_bias == cfg.qk_norm:
-        return [
+        out.append(
             f"qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}: a qwen model is Qwen2/2.5 (qkv_bias: true) or "
             "Qwen3 (qk_norm: true), exactly one"
-        ]
-    return []
+        )
+    return out
 
 
 FAMILY = Family(
@@ -28,6 +30,7 @@ FAMILY = Family(
     final_norm=rms_norm,
     presets=PRESETS,
     hf=HFAdapter(("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
+    config_class=QwenConfig,
     # Qwen's routing is softmax over the outputs (router_score and router_weights_input are Llama 4's)
     options=frozenset({"head_dim", "qkv_bias", "qk_norm", "num_experts", *MOE_SETTINGS})
     - {"router_score", "router_weights_input"},

@@ -24,6 +24,7 @@ from ...hf_format import (
     decoder_layer_rules,
     decoder_rules,
 )
+from .config import QwenConfig
 from .hf_moe import expert_rules, moe_config_from_hf, moe_config_to_hf
 
 ARCHITECTURES = {
@@ -52,7 +53,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise HFConversionError("a Qwen3 with attention_bias=true (biases on q, k, v and o) is not supported")
     # transformers' Qwen3 defaults head_dim to 128 (not hidden_size / heads) when config.json leaves it out
     return decoder_config_from_hf(
-        hf, "qwen", max_positions=32768, head_dim=128 if qwen3 else None, qkv_bias=not qwen3, qk_norm=qwen3
+        hf,
+        "qwen",
+        max_positions=32768,
+        head_dim=128 if qwen3 else None,
+        config_class=QwenConfig,
+        qkv_bias=not qwen3,
+        qk_norm=qwen3,
     )
 
 
@@ -61,7 +68,7 @@ def _derived(hf: Mapping[str, Any]) -> Any:
     return hf["hidden_size"] // heads if isinstance(heads, int) and heads > 0 else None
 
 
-def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
+def config_to_hf(cfg: QwenConfig, base: Mapping[str, Any]) -> dict[str, Any]:
     model_type = ("qwen3" if cfg.qk_norm else "qwen2") + ("_moe" if cfg.is_moe else "")
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],
@@ -79,7 +86,7 @@ def config_to_hf(cfg: ModelConfig, base: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
+def weight_rules(cfg: QwenConfig, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
     """`names`: the Hugging Face tensors at hand (import), which decide the layout of Qwen3-MoE's experts."""
     layers = []
     for i in range(cfg.num_layers):

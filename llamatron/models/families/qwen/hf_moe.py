@@ -17,9 +17,8 @@ llamatron stacks the experts:
 The Hub stores the per-expert tensors (mlp.experts.{e}.gate_proj.weight, ...); transformers 5 holds them stacked
 in memory (mlp.experts.gate_up_proj, mlp.experts.down_proj), which reads too. Export writes the Hub's names.
 
-Dense layers among the sparse ones: every decoder_sparse_step-th layer is sparse (ModelConfig.moe_layer_step),
-the others SwiGLUs `intermediate_size` wide (dense_ffn_hidden_size). Refused in one line: mlp_only_layers (dense
-layers at chosen indices; no released model has any).
+Dense layers among the sparse ones: every decoder_sparse_step-th layer is sparse (ModelConfig.moe_layer_step) but
+those mlp_only_layers names (QwenConfig), the others SwiGLUs `intermediate_size` wide (dense_ffn_hidden_size).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from typing import Any
 from ....errors import HFConversionError
 from ...config import ModelConfig
 from ...hf_format import TensorRule, cat, itself, linear, only, split_rows, stacked_expert_rules
+from .config import QwenConfig
 
 # transformers' Qwen3MoeConfig and Qwen2MoeConfig defaults for keys a config.json may leave out
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -50,15 +50,15 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     defaults = {**_BOTH, **DEFAULTS[str(hf.get("model_type"))]}
     get = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
     step = get["decoder_sparse_step"]
-    if get.get("mlp_only_layers"):
-        raise HFConversionError(
-            f"config.json has mlp_only_layers={get.get('mlp_only_layers')!r}: dense layers at chosen indices are not "
-            "supported (decoder_sparse_step's every-k-th sparse layer is; every released Qwen-MoE has none)"
-        )
+    only_dense = get.get("mlp_only_layers") or []
+    if not (isinstance(only_dense, list) and all(isinstance(i, int) for i in only_dense)):
+        raise HFConversionError(f"config.json has mlp_only_layers={only_dense!r}: it must be a list of layer indices")
     if not (isinstance(step, int) and step >= 1):
         raise HFConversionError(f"config.json has decoder_sparse_step={step!r}: it must be an integer >= 1")
     # dense layers among the sparse ones (every step-th sparse): SwiGLUs intermediate_size wide
-    dense = {"moe_layer_step": step, "dense_ffn_hidden_size": hf["intermediate_size"]} if step > 1 else {}
+    dense: dict[str, Any] = {"moe_layer_step": step} if step > 1 else {}
+    if step > 1 or only_dense:  # dense layers among the sparse ones: SwiGLUs intermediate_size wide
+        dense.update(dense_ffn_hidden_size=hf["intermediate_size"], mlp_only_layers=tuple(only_dense))
     # transformers 5 writes num_experts as num_local_experts (its attribute map); the Hub's configs say num_experts
     experts, top_k = get.get("num_local_experts", get["num_experts"]), get["num_experts_per_tok"]
     if not (isinstance(experts, int) and isinstance(top_k, int) and 1 <= top_k <= experts):
@@ -84,14 +84,14 @@ def moe_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+def moe_config_to_hf(cfg: QwenConfig) -> dict[str, Any]:
     out: dict[str, Any] = {
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.experts_per_token,
         "moe_intermediate_size": cfg.ffn_hidden_size,
         "norm_topk_prob": cfg.moe_renormalize,
         "decoder_sparse_step": cfg.moe_layer_step,
-        "mlp_only_layers": [],
+        "mlp_only_layers": list(cfg.mlp_only_layers),
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
     if cfg.dense_ffn_hidden_size:

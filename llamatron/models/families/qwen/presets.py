@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...config import ModelConfig
+from .config import QwenConfig
 
 
-def _qwen(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: int, tie: bool, **kw) -> ModelConfig:
-    return ModelConfig(
+def _qwen(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: int, tie: bool, **kw) -> QwenConfig:
+    return QwenConfig(
         family="qwen",
         vocab_size=vocab,
         hidden_size=h,
@@ -25,12 +25,12 @@ def _qwen(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: i
     )
 
 
-def _qwen25(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: int, tie: bool) -> ModelConfig:
+def _qwen25(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, seq: int, tie: bool) -> QwenConfig:
     """Qwen2.5: biases on q, k and v only."""
     return _qwen(h, layers, heads, kv, ffn, vocab, seq, tie, qkv_bias=True)
 
 
-def _qwen3(h: int, layers: int, heads: int, ffn: int, tie: bool, kv: int = 8, **kw) -> ModelConfig:
+def _qwen3(h: int, layers: int, heads: int, ffn: int, tie: bool, kv: int = 8, **kw) -> QwenConfig:
     """Qwen3: an RMSNorm over each query and key head, head_dim 128 whatever hidden_size / heads is."""
     kw = {"vocab": 151936, "seq": 40960, "head_dim": 128, **kw}
     return _qwen(h, layers, heads, kv, ffn, kw.pop("vocab"), kw.pop("seq"), tie, qk_norm=True, **kw)
@@ -47,7 +47,7 @@ _QWEN2_MOE_TEST = {
 }
 _MOE_TEST = {"num_experts": 8, "experts_per_token": 2, "router_aux_loss_coef": 0.001}
 
-PRESETS: dict[str, Callable[[], ModelConfig]] = {
+PRESETS: dict[str, Callable[[], QwenConfig]] = {
     "qwen2.5-0.5b": lambda: _qwen25(896, 24, 14, 2, 4864, 151936, 32768, True),
     "qwen2.5-1.5b": lambda: _qwen25(1536, 28, 12, 2, 8960, 151936, 131072, True),
     "qwen2.5-3b": lambda: _qwen25(2048, 36, 16, 2, 11008, 151936, 32768, True),
