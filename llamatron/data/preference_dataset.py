@@ -52,8 +52,12 @@ class PreferencePairs:
 
     def trains_within(self, record: int, capacity: int) -> bool:
         """Whether both responses of ``record`` keep a trained token in their first ``capacity`` tokens (the
-        first token is never predicted)."""
-        return all(bool(mask.get(record, 1, capacity - 1).any()) for mask in self.masks)
+        first token is never predicted); either may be shorter than that."""
+        for mask in self.masks:
+            n = min(int(mask.sizes[record]), capacity)
+            if n < 2 or not mask.get(record, 1, n - 1).any():
+                return False
+        return True
 
     def sequence(self, record: int, response: int, capacity: int) -> dict[str, np.ndarray]:
         """Record ``record``'s prompt + response ``response`` (0 chosen, 1 rejected) as one padded sample."""

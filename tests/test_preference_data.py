@@ -1,0 +1,51 @@
+"""--preference-data read back: pairs of any lengths against the sequence length, and the files checked."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamatron.data.indexed import IndexedDatasetWriter
+from llamatron.data.preference import response_prefix
+from llamatron.data.preference_dataset import build_preference_datasets
+from llamatron.data.sft import mask_prefix
+
+
+def write_pairs(prefix: str, pairs: list[tuple[int, int, int]], mask_values=(0, 1)) -> dict:
+    """Pairs of (prompt, chosen reply, rejected reply) lengths, random tokens, the mask on the replies (written
+    with `mask_values` for untrained, trained); returns the arrays written, by response."""
+    rng = np.random.default_rng(0)
+    written: dict[str, list] = {"chosen": [], "rejected": []}
+    writers = {}
+    for response in written:
+        writers[response] = IndexedDatasetWriter(response_prefix(prefix, response), np.uint16)
+        writers[response + "_mask"] = IndexedDatasetWriter(mask_prefix(response_prefix(prefix, response)), np.uint8)
+    for prompt, *replies in pairs:
+        head = rng.integers(3, 256, prompt)
+        for response, reply in zip(written, replies):
+            tokens = np.concatenate([head, rng.integers(3, 256, reply)])
+            mask = np.r_[np.full(prompt, mask_values[0]), np.full(reply, mask_values[1])].astype(np.uint8)
+            writers[response].add_document(tokens)
+            writers[response + "_mask"].add_document(mask)
+            written[response].append((tokens, mask != mask_values[0]))
+    for writer in writers.values():
+        writer.finalize()
+    return written
+
+
+def test_pairs_of_any_length_up_to_the_sequence_train(tmp_path):
+    """--seq-length 64 (65 tokens a sample): a long chosen reply beside a short rejected one, both shorter, one
+    exactly 65, and one whose long response loses every trained token to the cut (left out). Was an IndexError
+    reading the short response's mask past its end."""
+    lengths = [(10, 80, 5), (10, 5, 80), (8, 4, 3), (20, 45, 2), (70, 5, 1), (3, 2, 2)]
+    written = write_pairs(str(tmp_path / "p"), lengths)
+    train, _ = build_preference_datasets(str(tmp_path / "p"), "100,0,0", 64, 12, 0, seed=0)
+    assert sorted(train.records.tolist()) == [0, 1, 2, 3, 5] and train.dropped == 1
+    for index in range(10):  # each sample the record written, cut at 65 and padded with 0
+        record, response = int(train.order[index // 2]), ("chosen", "rejected")[index % 2]
+        tokens, mask = written[response][record]
+        want = np.zeros(65, dtype=np.int64)
+        want[: min(65, tokens.size)] = tokens[:65]
+        trained = np.zeros(65, dtype=bool)
+        trained[1 : min(65, mask.size)] = mask[1:65]
+        sample = train[index]
+        assert (sample["tokens"] == want).all() and (sample["loss_mask"] == trained).all(), (record, response)
