@@ -1,13 +1,17 @@
-"""--preference-data read back: pairs of any lengths against the sequence length, and the files checked."""
+"""--preference-data read back: pairs of any lengths against the sequence length, and the files checked (the
+loss masks of --sft-data too)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from llamatron.data.indexed import IndexedDatasetWriter
 from llamatron.data.preference import response_prefix
 from llamatron.data.preference_dataset import build_preference_datasets
 from llamatron.data.sft import mask_prefix
+from llamatron.data.sft_dataset import build_sft_datasets
+from llamatron.errors import DataError
 
 
 def write_pairs(prefix: str, pairs: list[tuple[int, int, int]], mask_values=(0, 1)) -> dict:
@@ -49,3 +53,29 @@ def test_pairs_of_any_length_up_to_the_sequence_train(tmp_path):
         trained[1 : min(65, mask.size)] = mask[1:65]
         sample = train[index]
         assert (sample["tokens"] == want).all() and (sample["loss_mask"] == trained).all(), (record, response)
+
+
+@pytest.mark.parametrize("values", [(0, 7), (2, 1)], ids=["token-ids", "untrained-2"])
+def test_a_mask_of_other_values_than_0_and_1_is_refused_naming_the_file(tmp_path, values):
+    """A mask file holding token ids trained every non-zero position silently; refused, the file named."""
+    write_pairs(str(tmp_path / "p"), [(4, 3, 3), (5, 2, 4)], mask_values=values)
+    with pytest.raises(DataError) as err:
+        build_preference_datasets(str(tmp_path / "p"), "100,0,0", 64, 4, 0, seed=0)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path}/p_chosen_mask.bin: a loss mask holds only 0 and 1, but this file holds"), (
+        message
+    )
+    assert f"the value {max(values)} " in message and "preprocess --preference" in message
+
+
+def test_an_sft_mask_of_token_ids_is_refused(tmp_path):
+    prefix = str(tmp_path / "c")
+    tokens, mask = IndexedDatasetWriter(prefix, np.uint16), IndexedDatasetWriter(mask_prefix(prefix), np.uint16)
+    for ids in ([5, 6, 7, 8], [9, 10, 11]):
+        tokens.add_document(ids)
+        mask.add_document(ids)  # the tokens written again as the mask
+    tokens.finalize(), mask.finalize()
+    with pytest.raises(
+        DataError, match=r"c_mask.bin: a loss mask holds only 0 and 1, but this file holds the value 11 "
+    ):
+        build_sft_datasets(prefix, "100,0,0", 16, 4, 0, seed=0)

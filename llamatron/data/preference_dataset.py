@@ -19,7 +19,7 @@ import numpy as np
 
 from llamatron.data.indexed import IndexedDataset, index_path
 from llamatron.data.preference import RESPONSES, response_prefix
-from llamatron.data.samples import check_token_ids, index_cache_dir, split_documents
+from llamatron.data.samples import check_mask_values, check_token_ids, index_cache_dir, split_documents
 from llamatron.data.sft import mask_prefix
 from llamatron.errors import DataError, MissingDataError
 
@@ -158,9 +158,10 @@ def build_preference_datasets(
 ) -> tuple[PreferenceDataset, PreferenceDataset | None]:
     """Train and validation datasets of ``--preference-data PREFIX`` (its records split by ``split``)."""
     pairs = PreferencePairs(prefix)
-    if vocab_size is not None:
-        for tokens in pairs.tokens:
+    for tokens, mask in zip(pairs.tokens, pairs.masks):
+        if vocab_size is not None:
             check_token_ids(tokens, vocab_size, index_cache_dir(tokens.prefix, cache_path))
+        check_mask_values(mask, "`llamatron preprocess --preference`", index_cache_dir(mask.prefix, cache_path))
     train_ids, valid_ids, _ = split_documents(len(pairs), split)
     if train_ids.size == 0:
         raise DataError(f"--preference-data {prefix} split={split!r}: the train split has no pairs")
