@@ -77,3 +77,15 @@ def test_the_demo_picks_one_directory_for_all_ranks_and_resumes_in_place(tmp_pat
     resume = config_from_values({"load": "runs/demo/checkpoint/step-200"})
     demo.apply_demo_defaults(resume)
     assert resume.train.save == os.path.realpath(base)
+
+
+def test_dpo_fine_tuning_a_loaded_model_without_pairs_is_one_line_before_any_work(tmp_path):
+    """Not the DPO demo (whose pairs are of the demo's tokenizer): the error the docs promise, and no demo corpus
+    built in ./runs/demo."""
+    from layout import run_train
+    from test_train import llamatron
+
+    run_train(["--train-steps", "1", "--save", "base"], 1, tmp_path)
+    proc = llamatron("train", "--load", "base", "--finetune", "--objective", "dpo", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--objective dpo needs --preference-data PREFIX" in proc.stderr and not (tmp_path / "runs").exists()

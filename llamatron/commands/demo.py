@@ -59,8 +59,11 @@ DPO_DEMO_DEFAULTS = {
 
 
 def is_demo(cfg: RunConfig) -> bool:
-    """No data of any kind given: the demo corpus."""
+    """No data of any kind given: the demo corpus; but DPO fine-tuning a --load model of the user's own needs its
+    own pairs (validation says so), the demo's being of the demo's tokenizer."""
     d = cfg.data
+    if cfg.objective.objective == "dpo" and cfg.train.load and cfg.train.finetune:
+        return False
     return d.data is None and not d.mock_data and d.sft_data is None and d.preference_data is None
 
 
