@@ -86,8 +86,9 @@ def _losses(path) -> dict[int, float]:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_dpo_run_resumes_exactly(pairs, tmp_path, lora):
-    """From step 3 of a 6-step run: the same losses; with the reference table deleted, a LoRA run from zero
-    adapters recomputes it from the base (adapters off), a full fine-tuning run is refused in one line."""
+    """From step 3 of a 6-step run: the same losses; with the reference table damaged, one line saying what works;
+    deleted, a LoRA run from zero adapters recomputes it from the base (adapters off), a full fine-tuning run is
+    refused in one line."""
     from test_train import llamatron
 
     flags = [*dpo(pairs, tmp_path), *(LORA if lora else []), "--model", "llama-test", "--device", "cpu"]
@@ -113,6 +114,14 @@ def test_a_dpo_run_resumes_exactly(pairs, tmp_path, lora):
         llamatron("train", *flags, *resume, "--metrics-file", str(tmp_path / "read.jsonl"), cwd=tmp_path)
         assert _losses(tmp_path / "read.jsonl") == after_3
     (table,) = tmp_path.glob("*-reference-*.npy")
+    table.write_bytes(b"not a table")  # damaged: the message says what works for this run
+    proc = llamatron("train", *flags, *resume, cwd=tmp_path, check=False)
+    (line,) = proc.stderr.splitlines()
+    assert proc.returncode == 2 and "unreadable reference log-probs" in line, proc.stderr
+    if lora:  # from zero adapters: computed again from the base
+        assert line.endswith("delete it: the next run computes them again"), line
+    else:  # the weights are no longer the reference: deleting it would not help
+        assert "delete it" not in line and line.endswith("start the DPO run again from the checkpoint it started from")
     table.unlink()
     proc = llamatron(
         "train", *flags, *resume, "--metrics-file", str(tmp_path / "again.jsonl"), cwd=tmp_path, check=False

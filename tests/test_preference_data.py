@@ -1,5 +1,5 @@
-"""--preference-data read back: pairs of any lengths against the sequence length, and the files checked (the
-loss masks of --sft-data too)."""
+"""--preference-data read back: pairs of any lengths against the sequence length, the files checked (the loss
+masks of --sft-data too), pairs that train nothing counted."""
 
 from __future__ import annotations
 
@@ -79,3 +79,30 @@ def test_an_sft_mask_of_token_ids_is_refused(tmp_path):
         DataError, match=r"c_mask.bin: a loss mask holds only 0 and 1, but this file holds the value 11 "
     ):
         build_sft_datasets(prefix, "100,0,0", 16, 4, 0, seed=0)
+
+
+def test_pairs_whose_chosen_equals_rejected_are_counted_in_one_warning(tmp_path):
+    """They train nothing (DPO's gradient is 0 for them): alike outright, alike within the 33 tokens of
+    --seq-length 32 (they differ after the cut); not alike: other tokens, or the same tokens with another mask."""
+    prefix = str(tmp_path / "p")
+    writers = {}
+    for response in ("chosen", "rejected"):
+        writers[response] = IndexedDatasetWriter(response_prefix(prefix, response), np.uint16)
+        writers[response + "_mask"] = IndexedDatasetWriter(mask_prefix(response_prefix(prefix, response)), np.uint8)
+    same = np.arange(3, 23)
+    cut = np.arange(3, 43)
+    pairs = [
+        (same, same, [0] * 10 + [1] * 10, [0] * 10 + [1] * 10),  # alike
+        (cut, np.r_[cut[:35], cut[35:] + 1], [0] * 10 + [1] * 30, [0] * 10 + [1] * 30),  # alike within 33
+        (same, same + 1, [0] * 10 + [1] * 10, [0] * 10 + [1] * 10),  # other tokens
+        (same, same, [0] * 10 + [1] * 10, [0] * 12 + [1] * 8),  # another mask
+    ]
+    for chosen, rejected, chosen_mask, rejected_mask in pairs:
+        for name, array in zip(writers, (chosen, chosen_mask, rejected, rejected_mask)):
+            writers[name].add_document(np.asarray(array))
+    for writer in writers.values():
+        writer.finalize()
+    train, _ = build_preference_datasets(prefix, "100,0,0", 32, 8, 0, seed=0)
+    (line,) = train.warning().splitlines()
+    assert line.startswith(f"warning: --preference-data {prefix}: 2 of the 4 pairs of the train split have the same")
+    assert "add nothing to the gradient" in line
