@@ -86,3 +86,18 @@ def test_the_dpo_demos_pairs_are_real_against_swapped_continuations(tmp_path):
     marker = os.path.getmtime(prefix + ".json")
     assert prepare_demo_pairs(str(tmp_path / "demo"), corpus["prefix"], count=50, prompt=16, reply=8) == prefix
     assert os.path.getmtime(prefix + ".json") == marker  # reused
+
+
+def test_the_dpo_demo_summary_says_a_rising_language_model_loss_is_expected(capsys):
+    from llamatron.commands.demo import print_dpo_demo_summary
+
+    def record(step, loss, accuracy, margin, dpo):
+        return {"step": step, "loss": loss, "rewards_accuracy": accuracy, "rewards_margin": margin, "dpo_loss": dpo}
+
+    print_dpo_demo_summary([record(0, 5.04, 0.0, 0.0, 0.693), record(100, 5.63, 0.93, 0.64, 0.457)], "ck")
+    out = capsys.readouterr().out
+    assert "language-model loss on their responses 5.040 -> 5.630, a rise DPO is expected to give" in out, out
+    print_dpo_demo_summary([record(0, 5.04, 0.0, 0.0, 0.693), record(100, 4.9, 0.93, 0.64, 0.457)], "ck")
+    assert "expected" not in capsys.readouterr().out
+    print_dpo_demo_summary([], "ck")  # no validation split (--split 100,0,0): no traceback
+    assert capsys.readouterr().out == "no held-out pairs were evaluated (no validation split)\ncheckpoint: ck\n"

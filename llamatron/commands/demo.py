@@ -176,13 +176,24 @@ def validation_summary(valid: list[dict[str, Any]]) -> str | None:
 
 
 def print_dpo_demo_summary(valid: list[dict[str, Any]], checkpoint: str) -> None:
-    """Reward accuracy and margin on the held-out pairs, from the evaluation before training to the last."""
+    """Reward accuracy and margin on the held-out pairs, from the evaluation before training to the last, and the
+    language-model loss on them, which DPO may well raise (said, so that it is not taken for a fault)."""
+    if not valid:  # e.g. --split 100,0,0: no held-out pairs
+        print(f"no held-out pairs were evaluated (no validation split)\ncheckpoint: {checkpoint}")
+        return
     first, last = valid[0], valid[-1]
+    rose = (
+        ", a rise DPO is expected to give: it lowers the corrupted continuations' probability (half of these "
+        "responses) and need not raise the real ones'"
+        if last["loss"] > first["loss"]
+        else ""
+    )
     print(
         f"held-out pairs: reward accuracy {first['rewards_accuracy']:.2f} at step {first['step']} -> "
         f"{last['rewards_accuracy']:.2f} at step {last['step']} (the share of pairs where the real continuation "
         f"gained more than the corrupted one), reward margin {first['rewards_margin']:.3f} -> "
         f"{last['rewards_margin']:.3f}, DPO loss {first['dpo_loss']:.3f} -> {last['dpo_loss']:.3f}\n"
+        f"language-model loss on their responses {first['loss']:.3f} -> {last['loss']:.3f}{rose}\n"
         f"checkpoint: {checkpoint}"
     )
 
