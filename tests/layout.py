@@ -1,7 +1,8 @@
 """Run `llamatron train` under a layout and compare it with the single-process reference.
 
-The correctness method of docs/design.md (Testing): same seed and data, per-step
-loss and grad norm must agree with the single-process fp32 run.
+The correctness method of docs/design.md (Testing): same seed and data, every field of every step's record and
+of the evaluation records (loss, grad norm, learning rate, the samples counted, DPO's rewards, a mixture of
+experts' router statistics, ...) must agree with the single-process fp32 run; only speed and memory may differ.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from llamatron.checkpoint.reader import load_full_tensors
@@ -46,6 +47,16 @@ BASE_ARGS = [
     "--log-interval",
     "1",
 ]
+
+
+# What a layout changes without computing anything differently: its speed and memory per GPU.
+UNCOMPARED = frozenset({"tokens_per_sec", "tflops_per_gpu", "mfu", "peak_mem_gib"})
+
+
+class Records(list):
+    """run_train's per-step records; `valid`: the run's evaluation records, which assert_matches compares too."""
+
+    valid: list[dict] = []
 
 
 def free_port() -> int:
@@ -116,7 +127,9 @@ def run_train(
     if stdout is not None:
         stdout.append(out)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return records if include_eval else [r for r in records if r.get("split") is None]
+    out = Records(records if include_eval else [r for r in records if r.get("split") is None])
+    out.valid = [r for r in records if r.get("split") is not None]
+    return out
 
 
 def _run_ranks(cmd: list[str], nproc: int, env: dict, workdir: Path, timeout: float) -> tuple[int, str, str]:
@@ -163,13 +176,41 @@ def _run_ranks(cmd: list[str], nproc: int, env: dict, workdir: Path, timeout: fl
     return code, "".join(o for o, _ in texts), "".join(e for _, e in texts)
 
 
-def assert_matches(reference: list[dict], got: list[dict], rtol: float = 1e-4, keys=("loss", "grad_norm")) -> None:
+def assert_matches(
+    reference: list[dict],
+    got: list[dict],
+    rtol: float = 1e-4,
+    keys: Sequence[str] | None = None,
+    atol: Mapping[str, float] | None = None,
+) -> None:
+    """Each record of `got` agrees with the reference's (to rtol of the reference's value, plus rtol/1000 for values
+    near 0, plus atol[field] where given: a difference of two larger numbers, such as DPO's rewards): every field
+    but UNCOMPARED, the same fields in both, unless `keys` names those to compare (where a run differs by design,
+    e.g. fp8 against bf16); then, when both are run_train's, their evaluations."""
+    atol = atol or {}
     assert len(reference) == len(got) > 0, (len(reference), len(got))
     for ref, rec in zip(reference, got):
-        assert ref["step"] == rec["step"]
-        for key in keys:
-            a, b = ref[key], rec[key]
-            assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {ref['step']} {key}: reference {a} vs {b}"
+        assert (ref["step"], ref.get("split")) == (rec["step"], rec.get("split"))
+        where = f"step {ref['step']}{' ' + ref['split'] if ref.get('split') else ''}"
+        if keys is None:
+            assert ref.keys() - UNCOMPARED == rec.keys() - UNCOMPARED, f"{where}: {sorted(ref.keys() ^ rec.keys())}"
+        for key in sorted(ref.keys() - UNCOMPARED) if keys is None else keys:
+            _assert_close(ref[key], rec[key], rtol, rtol * 1e-3 + atol.get(key, 0.0), f"{where} {key}")
+    valid = getattr(reference, "valid", None), getattr(got, "valid", None)
+    if keys is None and valid[0] is not None and valid[1] is not None:
+        assert len(valid[0]) == len(valid[1]), f"evaluations: {len(valid[0])} in the reference, {len(valid[1])}"
+        if valid[0]:
+            assert_matches(valid[0], valid[1], rtol, None, atol)
+
+
+def _assert_close(a, b, rtol: float, atol: float, what: str) -> None:
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, rtol, atol, f"{what}[{i}]")
+    elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        assert abs(a - b) <= rtol * abs(a) + atol, f"{what}: reference {a} vs {b}"
+    else:
+        assert a == b, f"{what}: reference {a!r} vs {b!r}"
 
 
 def assert_same_weights(reference: Path, got: Path, rtol: float = 1e-3) -> None:

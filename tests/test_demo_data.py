@@ -140,3 +140,18 @@ def _clock(text: str) -> int:
         return sum(int(p) * 60**i for i, p in enumerate(reversed(text.split(":"))))
     h, m, s = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text).groups()  # type: ignore[union-attr]
     return int(h or 0) * 3600 + int(m or 0) * 60 + int(s or 0)
+
+
+def test_the_dpo_demo_summary_says_a_rising_language_model_loss_is_expected(capsys):
+    from llamatron.commands.demo import print_dpo_demo_summary
+
+    def record(step, loss, accuracy, margin, dpo):
+        return {"step": step, "loss": loss, "rewards_accuracy": accuracy, "rewards_margin": margin, "dpo_loss": dpo}
+
+    print_dpo_demo_summary([record(0, 5.04, 0.0, 0.0, 0.693), record(100, 5.63, 0.93, 0.64, 0.457)], "ck")
+    out = capsys.readouterr().out
+    assert "language-model loss on their responses 5.040 -> 5.630, a rise DPO is expected to give" in out, out
+    print_dpo_demo_summary([record(0, 5.04, 0.0, 0.0, 0.693), record(100, 4.9, 0.93, 0.64, 0.457)], "ck")
+    assert "expected" not in capsys.readouterr().out
+    print_dpo_demo_summary([], "ck")  # no validation split (--split 100,0,0): no traceback
+    assert capsys.readouterr().out == "no held-out pairs were evaluated (no validation split)\ncheckpoint: ck\n"

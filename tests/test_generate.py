@@ -112,12 +112,14 @@ def greedy(*args) -> int:
     return run(*args, "--temperature", "0", "--max-new-tokens", NEW)
 
 
-def first_word_token(tok, ids: list[int], start: int) -> int:
-    """The first index k >= start whose token is a word (letters and digits) first seen in the text at token k."""
+def first_word_token(tok, ids: list[int], start: int, tail_new: bool = False) -> int:
+    """The first index k >= start whose token is a word (letters and digits) first seen in the text at token k;
+    tail_new: of two letters or more, its tail (all but its first letter) first seen there too."""
     for k in range(start, len(ids)):
         word, before = tok.decode(ids[k : k + 1]), tok.decode(ids[:k])
         if word.isalnum() and tok.encode(word) == [ids[k]] and word not in before + word[:-1]:
-            return k
+            if not tail_new or (len(word) > 1 and word[1:] not in before + word[1:-1]):
+                return k
     raise AssertionError(f"no word token in {ids}")
 
 
@@ -145,7 +147,7 @@ def test_stops_at_the_tokenizers_eos(reference, tmp_path, capsys):
 def test_stop_strings_end_sampling_and_cut_the_output(reference, monkeypatch, capsys):
     ckpt, tok_dir, ids = reference
     tok = load_tokenizer(str(tok_dir))
-    k = first_word_token(tok, ids, 4)
+    k = first_word_token(tok, ids, 4, tail_new=True)
     stop, text = tok.decode(ids[k : k + 1]), tok.decode(ids)
     lengths = []
     real_generate = generate.generate_batch
@@ -155,6 +157,9 @@ def test_stop_strings_end_sampling_and_cut_the_output(reference, monkeypatch, ca
     assert greedy("--load", ckpt, "--prompt", PROMPT, "--stop", "never in it", "--stop", stop) == 0
     assert capsys.readouterr().out == PROMPT + text[: text.index(stop)] + "\n"
     assert lengths == [k + 1]  # no token sampled after the one that completed the stop string
+    # two strings that both occur, the one given first starting later (the word's tail): cut at the first match
+    assert greedy("--load", ckpt, "--prompt", PROMPT, "--stop", stop[1:], "--stop", stop) == 0
+    assert capsys.readouterr().out == PROMPT + text[: text.index(stop)] + "\n"
 
 
 def test_chat_renders_chatml_with_a_generation_prompt(reference, tmp_path, monkeypatch, capsys):

@@ -60,7 +60,7 @@ def test_demo_config_holds_the_demos_settings():
     assert {
         k: float(values[k]) if isinstance(v, float) else values[k] for k, v in DEMO_DEFAULTS.items() if k != "save"
     } == {k: v for k, v in DEMO_DEFAULTS.items() if k != "save"}
-    assert values["save"] != DEMO_DEFAULTS["save"]  # the demo replaces its own directory; this run is another
+    assert values["save"] != DEMO_DEFAULTS["save"]  # a run of its own, not one of the demo's directories
 
 
 def test_large_configs_keep_tensor_parallelism_inside_a_node():

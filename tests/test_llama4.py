@@ -195,7 +195,7 @@ def single_run(tmp_path_factory) -> tuple[list[dict], Path]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_the_single_process(name, single_run, tmp_path):
-    """Per-step loss and grad norm, and the final weights."""
+    """Every logged field of each step (the router statistics too) and the evaluation, and the final weights."""
     flags, nproc = LAYOUTS[name]
     records, weights = single_run
     assert_matches(records, run_train([*flags, "--save", "ck"], nproc, tmp_path, model="llama4-test"))

@@ -179,7 +179,7 @@ def single(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_the_single_process(name, single, tmp_path):
-    """Per-step loss and grad norm, and the final weights."""
+    """Every logged field of each step (the router statistics too) and the evaluation, and the final weights."""
     flags, nproc, model = LAYOUTS[name]
     records, weights = single(model)
     assert_matches(records, run_train([*flags, "--save", "ck"], nproc, tmp_path, model=model))

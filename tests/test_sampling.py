@@ -125,6 +125,9 @@ def test_stop_length_keeps_through_the_first_stop():
     assert stop_length([4, 5, 6, 7], 0, set(), stops) == 3  # "efg": the shortest prefix that holds "fg"
     assert stop_length([4, 5, 6, 7], 0, {5}, stops) == 2  # EOS first
     assert stops.cut("abcdefgh") == "abcde"
+    both = StopStrings(decode, ["fg", "cd", "de"])  # all occur: the cut is before the first to start, not the last
+    assert both.cut("abcdefgh") == "ab" and both.cut("abcdefghcd") == "ab"
+    assert stop_length([0, 1, 2, 3, 4, 5, 6], 0, set(), both) == 4  # "abcd": stopped where "cd" ends
     with pytest.raises(ValueError, match="a stop string is empty"):
         StopStrings(decode, ["x", ""])
 

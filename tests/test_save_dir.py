@@ -168,27 +168,9 @@ def test_a_tokenizer_too_large_for_a_loaded_checkpoint_names_the_checkpoint(tmp_
     assert "use the tokenizer ck was trained with" in err and "llama-tiny" not in err
 
 
-def test_the_demo_replaces_its_own_previous_checkpoints_only(tmp_path, monkeypatch):
-    from llamatron.commands.demo import apply_demo_defaults, previous_demo_replacer
-    from llamatron.config.settings import config_from_values
-
-    monkeypatch.chdir(tmp_path)
-    cfg = config_from_values({})
-    apply_demo_defaults(cfg)
-    (tmp_path / cfg.train.save / "step-200").mkdir(parents=True)
-    replace = previous_demo_replacer(cfg)
-    assert replace is not None and (tmp_path / cfg.train.save / "step-200").is_dir()  # nothing cleared yet
-    replace()
-    assert not (tmp_path / cfg.train.save).exists()
-    mine = config_from_values({"save": "mine"})
-    (tmp_path / "mine" / "step-1").mkdir(parents=True)
-    assert previous_demo_replacer(mine) is None and (tmp_path / "mine" / "step-1").is_dir()
-
-
 def test_a_refused_demo_run_leaves_the_previous_demo_checkpoints(tmp_path, monkeypatch, capsys):
-    """The demo clears its previous run only once the new run's settings are checked: a demo run refused for bad
-    input (--min-lr above --lr, training.validate's) leaves runs/demo/checkpoint as it was (the DPO demo and any
-    --load start from it)."""
+    """A demo run refused for bad input (--min-lr above --lr, training.validate's) leaves runs/demo/checkpoint as
+    it was (the DPO demo and any --load start from it) and makes no directory of its own."""
     from llamatron import cli
     from llamatron.commands.demo import apply_demo_defaults
     from llamatron.config.settings import config_from_values
@@ -202,7 +184,7 @@ def test_a_refused_demo_run_leaves_the_previous_demo_checkpoints(tmp_path, monke
         cli.main(["train", "--model", "llama-tiny", "--lr", "1e-4", "--min-lr", "1e-3"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "min" in err, err
-    assert previous.is_dir()
+    assert previous.is_dir() and sorted(p.name for p in previous.parent.parent.iterdir()) == ["checkpoint"]
 
 
 def test_resuming_names_the_settings_that_changed_and_an_empty_run(tmp_path, saved):

@@ -4,23 +4,27 @@ on pairs built from the same corpus (the real continuation of a source file agai
 a few tokens swapped, data/demo_preference.py).
 
 The demos' own settings (`DEMO_DEFAULTS`, `DPO_DEMO_DEFAULTS`, where the user gave none), their checkpoint
-directories (a new demo run replaces the previous one's) and the summaries they print at the end are here.
+directories (a new demo run saves beside the previous ones: runs/demo/checkpoint, then checkpoint-2, ...; nothing
+saved is deleted, as a LoRA checkpoint or the DPO demo may start from it) and the summaries they print at the end
+are here.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint import step_dirs
 from ..config.settings import RunConfig, section_of
 from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR, on_console, prepare_demo_data
 from ..data.demo_preference import PAIRS_NAME, prepare_demo_pairs
 from ..data.tokenizer import load_tokenizer
 from ..inference.generate import load_for_generation, sample
 from ..training.evaluation import format_metrics
+from ..training.trainer import checkpoint_root
 
 # The demo's settings where the user gave none: llama-tiny learns code in a few CPU minutes.
 DEMO_DEFAULTS = {
@@ -37,7 +41,7 @@ DEMO_DEFAULTS = {
 }
 
 
-# The DPO demo's: from the language-model demo's checkpoint when there is one (else from initialisation), 8 pairs
+# The DPO demo's: from the newest language-model demo checkpoint when there is one (else from initialisation), 8 pairs
 # a step of a 64-token prompt and a 32-token reply; evaluated on 40 held-out pairs before training and every 25 steps.
 DPO_DEMO_DEFAULTS = {
     "seq_length": 95,
@@ -55,8 +59,11 @@ DPO_DEMO_DEFAULTS = {
 
 
 def is_demo(cfg: RunConfig) -> bool:
-    """No data of any kind given: the demo corpus."""
+    """No data of any kind given: the demo corpus; but DPO fine-tuning a --load model of the user's own needs its
+    own pairs (validation says so), the demo's being of the demo's tokenizer."""
     d = cfg.data
+    if cfg.objective.objective == "dpo" and cfg.train.load and cfg.train.finetune:
+        return False
     return d.data is None and not d.mock_data and d.sft_data is None and d.preference_data is None
 
 
@@ -67,11 +74,57 @@ def apply_demo_defaults(cfg: RunConfig) -> None:
             setattr(getattr(cfg, section_of(key)), key, value)
     if dpo:
         _prepare_dpo_demo(cfg)
+    if "save" not in cfg.explicit:
+        cfg.train.save = _demo_save_dir(cfg)
+
+
+def _demo_save_dir(cfg: RunConfig) -> str:
+    """Where a demo run without --save saves: resuming (--load without --finetune), the run it resumes; else a
+    directory of its own beside the previous demo runs' (the first run's runs/demo/checkpoint, a rerun's
+    checkpoint-2, -3, ...), so that nothing saved is replaced."""
+    t = cfg.train
+    if "load" in cfg.explicit and t.load and not t.finetune:
+        return checkpoint_root(t.load)
+    return fresh_run_dir(str(t.save))
+
+
+def _numbered_runs(base: str) -> list[tuple[int, str]]:
+    """(n, path) of base (n 1) and base-N (n N) present on disk, by n."""
+    parent, name = os.path.split(base)
+    found = [(1, base)] if os.path.lexists(base) else []
+    pattern = re.compile(re.escape(name) + r"-([0-9]+)")
+    for entry in os.listdir(parent or ".") if os.path.isdir(parent or ".") else []:
+        if (m := pattern.fullmatch(entry)) and int(m.group(1)) >= 2:
+            found.append((int(m.group(1)), os.path.join(parent, entry)))
+    return sorted(found)
+
+
+def _holds_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "latest")) or bool(step_dirs(path))
+
+
+def fresh_run_dir(base: str) -> str:
+    """base, or base-N one past the highest present; the highest itself while it is a directory that holds no
+    checkpoint (a run that stopped before its first save, or this run's rank 0 having made it: every rank of a
+    run must pick the same)."""
+    runs = _numbered_runs(base)
+    if not runs:
+        return base
+    n, path = runs[-1]
+    if os.path.isdir(path) and not os.path.islink(path) and not _holds_checkpoint(path):
+        return path
+    return f"{base}-{n + 1}"
+
+
+def newest_run_checkpoint(base: str) -> str | None:
+    """The highest-numbered of base, base-2, ... that holds a checkpoint (None without any)."""
+    held = [path for _, path in _numbered_runs(base) if os.path.isfile(os.path.join(path, "latest"))]
+    return held[-1] if held else None
 
 
 def _prepare_dpo_demo(cfg: RunConfig) -> None:
-    """The pairs (rank 0 builds them, the other ranks wait for them), and the language-model demo's checkpoint as
-    the start and reference when it exists."""
+    """The pairs (rank 0 builds them, the other ranks wait for them), and the newest language-model demo
+    checkpoint as the start and reference when there is one."""
     if os.environ.get("RANK", "0") == "0":
         corpus = prepare_demo_data(DEMO_DATA_DIR, say=on_console)
         prefix = prepare_demo_pairs(DEMO_DATA_DIR, corpus["prefix"], say=on_console)
@@ -81,30 +134,31 @@ def _prepare_dpo_demo(cfg: RunConfig) -> None:
             time.sleep(1)
     cfg.data.preference_data = prefix
     cfg.data.tokenizer = os.path.abspath(os.path.join(DEMO_DATA_DIR, "tokenizer"))
-    start = os.path.join(DEMO_DIR, "checkpoint")
     if cfg.train.load or "load" in cfg.explicit:
         return
-    if os.path.isfile(os.path.join(start, "latest")):
+    base = str(DEMO_DEFAULTS["save"])
+    start = newest_run_checkpoint(base)
+    if start is not None:
         cfg.train.load, cfg.train.finetune = start, True
     elif os.environ.get("RANK", "0") == "0":
-        print(f"no language-model demo checkpoint in {start} (run `llamatron train` first): DPO from initialisation")
+        print(f"no language-model demo checkpoint in {base} (run `llamatron train` first): DPO from initialisation")
 
 
-def previous_demo_replacer(cfg: RunConfig) -> Callable[[], None] | None:
-    """The demo's own checkpoint directory (no --save given) holds the previous demo run, which a new run replaces
-    (where a run saving into another run's directory is refused: train.check_save_dir): the step that clears it,
-    for run_training to take once the run's settings are checked, so that a refused run leaves it (the DPO demo
-    starts from it). None for a run with its own --save or --load."""
-    if "save" in cfg.explicit or "load" in cfg.explicit:
-        return None
-    save = str(cfg.train.save)  # apply_demo_defaults set it
+def demo_start_note(cfg: RunConfig) -> Callable[[], None]:
+    """The line a demo run prints once its settings are checked: where it saves when earlier demo runs are
+    kept beside it, and which checkpoint the DPO demo starts from."""
+    base = str((DPO_DEMO_DEFAULTS if cfg.objective.objective == "dpo" else DEMO_DEFAULTS)["save"])
+    save, load = str(cfg.train.save), cfg.train.load
 
-    def clear() -> None:
-        if os.environ.get("RANK", "0") == "0" and os.path.isdir(save) and os.listdir(save):
-            print(f"replacing the previous demo run's checkpoints in {save}", flush=True)
-            shutil.rmtree(save)
+    def note() -> None:
+        if os.environ.get("RANK", "0") != "0":
+            return
+        if "save" not in cfg.explicit and save != base and "load" not in cfg.explicit:
+            print(f"this demo run saves to {save}; the earlier demo runs' checkpoints are kept", flush=True)
+        if cfg.objective.objective == "dpo" and load and "load" not in cfg.explicit:
+            print(f"DPO from the language-model demo's checkpoint {load}", flush=True)
 
-    return clear
+    return note
 
 
 def validation_summary(valid: list[dict[str, Any]]) -> str | None:
@@ -122,13 +176,24 @@ def validation_summary(valid: list[dict[str, Any]]) -> str | None:
 
 
 def print_dpo_demo_summary(valid: list[dict[str, Any]], checkpoint: str) -> None:
-    """Reward accuracy and margin on the held-out pairs, from the evaluation before training to the last."""
+    """Reward accuracy and margin on the held-out pairs, from the evaluation before training to the last, and the
+    language-model loss on them, which DPO may well raise (said, so that it is not taken for a fault)."""
+    if not valid:  # e.g. --split 100,0,0: no held-out pairs
+        print(f"no held-out pairs were evaluated (no validation split)\ncheckpoint: {checkpoint}")
+        return
     first, last = valid[0], valid[-1]
+    rose = (
+        ", a rise DPO is expected to give: it lowers the corrupted continuations' probability (half of these "
+        "responses) and need not raise the real ones'"
+        if last["loss"] > first["loss"]
+        else ""
+    )
     print(
         f"held-out pairs: reward accuracy {first['rewards_accuracy']:.2f} at step {first['step']} -> "
         f"{last['rewards_accuracy']:.2f} at step {last['step']} (the share of pairs where the real continuation "
         f"gained more than the corrupted one), reward margin {first['rewards_margin']:.3f} -> "
         f"{last['rewards_margin']:.3f}, DPO loss {first['dpo_loss']:.3f} -> {last['dpo_loss']:.3f}\n"
+        f"language-model loss on their responses {first['loss']:.3f} -> {last['loss']:.3f}{rose}\n"
         f"checkpoint: {checkpoint}"
     )
 

@@ -33,11 +33,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     is_demo = demo.is_demo(cfg)
-    replace_save = None
+    note = None
     if is_demo:
         demo.apply_demo_defaults(cfg)
-        replace_save = demo.previous_demo_replacer(cfg)
-    result = run_training(cfg, replace_save=replace_save, faults=args.faults)
+        note = demo.demo_start_note(cfg)
+    result = run_training(cfg, on_checked=note, faults=args.faults)
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         if cfg.objective.objective == "dpo":
             demo.print_dpo_demo_summary(result.valid, result.checkpoint)

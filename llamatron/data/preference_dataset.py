@@ -19,7 +19,7 @@ import numpy as np
 
 from llamatron.data.indexed import IndexedDataset, index_path
 from llamatron.data.preference import RESPONSES, response_prefix
-from llamatron.data.samples import check_token_ids, index_cache_dir, split_documents
+from llamatron.data.samples import check_mask_values, check_token_ids, index_cache_dir, split_documents
 from llamatron.data.sft import mask_prefix
 from llamatron.errors import DataError, MissingDataError
 
@@ -52,8 +52,23 @@ class PreferencePairs:
 
     def trains_within(self, record: int, capacity: int) -> bool:
         """Whether both responses of ``record`` keep a trained token in their first ``capacity`` tokens (the
-        first token is never predicted)."""
-        return all(bool(mask.get(record, 1, capacity - 1).any()) for mask in self.masks)
+        first token is never predicted); either may be shorter than that."""
+        for mask in self.masks:
+            n = min(int(mask.sizes[record]), capacity)
+            if n < 2 or not mask.get(record, 1, n - 1).any():
+                return False
+        return True
+
+    def alike_within(self, records: np.ndarray, capacity: int) -> int:
+        """How many of ``records`` have the same chosen and rejected sequence (tokens and mask) in their first
+        ``capacity`` tokens: DPO compares the two, so such a pair adds nothing to the gradient."""
+        lengths = [np.minimum(tokens.sizes[records], capacity) for tokens in self.tokens]
+        same = lengths[0] == lengths[1]
+        alike = 0
+        for record, n in zip(records[same].tolist(), lengths[0][same].tolist()):
+            both = (self.tokens, self.masks)
+            alike += all(np.array_equal(c.get(record, 0, n), r.get(record, 0, n)) for c, r in both)
+        return alike
 
     def sequence(self, record: int, response: int, capacity: int) -> dict[str, np.ndarray]:
         """Record ``record``'s prompt + response ``response`` (0 chosen, 1 rejected) as one padded sample."""
@@ -96,6 +111,7 @@ class PreferenceDataset:
         for i in np.flatnonzero(longest > capacity).tolist():
             keep[i] = pairs.trains_within(int(records[i]), capacity)
         self.records, self.dropped, self.longest = records[keep], int((~keep).sum()), int(longest.max(initial=0))
+        self.alike = pairs.alike_within(self.records, capacity)
         if self.records.size == 0:
             raise DataError(
                 f"--preference-data {pairs.prefix}: no pair of the {name} split keeps a trained response token "
@@ -114,13 +130,22 @@ class PreferenceDataset:
         )
 
     def warning(self) -> str | None:
-        if not self.dropped:
-            return None
-        return (
-            f"warning: --preference-data {self.pairs.prefix}: {self.dropped} of the {self.records.size + self.dropped}"
-            f" pairs of the {self.split_name} split lose every trained token of a response to truncation at "
-            f"{self.seq_length + 1} tokens and are left out; {self._fix()}"
-        )
+        """The pairs left out, and those that train nothing (chosen and rejected alike), a line each; else None."""
+        lines, given = [], f"warning: --preference-data {self.pairs.prefix}"
+        if self.dropped:
+            lines.append(
+                f"{given}: {self.dropped} of the {self.records.size + self.dropped} pairs of the {self.split_name} "
+                f"split lose every trained token of a response to truncation at {self.seq_length + 1} tokens and are "
+                f"left out; {self._fix()}"
+            )
+        if self.alike:
+            lines.append(
+                f"{given}: {self.alike} of the {self.records.size} pairs of the {self.split_name} split have the same "
+                f"chosen and rejected sequence (in their first {self.seq_length + 1} tokens): DPO compares the two, "
+                "so they add nothing to the gradient (and count as not preferred in rewards_accuracy); check how the "
+                "pairs were made"
+            )
+        return "\n".join(lines) or None
 
     def describe(self) -> str:
         return (
@@ -154,9 +179,10 @@ def build_preference_datasets(
 ) -> tuple[PreferenceDataset, PreferenceDataset | None]:
     """Train and validation datasets of ``--preference-data PREFIX`` (its records split by ``split``)."""
     pairs = PreferencePairs(prefix)
-    if vocab_size is not None:
-        for tokens in pairs.tokens:
+    for tokens, mask in zip(pairs.tokens, pairs.masks):
+        if vocab_size is not None:
             check_token_ids(tokens, vocab_size, index_cache_dir(tokens.prefix, cache_path))
+        check_mask_values(mask, "`llamatron preprocess --preference`", index_cache_dir(mask.prefix, cache_path))
     train_ids, valid_ids, _ = split_documents(len(pairs), split)
     if train_ids.size == 0:
         raise DataError(f"--preference-data {prefix} split={split!r}: the train split has no pairs")

@@ -314,6 +314,18 @@ def check_token_ids(indexed: IndexedDataset, vocab_size: int, cache_dir: str | N
         )
 
 
+def check_mask_values(mask: IndexedDataset, written_by: str, cache_dir: str | None = None) -> None:
+    """Raise DataError, naming the file, if a loss mask holds values other than 0 and 1 (token ids, say: any
+    non-zero value would train silently as 1). written_by: the command that writes such masks."""
+    low, high = token_id_range(mask, cache_dir) if mask.dtype.kind in "iu" else (0, 2)
+    if mask.dtype.kind not in "iu" or low < 0 or high > 1:
+        held = f"{mask.dtype} values" if mask.dtype.kind not in "iu" else f"the value {high if high > 1 else low}"
+        raise DataError(
+            f"{data_path(mask.prefix)}: a loss mask holds only 0 and 1, but this file holds {held} (is it token "
+            f"ids?); write the mask with {written_by} again"
+        )
+
+
 def parse_data_argument(data: str) -> list[tuple[float, str]]:
     """``"PREFIX"`` or ``"W1 P1 W2 P2 ..."`` -> [(weight, prefix), ...]; ValueError saying what is wrong."""
     words = data.split()

@@ -30,7 +30,7 @@ import numpy as np
 
 from llamatron.data.cache import ArrayCache, cache_key
 from llamatron.data.indexed import IndexedDataset, index_path
-from llamatron.data.samples import check_token_ids, index_cache_dir, split_documents
+from llamatron.data.samples import check_mask_values, check_token_ids, index_cache_dir, split_documents
 from llamatron.data.sft import mask_prefix
 from llamatron.errors import DataError, MissingDataError
 
@@ -226,6 +226,7 @@ def build_sft_datasets(
     cache_dir = index_cache_dir(prefix, cache_path)
     if vocab_size is not None:
         check_token_ids(tokens, vocab_size, cache_dir)
+    check_mask_values(mask, "`llamatron preprocess --sft`", cache_dir)
     train_ids, valid_ids, _ = split_documents(len(tokens), split)
     if train_ids.size == 0:
         raise DataError(f"--sft-data {prefix} split={split!r}: the train split has no conversations")

@@ -103,18 +103,24 @@ def compute_reference_logps(engine: Engine, samples: _ReferenceSamples, base: bo
     return sum_from_last_stage(table, mesh).cpu().numpy()
 
 
-def _read_table(path: str, records: int) -> np.ndarray | None:
+# What a run can do about its reference table being damaged (or gone): computed again from the weights it started
+# with where the run has them; a resumed full fine-tune's weights are no longer the reference.
+_RECOMPUTE = "delete it: the next run computes them again"
+_LOST = (
+    "this resumed run cannot compute them again (its weights are no longer the reference): put an intact copy "
+    "back, or start the DPO run again from the checkpoint it started from"
+)
+
+
+def _read_table(path: str, records: int, fix: str) -> np.ndarray | None:
     if not os.path.isfile(path):
         return None
     try:
         table = np.load(path, allow_pickle=False)  # data, never code
     except (OSError, ValueError) as err:
-        raise DataError(f"{path}: unreadable reference log-probs ({err}); delete it to compute them again") from None
+        raise DataError(f"{path}: unreadable reference log-probs ({err}); {fix}") from None
     if table.shape != (records, 2) or table.dtype != np.float64:
-        raise DataError(
-            f"{path}: reference log-probs of shape {table.shape}, expected ({records}, 2): delete it to compute "
-            "them again"
-        )
+        raise DataError(f"{path}: reference log-probs of shape {table.shape}, expected ({records}, 2); {fix}")
     return table
 
 
@@ -132,13 +138,11 @@ def attach_reference(
     key = _checked_entry(resumed)
     directory = index_cache_dir(pairs.prefix, cfg.data.data_cache_path)
     path = os.path.join(directory, f"{os.path.basename(pairs.prefix)}-reference-{key}.npy")
-    table = _read_table(path, len(pairs))
+    recomputable = fresh or resumed["base"]
+    table = _read_table(path, len(pairs), _RECOMPUTE if recomputable else _LOST)
     if table is None:
-        if not fresh and not resumed["base"]:
-            raise CheckpointError(
-                f"the reference log-probs this DPO run trained against ({path}) are gone, and the weights they came "
-                "from are no longer the model's: put the file back, or start again from the reference checkpoint"
-            )
+        if not recomputable:
+            raise CheckpointError(f"the reference log-probs this DPO run trained against ({path}) are gone; {_LOST}")
         records = np.unique(np.concatenate([ds.records for ds in datasets]))
         samples = _ReferenceSamples(pairs, records, cfg.data.seq_length)
         logps = compute_reference_logps(engine, samples, base=not fresh)

@@ -216,10 +216,10 @@ def model_to_train(cfg: RunConfig) -> ModelConfig:
 
 
 def run_training(
-    cfg: RunConfig, replace_save: Callable[[], None] | None = None, faults: FaultInjection = NO_FAULTS
+    cfg: RunConfig, on_checked: Callable[[], None] | None = None, faults: FaultInjection = NO_FAULTS
 ) -> TrainResult:
-    """Train as configured. replace_save: clears --save (the demo's own directory) once the settings are checked,
-    instead of refusing a directory another run saved to; faults: what a test injects (none in a real run)."""
+    """Train as configured. on_checked: called once the settings are checked (the demo's note of where it saves,
+    which a refused run does not print); faults: what a test injects (none in a real run)."""
     t = cfg.train
     if cfg.data.tokenizer and os.path.exists(cfg.data.tokenizer):
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)  # checkpoints must name it from anywhere
@@ -230,10 +230,9 @@ def run_training(
         check_adapters(read_meta(t.load), cfg)
         added = adapter_shapes(model_cfg, cfg.lora.lora_rank, cfg.lora.lora_targets)
         check_checkpoint_fits(t.load, model_cfg, model_label(cfg), added)
-    if replace_save is None:
-        check_save_dir(cfg)  # first: a refused run leaves the directory exactly as it was, no lock file either
-    else:
-        replace_save()  # after every check: a refused demo run leaves the previous one's checkpoints
+    check_save_dir(cfg)  # last: a refused run leaves the directory exactly as it was, no lock file either
+    if on_checked is not None:
+        on_checked()
     lock = _lock_save_dir(cfg)
     try:
         init_distributed(derived.device, t.dist_timeout)
@@ -250,7 +249,7 @@ def _lock_save_dir(cfg: RunConfig) -> SaveDirLock:
     save = cfg.train.save
     if not save or int(os.environ.get("RANK", "0")) != 0:
         return SaveDirLock(None)
-    os.makedirs(save, exist_ok=True)  # the demo's, which it cleared (check_save_dir made any other)
+    os.makedirs(save, exist_ok=True)  # check_save_dir made it; again in case it went meanwhile
     return SaveDirLock.acquire(save)
 
 
@@ -415,10 +414,10 @@ def check_save_dir(cfg: RunConfig) -> None:
         return
     latest_file = os.path.join(save, "latest")
     latest = open(latest_file).read().strip() if os.path.isfile(latest_file) else steps[-1][1].name
-    if load and _checkpoint_root(load) == os.path.realpath(save) and not cfg.train.finetune:
+    if load and checkpoint_root(load) == os.path.realpath(save) and not cfg.train.finetune:
         return  # resuming the run that wrote them
     held = f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''}, the latest {latest}"
-    if load and cfg.train.finetune and _checkpoint_root(load) == os.path.realpath(save):
+    if load and cfg.train.finetune and checkpoint_root(load) == os.path.realpath(save):
         raise ConfigError(
             f"--save {save} is the directory --load reads ({held}); fine-tuning starts again at "
             "step 0, so its saves would overwrite those checkpoints (and --keep-last would delete "
@@ -431,7 +430,7 @@ def check_save_dir(cfg: RunConfig) -> None:
     )
 
 
-def _checkpoint_root(load: str) -> str:
+def checkpoint_root(load: str) -> str:
     """The directory holding the checkpoint --load names (DIR, or DIR for DIR/step-N)."""
     path = os.path.realpath(load)
     return os.path.dirname(path) if step_number(os.path.basename(path)) is not None else path
