@@ -23,7 +23,8 @@ import torch
 from ..config.settings import RunConfig
 from ..data.sft import CHAT_FORMATS, LLAMA3, ChatRenderer, chat_template
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
-from ..errors import CheckpointError
+from ..dtypes import DTYPES
+from ..errors import CheckpointError, HFConversionError
 from ..models import ModelConfig, build_model, config_from_dict
 from ..models.families import family_for_model_type
 from .hf import (
@@ -165,7 +166,9 @@ def write_imported(
     check_hf_names(rules, source.keys(), cfg, origin["source"])
     specs: list[TensorSpec] = []
     for rule in rules:  # shapes and dtypes from the file headers; no data read yet
-        fused = rule.fuse([source.meta(n) for n in rule.hf_names])
+        parts = [source.meta(n) for n in rule.hf_names]
+        _check_floating(rule.hf_names, parts, origin["source"])
+        fused = rule.fuse(parts)
         specs.append((rule.name, dtype or fused.dtype, tuple(fused.shape)))
     _check_rules_fit_model(rules, cfg, {n: s for n, _, s in specs})
     out = Path(out)
@@ -175,10 +178,13 @@ def write_imported(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    with StreamingSafetensorsWriter(tmp / MODEL_FILE, specs) as writer:
-        for rule in rules:  # one fused tensor in memory at a time
-            tensor = rule.fuse([source.get(n) for n in rule.hf_names])
-            writer.write(rule.name, tensor.to(dtype) if dtype else tensor)
+    try:
+        with StreamingSafetensorsWriter(tmp / MODEL_FILE, specs) as writer:
+            for rule in rules:  # one fused tensor in memory at a time
+                writer.write(rule.name, _finite_fused(rule, source, dtype, origin["source"]))
+    except BaseException:  # a refused tensor (or an interruption): no half-written checkpoint stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     copied = _copy_tokenizer(tokenizer, out / "tokenizer") if tokenizer else None
     run = RunConfig()
     run.data.tokenizer = str(copied.resolve()) if copied else None
@@ -198,6 +204,38 @@ def write_imported(
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, out / "latest")
     return final
+
+
+def _check_floating(names: tuple[str, ...], tensors: list[torch.Tensor], where: str) -> None:
+    """Weights are floating point: an integer or boolean tensor (quantized weights, a mislabelled file) would be
+    stored as it is and read as numbers it does not hold."""
+    for name, t in zip(names, tensors):
+        if not t.dtype.is_floating_point:
+            raise HFConversionError(
+                f"{where}: {name} is {str(t.dtype).removeprefix('torch.')}, not a floating-point tensor; "
+                f"llamatron imports unquantized weights (fp32, bf16 or fp16): convert the model to one of them first"
+            )
+
+
+def _finite_fused(rule: TensorRule, source: WeightSource, dtype: torch.dtype | None, where: str) -> torch.Tensor:
+    """The llamatron tensor of `rule`, in `dtype`; a NaN or an infinity in it is refused, naming the tensor (weights
+    holding one are never saved, docs/checkpoints.md)."""
+    parts = [source.get(n) for n in rule.hf_names]
+    for name, t in zip(rule.hf_names, parts):
+        if not bool(torch.isfinite(t).all()):
+            raise HFConversionError(
+                f"{where}: {name} holds a NaN or an infinity; nothing was imported: these weights are broken "
+                f"(re-download or re-export the model)"
+            )
+    tensor = rule.fuse(parts)
+    tensor = tensor.to(dtype) if dtype else tensor
+    if not bool(torch.isfinite(tensor).all()):  # finite before: out of the range of --dtype
+        flag = next(k for k, v in DTYPES.items() if v == dtype)
+        raise HFConversionError(
+            f"{where}: {', '.join(rule.hf_names)} holds values beyond the range of --dtype {flag}; nothing was "
+            f"imported: import with --dtype bf16 or fp32"
+        )
+    return tensor
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> Path | None:
