@@ -43,3 +43,24 @@ def test_import_refuses_non_finite_and_non_float_weights(value, dtype, flags, sa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and BROKEN in err and says in err, err
     assert _nothing_written(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("family", ["llama-tied-bias", "falcon-7b-layout"])  # tied in config.json (Falcon: by default)
+def test_a_distinct_head_beside_a_tied_config_is_loaded_as_transformers_loads_it(family, tmp_path, capsys):
+    from llamatron.inference.model_source import load_model
+    from llamatron.inference.verify import load_transformers_model
+
+    model = save_hf(family, tmp_path / "hf")
+    assert model.config.tie_word_embeddings
+    head = torch.randn_like(model.get_output_embeddings().weight)
+    _rewrite(tmp_path / "hf", **{"lm_head.weight": head})
+    theirs = load_transformers_model(str(tmp_path / "hf"), torch.float32)
+    assert torch.equal(theirs.get_output_embeddings().weight, head)  # transformers keeps the file's head
+    tokens = torch.randint(0, head.shape[0], (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = theirs(tokens).logits
+    capsys.readouterr()
+    assert run_cli("import-hf", tmp_path / "hf", tmp_path / "ckpt") == 0
+    assert "distinct lm_head.weight: read untied" in capsys.readouterr().err
+    assert run_cli("verify", tmp_path / "ckpt", "--hf", tmp_path / "hf", "--batches", "2") == 0
+    with torch.no_grad():  # eval straight from the directory reads it the same way
+        torch.testing.assert_close(load_model(str(tmp_path / "hf"))(tokens), expected, rtol=1e-4, atol=1e-4)

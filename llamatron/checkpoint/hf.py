@@ -8,7 +8,7 @@ export gives back bitwise-identical tensors.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -105,6 +105,21 @@ def weight_rules(cfg: ModelConfig, hf: Mapping[str, Any], names: Collection[str]
     return family_of(cfg).hf.weight_rules(cfg, hf, names)
 
 
+def tied_as_loaded(
+    hf: Mapping[str, Any], names: Collection[str], read: Callable[[str], torch.Tensor]
+) -> dict[str, Any]:
+    """`hf` as transformers reads it beside its weights `names` (`read`: a tensor's data): it ties the head to the
+    embedding only where the weights hold no head or one equal to the embedding (modeling_utils' tie_weights); a
+    distinct lm_head.weight stays untied, and so it is here (tie_word_embeddings false) rather than dropped."""
+    cfg = config_from_hf(hf)
+    if not cfg.tie_embeddings or "lm_head.weight" not in names:
+        return dict(hf)
+    embed = next(r for r in weight_rules(cfg, hf, names) if r.name == "embed.weight").hf_names[0]
+    if embed not in names or torch.equal(read(embed), read("lm_head.weight")):
+        return dict(hf)
+    return {**hf, "tie_word_embeddings": False}
+
+
 def check_hf_names(rules: list[TensorRule], available: set[str], cfg: ModelConfig, where: str) -> None:
     """Every Hugging Face tensor the rules need is there, and nothing unexpected is left over."""
     needed = {n for r in rules for n in r.hf_names}
@@ -147,5 +162,6 @@ __all__ = [
     "config_to_hf",
     "hf_to_llamatron",
     "llamatron_to_hf",
+    "tied_as_loaded",
     "weight_rules",
 ]

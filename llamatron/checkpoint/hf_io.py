@@ -32,6 +32,7 @@ from .hf import (
     check_hf_names,
     config_from_hf,
     config_to_hf,
+    tied_as_loaded,
     training_settings_not_exported,
     weight_rules,
 )
@@ -87,6 +88,7 @@ class HFWeights:
     def __init__(self, hf_dir: str | Path):
         check_hf_files(hf_dir, tokenizer=False)
         hf, self.source, _ = open_hf_dir(hf_dir)
+        hf = _tied_as_loaded(hf, self.source, str(hf_dir))
         self.cfg = config_from_hf(hf)
         rules = weight_rules(self.cfg, hf, self.source.keys())
         check_hf_names(rules, self.source.keys(), self.cfg, str(hf_dir))
@@ -161,6 +163,7 @@ def write_imported(
     """The weights-only checkpoint OUT/step-0 of `source`, whose tensors carry Hugging Face names and which
     `hf` (a config.json) describes; `origin` (source, format) goes into meta.json beside the config, and the
     tokenizer files of `tokenizer` (a directory or one file) into OUT/tokenizer. The importers' one writer."""
+    hf = _tied_as_loaded(hf, source, origin["source"])
     cfg = config_from_hf(hf)
     rules = weight_rules(cfg, hf, source.keys())
     check_hf_names(rules, source.keys(), cfg, origin["source"])
@@ -204,6 +207,18 @@ def write_imported(
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, out / "latest")
     return final
+
+
+def _tied_as_loaded(hf: dict[str, Any], source: WeightSource, where: str) -> dict[str, Any]:
+    """hf.tied_as_loaded, saying so when the head is kept untied (transformers warns the same)."""
+    loaded = tied_as_loaded(hf, source.keys(), source.get)
+    if loaded != hf:
+        print(
+            f"{where}: config.json ties the head to the embedding, but the weights hold a distinct lm_head.weight: "
+            f"read untied, as transformers loads it (an export writes tie_word_embeddings: false)",
+            file=sys.stderr,
+        )
+    return loaded
 
 
 def _check_floating(names: tuple[str, ...], tensors: list[torch.Tensor], where: str) -> None:
