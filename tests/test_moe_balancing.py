@@ -300,6 +300,9 @@ def test_router_statistics_are_reduced_only_on_logged_steps():
         ({"model_overrides": {"experts_per_token": 5}}, "experts_per_token 5 must be in 1..num_experts"),
         ({"model_overrides": {"moe_capacity_factor": 0}}, "moe_capacity_factor 0 must be > 0"),
         ({"model_overrides": {"moe_capacity_factor": -1.5}}, "moe_capacity_factor -1.5 must be > 0"),
+        # an overflow in the first forward's capacity (ceil of inf), refused before: at most num_experts
+        ({"model_overrides": {"moe_capacity_factor": 1e308}}, r"moe_capacity_factor 1e\+308 must be at most num_exp"),
+        ({"model_overrides": {"moe_capacity_factor": 4.5}}, r"moe_capacity_factor 4.5 must be at most num_experts \(4"),
         ({"model_overrides": {"moe_token_drop_policy": "random"}}, "moe_token_drop_policy 'random' must be one of"),
         ({"model_overrides": {"moe_token_drop_policy": "position"}}, "needs a capacity"),
         ({"model_overrides": {"router_aux_loss_scope": "batch"}}, "router_aux_loss_scope 'batch' must be one of"),

@@ -238,6 +238,13 @@ class ModelConfig:
             out.append(
                 f"moe_capacity_factor {self.moe_capacity_factor} must be > 0 (e.g. 1.25), or null for dropless routing"
             )
+        elif self.moe_capacity_factor is not None and not self.moe_capacity_factor <= self.num_experts:
+            # at num_experts an expert already takes every token of a sequence: above it, nothing changes but the
+            # capacity's arithmetic, which overflows (1e308)
+            out.append(
+                f"moe_capacity_factor {self.moe_capacity_factor} must be at most num_experts ({self.num_experts}), "
+                "where no token is dropped any more; or null for dropless routing"
+            )
         if self.moe_token_drop_policy not in DROP_POLICIES:
             policy = self.moe_token_drop_policy
             out.append(f"moe_token_drop_policy {policy!r} must be one of {', '.join(DROP_POLICIES)}")
