@@ -147,3 +147,33 @@ def test_a_field_given_by_a_megatron_flag_and_the_override_is_refused(capsys):
 def test_an_unknown_flag_naming_a_model_field_points_to_the_override(capsys):
     assert main_code([*TRAIN, "--moe-capacity-factor", "1.5"]) == 2
     assert "set it with --model-override moe_capacity_factor=VALUE or in a YAML file" in capsys.readouterr().err
+
+
+DENSE_TRAIN = [*TRAIN[:2], "llama-test", *TRAIN[3:]]
+DENSE_PLAN = ["plan", "--model", "llama2-7b", "--gpus", "8"]
+
+
+@pytest.mark.parametrize(
+    "command, field, flag",
+    [
+        (DENSE_TRAIN, "experts_per_token", "--moe-router-topk 2"),  # Megatron-LM's flag, at the field's default
+        (DENSE_TRAIN, "experts_per_token", "--model-override experts_per_token=2"),
+        (DENSE_TRAIN, "router_score", "--model-override router_score=softmax"),
+        (DENSE_TRAIN, "experts_per_token", "--model-override experts_per_token=3"),  # not the default
+        (DENSE_PLAN, "experts_per_token", "--model-override experts_per_token=2"),
+        (DENSE_PLAN, "moe_renormalize", "--model-override moe_renormalize=true"),
+    ],
+)
+def test_a_moe_setting_given_for_a_dense_model_is_refused_whatever_its_value(command, field, flag, capsys):
+    """A mixture-of-experts setting the user gave does nothing on a dense model, at its default too (2, softmax and
+    true are the defaults: they passed, where 3 was refused)."""
+    assert main_code([*command, *flag.split()]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{field} " in err and "this model is dense" in err and f"(fix {flag})" in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_moe_settings_of_a_model_with_experts_may_be_given_at_their_defaults(capsys):
+    plan = ["plan", "--model", "mixtral-test", "--gpus", "8", "--no-simulate", "--top", "1"]
+    given = ["--model-override", "experts_per_token=2", "--model-override", "router_score=softmax"]
+    assert main_code([*plan, *given]) == 0

@@ -13,6 +13,7 @@ from ..config.ranges import Range, at_least, number_arg
 from ..config.settings import FP8_RECIPES, RunConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
+from ..models.families import model_problems
 from ..planning.candidates import planned_model
 from ..planning.plan import GB, GiB, Plan, Precision, SpeedAssumptions
 from ..planning.search import DEFAULT_SEQ_LENGTH, PlanResult, default_seq_length, plan
@@ -130,7 +131,7 @@ def _check_model(model_name: str, overrides: dict | None, flags: dict[str, str],
     FP8 flags the model cannot take (--fp8-experts on a dense model), as train checks them. `flags`: the model
     fields --model-override set, each one's flag as typed (the error names them)."""
     model = planned_model(model_name, overrides)
-    problems = model.problems()
+    problems = model_problems(model, overrides or {})
     if problems:
         given = RunConfig(model_overrides=dict(overrides or {}), override_flags=flags)
         raise ConfigError(f"{'; '.join(problems)} ({shape_fix(given, problems)})")

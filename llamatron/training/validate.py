@@ -158,7 +158,7 @@ def validate(
     """
     _raise_if(range_problems(cfg))
     model = model or cfg.model_config()
-    shape_problems = model_problems(model)
+    shape_problems = model_problems(model, cfg.model_overrides)
     _raise_if(shape_problems, "the model's shape cannot be trained: ", f" ({shape_fix(cfg, shape_problems)})")
     dp, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)

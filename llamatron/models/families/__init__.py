@@ -4,12 +4,12 @@ config.json's model_type; nothing outside this folder branches on a family's nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import fields
 from typing import Any
 
 from ...errors import did_you_mean
-from ..config import ModelConfig
+from ..config import MOE_SETTINGS, ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
 from . import deepseek_v3, falcon, llama, llama4, qwen
 
@@ -91,10 +91,20 @@ def get_preset(name: str) -> ModelConfig:
     return _PRESETS[name]()
 
 
-def model_problems(cfg: ModelConfig) -> list[str]:
+def model_problems(cfg: ModelConfig, given: Collection[str] = ()) -> list[str]:
     """Why `cfg` cannot be built (empty when it can): its shape's rules (ModelConfig.problems), its family, the
-    options its family has, and the family's own rules."""
+    options its family has, and the family's own rules. `given`: the fields the user set (flags, YAML
+    model_overrides): a mixture-of-experts setting among them is refused on a dense model even at its default,
+    where it would do nothing (ModelConfig.problems sees only values that differ)."""
     out = cfg.problems()
+    if cfg.num_experts == 0:
+        defaults = {f.name: f.default for f in fields(cfg)}
+        out += [
+            f"{name} {getattr(cfg, name)} was given, but it is a mixture-of-experts setting and this model is dense "
+            "(num_experts 0): remove it, or give the model experts"
+            for name in given
+            if name in MOE_SETTINGS and getattr(cfg, name) == defaults[name]  # the others: cfg.problems said so
+        ]
     if out:
         return out
     if cfg.family not in FAMILIES:
