@@ -1,11 +1,14 @@
 """`llamatron plan`'s search: known minimum GPU counts and their explanations, the ranking by expected speed, bad
 inputs and the command (the memory model it searches with: test_plan.py)."""
 
+import contextlib
 import dataclasses
 import json
 import re
+import signal
 
 import pytest
+from test_plan_cli import main_code
 
 from llamatron.cli import main
 from llamatron.commands.plan import parse_memory
@@ -244,3 +247,42 @@ def test_recompute_that_saves_no_memory_is_not_listed():
     for p in recomputing:
         twin = plain.get(twin_key(p))
         assert twin is None or twin > 1.01 * p.memory.total
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """TimeoutError in the block once `seconds` have passed (SIGALRM: the main thread, as pytest runs tests)."""
+
+    def out_of_time(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_divisors_are_those_of_the_definition_and_found_fast():
+    from llamatron.parallel.mesh import divisors
+
+    for n in [*range(1, 200), 720720, 2**20, 999_983]:  # 999_983 is prime
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    with time_limit(10):  # up to sqrt(n): 10^6 candidates, where trying 1..n never ended
+        assert len(divisors(10**12)) == 13**2
+
+
+def test_a_huge_gpu_count_is_answered_at_once_or_refused(capsys):
+    """`plan --gpus N` took time growing with N (divisors tried 1..N, once per searched layout: 10^6 GPUs took
+    minutes, 10^9 never answered). The largest count allowed plans a mixture of experts (whose expert-parallel sizes
+    were the slow part) at once; a larger one is one argparse error, at once too."""
+    from llamatron.commands.plan import GPUS
+
+    argv = ["plan", "--model", "mixtral-test", "--no-simulate", "--top", "1", "--json", "--gpus"]
+    with time_limit(30):  # ~0.4 s; 17 s with divisors tried 1..N
+        assert main_code([*argv, str(GPUS.high)]) == 0
+        assert json.loads(capsys.readouterr().out)["layouts"]
+        assert main_code([*argv, "1000000000"]) == 2
+    assert "--gpus: 1000000000 must be in 1..1048576" in capsys.readouterr().err

@@ -36,6 +36,10 @@ def parse_memory(text: str) -> float:
     return float(match.group(1)) * scale
 
 
+# --gpus: a bound on the search's time, which grows with the count; far beyond the largest clusters (~10^5 GPUs)
+GPUS = Range(low=1, high=2**20, note="2^20, more than any cluster holds")
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "plan",
@@ -54,7 +58,7 @@ def register(sub) -> None:
         help="a train YAML: its model and model_overrides (any shape), and its layout if it gives one",
     )
     add_model_override_argument(p, default=None)
-    p.add_argument("--gpus", type=number_arg(int, at_least(1)), required=True, help="number of GPUs")
+    p.add_argument("--gpus", type=number_arg(int, GPUS), required=True, help=f"number of GPUs (at most {GPUS.high:,})")
     p.add_argument(
         "--gpu-memory",
         default=None,

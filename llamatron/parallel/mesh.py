@@ -31,6 +31,7 @@ t and d % ep), and ep_group stays the dp part (the grad norm sums the experts ov
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -129,8 +130,10 @@ def coordinates(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int
 
 
 def divisors(n: int) -> list[int]:
-    """1..n's divisors of n, ascending: the sizes a dimension of n can be split into."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """1..n's divisors of n, ascending: the sizes a dimension of n can be split into. Found in pairs (d, n // d) up to
+    sqrt(n): plan's --gpus may be large."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def comm_problems(dp_comm_max_ctas: int | None, device: str) -> list[str]:

@@ -139,7 +139,7 @@ def searched_layouts(
     model = planned_model(model_name, model_overrides)
 
     def eps(dp: int) -> list[int]:  # expert parallelism: sizes dividing dp and the experts (MoE models only)
-        return [e for e in divisors(dp) if e <= MAX_EP and model.num_experts % e == 0] if model.is_moe else [1]
+        return [e for e in divisors(model.num_experts) if e <= MAX_EP and dp % e == 0] if model.is_moe else [1]
 
     sizes = [
         (tp, cp, pp)
