@@ -14,9 +14,10 @@ from test_train import llamatron
 
 from llamatron.adapters.export import export_adapter
 from llamatron.adapters.merge import open_base_weights, open_model_weights
+from llamatron.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_dir_problems
 from llamatron.adapters.targets import apply_lora, find_targets
 from llamatron.checkpoint.hf_io import export_hf
-from llamatron.checkpoint.reader import CheckpointReader, load_full_tensors, open_weights
+from llamatron.checkpoint.reader import CheckpointReader, fingerprint, load_full_tensors, open_weights
 from llamatron.errors import CheckpointError
 from llamatron.inference.generate import load_for_generation
 from llamatron.models import build_model, get_preset
@@ -71,6 +72,9 @@ def test_a_lora_run_resumes_exactly(runs):
         (["--lora-targets", "qkv"], "--lora-targets qkv names no linear"),
         (["--lora-rank", "-1"], "--lora-rank"),
         (["--lora-rank", "0"], "--lora-alpha, --lora-targets set up LoRA adapters, but --lora-rank is 0"),
+        # an allocation traceback; the widest of q, v, down: q_proj's 64 x 64 (v_proj 32 rows, down_proj 160 x 64)
+        (["--lora-rank", "1000000000000"], "(64 at most in these targets); give --lora-rank 64 or less"),
+        (["--lora-rank", "65"], "--lora-rank 65 is above every adapted linear's width"),
     ],
 )
 def test_what_lora_cannot_do_is_one_line(tmp_path, flags, message):
@@ -269,3 +273,30 @@ def test_without_adapters_exports_the_base_a_lora_checkpoint_was_trained_on(runs
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(CheckpointError, match="holds no LoRA adapters; drop --without-adapters"):
         open_base_weights(runs / "base")
+
+
+def test_an_adapter_config_that_is_no_json_object_is_one_line(tmp_path):
+    (tmp_path / ADAPTER_CONFIG).write_text("[1, 2]")
+    (tmp_path / ADAPTER_WEIGHTS).write_bytes(b"")
+    problems = peft_dir_problems(str(tmp_path), 4, 8.0, [])
+    assert problems == [
+        f"--lora-init-from {tmp_path}: {ADAPTER_CONFIG} holds a JSON list, not PEFT's object of settings"
+    ]
+
+
+@pytest.mark.parametrize("cycle", [1, 2])
+def test_a_base_chain_that_comes_back_is_one_line(runs, tmp_path, cycle):
+    """An adapters-only checkpoint whose meta.json names itself as its base (or two naming each other): a
+    RecursionError before."""
+    copies = [tmp_path / f"lora{i}" for i in range(cycle)]
+    for c in copies:
+        shutil.copytree(runs / "a" / "step-6", c)
+    for c, base in zip(copies, copies[1:] + copies[:1]):
+        meta = json.loads((c / "meta.json").read_text())
+        meta["base_checkpoint"] = {"path": str(base), "sha256": fingerprint(base)}
+        (c / "meta.json").write_text(json.dumps(meta))
+    proc = llamatron("export-hf", str(copies[0]), str(tmp_path / "hf"), cwd=tmp_path, check=False)
+    err = proc.stderr.strip()
+    named = "itself" if cycle == 1 else f"{copies[0]}, closing a cycle of base checkpoints"  # read from copies[1]
+    assert proc.returncode == 2 and f"base_checkpoint names {named}" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "hf").exists()

@@ -101,7 +101,10 @@ def peft_dir_problems(path: str, rank: int, alpha: float, targets: list[LoraTarg
         config = json.loads((d / ADAPTER_CONFIG).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         return [f"--lora-init-from {path}: {ADAPTER_CONFIG} is not JSON ({err})"]
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+    if not isinstance(config, dict):
+        kind = type(config).__name__.replace("NoneType", "null")
+        return [f"--lora-init-from {path}: {ADAPTER_CONFIG} holds a JSON {kind}, not PEFT's object of settings"]
+    if config.get("peft_type") != "LORA":
         return [f"--lora-init-from {path}: not a LoRA adapter (peft_type {config.get('peft_type')!r})"]
     other = [k for k in _OTHER_METHODS if config.get(k)]
     if other:

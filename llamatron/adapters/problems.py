@@ -28,6 +28,15 @@ def lora_problems(lora: LoraConfig, model: ModelConfig, given: Sequence[str] = (
         found = find_targets(build_model(model, device="meta"), model, requested(lora.lora_targets))
     except ConfigError as e:
         return [str(e)]
+    # B·A has rank at most min(in, out) of its linear: a rank above every adapted linear's adds nothing but memory
+    # (10^12 was an allocation traceback)
+    widest = max(min(t.shape[1], len(rows)) for t in found for rows in t.rows)
+    if lora.lora_rank > widest:
+        return [
+            f"--lora-rank {lora.lora_rank} is above every adapted linear's width: an adapter's rank is at most the "
+            f"narrower of its linear's input and output ({widest} at most in these targets); give --lora-rank "
+            f"{widest} or less"
+        ]
     if lora.lora_init_from:
         return peft_dir_problems(lora.lora_init_from, lora.lora_rank, lora.lora_alpha, found)
     return []

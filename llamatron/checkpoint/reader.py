@@ -281,7 +281,8 @@ class CheckpointReader:
 
     merges_adapters = False  # a LoRA checkpoint's weights read as the plain model's (adapters/merge.py) when True
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, _named_by: tuple[Path, ...] = ()):
+        """`_named_by`: the checkpoints whose base chain led here (open_base), so that a cycle is refused."""
         self.step_dir = resolve_checkpoint(path)
         self.run_meta: dict[str, Any] = _checked_meta(self.step_dir / META_FILE)
         index = self.step_dir / INDEX_FILE
@@ -296,7 +297,7 @@ class CheckpointReader:
             sums = self.run_meta.get("checksums", {})  # an import's model.safetensors (hf_io.py)
         self._checksums = sums if isinstance(sums, dict) else {}
         if BASE_KEY in self.run_meta:
-            base = open_base(self.step_dir, self.run_meta[BASE_KEY])
+            base = open_base(self.step_dir, self.run_meta[BASE_KEY], _named_by)
             for name, t in base.tensors["model"].items():
                 if name not in self.tensors["model"]:
                     self.tensors["model"][name] = StoredTensor(t.shape, t.dtype, t.pieces, t.owner or base)
@@ -379,8 +380,9 @@ def base_reference(path: str | Path) -> dict[str, str]:
     return {"path": str(step_dir), "sha256": fingerprint(step_dir)}
 
 
-def open_base(step_dir: Path, ref: Any) -> CheckpointReader:
-    """The base checkpoint a checkpoint names, refused unless it is there and is the one it was trained on."""
+def open_base(step_dir: Path, ref: Any, named_by: tuple[Path, ...] = ()) -> CheckpointReader:
+    """The base checkpoint a checkpoint names, refused unless it is there and is the one it was trained on, and
+    unless it is `step_dir` itself or one of the checkpoints `named_by` whose bases led here (a cycle)."""
     if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or not isinstance(ref.get("sha256"), str):
         raise _damaged(step_dir / META_FILE, ValueError(f"malformed {BASE_KEY}"))
     base = Path(ref["path"])
@@ -394,7 +396,14 @@ def open_base(step_dir: Path, ref: Any) -> CheckpointReader:
             f"{step_dir} was trained on the base checkpoint {base}, which has changed since (its sha256 differs): "
             "put the original back at that path"
         )
-    return CheckpointReader(base)
+    chain, resolved = (*named_by, step_dir.resolve()), resolve_checkpoint(base).resolve()
+    if resolved in chain:
+        what = "itself" if resolved == chain[-1] else f"{base}, closing a cycle of base checkpoints"
+        raise CheckpointError(
+            f"{step_dir / META_FILE}: its {BASE_KEY} names {what}, so no checkpoint holds the frozen base weights; "
+            f"it was edited: put back the meta.json its run wrote, which names the checkpoint it was trained from"
+        )
+    return CheckpointReader(base, chain)
 
 
 def open_weights(path: str | Path) -> CheckpointReader:
