@@ -357,3 +357,55 @@ def test_a_dataset_the_hub_does_not_give_is_one_line(models, tmp_path, monkeypat
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Couldn't reach 'json' on the Hub" in err[0], err
     assert err[0].startswith("llamatron eval: data error: --tasks local_mc: ") and "HF_DATASETS_OFFLINE=1" in err[0]
+
+
+FUNCTION = (
+    "def docs(dataset):\n    import pathlib\n    pathlib.Path(__file__).with_name('RAN').touch()\n    return dataset\n"
+)
+
+
+def _task_with_function(tasks, spec: str, name: str = "local_fn", into=None) -> None:
+    """local_mc of `tasks` as task `name` with a `!function` (written into `into`, default `tasks`)."""
+    text = (tasks / "local_mc.yaml").read_text().replace("task: local_mc", f"task: {name}")
+    ((into or tasks) / f"{name}.yaml").write_text(text + f"process_docs: !function {spec}\n")
+
+
+@pytest.mark.parametrize("how", ["absolute", "symlinked module", "symlinked yaml", "included yaml", "installed"])
+def test_python_from_outside_the_include_path_is_refused_unrun(models, tmp_path, monkeypatch, capsys, how):
+    """A task's `!function` may import only a module beside the task files (docs/evaluation.md); lm-eval imports
+    whatever it names. Refused in one line before the model loads, the module not run."""
+    from llamatron.commands import eval as eval_command
+
+    monkeypatch.setattr(eval_command, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    tasks, outside = tmp_path / "tasks", tmp_path / "outside"
+    write_tasks(tasks)
+    outside.mkdir()
+    (outside / "evil.py").write_text(FUNCTION)
+    if how == "absolute":
+        _task_with_function(tasks, f"{outside / 'evil'}.docs")
+    elif how == "symlinked module":
+        (tasks / "utils.py").symlink_to(outside / "evil.py")
+        _task_with_function(tasks, "utils.docs")
+    elif how == "symlinked yaml":  # the YAML's own directory is where lm-eval looks
+        _task_with_function(tasks, "evil.docs", into=outside)
+        (tasks / "local_fn.yaml").symlink_to(outside / "local_fn.yaml")
+    elif how == "included yaml":
+        _task_with_function(tasks, "evil.docs", "base", into=outside)
+        (tasks / "local_fn.yaml").write_text(f"include: {outside / 'base.yaml'}\ntask: local_fn\n")
+    else:  # no module beside it: lm-eval imports the name from sys.path
+        _task_with_function(tasks, "os.path.basename")
+    assert run("eval", "--load", models[0], "--tasks", "local_fn", "--include-path", tasks) == 2
+    err = capsys.readouterr().err.strip()
+    said = "from the installed packages" if how == "installed" else f"would import {outside / 'evil.py'}, outside"
+    assert said in err and len(err.splitlines()) == 1, err
+    assert not (outside / "RAN").exists()
+
+
+def test_python_beside_the_task_files_runs(models, tmp_path, capsys):
+    tasks = tmp_path / "tasks"
+    write_tasks(tasks)
+    (tasks / "helpers").mkdir()
+    (tasks / "helpers" / "docs.py").write_text(FUNCTION)
+    _task_with_function(tasks, "helpers.docs.docs")
+    assert run("eval", "--load", models[0], "--tasks", "local_fn", "--include-path", tasks, "--limit", "1") == 0
+    assert (tasks / "helpers" / "RAN").exists() and "local_fn" in capsys.readouterr().out

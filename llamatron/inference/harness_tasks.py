@@ -27,6 +27,7 @@ from lm_eval.tasks import TaskManager
 
 from ..errors import ConfigError, DataError
 from .harness import LlamatronLM
+from .task_files import foreign_functions
 
 __all__ = ["LlamatronLM", "run_tasks", "results_table", "split_names", "task_manager", "task_metrics", "task_problems"]
 
@@ -44,8 +45,11 @@ def task_problems(names: Sequence[str], include_path: str | None, flag: str = "-
     that lm-eval does not know."""
     if not names:
         return [f"{flag} is empty: name one or more lm-eval tasks (comma-separated), e.g. {flag} hellaswag,arc_easy"]
+    include_flag = "--eval-include-path" if flag == "--eval-tasks" else "--include-path"
     if include_path is not None and not Path(include_path).is_dir():
-        return [f"--include-path {include_path}: not a directory of task YAML files"]
+        return [f"{include_flag} {include_path}: not a directory of task YAML files"]
+    if include_path is not None and (foreign := foreign_functions(include_path, include_flag)):
+        return foreign[:1]  # before lm-eval reads the files with their functions resolved
     try:
         task_manager(names, include_path)
     except ConfigError as e:
