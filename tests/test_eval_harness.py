@@ -255,6 +255,9 @@ def test_perplexity_on_an_indexed_set_equals_transformers_loss(models, tmp_path)
         (["--load", "CKPT", "--data-path", "nowhere"], "data error: "),
         (["--load", "CKPT", "--data-path", "nowhere", "--seq-length", "33"], "--seq-length 33: beyond the model's"),
         (["--load", "CKPT", "--data-path", "x", "--num-fewshot", "2"], "--num-fewshot applies to lm-eval tasks"),
+        # found only after the whole evaluation, the results lost
+        (["--load", "CKPT", "--data-path", "x", "--output", "TASKS"], "--output TASKS is a directory; give a file"),
+        (["--load", "CKPT", "--data-path", "x", "--output", "/proc/x.json"], "--output /proc/x.json: cannot create"),
     ],
 )
 def test_bad_input_is_one_line_before_the_model_loads(models, tmp_path, monkeypatch, capsys, args, message):
@@ -264,7 +267,7 @@ def test_bad_input_is_one_line_before_the_model_loads(models, tmp_path, monkeypa
     tasks = tmp_path / "tasks"
     write_tasks(tasks)
     (tmp_path / "set.idx").write_bytes(b"")
-    paths = {"CKPT": str(models[0]), "TASKS": str(tasks)}
+    paths = {"CKPT": str(models[0]), "TASKS": str(tasks), "x": str(tmp_path / "set")}
     if "--seq-length" in args:  # a data set that opens: the window is what is wrong
         writer = IndexedDatasetWriter(str(tmp_path / "ok"), dtype=np.uint16)
         writer.add_document([1, 2, 3])
@@ -272,7 +275,7 @@ def test_bad_input_is_one_line_before_the_model_loads(models, tmp_path, monkeypa
         paths["nowhere"] = str(tmp_path / "ok")
     assert run("eval", *[paths.get(a, a) for a in args]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
+    assert message.replace("TASKS", str(tasks)) in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
@@ -409,3 +412,20 @@ def test_python_beside_the_task_files_runs(models, tmp_path, capsys):
     _task_with_function(tasks, "helpers.docs.docs")
     assert run("eval", "--load", models[0], "--tasks", "local_fn", "--include-path", tasks, "--limit", "1") == 0
     assert (tasks / "helpers" / "RAN").exists() and "local_fn" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_task_without_a_data_set_is_refused_before_the_model_loads(models, tmp_path, monkeypatch, capsys, grouped):
+    """lm-eval stopped on it with a TypeError once the model had loaded; a group's member too."""
+    from llamatron.commands import eval as eval_command
+
+    monkeypatch.setattr(eval_command, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    tasks = tmp_path / "tasks"
+    write_tasks(tasks)
+    text = (tasks / "local_mc.yaml").read_text().replace("task: local_mc", "task: no_data")
+    (tasks / "no_data.yaml").write_text(text.replace("dataset_path: json\n", ""))
+    (tasks / "quiz.yaml").write_text("group: quiz\ntask:\n  - local_mc\n  - no_data\n")
+    name = "quiz" if grouped else "no_data"
+    assert run("eval", "--load", models[0], "--tasks", name, "--include-path", tasks) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"task no_data ({tasks / 'no_data.yaml'}) has no dataset_path" in err and len(err.splitlines()) == 1, err

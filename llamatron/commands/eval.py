@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config.output_paths import check_output_file
 from ..config.ranges import SEED, above, at_least, number_arg
 from ..data.indexed import IndexedDataset
 from ..data.tokenizer import Tokenizer, load_tokenizer
@@ -79,8 +80,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} applies to lm-eval tasks: add --tasks NAMES")
     if args.seq_length is not None and args.data_path is None:
         raise ConfigError("--seq-length is the perplexity window: add --data-path PREFIX")
-    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
-        raise ConfigError(f"--output {args.output}: its directory does not exist")
+    if args.output is not None:  # a directory, or a place that cannot be written, before the evaluation runs
+        check_output_file(args.output, "--output", example="results.json")
     if not Path(args.load).exists():
         raise ConfigError(f"--load {args.load}: no such checkpoint or directory")
 
@@ -126,6 +127,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
         results["perplexity"] = {"data_path": args.data_path, "seq_length": seq_length, **ppl}
     if args.output is not None:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # check_output_file: it can be created
         Path(args.output).write_text(json.dumps(results, indent=2, default=_plain, ensure_ascii=False) + "\n")
         print(f"results written to {args.output}")
     return 0

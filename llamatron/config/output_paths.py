@@ -18,11 +18,12 @@ def check_output_directory(path: str, flag: str, what: str) -> None:
     _check_creatable(path, given)
 
 
-def check_output_file(path: str, flag: str) -> None:
-    """The file `path` given by `flag` can be opened for appending (it and its missing parents created)."""
+def check_output_file(path: str, flag: str, example: str = "metrics.jsonl") -> None:
+    """The file `path` given by `flag` can be opened for appending (it and its missing parents created); `example`:
+    a file name the message suggests for a directory."""
     given = f"{flag} {path}"
     if os.path.isdir(path):
-        raise ConfigError(f"{given} is a directory; give a file name, e.g. {os.path.join(path, 'metrics.jsonl')}")
+        raise ConfigError(f"{given} is a directory; give a file name, e.g. {os.path.join(path, example)}")
     if not os.path.exists(path):
         _check_creatable(path, given)
         return

@@ -51,10 +51,58 @@ def task_problems(names: Sequence[str], include_path: str | None, flag: str = "-
     if include_path is not None and (foreign := foreign_functions(include_path, include_flag)):
         return foreign[:1]  # before lm-eval reads the files with their functions resolved
     try:
-        task_manager(names, include_path)
+        manager = task_manager(names, include_path)
     except ConfigError as e:
         return [str(e).replace("--tasks", flag)]
+    return _dataless(manager, names)
+
+
+def _dataless(manager: TaskManager, names: Sequence[str]) -> list[str]:
+    """A YAML task that `names` loads (through groups, their members' settings and tags) without a data set: lm-eval
+    would stop on it with a TypeError once the model is loaded."""
+    index = manager.task_index
+    todo: list[tuple[Any, dict]] = [(n, {}) for n in manager.match_tasks(list(names))]
+    seen = set()
+    while todo:
+        item, inherited = todo.pop()  # a name, or a group's member as a mapping; the settings groups gave it
+        if isinstance(item, dict):
+            settings = {**inherited, **{k: v for k, v in item.items() if k not in ("task", "group")}}
+            name = item.get("group", item.get("task"))
+            if isinstance(name, str) and name in index:
+                todo.append((name, settings))
+            elif "group" in item:
+                todo += [(m, settings) for m in _members(item)]
+            elif not _has_data({**item, **inherited}):
+                return [_no_data(item.get("task"), "written inline in a group")]
+        elif item in index and item not in seen:
+            seen.add(item)
+            entry = index[item]
+            cfg = entry.cfg or {}
+            if entry.kind.name == "TAG":
+                todo += [(t, inherited) for t in sorted(entry.tags)]
+            elif entry.kind.name == "GROUP":
+                settings = {**inherited, **{k: v for k, v in cfg.items() if k not in ("task", "group")}}
+                todo += [(m, settings) for m in _members(cfg)]
+            elif entry.kind.name == "TASK" and not _has_data({**cfg, **inherited}):
+                return [_no_data(item, str(entry.yaml_path))]
     return []
+
+
+def _members(group: dict) -> list:
+    task = group.get("task")
+    return task if isinstance(task, list) else [task] if task else []
+
+
+def _has_data(cfg: dict) -> bool:
+    """A data set named, or possibly by a file it includes (a group's inline member: not read here)."""
+    return isinstance(cfg.get("dataset_path"), str) or "custom_dataset" in cfg or "include" in cfg
+
+
+def _no_data(task: object, where: str) -> str:
+    return (
+        f"task {task} ({where}) has no dataset_path: name its data set (a Hugging Face dataset, or dataset_path: "
+        "json with dataset_kwargs: {data_files: ...} for local files; docs/evaluation.md)"
+    )
 
 
 def task_manager(names: Sequence[str], include_path: str | None) -> TaskManager:
