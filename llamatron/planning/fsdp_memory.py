@@ -11,6 +11,9 @@ Read from the code, not from ZeRO-3 in general:
              the chunk's last layer) stays from its forward to its backward, and so does a tied embedding that
              the head reads. Under --ep the dense and the expert buffer gather the same layer at once.
              --fsdp-keep-params-in-backward frees nothing before its backward: the whole chunk is gathered.
+             Under a pipeline the forwards of later micro-batches run while earlier ones await their backward, so
+             what is kept adds up over the rank's chunks: the peak is found by replaying the rank's schedule
+             (parallel/schedules.rank_order) with these rules, unit by unit.
   reduce     each unit's whole fp32 gradient is collected (a zeroed staging buffer) until its last parameter's
              gradient arrives, then reduce-scattered (from a bf16 copy with --grad-reduce-dtype bf16); the input
              lives until the reduce-scatter is finished, which ShardedBuffer does for the oldest as soon as more
@@ -22,11 +25,14 @@ A buffer whose shard group is one rank holds the whole bucket as its shard: noth
 
 from __future__ import annotations
 
+import functools
+
 from ..models import ModelConfig
 from ..models.inventory import final_norm_params
 from ..parallel.fsdp import MAX_REDUCING
+from ..parallel.schedules import rank_order
 from .layout import Layout, Precision
-from .params import bytes_per_param, expert_layer_params, layer_shards, local_vocab, stage_params
+from .params import bytes_per_param, expert_layer_params, layer_shards, local_vocab, stage_layers, stage_params
 
 
 def fsdp_state_bytes(
@@ -40,9 +46,9 @@ def fsdp_state_bytes(
     return w * held, g * held, o * held
 
 
-def _whole(model: ModelConfig, lay: Layout, rank: int, layers: int) -> tuple[float, float, float, float, float]:
-    """Elements of this rank's units that exist whole only when gathered: (per decoder layer, embedding, head
-    unit, the stage's dense ones, the stage's experts); a buffer sharded over one rank gathers nothing."""
+def _unit_sizes(model: ModelConfig, lay: Layout, rank: int) -> tuple[float, float, float]:
+    """Elements of this rank's units that exist whole only when gathered: (a decoder layer, the embedding, the head
+    unit); a buffer sharded over one rank gathers nothing."""
     dense, experts = layer_shards(model, lay.tp, lay.ep)
     dense_gathers, expert_gathers = lay.dense_shards > 1, lay.expert_shards > 1
     layer = dense * dense_gathers + experts * expert_gathers
@@ -51,19 +57,23 @@ def _whole(model: ModelConfig, lay: Layout, rank: int, layers: int) -> tuple[flo
     head = 0.0
     if rank == lay.pp - 1 and dense_gathers:
         head = final_norm_params(model) + (rows if not model.tie_embeddings or lay.pp > 1 else 0)
-    return layer, embed, head, dense * dense_gathers * layers + embed + head, experts * expert_gathers * layers
+    return layer, embed, head
 
 
-def fsdp_buffers(model: ModelConfig, lay: Layout, prec: Precision, layers: int, rank: int) -> dict[str, float]:
+def fsdp_buffers(model: ModelConfig, lay: Layout, prec: Precision, rank: int) -> dict[str, float]:
     """Bytes of the gathered units and of the gradients being reduced (module docstring) on pipeline rank `rank`,
     at their peak."""
-    layer, embed, head, dense, experts = _whole(model, lay, rank, layers)
+    layer, embed, head = _unit_sizes(model, lay, rank)
     a = prec.act_bytes
-    if lay.fsdp_keep_params:
-        gathered = dense + experts
-    else:
-        tied_kept = embed if model.tie_embeddings and lay.pp == 1 else 0.0
-        gathered = max(2 * layer, embed + layer, head + layer) + (lay.vpp - 1) * layer + tied_kept
+    chunks = tuple(
+        (rank == 0 and v == 0, n, rank == lay.pp - 1 and v == lay.vpp - 1)
+        for v, n in enumerate(stage_layers(model, lay.pp, lay.vpp, lay.pp_layers)[rank])
+    )
+    tied = model.tie_embeddings and lay.pp == 1  # the head reads the embedding's weight: kept until its backward
+    # the peak comes within the warm-up and the first steady micro-batches; more only repeat them
+    micro_batches = min(lay.micro_batches, 2 * lay.pp * lay.vpp)
+    states = gathered_sets(chunks, lay.pp, lay.vpp, rank, micro_batches, lay.fsdp_keep_params, tied)
+    gathered = max((n * layer + e * embed + h * head for n, e, h in states), default=0.0)  # (no micro-batch: none)
     reduce_bytes = 2 if prec.grad_reduce_dtype == "bf16" else 4
     dense_layer, expert_layer = layer_shards(model, lay.tp, lay.ep)
     reducing = 0.0
@@ -76,3 +86,32 @@ def fsdp_buffers(model: ModelConfig, lay: Layout, prec: Precision, layers: int, 
             inputs = largest + MAX_REDUCING * layer_n
             reducing += reduce_bytes * inputs * (1 + 1 / shards) + 4 * layer_n
     return {"gathered": a * gathered, "reduce_inputs": reducing}
+
+
+@functools.lru_cache(maxsize=4096)
+def gathered_sets(
+    chunks: tuple[tuple[bool, int, bool], ...], pp: int, vpp: int, rank: int, micro_batches: int, keep: bool, tied: bool
+) -> frozenset[tuple[int, int, int]]:
+    """What pipeline rank `rank` holds gathered at the moments it gathers more, as (layers, embeddings, heads)
+    counts: its schedule replayed with ShardedBuffer's rules (module docstring), unit by unit. chunks: each local
+    chunk's (embedding first?, decoder layers, head last?); keep: --fsdp-keep-params-in-backward; tied: the
+    embedding is kept after its forward (the head reads it)."""
+    kinds = [["embed"] * first + ["layer"] * n + ["head"] * last for first, n, last in chunks]
+    gathered: set[tuple[int, int]] = set()
+    held = {"layer": 0, "embed": 0, "head": 0}
+    states = set()
+    for action in rank_order(pp, vpp, rank, micro_batches):
+        v = action.chunk // pp
+        n = len(kinds[v])
+        for u in range(n) if action.forward else reversed(range(n)):
+            nearby = u + 1 if action.forward else u - 1
+            for unit in ((v, u), (v, nearby)) if 0 <= nearby < n else ((v, u),):  # the unit and the prefetched one
+                if unit not in gathered:
+                    gathered.add(unit)
+                    held[kinds[v][unit[1]]] += 1
+            states.add((held["layer"], held["embed"], held["head"]))
+            kept = keep or u == n - 1 or (tied and kinds[v][u] == "embed")
+            if not action.forward or not kept:  # a unit's backward frees it once its gradients are in
+                gathered.discard((v, u))
+                held[kinds[v][u]] -= 1
+    return frozenset(states)

@@ -260,7 +260,7 @@ def _rank_memory(
         "batch": (16.0 if lay.cp == 1 else 24.0) * seq_length / lay.cp * lay.global_batch_size / lay.dp,
     }
     if lay.fsdp:
-        buffers.update(fsdp_buffers(model, lay, prec, sum(chunks), rank))
+        buffers.update(fsdp_buffers(model, lay, prec, rank))
     sharded = buffers.get("gathered", 0.0) + buffers.get("reduce_inputs", 0.0)
     buffers["fragmentation"] = FRAGMENTATION * (activations + temporaries + staging + a * largest + sharded)
     buffers["runtime"] = runtime_memory(lay)
