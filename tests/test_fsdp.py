@@ -97,6 +97,16 @@ def test_fsdp2_pp2_matches_single_process(workdir):
     )
 
 
+def test_fsdp2_pp2_vpp2_matches_single_process(workdir):
+    """--fsdp under the interleaved schedule: each rank's two chunks are buffers of their own, sharded over its dp
+    ranks, with several micro-batches in flight per chunk (a chunk's last layer kept gathered between them); the
+    final weights too."""
+    alone = run_train(["--save", "ref4", *SAVES], 1, workdir, model="llama-test4")
+    args = ["--fsdp", "--pp", "2", "--vpp", "2", "--micro-batch-size", "1", "--save", "ck-vpp", *SAVES]
+    assert_matches(alone, run_train(args, 4, workdir, model="llama-test4"))
+    _same_final_weights(workdir, "ref4", "ck-vpp")
+
+
 def test_fsdp4_ep2_matches_single_process(workdir):
     """mixtral-test: the dense weights sharded over 4 ranks, each expert's over the 2 holding it (with the z-loss's
     gradient too), the router statistics as in one process."""
