@@ -1,0 +1,92 @@
+"""DeepSeek-V3 under every layout against the single process (issue 49, item 5): latent attention split over tensor
+parallelism (the down-projections replicated, the shared rotary key made whole by `tp_parallel_inputs`), with and
+without sequence parallelism, expert parallelism alone and with tp (--etp 1), the distributed optimizer, FSDP,
+pipelines plain and interleaved, and context parallelism (values narrower than keys through its key gather).
+
+Each run compares, step by step, the loss, the gradient norm, the router losses and every expert's share of the
+token choices with the single process's (fp32, gloo, relative 1e-4), and the final weights (the balancing bias
+included) to 1e-3 of each tensor's norm. Where a layout needs another shape, the reference has the same overrides:
+4 layers for the pipelines; no balancing bias under FSDP (refused with it, below); a dense model under context
+parallelism (refused with experts, below)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from layout import assert_matches, assert_same_weights, run_train, single_runs
+
+from llamatron.models import get_preset
+from llamatron.models.moe_balance import balancing_run_problems
+from llamatron.parallel.expert import expert_parallel_problems
+from llamatron.parallel.tensor import tensor_parallel_problems
+
+MODEL = "deepseek-v3-test"
+KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")
+OVERRIDES = {  # --config YAML -> its model_overrides
+    "": {},
+    "four-layers": {"num_layers": 4},
+    "no-bias": {"router_expert_bias": "false"},
+    "dense": {  # MLA without experts: every MoE setting back to a dense model's
+        "num_experts": 0,
+        "router_aux_loss_coef": 0.02,
+        "shared_expert_ffn": 0,
+        "dense_ffn_hidden_size": 0,
+        "router_score": "softmax",
+        "router_expert_bias": "false",
+    },
+}
+# name -> (flags, processes, overrides)
+LAYOUTS = {
+    "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, ""),
+    "tp2": (["--tp", "2"], 2, ""),  # the rotary key's gradient all-reduced (no sequence gather)
+    "ep2": (["--ep", "2"], 2, ""),
+    "ep2-tp2-etp1": (["--ep", "2", "--tp", "2", "--etp", "1", "--sequence-parallel"], 4, ""),
+    "dp2-distopt": (["--distributed-optimizer"], 2, ""),
+    "dp2-fsdp": (["--fsdp"], 2, "no-bias"),
+    "pp2": (["--pp", "2"], 2, "four-layers"),
+    "pp2-vpp2": (["--pp", "2", "--vpp", "2"], 2, "four-layers"),
+    "cp2": (["--cp", "2"], 2, "dense"),
+}
+
+
+def _config(workdir: Path, overrides: str) -> list[str]:
+    if not overrides:
+        return []
+    path = workdir / f"{overrides}.yaml"
+    lines = "".join(f"  {k}: {v}\n" for k, v in OVERRIDES[overrides].items())
+    path.write_text(f"model_overrides:\n{lines}")
+    return ["--config", str(path)]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """overrides -> the single process's per-step metrics and its final weights (each run once per module)."""
+    return single_runs(tmp_path_factory, lambda overrides, path: _config(path, overrides), lambda _: MODEL)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_match_the_single_process(name, single, tmp_path):
+    flags, nproc, overrides = LAYOUTS[name]
+    reference, weights = single(overrides)
+    got = run_train([*_config(tmp_path, overrides), *flags, "--save", "ck"], nproc, tmp_path, model=MODEL)
+    keys = KEYS if "moe_aux_loss" in reference[0] else ("loss", "grad_norm")
+    assert_matches(reference, got, keys=keys)
+    for ref, rec in zip(reference, got):
+        assert rec.get("expert_token_share") == pytest.approx(ref.get("expert_token_share"), abs=1e-6), rec["step"]
+    assert_same_weights(weights, tmp_path / "ck" / "step-5")
+
+
+def test_layouts_out_of_reach_are_refused_in_one_line():
+    """DeepSeek-V3's balancing bias is a frozen parameter FSDP's sharded buffer does not hold, and LoRA would lose
+    its moves; its router losses are per sequence, which context parallelism splits."""
+    cfg = get_preset(MODEL)
+    assert balancing_run_problems(cfg, lora=False, fsdp=True) == [
+        "router_expert_bias with --fsdp: its sharded parameters hold no frozen bias; drop one"
+    ]
+    (lora,) = balancing_run_problems(cfg, lora=True, fsdp=False)
+    assert "LoRA" in lora and "router_expert_bias" in lora
+    cp = expert_parallel_problems(cfg, ep=1, cp=2)
+    assert len(cp) == 1 and "--cp 2 with a mixture of experts" in cp[0]
+    # latent attention's heads split whole over tp (its latents are replicated: no other count constrains it)
+    assert tensor_parallel_problems(cfg, 8) == ["num_attention_heads=4 is not divisible by tp=8; use tp in [1, 2, 4]"]
