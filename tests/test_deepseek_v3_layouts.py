@@ -11,11 +11,14 @@ parallelism (refused with experts, below)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from layout import assert_matches, assert_same_weights, run_train, single_runs
 
+from llamatron.adapters.problems import lora_problems
+from llamatron.config.settings import LoraConfig
 from llamatron.models import get_preset
 from llamatron.models.moe_balance import balancing_run_problems
 from llamatron.parallel.expert import expert_parallel_problems
@@ -90,3 +93,39 @@ def test_layouts_out_of_reach_are_refused_in_one_line():
     assert len(cp) == 1 and "--cp 2 with a mixture of experts" in cp[0]
     # latent attention's heads split whole over tp (its latents are replicated: no other count constrains it)
     assert tensor_parallel_problems(cfg, 8) == ["num_attention_heads=4 is not divisible by tp=8; use tp in [1, 2, 4]"]
+
+
+# ---- LoRA on latent attention's projections ---------------------------------------------------------------------
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", ",".join(MLA_TARGETS), "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """A base checkpoint (no balancing bias: LoRA keeps it frozen, refused above) and LoRA on it in one process."""
+    d = tmp_path_factory.mktemp("lora")
+    config = _config(d, "no-bias")
+    run_train([*config, "--train-steps", "2", "--save", "base"], 1, d, model=MODEL)
+    records = run_train([*config, *LORA, "--load", "base", "--finetune", "--save", "a"], 1, d, model=MODEL)
+    return d, config, records
+
+
+def test_lora_on_latent_attention_under_tp2_sp_matches_the_single_process(lora_runs, tmp_path):
+    """The replicated down-projections' adapters are used on sequence shards: their gradients summed over tp."""
+    d, config, reference = lora_runs
+    flags = [*config, *LORA, "--load", str(d / "base"), "--finetune", "--tp", "2", "--sequence-parallel"]
+    got = run_train([*flags, "--save", "a"], 2, tmp_path, model=MODEL)
+    assert_matches(reference, got, keys=KEYS)
+    assert_same_weights(d / "a" / "step-5", tmp_path / "a" / "step-5")
+
+
+def test_lora_on_a_shared_expert_under_tp_is_refused_in_one_line():
+    """parallel/expert.py splits a shared expert's linears in place: adapters built for their full shape would not
+    fit (seen: a shape error in the first forward)."""
+    cfg = replace(get_preset(MODEL), router_expert_bias=False)
+    lora = LoraConfig(lora_rank=4, lora_targets=["all-linear"])
+    assert lora_problems(lora, cfg, tp=1) == []
+    (problem,) = lora_problems(lora, cfg, tp=2)
+    assert "shared expert's down_proj,gate_proj,up_proj" in problem and "--tp 2" in problem
+    assert lora_problems(LoraConfig(lora_rank=4, lora_targets=MLA_TARGETS), cfg, tp=2) == []
