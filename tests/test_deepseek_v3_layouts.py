@@ -7,19 +7,26 @@ Each run compares, step by step, the loss, the gradient norm, the router losses 
 token choices with the single process's (fp32, gloo, relative 1e-4), and the final weights (the balancing bias
 included) to 1e-3 of each tensor's norm. Where a layout needs another shape, the reference has the same overrides:
 4 layers for the pipelines; no balancing bias under FSDP (refused with it, below); a dense model under context
-parallelism (refused with experts, below)."""
+parallelism (refused with experts, below). LoRA on latent attention's five projections: under tp 2 + sp against
+the single process, and its exported adapter loaded by PEFT onto the base in transformers."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from layout import assert_matches, assert_same_weights, run_train, single_runs
 
+from llamatron.adapters.export import export_adapter
 from llamatron.adapters.problems import lora_problems
+from llamatron.adapters.targets import apply_lora, find_targets
+from llamatron.checkpoint.hf import config_to_hf, weight_rules
+from llamatron.checkpoint.reader import load_full_tensors
 from llamatron.config.settings import LoraConfig
-from llamatron.models import get_preset
+from llamatron.models import build_model, get_preset
 from llamatron.models.moe_balance import balancing_run_problems
 from llamatron.parallel.expert import expert_parallel_problems
 from llamatron.parallel.tensor import tensor_parallel_problems
@@ -118,6 +125,36 @@ def test_lora_on_latent_attention_under_tp2_sp_matches_the_single_process(lora_r
     got = run_train([*flags, "--save", "a"], 2, tmp_path, model=MODEL)
     assert_matches(reference, got, keys=KEYS)
     assert_same_weights(d / "a" / "step-5", tmp_path / "a" / "step-5")
+
+
+def test_lora_on_latent_attention_exports_an_adapter_peft_loads_onto_the_base(lora_runs, tmp_path):
+    """export_adapter's directory, loaded by PEFT onto the transformers model of the base checkpoint, gives our
+    adapted model's logits. The base goes to transformers in this process (weight_rules) with a zero balancing
+    bias, which routes as none: export-hf of a DeepSeek-V3 checkpoint without one is refused (missing expert_bias)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    d, _, _ = lora_runs
+    export_adapter(d / "a", tmp_path / "adapter")
+    cfg = replace(get_preset(MODEL), router_expert_bias=False)
+    model = build_model(cfg, device="meta")
+    apply_lora(model, find_targets(model, cfg, MLA_TARGETS), 4, 8.0, 0.0)
+    model.load_state_dict(load_full_tensors(d / "a"), strict=True, assign=True)
+    biased = replace(cfg, router_expert_bias=True)
+    state = dict(load_full_tensors(d / "base"))
+    state.update({f"layers.{i}.mlp.expert_bias": torch.zeros(cfg.num_experts) for i in (1, 2)})
+    hf_config = config_to_hf(biased)
+    base = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**hf_config)).eval()
+    rules = weight_rules(biased, hf_config, base.state_dict().keys())  # transformers 5's stacked experts
+    base.load_state_dict({n: t for r in rules for n, t in zip(r.hf_names, r.split(state[r.name]))}, strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        without = base(tokens).logits
+        with_peft = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(tokens).logits
+    assert (ours - without).abs().max() > 1e-3  # the adapters change the model: not vacuous
+    assert (with_peft - ours).abs().max() < 1e-5
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(MLA_TARGETS)
 
 
 def test_lora_on_a_shared_expert_under_tp_is_refused_in_one_line():
