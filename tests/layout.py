@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from llamatron.checkpoint.reader import load_full_tensors
@@ -224,3 +224,17 @@ def assert_same_weights(reference: Path, got: Path, rtol: float = 1e-3) -> None:
     for name, tensor in want.items():
         gap = (have[name] - tensor).norm().item() / tensor.norm().item()
         assert gap <= rtol, f"{name}: {gap:.3g} of its norm from the reference's"
+
+
+def single_runs(tmp_path_factory, args: Callable[[str, Path], list[str]], model: Callable[[str], str]):
+    """For a module fixture: key -> the single process's per-step metrics and final weights, each key run once.
+    args(key, workdir): its flags (--save is added); model(key): its --model."""
+    runs: dict[str, tuple[list[dict], Path]] = {}
+
+    def get(key: str) -> tuple[list[dict], Path]:
+        if key not in runs:
+            path = tmp_path_factory.mktemp(f"single-{key or 'preset'}")
+            runs[key] = run_train([*args(key, path), "--save", "ck"], 1, path, model=model(key)), path / "ck" / "step-5"
+        return runs[key]
+
+    return get

@@ -132,6 +132,7 @@ def test_published_sizes():
         ({"attention_bias": True}, "attention_bias"),
         ({"topk_method": "greedy"}, "noaux_tc"),
         ({"n_group": 3}, "does not divide"),
+        ({"first_k_dense_replace": 2, "num_hidden_layers": 2}, "leaves no layer with experts"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}}, "attention_factor"),
     ],
 )

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from hf_fixtures import make_random_model
-from layout import assert_matches, assert_same_weights, run_train
+from layout import assert_matches, assert_same_weights, run_train, single_runs
 from safetensors.torch import load_file
 from test_qwen import _run, assert_imports_exactly
 
@@ -166,15 +165,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """model -> the single process's per-step metrics and its final weights."""
-    runs: dict[str, tuple[list[dict], Path]] = {}
-
-    def get(model: str) -> tuple[list[dict], Path]:
-        if model not in runs:
-            path = tmp_path_factory.mktemp(model)
-            runs[model] = run_train(["--save", "ck"], 1, path, model=model), path / "ck" / "step-5"
-        return runs[model]
-
-    return get
+    return single_runs(tmp_path_factory, lambda _model, _path: [], lambda model: model)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -91,7 +91,8 @@ def apply_lora(model: nn.Module, targets: list[LoraTarget], rank: int, alpha: fl
 def adapter_specs(model: nn.Module, specs: ParamSpecs) -> ParamSpecs:
     """`specs` with the adapters' added: each adapter split like its tensor-parallel linear (column: B's rows with
     the weight's, A whole with a partial gradient; row: A's columns with the weight's inputs, B whole with a
-    partial gradient), or whole."""
+    partial gradient), or whole (with a partial gradient where the linear's weight has one: a replicated linear
+    under sequence parallelism)."""
     out = dict(specs)
     for prefix, m in model.named_modules():
         if not isinstance(getattr(m, "lora_a", None), nn.Parameter):
@@ -106,8 +107,9 @@ def adapter_specs(model: nn.Module, specs: ParamSpecs) -> ParamSpecs:
             a_full = (a_shape[0], m.layout.full_size)
             out[a] = ParamSpec(a, a_full).sharded(m.layout, a_full)
             out[b] = ParamSpec(b, b_shape, partial_grad=True)
-        else:
-            out[a], out[b] = ParamSpec(a, a_shape), ParamSpec(b, b_shape)
+        else:  # a replicated linear: on a sequence shard under sp, its adapters' gradients are partial as its weight's
+            partial = out[f"{prefix}.weight"].partial_grad
+            out[a], out[b] = ParamSpec(a, a_shape, partial_grad=partial), ParamSpec(b, b_shape, partial_grad=partial)
     return out
 
 

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from ..models.attention import AttentionMask, load_balanced_index
-from ..models.layers import Attention
 from ..models.transformer import Transformer
 from .mesh import Mesh
 from .tensor_layers import gather_sequence
@@ -92,5 +91,8 @@ def apply_context_parallel(model: Transformer, mesh: Mesh) -> None:
         return
     model.parallel.context = (mesh.cp, mesh.cp_rank)
     for module in model.modules():
-        if isinstance(module, Attention):
-            module.core = ContextParallelCore(module.core, mesh.cp_group, mesh.cp)
+        # Every attention layer, the shared one or a family's own (latent attention), keeps its kernel in a
+        # replaceable `core` called with (q, k, v, mask, backend); values narrower than keys gather as they are.
+        core = getattr(module, "core", None)
+        if callable(core):
+            module.core = ContextParallelCore(core, mesh.cp_group, mesh.cp)  # type: ignore[assignment]

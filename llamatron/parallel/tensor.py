@@ -11,10 +11,18 @@ family's own blocks):
     gate_up             column-parallel: the same slice of gate and of up, kept [gate; up] locally
     row                 row-parallel
     replicated_partial  kept whole; each rank's gradient is a partial sum (q/k norms: each rank's heads)
+    replicated          kept whole, on whatever its module gives it (a sequence shard under sequence
+                        parallelism: then, like a norm, its gradient is a partial sum); its output must reach
+                        every rank's heads through a column-parallel layer or a declared parallel input
     embed               vocabulary-parallel embedding
     lm_head             column-parallel over the vocabulary; tied: the embedding shard is the head
     parallel.vocab      the rank's vocabulary shard, which the loss (VocabParallelCrossEntropy), the argmax
                         and generation's gather read: full logits never exist on a rank
+
+A block may also declare `tp_parallel_inputs`: names of its attributes (tensor -> tensor, identity on one
+device) that tensor parallelism sets to `to_parallel_input`, for a tensor every rank's heads read outside any
+column-parallel layer (latent attention's shared rotary key): the whole sequence under sequence parallelism,
+its gradient summed over the tp group.
 
 It returns the chunk's parameter specs (param_spec.py): each sharded
 parameter's spec holds its `tp_layout` and `full_shape` (the unpadded shape of
@@ -56,6 +64,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial as partial_fn
 
 import torch
 import torch.distributed as dist
@@ -194,7 +203,8 @@ def apply_tensor_parallel(
     check_tensor_parallel(cfg, tp)
     sp = sequence_parallel
     partial: list[nn.Module] = []
-    _apply_plans(model, cfg, mesh, sequence_parallel, partial)
+    kept: list[nn.Module] = []
+    _apply_plans(model, cfg, mesh, sequence_parallel, partial, kept)
     vocab = vocab_layout(cfg.vocab_size, tp, rank, group)
     if model.embed is not None:
         weight = model.embed.weight
@@ -211,7 +221,7 @@ def apply_tensor_parallel(
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
             module.overlap_backward = comm_overlap
-    _check_all_sharded(model)
+    _check_all_sharded(model, partial + kept)
     out = tensor_parallel_specs(model, sequence_parallel, specs)
     names = {id(m): n for n, m in model.named_modules()}
     for m in partial:
@@ -221,9 +231,12 @@ def apply_tensor_parallel(
     return out
 
 
-def _apply_plans(model: nn.Module, cfg: ModelConfig, mesh: Mesh, sp: bool, partial: list[nn.Module]) -> None:
+def _apply_plans(
+    model: nn.Module, cfg: ModelConfig, mesh: Mesh, sp: bool, partial: list[nn.Module], kept: list[nn.Module]
+) -> None:
     """Split every child a block's `tp_plan` names (see the module docstring); the replicated_partial ones are
-    collected in `partial`. Layouts are built once per style and size: every layer is split alike."""
+    collected in `partial`, the replicated ones in `kept`; set the blocks' `tp_parallel_inputs`. Layouts are built
+    once per style and size: every layer is split alike."""
     tp, rank, group = mesh.tp, mesh.tp_rank, mesh.tp_group
     layouts: dict[tuple[str, int], ShardLayout] = {}
 
@@ -238,12 +251,16 @@ def _apply_plans(model: nn.Module, cfg: ModelConfig, mesh: Mesh, sp: bool, parti
         return layouts[(style, size)]
 
     for module in list(model.modules()):
+        for name in getattr(type(module), "tp_parallel_inputs", ()):
+            setattr(module, name, partial_fn(to_parallel_input, group=group, sequence_parallel=sp))
         for child, style in getattr(type(module), "tp_plan", {}).items():
             sub = getattr(module, child)
             if sub is None:  # an optional part this model does not have (q/k norms)
                 continue
             if style == "replicated_partial":
                 partial.append(sub)
+            elif style == "replicated":
+                kept.append(sub)
             elif style == "row":
                 setattr(module, child, _row(sub, layout(style, sub.in_features), group, sp))
             elif style in ("qkv", "column", "gate_up"):
@@ -291,12 +308,17 @@ def _row(linear: nn.Linear, layout: ShardLayout, group, sp: bool) -> RowParallel
     )
 
 
-def _check_all_sharded(model: nn.Module) -> None:
+def _check_all_sharded(model: nn.Module, kept: list[nn.Module]) -> None:
     """A plain Linear/Embedding left behind would silently be replicated: fail instead. A MoE layer's linears (its
-    router, replicated on purpose; a shared expert) are parallel/expert.py's to split."""
+    router, replicated on purpose; a shared expert) are parallel/expert.py's to split; `kept`: a plan's replicated
+    children."""
     moe = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, MoE))
-    kinds = (nn.Linear, nn.Embedding)
-    left = [name for name, m in model.named_modules() if type(m) in kinds and not name.startswith(moe)]
+    kinds, whole = (nn.Linear, nn.Embedding), {id(m) for m in kept}
+    left = [
+        name
+        for name, m in model.named_modules()
+        if type(m) in kinds and not name.startswith(moe) and id(m) not in whole
+    ]
     if left:
         raise ValueError(f"tensor parallelism does not know how to split {left}")
 

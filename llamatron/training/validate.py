@@ -108,7 +108,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
         )
     )
     _raise_if(balancing_run_problems(model, cfg.lora.lora_rank > 0, p.fsdp))
-    _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit]))
+    _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit], p.tp))
     document_flags = [
         f"--{n.replace('_', '-')}"
         for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")

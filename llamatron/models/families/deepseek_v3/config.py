@@ -85,6 +85,11 @@ class DeepseekV3Config(ModelConfig):
                 out.append(f"routed_scaling_factor {self.routed_scaling_factor} must be > 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             out.append(f"first_k_dense_replace {self.first_k_dense_replace} must be in [0, num_layers]")
+        elif self.is_moe and self.first_k_dense_replace == self.num_layers:  # the router losses' mean over no layers
+            out.append(
+                f"first_k_dense_replace {self.first_k_dense_replace} = num_layers leaves no layer with experts: "
+                "use fewer dense layers, or num_experts 0 for a dense model"
+            )
         if self.num_nextn_predict_layers:
             out.append(
                 f"num_nextn_predict_layers {self.num_nextn_predict_layers}: multi-token prediction is not trained "

@@ -102,11 +102,11 @@ class MLAttention(nn.Module):
 
     # How tensor parallelism splits it (parallel/tensor.py): the per-head projections by heads (q / q_b and kv_b
     # are laid out head after head, so a contiguous slice of their rows is a set of whole heads; o takes the
-    # matching columns); the down-projections whole on every rank ("replicated": not yet a style of
-    # parallel/tensor.py), their norms too. The rotary key reaches every rank's heads through no column-parallel
-    # layer: `shared_key` is where tensor parallelism makes it whole (a sequence all-gather under sequence
-    # parallelism; identity forward, all-reduced gradient without).
+    # matching columns); the down-projections whole on every rank ("replicated"), their norms too. The rotary key
+    # reaches every rank's heads through no column-parallel layer: `shared_key` is where tensor parallelism makes
+    # it whole (a sequence all-gather under sequence parallelism; identity forward, all-reduced gradient without).
     tp_plan = {"q": "column", "q_b": "column", "kv_b": "column", "o": "row", "q_a": "replicated", "kv_a": "replicated"}
+    tp_parallel_inputs = ("shared_key",)
     core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
     cache_kind = MLACache  # the decode cache it keeps (the transformer makes one per layer)
 
