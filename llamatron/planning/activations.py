@@ -30,7 +30,7 @@ With tp > 1 everything but the norm terms divides by tp. With sequence paralleli
 too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
 Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
 kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps each layer's input a*h
-(/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*head_dim, token ids 8 (first chunk), the final
+(/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*rope_width, token ids 8 (first chunk), the final
 norm (last chunk), and on pipeline stages the received input a*h (/tp with sp); the sent output is freed
 once sent (backward starts from its gradient edge).
 Context parallelism (cp ranks, each holding seq/cp tokens; everything above is per local token): without
