@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from test_plan import layer_saved_per_token
+from test_plan import layer_saved_per_token, model_saved_per_token
 from test_plan_cli import main_code
 
 from llamatron import triton_check
@@ -65,3 +65,13 @@ def test_plan_finds_layouts_for_the_published_sizes(model, gpus, capsys):
     layouts = json.loads(capsys.readouterr().out)["layouts"]
     assert len(layouts) == 3 and took < 30, took
     assert all(lay["memory_gb"]["total"] <= 80 for lay in layouts), layouts
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_model_activations_match_autograd(recompute):
+    """The whole model and its loss: the chunk's terms (cos/sin at the rotary width, what selective recompute frees
+    as MLA declares it: the kernel's output too, which the output projection's input copies)."""
+    cfg = _dense_test_model(32)
+    measured = model_saved_per_token(cfg, recompute, KernelChoices(rmsnorm="torch", rope="torch", swiglu="torch"))
+    chunk = A.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False)
+    assert measured == pytest.approx(chunk + 4 * cfg.vocab_size, rel=0.01)  # + the loss's saved log-softmax

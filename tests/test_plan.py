@@ -140,15 +140,7 @@ def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_s
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_model_activations_match_autograd(name, recompute, fused_norms, fused_rope_swiglu):
     cfg = get_preset(name)
-    model = build_model(cfg)
-    materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
-    apply_kernels(model, _choices(fused_norms, fused_rope_swiglu))
-    if recompute != "none":
-        apply_recompute(model, recompute, None)
-    batch, seq = 2, 64
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = _saved_bytes(lambda: cross_entropy_per_token(model(ids), ids), params)
+    measured = model_saved_per_token(cfg, recompute, _choices(fused_norms, fused_rope_swiglu))
     chunk = A.chunk_activation_bytes(
         cfg,
         cfg.num_layers,
@@ -162,7 +154,20 @@ def test_model_activations_match_autograd(name, recompute, fused_norms, fused_ro
         kernels=_eager_kernels(cfg, fused_norms, fused_rope_swiglu),
     )
     saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
-    assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
+    assert measured == pytest.approx(chunk + saved_log_softmax, rel=0.01)
+
+
+def model_saved_per_token(cfg, recompute: str, choices: KernelChoices) -> float:
+    """Bytes autograd saves per token in a bf16 model of `cfg` and its loss, under a recompute mode."""
+    model = build_model(cfg)
+    materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
+    apply_kernels(model, choices)
+    if recompute != "none":
+        apply_recompute(model, recompute, None)
+    batch, seq = 2, 64
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return _saved_bytes(lambda: cross_entropy_per_token(model(ids), ids), params) / (batch * seq)
 
 
 @pytest.mark.gpu

@@ -55,6 +55,12 @@ class AttentionCounts(Protocol):
         """Whether the Triton QKV-split + rotary kernel (models/rope_op.py) runs it where chosen."""
         ...
 
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """The kinds of `saved` that selective recompute frees (it re-runs the attention kernel, whose inputs it
+        keeps)."""
+        ...
+
     def gathered_kv_width(self, tp: int) -> float:
         """Elements per token of the K and V one tensor-parallel rank's kernel attends to: what context
         parallelism all-gathers (times cp per local token)."""
@@ -96,6 +102,10 @@ class GQACounts:
     @property
     def fused_rope(self) -> bool:
         return rope_op.supports_head_dim(self.head_dim) and not self.qk_norm  # no norm between split and rotary
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return ("softmax_stats",)  # the kernel's output is the output projection's input (a view): kept
 
     def _local_heads(self, tp: int) -> tuple[int, int]:
         # a KV head is replicated over the ranks when tp > num_kv_heads (parallel/tensor.py local_kv_heads)

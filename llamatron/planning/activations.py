@@ -29,10 +29,10 @@ attention's are these, a family's own attention (DeepSeek-V3's latent attention)
 With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
 too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
 Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
-kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps each layer's input a*h
-(/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*rope_width, token ids 8 (first chunk), the final
-norm (last chunk), and on pipeline stages the received input a*h (/tp with sp); the sent output is freed
-once sent (backward starts from its gradient edge).
+kernel only, whose inputs are kept: it frees softmax_stats (the kinds the attention declares `recomputed`).
+Full recompute keeps each layer's input a*h (/tp with sp). Per chunk and micro-batch: rope cos/sin
+2a*rope_width, token ids 8 (first chunk), the final norm (last chunk), and on pipeline stages the received
+input a*h (/tp with sp); the sent output is freed once sent (backward starts from its gradient edge).
 Context parallelism (cp ranks, each holding seq/cp tokens; everything above is per local token): without
 recompute the attention kernel saves the K and V it attends to, the whole sequence's gathered over the cp ranks
 (gathered_kv: 2a*kv*cp per local token), in place of this rank's own: the local k and v are freed, and with the
@@ -122,8 +122,9 @@ def layer_activation_bytes(
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
     # Selective recompute re-runs the K/V gather inside its checkpoint: only the local q/k/v are kept.
     terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, kernels, cp if recompute == "none" else 1)
-    if recompute == "selective":
-        terms.pop("softmax_stats")
+    if recompute == "selective":  # the kinds its attention declares the re-run kernel frees
+        for kind in layers(model)[0].attention.recomputed:
+            terms.pop(kind)
     return sum(terms.values())
 
 

@@ -101,8 +101,8 @@ class MLACounts:
                      the up-projection's input
       qkv            the kernel's q and k a*nh*qk_head_dim each, and kv_b's output a*nh*(qk_nope + v) (v is a view)
       softmax_stats  logsumexp 4 per head
-      attn_output    the kernel's output and the output projection's input, a copy (the heads are contiguous):
-                     2a*nh*v_head_dim
+      kernel_output  the kernel's output a*nh*v_head_dim (selective recompute frees it, and softmax_stats)
+      attn_output    the output projection's input a*nh*v_head_dim, a copy of it (the heads are contiguous)
     The rotated parts of q and k are concatenated into them (no rope term); the down-projections' input is the
     layer's norm output. Widths are for a kernel that takes v narrower than q/k as it is (cuDNN, memory-efficient;
     the flash kernels pad it)."""
@@ -129,6 +129,10 @@ class MLACounts:
     def fused_rope(self) -> bool:
         return False  # its rotary embedding is on part of each head: the torch expression
 
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return ("softmax_stats", "kernel_output")
+
     def gathered_kv_width(self, tp: int) -> float:
         return float(self.cfg.num_heads // tp * (self.cfg.qk_head_dim + self.cfg.v_head_dim))
 
@@ -152,7 +156,8 @@ class MLACounts:
             "qkv": qkv,
             "gathered_kv": cp * a * self.gathered_kv_width(tp) if cp > 1 else 0.0,
             "softmax_stats": 4 * nh,
-            "attn_output": 2 * a * nh * c.v_head_dim,
+            "kernel_output": a * nh * c.v_head_dim,
+            "attn_output": a * nh * c.v_head_dim,
         }
 
 
