@@ -110,20 +110,25 @@ def _eager_kernels(cfg, norms: bool, rope_swiglu: bool) -> A.LayerKernels:
     ).layer_kernels(cfg)
 
 
+def layer_saved_per_token(cfg, dtype: torch.dtype, choices: KernelChoices) -> float:
+    """Bytes autograd saves per token in the first decoder layer of `cfg` (its rotary tables included)."""
+    torch.manual_seed(0)
+    block = family_of(cfg).block(cfg, 0).to(dtype)
+    apply_kernels(block, choices)
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(cfg, torch.arange(seq).expand(batch, seq), dtype)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    return _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
+
+
 @pytest.mark.parametrize(
     "name", ["llama-test", "llama3-test", "falcon-test", "falcon40b-test", "qwen2-test", "qwen3-test"]
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_swiglu):
     cfg = get_preset(name)
-    torch.manual_seed(0)
-    block = family_of(cfg).block(cfg, 0).to(dtype)
-    apply_kernels(block, _choices(fused_norms, fused_rope_swiglu))
-    batch, seq = 2, 64
-    x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
-    cos, sin = rope_cos_sin(cfg, torch.arange(seq).expand(batch, seq), dtype)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
+    measured = layer_saved_per_token(cfg, dtype, _choices(fused_norms, fused_rope_swiglu))
     a = 2 if dtype == torch.bfloat16 else 4
     terms = A.layer_activation_terms(cfg, a, kernels=_eager_kernels(cfg, fused_norms, fused_rope_swiglu))
     predicted = sum(terms.values()) + 2 * a * cfg.head_dim  # + cos/sin
@@ -135,15 +140,7 @@ def test_layer_activations_match_autograd(name, dtype, fused_norms, fused_rope_s
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_model_activations_match_autograd(name, recompute, fused_norms, fused_rope_swiglu):
     cfg = get_preset(name)
-    model = build_model(cfg)
-    materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
-    apply_kernels(model, _choices(fused_norms, fused_rope_swiglu))
-    if recompute != "none":
-        apply_recompute(model, recompute, None)
-    batch, seq = 2, 64
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = _saved_bytes(lambda: cross_entropy_per_token(model(ids), ids), params)
+    measured = model_saved_per_token(cfg, recompute, _choices(fused_norms, fused_rope_swiglu))
     chunk = A.chunk_activation_bytes(
         cfg,
         cfg.num_layers,
@@ -157,7 +154,20 @@ def test_model_activations_match_autograd(name, recompute, fused_norms, fused_ro
         kernels=_eager_kernels(cfg, fused_norms, fused_rope_swiglu),
     )
     saved_log_softmax = 4 * cfg.vocab_size  # the part of the loss temporaries autograd keeps
-    assert measured == pytest.approx((chunk + saved_log_softmax) * batch * seq, rel=0.01)
+    assert measured == pytest.approx(chunk + saved_log_softmax, rel=0.01)
+
+
+def model_saved_per_token(cfg, recompute: str, choices: KernelChoices) -> float:
+    """Bytes autograd saves per token in a bf16 model of `cfg` and its loss, under a recompute mode."""
+    model = build_model(cfg)
+    materialize(model, cfg, 0, torch.device("cpu"), torch.bfloat16)
+    apply_kernels(model, choices)
+    if recompute != "none":
+        apply_recompute(model, recompute, None)
+    batch, seq = 2, 64
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return _saved_bytes(lambda: cross_entropy_per_token(model(ids), ids), params) / (batch * seq)
 
 
 @pytest.mark.gpu

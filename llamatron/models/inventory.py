@@ -19,6 +19,7 @@ from typing import Concatenate, ParamSpec, TypeVar, cast
 import torch
 from torch import nn
 
+from .attention_counts import AttentionCounts
 from .blocks import SwiGLU
 from .config import ModelConfig, RopeScaling
 from .families import family_of
@@ -59,6 +60,9 @@ class Layer:
     # The attention's width in the FLOP formula: (query·key width + probability·value width) / 2 over all heads,
     # heads·head_dim for the shared attention; the layer's attention module says (`flops_width`)
     attention_width: float
+    # What its attention module declares for the planner (`counts`: models/attention_counts.py): saved activations
+    # by kind, the context-parallel gather, the kernel's widths and the decode cache per token
+    attention: AttentionCounts
 
     def params(self, kind: str | None = None) -> int:
         """All its parameters, or those of one kind (matmul, expert, router, norm, bias)."""
@@ -117,7 +121,15 @@ def _describe(layer: nn.Module) -> Layer:
         qk_norm=any(n.endswith(("q_norm", "k_norm")) for n in modules),
         parallel_residual=bool(getattr(type(layer), "parallel_residual", False)),
         attention_width=float(getattr(attention, "flops_width", 0)),
+        attention=_counts(layer, attention),
     )
+
+
+def _counts(layer: nn.Module, attention: nn.Module | None) -> AttentionCounts:
+    counts = getattr(attention, "counts", None)
+    if counts is None:  # a programming error in a family's layer, not a user's input
+        raise TypeError(f"{type(layer).__name__}: its attention declares no counts (models/attention_counts.py)")
+    return cast(AttentionCounts, counts)
 
 
 _FIELDS: dict[type, Callable[[ModelConfig], tuple]] = {}  # each config class's fields but rope_scaling, read at once
@@ -263,10 +275,8 @@ def mean_mlp_width(cfg: ModelConfig) -> float:
 
 
 def moe_layer_share(cfg: ModelConfig) -> float:
-    """The fraction of decoder layers with experts."""
-    if not cfg.is_moe or cfg.moe_layer_step == 1:
-        return float(cfg.is_moe)
-    return cfg.num_moe_layers / cfg.num_layers
+    """The fraction of decoder layers with experts (num_moe_layers: a family's dense first layers count out)."""
+    return cfg.num_moe_layers / cfg.num_layers if cfg.is_moe else 0.0
 
 
 @per_config
@@ -290,6 +300,12 @@ def attention_flops(cfg: ModelConfig, seq_length: int) -> float:
     return float(sum(layer.attention_width * _layer_keys(cfg, i, seq_length) for i, layer in enumerate(layers(cfg))))
 
 
+def decode_cache_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
+    """Bytes a decode cache holds per token over all layers (one device): each layer's attention declares its
+    width (keys and values for the shared attention, MLA's latent and rotary key)."""
+    return sum(layer.attention.decode_cache_width for layer in layers(cfg)) * element_size
+
+
 @per_config
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Model FLOPs per trained token, the one formula every TFLOP/s and MFU figure uses (metrics, bench, plan):
@@ -309,6 +325,7 @@ __all__ = [
     "active_params",
     "attention_flops",
     "config_key",
+    "decode_cache_bytes_per_token",
     "expert_params",
     "final_norm_params",
     "flops_per_token",

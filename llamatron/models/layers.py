@@ -17,6 +17,7 @@ from torch import nn
 from .. import triton_check
 from . import rmsnorm_op, rope_op
 from .attention import AttentionMask, attention_core
+from .attention_counts import GQACounts
 from .config import ModelConfig, RopeScaling
 from .decode_attention_op import decode_step_attention
 from .kv_cache import LayerKVCache
@@ -199,6 +200,11 @@ class Attention(nn.Module):
         """Its width in the FLOP formula (models/inventory.py): heads x head_dim, of the query·key and of the
         probability·value products alike."""
         return self.num_heads * self.head_dim
+
+    @property
+    def counts(self) -> GQACounts:
+        """What the planner reads of it (models/attention_counts.py): saved activations, cache and widths."""
+        return GQACounts(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm is not None)
 
     def adjust(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None

@@ -9,6 +9,9 @@ num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the def
                 Falcon: the layer input a*h, mean/rstd 8 per LayerNorm | the layer input and one LayerNorm's 8
   norm_outputs  the inputs of the QKV and MLP projections a*h each (Falcon eager with one LayerNorm: shared)
                 | Llama 2 a*h, Falcon one a*h
+The attention's terms (qkv .. attn_output, and gathered_kv) are what the layer's attention module declares
+(its `counts`, models/attention_counts.py; read through models/inventory.Layer.attention): the shared
+attention's are these, a family's own attention (DeepSeek-V3's latent attention) lists its own.
   qkv           the QKV projection's output a*(h + 2kv) (the attention reads v from it); with the Triton
                 rotary op (kernels.rope, the CUDA default) the q, k, v it writes instead, the same bytes
   qk_norm       a q/k norm (Qwen3): the rsqrt 4 per query and key head; eager torch norms also keep the normalised
@@ -26,10 +29,10 @@ num_kv_heads*head_dim, f ffn; eager | compiled (torch.compile per layer, the def
 With tp > 1 everything but the norm terms divides by tp. With sequence parallelism norm_inputs divide by tp
 too, while each column-parallel projection saves its all-gathered (full) input: norm_outputs stay whole, and
 Falcon's two projections each gather their own copy. Selective recompute (engine.py) re-runs the attention
-kernel only, whose inputs are kept: it frees softmax_stats. Full recompute keeps each layer's input a*h
-(/tp with sp). Per chunk and micro-batch: rope cos/sin 2a*head_dim, token ids 8 (first chunk), the final
-norm (last chunk), and on pipeline stages the received input a*h (/tp with sp); the sent output is freed
-once sent (backward starts from its gradient edge).
+kernel only, whose inputs are kept: it frees softmax_stats (the kinds the attention declares `recomputed`).
+Full recompute keeps each layer's input a*h (/tp with sp). Per chunk and micro-batch: rope cos/sin
+2a*rope_width, token ids 8 (first chunk), the final norm (last chunk), and on pipeline stages the received
+input a*h (/tp with sp); the sent output is freed once sent (backward starts from its gradient edge).
 Context parallelism (cp ranks, each holding seq/cp tokens; everything above is per local token): without
 recompute the attention kernel saves the K and V it attends to, the whole sequence's gathered over the cp ranks
 (gathered_kv: 2a*kv*cp per local token), in place of this rank's own: the local k and v are freed, and with the
@@ -43,25 +46,10 @@ at a time without a pipeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..models import ModelConfig
+from ..models.attention_counts import EAGER_TORCH, LayerKernels
 from ..models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share, per_config
 from ..parallel.schedules import max_alive
-from ..parallel.tensor import local_kv_heads
-
-
-@dataclass(frozen=True)
-class LayerKernels:
-    """The code a decoder layer runs: compiled or eager, and which Triton ops (each the default on CUDA)."""
-
-    compiled: bool = False
-    norms: bool = False  # models/rmsnorm_op.py
-    rope: bool = False  # models/rope_op.py
-    swiglu: bool = False  # models/swiglu_op.py
-
-
-EAGER_TORCH = LayerKernels()  # what runs on CPU
 
 
 def layer_activation_terms(
@@ -75,8 +63,7 @@ def layer_activation_terms(
     """Bytes one decoder layer saves for backward per token, by part (see the module docstring); cp > 1: the
     attention kernel attends to K/V gathered over cp context-parallel ranks (without recompute)."""
     compiled = kernels.compiled
-    a, h, d = act_bytes, model.hidden_size, model.head_dim
-    q, kv = model.num_heads // tp, local_kv_heads(model.num_kv_heads, tp)
+    a, h = act_bytes, model.hidden_size
     f = mean_mlp_width(model) / tp  # k experts' width in a MoE layer
     layer = layers(model)[0]
     if layer.parallel_residual:  # Falcon: LayerNorms (mean, rstd) feeding attention and a GELU MLP in parallel
@@ -91,23 +78,12 @@ def layer_activation_terms(
     moe = 0.0
     if model.is_moe:  # in MoE layers, each token's dispatched copies and router scores
         moe = (2 * a * experts_taken(model) * h + 4 * model.num_experts) * moe_layer_share(model)
-    qkv, rope = a * (q + 2 * kv) * d, 0 if kernels.rope else a * (q + kv) * d
-    qk_norm = 0.0
-    if layer.qk_norm:  # per query/key head: its rsqrt; eager torch also the normalised heads (and their fp32 copy)
-        qk_norm = 4.0 * (q + kv)
-        if not (compiled or kernels.norms):
-            qk_norm += (a + (0 if a == 4 else 4)) * (q + kv) * d
-    if cp > 1:  # the kernel holds the gathered K/V, not this rank's: of the local tensors only q stays
-        qkv, rope = (a * q * d, 0) if kernels.rope else (0, a * q * d)
+    # the attention's own terms, as its module declares them (models/attention_counts.py)
+    attention = layer.attention.saved(a, tp, kernels, cp)
     return {
         "norm_inputs": norm_inputs / (tp if sequence_parallel else 1),
         "norm_outputs": norm_outputs,
-        "qkv": qkv,
-        "qk_norm": qk_norm,
-        "rope": rope,
-        "gathered_kv": gathered_kv_bytes(model, act_bytes, tp, cp),
-        "softmax_stats": 4 * q,
-        "attn_output": (2 if compiled else 1) * a * q * d,
+        **attention,
         "mlp": mlp,
         "moe_dispatch": moe,
     }
@@ -118,7 +94,7 @@ def gathered_kv_bytes(model: ModelConfig, act_bytes: int, tp: int, cp: int) -> f
     each), i.e. cp times a rank's own; 0 without context parallelism (the local K/V are the qkv term)."""
     if cp == 1:
         return 0.0
-    return 2.0 * cp * act_bytes * local_kv_heads(model.num_kv_heads, tp) * model.head_dim
+    return cp * act_bytes * layers(model)[0].attention.gathered_kv_width(tp)
 
 
 def final_norm_bytes(
@@ -146,8 +122,9 @@ def layer_activation_bytes(
         return act_bytes * model.hidden_size / (tp if sequence_parallel else 1)
     # Selective recompute re-runs the K/V gather inside its checkpoint: only the local q/k/v are kept.
     terms = layer_activation_terms(model, act_bytes, tp, sequence_parallel, kernels, cp if recompute == "none" else 1)
-    if recompute == "selective":
-        terms.pop("softmax_stats")
+    if recompute == "selective":  # the kinds its attention declares the re-run kernel frees
+        for kind in layers(model)[0].attention.recomputed:
+            terms.pop(kind)
     return sum(terms.values())
 
 
@@ -177,7 +154,7 @@ def chunk_activation_bytes(
     total += (layers - recomputed) * layer_activation_bytes(
         model, act_bytes, tp, sequence_parallel, "none", kernels, cp
     )
-    total += 2 * act_bytes * model.head_dim  # rope cos/sin, shared by the chunk's layers
+    total += 2 * act_bytes * _rope_width(model)  # rope cos/sin, shared by the chunk's layers
     if first:
         total += 8  # token ids saved by the embedding
     elif pipelined:
@@ -185,6 +162,11 @@ def chunk_activation_bytes(
     if last:
         total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, kernels.norms)
     return total  # (the sent output is not kept: backward starts from its gradient edge)
+
+
+def _rope_width(model: ModelConfig) -> int:
+    """The rotary tables' width, as the first layer's attention declares it."""
+    return layers(model)[0].attention.rope_width
 
 
 def chunks_in_flight(pp: int, vpp: int, micro_batches: int, rank: int) -> int:

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from ..models import ModelConfig
 from ..models.inventory import layers
-from ..models.rope_op import supports_head_dim as rope_supports_head_dim
 from .activations import LayerKernels
 
 
@@ -135,6 +134,6 @@ class Precision:
         return LayerKernels(
             self.compiled,
             self.fused_norms and layer.norm == "rmsnorm",
-            self.fused_rope and rope_supports_head_dim(model.head_dim) and not layer.qk_norm,
+            self.fused_rope and layer.attention.fused_rope,
             self.fused_swiglu and layer.mlp == "swiglu",
         )

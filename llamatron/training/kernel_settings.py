@@ -59,7 +59,7 @@ def kernel_choices(flags: KernelFlags, tp: int, device: str, dtype_name: str, mo
         "attention": attention,
         "swiglu": pick(flags.swiglu) if swiglu else "-",
         "rmsnorm": pick(flags.rmsnorm) if rmsnorm else "-",
-        "rope": pick(flags.rope, supports_head_dim(model.head_dim) and not layer.qk_norm),
+        "rope": pick(flags.rope, layer.attention.fused_rope),  # its attention declares it
         "cross_entropy": pick(flags.cross_entropy) if tp == 1 else "-",
         "adamw": pick(flags.adamw),
     }

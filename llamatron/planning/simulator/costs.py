@@ -6,7 +6,8 @@ Per decoder layer and micro-batch on one rank (T tokens: micro-batch x seq / cp;
              forward's worth); at peak x gemm efficiency x tokens/(tokens + half) x width/(width + half); --fp8
              divides the decoder linears' time by its measured speed-up. MoE: the router and the experts a token
              reaches (experts_taken) as grouped GEMMs at their own shape (rows per expert, expert width)
-  attention  causal work 4 x (q heads x head_dim / tp) x keys per query x T forward, 3 x that in all
+  attention  causal work 4 x (attention width / tp) x keys per query x T forward, 3 x that in all (the width
+             each layer's attention module declares: heads x head_dim for the shared one)
   elementwise norms, SwiGLU, rotary, residuals as bytes at HBM bandwidth x efficiency; MoE: the permutation's
              passes over the (T x k, hidden) rows, and the routing's per-call time per MoE layer
   TP         all-gathers/reduce-scatters of T x hidden (4 forward, 2 backward exposed, 2 overlapped with the
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ...models import ModelConfig
 from ...models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share, per_config
-from ...parallel.tensor import local_kv_heads, padded_vocab_size
+from ...parallel.tensor import padded_vocab_size
 from .calibration import Calibration
 from .fsdp import FsdpOptions
 from .hardware import Hardware
@@ -221,8 +222,11 @@ class Costs:
 
     def attention_total(self) -> float:
         m, s = self.model, self.s
-        flops = 3 * 4 * (m.num_heads * m.head_dim / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
-        efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length, m.head_dim)
+        attention = layers(m)
+        width = sum(layer.attention_width for layer in attention) / len(attention)  # each module's flops_width
+        flops = 3 * 4 * (width / s.tp) * keys_per_query(m, s.seq_length) * s.tokens
+        head_dim = attention[0].attention.kernel_head_dim
+        efficiency = self.cal.attention(self.hw.gpu.name, s.attention, s.seq_length, head_dim)
         windowed = m.sliding_window is not None and m.sliding_window < s.seq_length
         chunked = _chunked(m, s.seq_length)
         if windowed or chunked:  # flex's block mask or FA4's local kernel
@@ -232,7 +236,7 @@ class Costs:
     def elementwise_total(self) -> float:
         m, s, c = self.model, self.s, self.cal
         f = mean_mlp_width(m)
-        qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        qkv = layers(m)[0].attention.kernel_input_width
         per_token = s.act_bytes * (
             c.elementwise_per_hidden * m.hidden_size / (s.tp if s.sequence_parallel else 1)
             + (c.elementwise_per_ffn * f + c.elementwise_per_qkv * qkv) / s.tp
@@ -308,7 +312,7 @@ class Costs:
         m, s = self.model, self.s
         if s.cp == 1:
             return 0.0
-        size = s.micro_batch_size * s.seq_length * 2 * local_kv_heads(m.num_kv_heads, s.tp) * m.head_dim * s.act_bytes
+        size = s.micro_batch_size * s.seq_length * layers(m)[0].attention.gathered_kv_width(s.tp) * s.act_bytes
         return self.collective("all_gather", size, s.cp, self.group_per_node(s.tp, s.cp))
 
     def all_to_all_bytes(self) -> float:

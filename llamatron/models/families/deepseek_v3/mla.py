@@ -38,6 +38,7 @@ from torch import nn
 
 from ....errors import ConfigError
 from ...attention import AttentionMask, attention_core, attention_mask
+from ...attention_counts import LayerKernels
 from ...layers import RMSNorm, apply_rope
 from .mla_cache import MLACache
 from .rope import halves_from_interleaved, interleaved_from_halves
@@ -87,6 +88,77 @@ class MLAConfig:
         if self.norm_eps <= 0 or (self.softmax_scale is not None and self.softmax_scale <= 0):
             out.append(f"norm_eps={self.norm_eps} and softmax_scale={self.softmax_scale}: must be > 0")
         return out
+
+
+@dataclass(frozen=True)
+class MLACounts:
+    """What the planner reads of a latent attention layer (models/attention_counts.py's interface), as its forward
+    saves for backward (tests/test_deepseek_v3_plan.py measures it): per token on one tp rank of nh heads,
+
+      latent_norms   per RMSNorm (the low-rank query's, the latent's): torch its input in fp32 (4 per element;
+                     the latent is a view of kv_a's output, so in fp32 that whole output), the normalised copy and
+                     rsqrt 4; the Triton norm its input (the latent: kv_a's whole output) and rsqrt; and its output,
+                     the up-projection's input
+      qkv            the kernel's q and k a*nh*qk_head_dim each, and kv_b's output a*nh*(qk_nope + v) (v is a view)
+      softmax_stats  logsumexp 4 per head
+      kernel_output  the kernel's output a*nh*v_head_dim (selective recompute frees it, and softmax_stats)
+      attn_output    the output projection's input a*nh*v_head_dim, a copy of it (the heads are contiguous)
+    The rotated parts of q and k are concatenated into them (no rope term); the down-projections' input is the
+    layer's norm output. Widths are for a kernel that takes v narrower than q/k as it is (cuDNN, memory-efficient;
+    the flash kernels pad it)."""
+
+    cfg: MLAConfig
+
+    @property
+    def rope_width(self) -> int:
+        return self.cfg.qk_rope_head_dim
+
+    @property
+    def kernel_head_dim(self) -> int:
+        return self.cfg.qk_head_dim
+
+    @property
+    def kernel_input_width(self) -> int:
+        return self.cfg.num_heads * (2 * self.cfg.qk_head_dim + self.cfg.v_head_dim)
+
+    @property
+    def decode_cache_width(self) -> int:
+        return self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim  # the compressed cache (mla_cache.py)
+
+    @property
+    def fused_rope(self) -> bool:
+        return False  # its rotary embedding is on part of each head: the torch expression
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return ("softmax_stats", "kernel_output")
+
+    def gathered_kv_width(self, tp: int) -> float:
+        return float(self.cfg.num_heads // tp * (self.cfg.qk_head_dim + self.cfg.v_head_dim))
+
+    def saved(self, act_bytes: int, tp: int, kernels: LayerKernels, cp: int) -> dict[str, float]:
+        c, a = self.cfg, act_bytes
+        nh = c.num_heads // tp
+        fused = kernels.norms or kernels.compiled
+
+        def norm(width: int, storage: int) -> float:  # storage: the elements of the tensor its input is a view of
+            saved_input = a * storage if fused else 4 * (storage if a == 4 else width) + a * width
+            return saved_input + 4 + a * width  # + rsqrt, + its output (the up-projection's input)
+
+        latent_norms = norm(c.kv_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim)
+        if c.q_lora_rank is not None:
+            latent_norms += norm(c.q_lora_rank, c.q_lora_rank)
+        qkv = a * nh * (2 * c.qk_head_dim + c.qk_nope_head_dim + c.v_head_dim)
+        if cp > 1:  # the kernel holds the gathered K/V: of the local tensors only q stays
+            qkv = a * nh * c.qk_head_dim
+        return {
+            "latent_norms": latent_norms,
+            "qkv": qkv,
+            "gathered_kv": cp * a * self.gathered_kv_width(tp) if cp > 1 else 0.0,
+            "softmax_stats": 4 * nh,
+            "kernel_output": a * nh * c.v_head_dim,
+            "attn_output": a * nh * c.v_head_dim,
+        }
 
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
@@ -141,6 +213,11 @@ class MLAttention(nn.Module):
         """Its width in the FLOP formula (models/inventory.py): the mean of the query·key width (heads x
         qk_head_dim) and the probability·value width (heads x v_head_dim)."""
         return self.num_heads * (self.cfg.qk_head_dim + self.cfg.v_head_dim) / 2
+
+    @property
+    def counts(self) -> MLACounts:
+        """What the planner reads of it (models/attention_counts.py): saved activations, cache and widths."""
+        return MLACounts(self.cfg)
 
     def forward(
         self,
@@ -281,4 +358,4 @@ def _renamed(
     return out
 
 
-__all__ = ["HF_NAMES", "MLAConfig", "MLAttention", "rotary_block", "state_from_hf", "state_to_hf"]
+__all__ = ["HF_NAMES", "MLAConfig", "MLACounts", "MLAttention", "rotary_block", "state_from_hf", "state_to_hf"]
