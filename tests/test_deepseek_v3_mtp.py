@@ -19,6 +19,7 @@ from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError, HFConversionError
 from llamatron.models import build_model, get_preset
 from llamatron.models.cross_entropy_op import IGNORE_INDEX
+from llamatron.models.families import model_problems
 from llamatron.models.init import materialize
 from llamatron.models.layers import rope_cos_sin
 from llamatron.objectives.language_model import LanguageModelObjective
@@ -30,7 +31,7 @@ WEIGHT = 0.3
 
 def mtp_config(depths: int = 2, **changes):
     return dataclasses.replace(
-        get_preset("deepseek-v3-test"), num_nextn_predict_layers=depths, mtp_loss_weight=WEIGHT, **changes
+        get_preset("deepseek-v3-test"), **{"num_nextn_predict_layers": depths, "mtp_loss_weight": WEIGHT, **changes}
     )
 
 
@@ -133,7 +134,10 @@ def test_context_parallelism_is_refused_too():
 
 
 def test_sequences_no_longer_than_the_depths_are_refused():
-    assert "must exceed" in " ".join(mtp_config().seq_length_problems(2, "deepseek-v3-test"))
+    (problem,) = mtp_config().seq_length_problems(2, "deepseek-v3-test")
+    assert problem.startswith("--seq-length 2 is too short") and "give more than 2" in problem
+    assert mtp_config().seq_length_problems(3, "deepseek-v3-test") == []
+    assert ">= 0" in " ".join(model_problems(mtp_config(mtp_loss_weight=-1.0)))
 
 
 def _hf_checkpoint_with_mtp(path, seed: int = 5) -> dict[str, torch.Tensor]:

@@ -89,7 +89,9 @@ class DeepseekV3Config(ModelConfig):
                 out.append(f"routed_scaling_factor {self.routed_scaling_factor} must be > 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             out.append(f"first_k_dense_replace {self.first_k_dense_replace} must be in [0, num_layers]")
-        return out + mtp_problems(self.num_nextn_predict_layers, self.mtp_loss_weight, self.max_seq_length)
+        # (the sequence length a run trains at is seq_length_problems')
+        n = self.num_nextn_predict_layers
+        return out + mtp_problems(n, self.mtp_loss_weight, n + 1)
 
     def without_extra_heads(self) -> DeepseekV3Config:
         return dataclasses.replace(self, num_nextn_predict_layers=0)
@@ -107,6 +109,10 @@ class DeepseekV3Config(ModelConfig):
         ]
 
     def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
-        return super().seq_length_problems(seq_length, name) + mtp_problems(
-            self.num_nextn_predict_layers, self.mtp_loss_weight, seq_length
-        )
+        out, n = super().seq_length_problems(seq_length, name), self.num_nextn_predict_layers
+        if n and 1 <= seq_length <= n:
+            out.append(
+                f"--seq-length {seq_length} is too short for {name}'s {n} multi-token prediction modules (the last "
+                f"one's targets lie {n + 1} tokens ahead): give more than {n}"
+            )
+        return out
