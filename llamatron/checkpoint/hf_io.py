@@ -368,6 +368,17 @@ def special_token_ids(tokenizer: Path | None) -> dict[str, int | None]:
     return ShippedTokenizer(tokenizer).token_ids
 
 
+def _extra_head(name: str) -> bool:
+    return name.startswith("extra_heads.")
+
+
+def _without_extra_heads(cfg: ModelConfig, step_dir: Path) -> ModelConfig:
+    dropped = cfg.without_extra_heads()
+    if dropped == cfg:
+        raise CheckpointError(f"--drop-mtp: {step_dir}'s model has no multi-token prediction modules; leave it out")
+    return dropped
+
+
 def export_hf(
     ckpt: str | Path,
     out_dir: str | Path,
@@ -375,10 +386,12 @@ def export_hf(
     dtype: torch.dtype | None = None,
     tokenizer: str | None = None,
     weights: CheckpointReader | None = None,
+    drop_extra_heads: bool = False,
 ) -> dict[str, Any]:
     """Write checkpoint `ckpt` as a transformers directory; returns a summary (files, tokenizer, config).
     `weights`: the reader of its weights (default: open_weights, the plain model's; a LoRA checkpoint's merged
-    reader is adapters/merge.py's)."""
+    reader is adapters/merge.py's). `drop_extra_heads`: leave out the model's extra prediction heads (DeepSeek-V3's
+    multi-token prediction modules; models/family.py ExtraHeads), its config.json as the model without them."""
     step_dir = resolve_checkpoint(str(ckpt))
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -388,6 +401,8 @@ def export_hf(
         )
     meta = read_meta(step_dir)
     cfg = config_from_dict(meta["model_config"])
+    if drop_extra_heads:
+        cfg = _without_extra_heads(cfg, step_dir)
     hf_meta = meta.get("hf") or {}
     base = hf_meta.get("config")
     tok = find_tokenizer(step_dir, meta, tokenizer)  # before writing anything: a missing one is an error
@@ -396,7 +411,7 @@ def export_hf(
     source = weights or open_weights(step_dir)  # full tensors by name, from a checkpoint of any layout
     rules = weight_rules(cfg, config_to_hf(cfg, base, vocab_size=vocab))
     missing = sorted({r.name for r in rules} - source.keys())
-    extra = sorted(source.keys() - {r.name for r in rules})
+    extra = sorted(n for n in source.keys() - {r.name for r in rules} if not (drop_extra_heads and _extra_head(n)))
     if missing or extra:
         raise CheckpointError(
             f"{step_dir} does not match its model_config:\n  "

@@ -80,6 +80,11 @@ def _register_export(sub) -> None:
         "(checked to be that model; default: the directory the base was imported from, else "
         "BASE-step-N-hf beside OUT_DIR, with the command that writes it)",
     )
+    p.add_argument(
+        "--drop-mtp",
+        action="store_true",
+        help="leave out the multi-token prediction modules (DeepSeek-V3's; kept by default, as published)",
+    )
     p.add_argument("--push-to-hub", metavar="REPO", default=None, help="then upload OUT_DIR to this Hub repository")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     p.set_defaults(func=cmd_export_hf)
@@ -142,7 +147,9 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     if args.adapter:
-        ignored = [f for f, v in (("--dtype", args.dtype), ("--tokenizer", args.tokenizer)) if v]
+        ignored = [
+            f for f, v in (("--dtype", args.dtype), ("--tokenizer", args.tokenizer), ("--drop-mtp", args.drop_mtp)) if v
+        ]
         if ignored or args.max_shard_size != "5GB":
             flags = ", ".join(ignored + (["--max-shard-size"] if args.max_shard_size != "5GB" else []))
             raise ConfigError(f"--adapter writes the adapters as trained, in one file: drop {flags}")
@@ -160,6 +167,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
             args.tokenizer,
             # a LoRA checkpoint with its adapters merged, or left out
             open_base_weights(args.ckpt) if args.without_adapters else open_model_weights(args.ckpt),
+            drop_extra_heads=args.drop_mtp,
         )
         print(f"exported {summary['step_dir']} -> {args.out_dir}: {', '.join(summary['files'])}, config.json")
         _print_tokenizer(summary, args.out_dir)

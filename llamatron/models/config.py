@@ -294,6 +294,15 @@ class ModelConfig:
         """What sets layer `index`'s shape and attention apart from the others (equal for layers built alike)."""
         return (self.is_moe_layer(index), self.layer_ffn(index), self.layer_has_rope(index))
 
+    def without_extra_heads(self) -> ModelConfig:
+        """This model without its family's extra prediction heads (models/family.py ExtraHeads; export-hf
+        --drop-mtp): itself where it has none."""
+        return self
+
+    def layout_problems(self, tp: int, pp: int, cp: int) -> list[str]:
+        """Why this model cannot be trained split tp x pp x cp ways (a family's modules may not be; empty: it can)."""
+        return []
+
     def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
         """Why `seq_length` is no length to train or plan this model at (empty when it is): a sanity bound of 64×
         its context, past which rotary positions, even scaled, are not what the model learned."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+import torch
 from torch import nn
 
+from .attention import AttentionMask
 from .config import ModelConfig
 from .hf_format import TensorRule
 
@@ -25,6 +27,34 @@ C = TypeVar("C", bound=ModelConfig)
 
 def no_problems(cfg: ModelConfig) -> list[str]:
     return []
+
+
+@dataclass(frozen=True)
+class ExtraHeadInputs:
+    """What extra heads read from the model besides its hidden states and input ids: its embedding and head
+    (logits of a hidden state), the rotary tables and the attention mask of the whole sequence."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    head: Callable[[torch.Tensor], torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: AttentionMask | None
+
+
+class ExtraHeads(Protocol):
+    """A family's predictions beyond the next token, built on the last stage (Family.extra_heads): from the final
+    hidden states (before the norm) and the input ids, logits whose position i predicts label i + offsets[j]
+    (label i: token i + 1); training adds their cross entropy times `loss_weight` (objectives/extra_heads.py)."""
+
+    offsets: tuple[int, ...]
+    loss_weight: float
+    stat_name: str  # the logged field of their unweighted loss
+
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: ExtraHeadInputs) -> list[torch.Tensor]: ...
+
+
+def no_extra_heads(cfg: ModelConfig) -> nn.Module | None:
+    return None
 
 
 def same_layers(cfg: ModelConfig, index: int) -> tuple:
@@ -68,6 +98,9 @@ class Family(Generic[C]):
     problems: Callable[[C], list[str]] = no_problems  # the family's own rules on a config
     # Layers of equal kind have equal shapes: models/inventory.py builds one of each on meta.
     layer_kind: Callable[[C, int], Any] = same_layers
+    # Extra prediction heads on the last stage (an ExtraHeads, or None): predictions
+    # further ahead than the next token (DeepSeek-V3's multi-token prediction) that training adds to the loss
+    extra_heads: Callable[[C], nn.Module | None] = no_extra_heads
     # Other checkpoint formats its models come in, read by checkpoint/ into Hugging Face names: Meta's consolidated
     # files (checkpoint/meta_consolidated.py), Megatron-LM runs (checkpoint/megatron.py).
     meta_format: MetaFormat | None = None
@@ -101,4 +134,14 @@ class MegatronFormat:
     hf_global_names: Mapping[str, str]  # part (embed, final_norm, head) -> Hugging Face name
 
 
-__all__ = ["Family", "HFAdapter", "MegatronFormat", "MetaFormat", "no_problems", "same_layers"]
+__all__ = [
+    "ExtraHeadInputs",
+    "ExtraHeads",
+    "Family",
+    "HFAdapter",
+    "MegatronFormat",
+    "MetaFormat",
+    "no_extra_heads",
+    "no_problems",
+    "same_layers",
+]

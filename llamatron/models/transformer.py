@@ -25,10 +25,11 @@ from .attention import AttentionMask, attention_mask, decode_mask, load_balanced
 from .config import ModelConfig
 from .cross_entropy_op import IGNORE_INDEX
 from .families import family_of
+from .family import ExtraHeadInputs, ExtraHeads
 from .kv_cache import KVCache
 from .layers import rope_cos_sin
 
-__all__ = ["IGNORE_INDEX", "ParallelContext", "Transformer", "VocabShard", "batch_inputs", "build_model"]
+__all__ = ["IGNORE_INDEX", "ExtraHeads", "ParallelContext", "Transformer", "VocabShard", "batch_inputs", "build_model"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class Transformer(nn.Module):
         # The head's matmul (x, weight) -> logits; --fp8-head installs an FP8 one (fp8.apply_fp8).
         self.head_matmul: Callable[..., torch.Tensor] = F.linear
         self.parallel = ParallelContext()
+        # The family's extra prediction heads, beside the head (they read the input ids: the layout rules keep
+        # them to a last stage that has the embedding); a forward over whole sequences leaves their logits in
+        # `extra_logits` for the objective to take
+        self.extra_heads: nn.Module | None = family.extra_heads(cfg) if head else None
+        self.extra_logits: list[torch.Tensor] = []
 
     @property
     def is_first_stage(self) -> bool:
@@ -113,7 +119,11 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.norm is not None, "logits on a stage without the output head"
-        return self.head_matmul(self.norm(hidden), self.head_weight())
+        return self.head_logits(self.norm(hidden))
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head on normed hidden states `x` (shared with extra heads)."""
+        return self.head_matmul(x, self.head_weight())
 
     def forward(
         self,
@@ -163,9 +173,24 @@ class Transformer(nn.Module):
             cache.advance(seq)
         if self.norm is None:
             return h
+        if self.extra_heads is not None and cache is None and logits_at is None:
+            whole = masks[None] if None in masks else self._mask(seq, position_ids, document_ids, h, None, 0, None)
+            self.extra_logits = self._extra_logits(h, inputs, cos, sin, whole)
         if logits_at is not None:
             h = h[torch.arange(batch, device=h.device), logits_at][:, None]
         return self.logits(h)
+
+    def _extra_logits(
+        self, h: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None
+    ) -> list[torch.Tensor]:
+        assert self.embed is not None and self.extra_heads is not None, "extra heads need the embedding's stage"
+        heads = cast(ExtraHeads, self.extra_heads)
+        return heads(h, tokens, ExtraHeadInputs(self.embed, self.head_logits, cos, sin, mask))
+
+    def take_extra_logits(self) -> list[torch.Tensor]:
+        """The extra heads' logits of the last forward, handed over once (empty without extra heads)."""
+        out, self.extra_logits = self.extra_logits, []
+        return out
 
     def _mask(
         self,

@@ -22,6 +22,7 @@ from ..models.moe import MoE, MoEBalance, MoEStats
 from ..models.moe_balance import updated_expert_bias
 from ..parallel.mesh import Mesh, all_reduce
 from ..parallel.tensor_layers import VocabParallelCrossEntropy
+from .extra_heads import ExtraHeadsTraining
 
 PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,10 +51,13 @@ class RouterTraining:
             torch.zeros(shape, device=device),
             torch.zeros(shape, device=device) if global_batch else None,
         )
+        # an extra head's MoE layers (DeepSeek-V3's MTP blocks) route and count too; they are on a model's one
+        # stage (its layout rules), so every rank counts them only where the model has one stage
+        extra = [m for chunk in chunks if chunk.extra_heads is not None for m in chunk.extra_heads.modules()]
         run = RouterTraining(
             torch.zeros((), device=device),
             MoEStats.zeros(model_cfg.num_experts, device),
-            model_cfg.num_moe_layers,
+            model_cfg.num_moe_layers + sum(isinstance(m, MoE) for m in extra),
             balance,
             layers,
             global_batch,
@@ -113,13 +117,11 @@ class RouterTraining:
 
     def step_stats(self, local: torch.Tensor, sequences: int, mesh: Mesh) -> torch.Tensor:
         """[load-balancing loss, z-loss, the share of token choices a capacity dropped, each expert's share of the
-        token choices] of the whole step from each
-        rank's `local_stats`: a collective over every rank (pipeline stages hold different layers, data-parallel
-        ranks different sequences; the tensor-parallel ranks of a layer count the same tokens)."""
-        flat = local.clone()
-        if mesh.world_size > 1:
-            torch.distributed.all_reduce(flat)
-        flat = flat / mesh.tp
+        token choices] of the whole step from each rank's `local_stats` (a collective: `summed`)."""
+        return self.normalised(summed(local, mesh), sequences)
+
+    def normalised(self, flat: torch.Tensor, sequences: int) -> torch.Tensor:
+        """step_stats from the statistics summed over every rank."""
         total = flat[3:].sum().clamp_min(1.0)
         return torch.cat([flat[:2] / (sequences * self.num_layers), flat[2:3] / total, flat[3:] / total])
 
@@ -133,6 +135,16 @@ class RouterTraining:
             "moe_dropped_fraction": values[2],
             "expert_token_share": values[3:],
         }
+
+
+def summed(local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Every rank's statistics summed (a collective over every rank: pipeline stages hold different layers,
+    data-parallel ranks different sequences), counted once per tensor-parallel group (its ranks count the same
+    tokens)."""
+    flat = local.clone()
+    if mesh.world_size > 1:
+        torch.distributed.all_reduce(flat)
+    return flat / mesh.tp
 
 
 def per_token_loss(chunks: list[Transformer], kernel: str = "auto", compile: bool = False) -> PerTokenLoss:
@@ -150,11 +162,14 @@ class RoutedObjective:
     """The step hooks a mixture of experts' router needs from any objective (none for a dense model)."""
 
     router: RouterTraining | None
+    extra: ExtraHeadsTraining | None = None  # a family's extra prediction heads (objectives/extra_heads.py)
     mesh: Mesh
 
     def begin_step(self, sequences: int, loss_scale: torch.Tensor | None) -> None:
         if self.router is not None:
             self.router.begin_step(sequences, loss_scale)
+        if self.extra is not None:
+            self.extra.loss_sum.zero_()
 
     def before_forward(self, forward_all: Callable[[], None]) -> None:
         if self.router is not None:
@@ -168,8 +183,16 @@ class RoutedObjective:
 class LanguageModelObjective(RoutedObjective):
     """The language-model loss of one rank's chunks (see the module docstring); an `Objective`."""
 
-    def __init__(self, per_token: PerTokenLoss, mesh: Mesh, device: torch.device, router: RouterTraining | None = None):
+    def __init__(
+        self,
+        per_token: PerTokenLoss,
+        mesh: Mesh,
+        device: torch.device,
+        router: RouterTraining | None = None,
+        extra: ExtraHeadsTraining | None = None,
+    ):
         self.per_token_loss, self.mesh, self.device, self.router = per_token, mesh, device, router
+        self.extra = extra
 
     @classmethod
     def build(
@@ -183,32 +206,49 @@ class LanguageModelObjective(RoutedObjective):
     ) -> LanguageModelObjective:
         """The objective for this rank's `chunks` (per_token_loss says what `kernel` and `compile` pick)."""
         router = RouterTraining.attach(chunks, model_cfg, device)
-        return cls(per_token_loss(chunks, kernel, compile), mesh, device, router)
+        extra = ExtraHeadsTraining.attach(chunks, device)
+        return cls(per_token_loss(chunks, kernel, compile), mesh, device, router, extra)
 
     def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.per_token_loss(logits, labels)
 
     def normaliser(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The label tokens of the whole global batch (this rank's, summed over the dp x cp replicas)."""
+        """The label tokens of the whole global batch (this rank's, summed over the dp x cp replicas); with extra
+        heads, followed by each head's label count (a vector)."""
         counts = [(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]
         local = torch.stack(counts).sum().to(self.device, torch.float32)
+        if self.extra is not None:
+            local = torch.cat([local.reshape(1), self.extra.counts(micro_batches).to(self.device)])
         return all_reduce(local, self.mesh.replica_group).clamp_min(1.0)
 
     def loss(self, logits: torch.Tensor, mb: Mapping[str, torch.Tensor], normaliser: torch.Tensor) -> torch.Tensor:
-        return self.per_token_loss(logits, mb["labels"]).sum() / normaliser
+        if self.extra is None:
+            return self.per_token_loss(logits, mb["labels"]).sum() / normaliser
+        main = self.per_token_loss(logits, mb["labels"]).sum() / normaliser[0]
+        return main + self.extra.loss(self.per_token_loss, mb, normaliser[1:])
 
     def local_stats(self) -> torch.Tensor | None:
-        """A mixture of experts' router statistics on this rank (RouterTraining.local_stats), None for a dense
-        model."""
-        return None if self.router is None else self.router.local_stats()
+        """A mixture of experts' router statistics on this rank (RouterTraining.local_stats), then the extra heads'
+        loss; None for a dense model without extra heads."""
+        parts = [] if self.router is None else [self.router.local_stats()]
+        if self.extra is not None:
+            parts.append(self.extra.loss_sum.reshape(1).float())
+        return torch.cat(parts) if parts else None
 
     def step_stats(self, local: torch.Tensor, sequences: int) -> torch.Tensor:
-        """The logged step's router statistics over every rank (RouterTraining.step_stats; a collective)."""
-        assert self.router is not None
-        return self.router.step_stats(local, sequences, self.mesh)
+        """The logged step's statistics over every rank (one collective)."""
+        flat = summed(local, self.mesh)
+        if self.extra is None:
+            assert self.router is not None
+            return self.router.normalised(flat, sequences)
+        router = [] if self.router is None else [self.router.normalised(flat[:-1], sequences)]
+        return torch.cat([*router, flat[-1:]])
 
     def stat_fields(self, values: list[float]) -> dict[str, Any]:
-        return RouterTraining.fields(values)
+        if self.extra is None:
+            return RouterTraining.fields(values)
+        router = {} if self.router is None else RouterTraining.fields(values[:-1])
+        return {**router, self.extra.stat_name: values[-1]}
 
     eval_width = 0  # evaluation's token metrics are this objective's
 

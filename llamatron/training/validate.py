@@ -57,6 +57,7 @@ def _validate_layout(
     )
     _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
     _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
+    _raise_if(model.layout_problems(p.tp, p.pp, p.cp))
     given = [k for k in asdict(p) if k in cfg.explicit]
     _raise_if(
         fsdp_problems(

@@ -2,7 +2,8 @@
 (issue 49): its config (config.py), its decoder layer (block.py: the shared pre-norm layer with its multi-head
 latent attention, mla.py, whose decode cache is kept compressed, mla_cache.py, and the shared mixture of experts
 routed by group-limited top-k, routing.py), its rotary row order and YaRN softmax scale (rope.py), presets and the
-Hugging Face format (hf.py). mtp.py holds multi-token prediction, not yet part of the model."""
+Hugging Face format (hf.py). Multi-token prediction (mtp.py) is the
+family's extra heads on the last stage (block.py: deepseek_v3_mtp), trained by the language-model objective."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ...blocks import rms_norm
 from ...config import MOE_SETTINGS
 from ...family import Family, HFAdapter
 from . import hf
-from .block import deepseek_v3_block
+from .block import deepseek_v3_block, deepseek_v3_mtp
 from .config import DeepseekV3Config
 from .presets import PRESETS
 
@@ -32,4 +33,5 @@ FAMILY = Family(
     options=frozenset({"head_dim", "num_experts", *MOE_SETTINGS})
     - {"shared_expert_gate", "router_weights_input", "moe_layer_step"},
     problems=problems,
+    extra_heads=deepseek_v3_mtp,
 )

@@ -10,6 +10,7 @@ from ...blocks import DecoderBlock
 from ...moe import MoE
 from .config import DeepseekV3Config
 from .mla import MLAttention
+from .mtp import MTPConfig, MTPHeads, MTPModule
 from .routing import group_limited_topk
 
 
@@ -38,3 +39,15 @@ class DeepseekMoE(MoE):
 def deepseek_v3_block(cfg: DeepseekV3Config, index: int) -> DecoderBlock:
     moe = DeepseekMoE(cfg) if cfg.is_moe_layer(index) else None
     return DecoderBlock(cfg, index, MLAttention(cfg.mla()), moe)
+
+
+def deepseek_v3_mtp(cfg: DeepseekV3Config) -> MTPHeads | None:
+    """The multi-token prediction modules (the family's extra heads), each around a decoder layer numbered after
+    the model's (a MoE layer past the dense ones, as in DeepSeek's checkpoints); None without them."""
+    if not cfg.num_nextn_predict_layers:
+        return None
+    shape = MTPConfig(cfg.hidden_size, cfg.norm_eps)
+    modules = [
+        MTPModule(shape, deepseek_v3_block(cfg, cfg.num_layers + j)) for j in range(cfg.num_nextn_predict_layers)
+    ]
+    return MTPHeads(modules, cfg.mtp_loss_weight)

@@ -4,10 +4,12 @@ attention's shape, group-limited routing, the dense first layers' count, multi-t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...config import ModelConfig
 from .mla import MLAConfig
+from .mtp import mtp_problems
 from .rope import yarn_softmax_scale
 from .routing import routing_problems
 
@@ -30,9 +32,11 @@ class DeepseekV3Config(ModelConfig):
     routed_scaling_factor: float = 1.0
     # The first layers are dense SwiGLUs dense_ffn_hidden_size wide, the rest mixtures of experts
     first_k_dense_replace: int = 0
-    # Multi-token prediction modules after the last layer (DeepSeek-V3's one; 0: none). Not built yet: a config
-    # with them is refused by the family's problems
+    # Multi-token prediction modules after the last layer (DeepSeek-V3's one; 0: none), each a MoE decoder layer
+    # (mtp.py), on the last stage; training adds mtp_loss_weight (λ: DeepSeek-V3 trained with 0.3, then 0.1)
+    # times their mean cross entropy
     num_nextn_predict_layers: int = 0
+    mtp_loss_weight: float = 0.1
     # The published weights lay each rotary head out in interleaved pairs (import reorders them, export back)
     rope_interleave: bool = True
 
@@ -90,9 +94,30 @@ class DeepseekV3Config(ModelConfig):
                 f"first_k_dense_replace {self.first_k_dense_replace} = num_layers leaves no layer with experts: "
                 "use fewer dense layers, or num_experts 0 for a dense model"
             )
-        if self.num_nextn_predict_layers:
+        # (the sequence length a run trains at is seq_length_problems')
+        n = self.num_nextn_predict_layers
+        return out + mtp_problems(n, self.mtp_loss_weight, n + 1)
+
+    def without_extra_heads(self) -> DeepseekV3Config:
+        return dataclasses.replace(self, num_nextn_predict_layers=0)
+
+    def layout_problems(self, tp: int, pp: int, cp: int) -> list[str]:
+        """Multi-token prediction reads the input ids and the embedding on the last stage, whole sequences in
+        order, its modules unsplit: one stage, no context or tensor parallelism."""
+        split = [f"{flag} {n}" for flag, n in (("--tp", tp), ("--pp", pp), ("--cp", cp)) if n > 1]
+        if not self.num_nextn_predict_layers or not split:
+            return []
+        return [
+            f"num_nextn_predict_layers {self.num_nextn_predict_layers} with {', '.join(split)}: multi-token "
+            "prediction trains on one stage without tensor or context parallelism (the embedding lives on the "
+            "first stage); drop those flags or set num_nextn_predict_layers 0 (--model-override)"
+        ]
+
+    def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
+        out, n = super().seq_length_problems(seq_length, name), self.num_nextn_predict_layers
+        if n and 1 <= seq_length <= n:
             out.append(
-                f"num_nextn_predict_layers {self.num_nextn_predict_layers}: multi-token prediction is not trained "
-                "yet; set it to 0"
+                f"--seq-length {seq_length} is too short for {name}'s {n} multi-token prediction modules (the last "
+                f"one's targets lie {n + 1} tokens ahead): give more than {n}"
             )
         return out

@@ -14,8 +14,14 @@ Layer N (`model.layers.N.`):
   mlp.shared.gate_up, .down          <- mlp.shared_experts.gate_proj|up_proj, down_proj
 With rope_interleave (DeepSeek's published configs), the rotary rows of q/q_b and kv_a are reordered from
 interleaved pairs to llamatron's halves (rope.py), and back at export. Refused in one line: attention biases, MoE
-layers at a frequency other than every layer, routing other than sigmoid scores with the balancing bias
-(topk_method noaux_tc), and multi-token prediction weights (not trained yet).
+layers at a frequency other than every layer, and routing other than sigmoid scores with the balancing bias
+(topk_method noaux_tc).
+
+Multi-token prediction module j (num_nextn_predict_layers of them) is layer num_layers + j (`model.layers.{L+j}.`):
+  extra_heads.j.{enorm, hnorm, eh_proj, norm} <- enorm, hnorm, eh_proj, shared_head.norm
+  extra_heads.j.block                         <- the decoder layer's own names, as layer L + j
+  embed_tokens, shared_head.head              the model's embedding and head again: checked equal on import and
+                                              read once; written back on export
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         topk_group=get["topk_group"],
         routed_scaling_factor=float(get["routed_scaling_factor"]),
         first_k_dense_replace=get["first_k_dense_replace"],
+        num_nextn_predict_layers=int(get.get("num_nextn_predict_layers") or 0),
         rope_interleave=bool(get["rope_interleave"]),
     )
 
@@ -197,21 +204,78 @@ def _as_is(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def weight_rules(cfg: DeepseekV3Config, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:
-    rules = [TensorRule("embed.weight", ("model.embed_tokens.weight",))]
+    embeds, heads = _mtp_copies(cfg)
+    if cfg.tie_embeddings:
+        embeds += heads
+    rules = [
+        TensorRule(
+            "embed.weight", ("model.embed_tokens.weight", *embeds), *_same_copies("embed.weight", 1 + len(embeds))
+        )
+    ]
     for i in range(cfg.num_layers):
-        h, L = f"model.layers.{i}", f"layers.{i}"
-        rules.append(TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",)))
-        rules += _attention_rules(cfg, f"{h}.self_attn", f"{L}.attn")
-        rules.append(TensorRule(f"{L}.mlp_norm.weight", (f"{h}.post_attention_layernorm.weight",)))
-        if cfg.is_moe_layer(i):
-            rules += _moe_rules(cfg, f"{h}.mlp", f"{L}.mlp", names)
-        else:
-            ffn = cfg.layer_ffn(i)
-            rules += linear(
-                f"{L}.mlp.gate_up", f"{h}.mlp.gate_proj|{h}.mlp.up_proj", False, fuse=cat, split=split_rows([ffn, ffn])
-            )
-            rules += linear(f"{L}.mlp.down", f"{h}.mlp.down_proj", False)
+        rules += _layer_rules(cfg, f"model.layers.{i}", f"layers.{i}", i, names)
     rules.append(TensorRule("norm.weight", ("model.norm.weight",)))
     if not cfg.tie_embeddings:
-        rules.append(TensorRule("lm_head.weight", ("lm_head.weight",)))
+        rules.append(
+            TensorRule("lm_head.weight", ("lm_head.weight", *heads), *_same_copies("lm_head.weight", 1 + len(heads)))
+        )
+    return rules + _mtp_rules(cfg, names)
+
+
+def _layer_rules(cfg: DeepseekV3Config, h: str, L: str, i: int, names: Collection[str]) -> list[TensorRule]:
+    """Decoder layer `i`'s tensors (an MTP module's block is layer num_layers + its depth - 1)."""
+    rules = [TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",))]
+    rules += _attention_rules(cfg, f"{h}.self_attn", f"{L}.attn")
+    rules.append(TensorRule(f"{L}.mlp_norm.weight", (f"{h}.post_attention_layernorm.weight",)))
+    if cfg.is_moe_layer(i):
+        return rules + _moe_rules(cfg, f"{h}.mlp", f"{L}.mlp", names)
+    ffn = cfg.layer_ffn(i)
+    rules += linear(
+        f"{L}.mlp.gate_up", f"{h}.mlp.gate_proj|{h}.mlp.up_proj", False, fuse=cat, split=split_rows([ffn] * 2)
+    )
+    return rules + linear(f"{L}.mlp.down", f"{h}.mlp.down_proj", False)
+
+
+def _mtp_rules(cfg: DeepseekV3Config, names: Collection[str]) -> list[TensorRule]:
+    """The MTP modules (mtp.py) as DeepSeek's checkpoints hold them: layer num_layers + j, its decoder layer's
+    tensors beside enorm, hnorm, eh_proj and shared_head.norm."""
+    rules = []
+    for j in range(cfg.num_nextn_predict_layers):
+        i = cfg.num_layers + j
+        h, M = f"model.layers.{i}", f"extra_heads.{j}"
+        for ours, theirs in (
+            ("enorm", "enorm"),
+            ("hnorm", "hnorm"),
+            ("eh_proj", "eh_proj"),
+            ("norm", "shared_head.norm"),
+        ):
+            rules.append(TensorRule(f"{M}.{ours}.weight", (f"{h}.{theirs}.weight",)))
+        rules += _layer_rules(cfg, h, f"{M}.block", i, names)
     return rules
+
+
+def _mtp_copies(cfg: DeepseekV3Config) -> tuple[list[str], list[str]]:
+    """The copies of the embedding and of the head each MTP module's checkpoint tensors hold (embed_tokens,
+    shared_head.head): the model's own, read once and checked equal on import, written back on export."""
+    layers = range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)
+    return [f"model.layers.{i}.embed_tokens.weight" for i in layers], [
+        f"model.layers.{i}.shared_head.head.weight" for i in layers
+    ]
+
+
+def _same_copies(name: str, count: int) -> tuple[Callable, Callable]:
+    """(import, export) of a tensor the checkpoint holds several equal copies of: the first, once every copy is
+    checked equal to it (files' headers, read for shapes, are not); each copy written back."""
+
+    def first(parts: list[torch.Tensor]) -> torch.Tensor:
+        if not parts[0].is_meta and not all(torch.equal(parts[0], p) for p in parts[1:]):
+            raise HFConversionError(
+                f"the multi-token prediction modules' copies of {name} differ from the model's: DeepSeek-V3 "
+                "shares one embedding and head; import a checkpoint whose copies are equal"
+            )
+        return parts[0]
+
+    def copies(t: torch.Tensor) -> list[torch.Tensor]:
+        return [t] * count
+
+    return first, copies

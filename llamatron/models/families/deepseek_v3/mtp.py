@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch import nn
 
 from ...attention import AttentionMask
 from ...cross_entropy_op import IGNORE_INDEX
+from ...family import ExtraHeadInputs
 from ...layers import RMSNorm
 
 
@@ -117,6 +119,23 @@ def mtp_loss(logits: Sequence[torch.Tensor], labels: torch.Tensor, weight: float
     return weight * (sums / counts.clamp(min=1)).mean()
 
 
+class MTPHeads(nn.ModuleList):
+    """The model's multi-token prediction modules as the Transformer's extra heads (models/family.py
+    ExtraHeads): depth k's logits predict label i + k; training weighs their mean loss by `loss_weight` (λ)."""
+
+    stat_name = "mtp_loss"
+
+    def __init__(self, modules: Sequence[MTPModule], loss_weight: float):
+        super().__init__(modules)
+        self.offsets = tuple(range(1, len(modules) + 1))
+        self.loss_weight = loss_weight
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: ExtraHeadInputs) -> list[torch.Tensor]:
+        depths = cast(Sequence[MTPModule], list(self))
+        i = inputs
+        return mtp_logits(depths, hidden, tokens, i.embed, i.head, i.cos, i.sin, i.mask)
+
+
 def mtp_problems(num_modules: int, weight: float, seq_length: int) -> list[str]:
     """Why these settings cannot train multi-token prediction (empty when they can)."""
     out = []
@@ -130,4 +149,4 @@ def mtp_problems(num_modules: int, weight: float, seq_length: int) -> list[str]:
     return out
 
 
-__all__ = ["MTPConfig", "MTPModule", "mtp_logits", "mtp_loss", "mtp_problems", "mtp_sums", "shifted"]
+__all__ = ["MTPConfig", "MTPHeads", "MTPModule", "mtp_logits", "mtp_loss", "mtp_problems", "mtp_sums", "shifted"]

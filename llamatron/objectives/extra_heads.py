@@ -1,0 +1,67 @@
+"""A family's extra prediction heads in the language-model loss (models/family.py ExtraHeads; DeepSeek-V3's
+multi-token prediction): head j's logits at position i predict label i + offsets[j], and the step's loss adds
+
+    loss_weight / J · Σ_j (head j's cross entropy summed over the global batch / its label count there)
+
+each head's count taken over the global batch as the main loss's normaliser is (the last offsets[j] places of a
+sequence and IGNORE_INDEX labels count nothing). The unweighted mean over the heads is logged as its own field.
+The per-token cross entropy is the main loss's (vocabulary-parallel under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from ..models import IGNORE_INDEX, Transformer
+from ..models.family import ExtraHeads
+
+
+def labels_ahead(labels: torch.Tensor, offset: int) -> torch.Tensor:
+    """labels (batch, seq) moved `offset` places left: position i holds label i + offset, IGNORE_INDEX past the end."""
+    return F.pad(labels[:, offset:], (0, min(offset, labels.shape[1])), value=IGNORE_INDEX)
+
+
+class ExtraHeadsTraining:
+    """The extra heads of this rank's last chunk: their share of each micro-batch's loss and the step's statistic."""
+
+    def __init__(self, chunk: Transformer, device: torch.device):
+        heads = cast(ExtraHeads, chunk.extra_heads)
+        self.chunk, self.offsets, self.weight = chunk, heads.offsets, heads.loss_weight
+        self.stat_name = heads.stat_name
+        self.loss_sum = torch.zeros((), device=device)  # the step's unweighted extra loss (this rank's share)
+
+    @staticmethod
+    def attach(chunks: list[Transformer], device: torch.device) -> ExtraHeadsTraining | None:
+        last = chunks[-1]
+        return None if last.extra_heads is None else ExtraHeadsTraining(last, device)
+
+    def counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Each head's label count over this rank's micro-batches, (J,) float."""
+        return torch.stack(
+            [
+                torch.stack([(labels_ahead(mb["labels"], k) != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+                for k in self.offsets
+            ]
+        ).float()
+
+    def loss(
+        self,
+        per_token: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        mb: Mapping[str, torch.Tensor],
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """This micro-batch's weighted extra loss from the heads' logits of its forward; `counts`: each head's
+        global-batch label count (clamped >= 1)."""
+        logits = self.chunk.take_extra_logits()
+        assert len(logits) == len(self.offsets), "the extra heads' logits of this micro-batch are missing"
+        terms = [per_token(x, labels_ahead(mb["labels"], k)).sum() for x, k in zip(logits, self.offsets)]
+        extra = (torch.stack(terms) / counts).mean()
+        self.loss_sum += extra.detach()
+        return self.weight * extra
+
+
+__all__ = ["ExtraHeadsTraining", "labels_ahead"]
