@@ -129,9 +129,9 @@ def test_model_overrides():
             "rope_scaling factor 0 must be a positive number",
         ),
         (
-            {"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "yarn", "factor": 4.0}}},
+            {"model": "llama-test", "model_overrides": {"rope_scaling": {"kind": "longrope", "factor": 4.0}}},
             1,
-            "rope_scaling kind 'yarn' must be linear, dynamic or llama3",
+            "rope_scaling kind 'longrope' must be linear, dynamic, llama3 or yarn",
         ),
         (
             {"model": "llama-test", "model_overrides": {"num_heads": 3, "num_kv_heads": 3}},
