@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config
 from transformers.modeling_layers import MtpLayer
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RMSNorm,
@@ -337,6 +337,10 @@ def test_yarn_tables_match_transformers(params, rope_dim, truncate):
         hf_factor, rel=1e-12
     )
     qk = 3 * rope_dim
+    # transformers' own function (5.25; older releases lack it: the GPU machine's 5.17)
+    yarn_apply_mscale = pytest.importorskip("transformers.modeling_rope_utils").__dict__.get("yarn_apply_mscale")
+    if yarn_apply_mscale is None:
+        pytest.skip("this transformers has no yarn_apply_mscale (5.25 has)")
     expected = yarn_apply_mscale(config.rope_parameters, qk**-0.5)
     assert rope.yarn_softmax_scale(qk, p["factor"], p["mscale_all_dim"]) == pytest.approx(expected, rel=1e-12)
 
