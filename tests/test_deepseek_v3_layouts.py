@@ -37,14 +37,7 @@ OVERRIDES = {  # --config YAML -> its model_overrides
     "": {},
     "four-layers": {"num_layers": 4},
     "no-bias": {"router_expert_bias": "false"},
-    "dense": {  # MLA without experts: every MoE setting back to a dense model's
-        "num_experts": 0,
-        "router_aux_loss_coef": 0.02,
-        "shared_expert_ffn": 0,
-        "dense_ffn_hidden_size": 0,
-        "router_score": "softmax",
-        "router_expert_bias": "false",
-    },
+    "dense": {"num_experts": 0},  # MLA without experts (the preset's MoE settings go with them)
 }
 # name -> (flags, processes, overrides)
 LAYOUTS = {

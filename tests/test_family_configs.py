@@ -77,3 +77,11 @@ def test_a_checkpoint_config_written_before_the_split_still_loads():
     assert config_from_dict(old) == get_preset("llama-test")
     with pytest.raises(ValueError, match="qk_l2_norm"):
         config_from_dict({**old, "qk_l2_norm": True})
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3-test", "mixtral-test", "qwen3-moe-test"])
+def test_a_mixture_of_experts_made_dense_drops_its_moe_settings(preset):
+    """model_overrides {num_experts: 0} on a MoE preset: a dense model of the same shape (its MoE settings back at
+    their defaults, which a dense model must keep), not a refusal naming settings the user never gave."""
+    cfg = get_preset(preset).with_changes({"num_experts": 0})
+    assert not cfg.is_moe and model_problems(cfg) == []

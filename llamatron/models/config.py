@@ -354,9 +354,12 @@ class ModelConfig:
 
     def with_changes(self, changes: dict[str, Any]) -> ModelConfig:
         """This config with `changes` to its fields (YAML model_overrides); a head_dim that followed hidden_size /
-        num_heads follows their new values unless `changes` gives it."""
+        num_heads follows their new values unless `changes` gives it, and a mixture of experts made dense
+        (num_experts 0) drops its MoE settings (a dense model's must be left at their defaults)."""
         d = self.to_dict()
         derived = self.head_dim == self.hidden_size // max(self.num_heads, 1)
+        if changes.get("num_experts") == 0 and self.num_experts:  # made dense: the preset's MoE settings go too
+            d.update({f.name: f.default for f in fields(ModelConfig) if f.name in MOE_SETTINGS})
         d.update(changes)
         if derived and "head_dim" not in changes:
             d["head_dim"] = None
