@@ -170,7 +170,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 class MLAttention(nn.Module):
     """Multi-head latent attention, called as every attention layer is: (x, cos, sin, mask, cache, positions), cos
-    and sin for qk_rope_head_dim (rope.rotary_cos_sin under YaRN, its attention factor included)."""
+    and sin for qk_rope_head_dim (layers.rope_cos_sin: under YaRN its attention factor included)."""
 
     # How tensor parallelism splits it (parallel/tensor.py): the per-head projections by heads (q / q_b and kv_b
     # are laid out head after head, so a contiguous slice of their rows is a set of whole heads; o takes the

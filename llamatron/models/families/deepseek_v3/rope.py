@@ -31,17 +31,6 @@ def yarn_softmax_scale(qk_head_dim: int, factor: float, mscale_all_dim: float | 
     return scale
 
 
-def rotary_cos_sin(
-    inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_factor: float = 1.0, dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (batch, seq, 2 · len(inv_freq)) for `position_ids` (batch, seq), in the half-split layout of
-    `layers.apply_rope`, multiplied by YaRN's `attention_factor`."""
-    freqs = position_ids.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
-    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
-
-
 def halves_from_interleaved(t: torch.Tensor, block: int, rope_dim: int) -> torch.Tensor:
     """Rows of a weight (or bias) made of blocks of `block` rows, each ending in `rope_dim` rotary rows laid out in
     interleaved pairs: the rotary rows of every block reordered to evens, then odds (llamatron's halves)."""
@@ -65,6 +54,5 @@ def _reorder_rotary_rows(t: torch.Tensor, block: int, grid: tuple[int, int]) -> 
 __all__ = [
     "halves_from_interleaved",
     "interleaved_from_halves",
-    "rotary_cos_sin",
     "yarn_softmax_scale",
 ]
