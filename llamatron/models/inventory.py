@@ -279,13 +279,6 @@ def moe_layer_share(cfg: ModelConfig) -> float:
     return cfg.num_moe_layers / cfg.num_layers if cfg.is_moe else 0.0
 
 
-@per_config
-def mean_keys(cfg: ModelConfig, seq_length: int) -> float:
-    """The keys a query's attention score matrix spans, averaged over the layers (the S of the FLOP formula): the
-    sequence, the sliding window or the layer's attention chunk (ModelConfig.layer_attention_chunk) where shorter."""
-    return sum(_layer_keys(cfg, i, seq_length) for i in range(cfg.num_layers)) / cfg.num_layers
-
-
 def _layer_keys(cfg: ModelConfig, index: int, seq_length: int) -> int:
     """The keys layer `index`'s queries span: the sequence, the window or its attention chunk where shorter."""
     span = seq_length
@@ -332,7 +325,6 @@ __all__ = [
     "input_embedding_params",
     "layers",
     "experts_taken",
-    "mean_keys",
     "mean_mlp_width",
     "moe_layer_share",
     "num_params",
