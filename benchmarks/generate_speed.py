@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's llamatron, not an installed one
 
-from llamatron.checkpoint.hf import config_to_hf, llamatron_to_hf  # noqa: E402
 from llamatron.dtypes import DTYPES  # noqa: E402
 from llamatron.inference.decode import Decoder  # noqa: E402
+from llamatron.interop.hf import config_to_hf, llamatron_to_hf  # noqa: E402
 from llamatron.models import build_model, decode_attention_op, get_preset, materialize  # noqa: E402
 from llamatron.training.validate import resolve_device  # noqa: E402
 

@@ -256,8 +256,8 @@ def test_tp2_checkpoint_stores_unpadded_tensors_in_pieces_of_both_ranks(workdir,
 
 def test_export_hf_of_a_tp2_checkpoint_loads_in_transformers(workdir, tp2_resumed, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from llamatron.checkpoint.hf_io import export_hf
     from llamatron.inference.generate import load_for_generation
+    from llamatron.interop.hf_io import export_hf
 
     export_hf(workdir / "ck-tp2", tmp_path / "hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -255,7 +255,7 @@ def test_checksums_are_recorded_for_every_rank_file(saved):
 @pytest.mark.parametrize("name", ["secret.txt", "tokenizer.json"])
 def test_export_ships_no_file_a_meta_json_names_unless_it_is_a_tokenizer(saved, tmp_path, name):
     """meta.json's "tokenizer" pointing at any file (named like a tokenizer or not) is not copied out."""
-    from llamatron.checkpoint.hf_io import export_hf
+    from llamatron.interop.hf_io import export_hf
 
     ck = _copy(saved, tmp_path)
     secret = tmp_path / name
@@ -269,7 +269,7 @@ def test_export_ships_no_file_a_meta_json_names_unless_it_is_a_tokenizer(saved, 
 
 
 def test_a_failed_export_leaves_nothing_behind(saved, tmp_path):
-    from llamatron.checkpoint.hf_io import export_hf
+    from llamatron.interop.hf_io import export_hf
 
     ck = _copy(saved, tmp_path)
     victim = ck / "step-3" / "rank-00000.safetensors"
@@ -283,7 +283,7 @@ def test_a_failed_export_leaves_nothing_behind(saved, tmp_path):
 
 
 def test_hf_index_weight_map_cannot_leave_the_directory(tmp_path):
-    from llamatron.checkpoint.hf_io import open_hf_dir
+    from llamatron.interop.hf_io import open_hf_dir
 
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -12,8 +12,8 @@ from hf_fixtures import make_random_model
 from test_qwen import _run
 from test_qwen_moe import assert_round_trip_is_bitwise
 
-from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron
 from llamatron.errors import HFConversionError
+from llamatron.interop.hf import config_from_hf, hf_to_llamatron
 from llamatron.models import build_model, get_preset
 from llamatron.models.families import model_problems
 from llamatron.models.inventory import active_params, num_params

@@ -24,9 +24,9 @@ from layout import assert_matches, assert_same_weights, run_train, single_runs
 from llamatron.adapters.export import export_adapter
 from llamatron.adapters.problems import lora_problems
 from llamatron.adapters.targets import apply_lora, find_targets
-from llamatron.checkpoint.hf import config_to_hf, weight_rules
 from llamatron.checkpoint.reader import load_full_tensors
 from llamatron.config.settings import LoraConfig
+from llamatron.interop.hf import config_to_hf, weight_rules
 from llamatron.models import build_model, get_preset
 from llamatron.models.moe_balance import balancing_run_problems
 from llamatron.parallel.expert import expert_parallel_problems

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import random_config, random_model
 from test_qwen import _run
 
-from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron
 from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError, HFConversionError
+from llamatron.interop.hf import config_from_hf, hf_to_llamatron
 from llamatron.models import build_model, get_preset
 from llamatron.models.cross_entropy_op import IGNORE_INDEX
 from llamatron.models.families import model_problems

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llamatron.checkpoint.hf import config_from_hf, config_to_hf
+from llamatron.interop.hf import config_from_hf, config_to_hf
 from llamatron.models.families import FAMILIES, get_preset, model_problems
 from llamatron.models.inventory import num_params
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_fixtures import FAMILIES, make_hf_model, random_tokens
 
-from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron, llamatron_to_hf
+from llamatron.interop.hf import config_from_hf, hf_to_llamatron, llamatron_to_hf
 from llamatron.models import build_model
 
 

@@ -23,10 +23,10 @@ from layout import free_port
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llamatron.checkpoint.hf import HFConversionError, config_from_hf
 from llamatron.cli import main as llamatron_main
 from llamatron.errors import CheckpointError
 from llamatron.inference.generate import load_for_generation
+from llamatron.interop.hf import HFConversionError, config_from_hf
 from llamatron.training.checkpointing import load_checkpoint
 
 BF16_FAMILIES = {"llama3-rope-scaling", "falcon-7b-layout", "mistral-window"}  # stored and exported as bf16

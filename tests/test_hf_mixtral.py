@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_hf_interop import read_hf_weights, run_cli, write_tokenizer
 
-from llamatron.checkpoint.hf import HFConversionError, config_from_hf, config_to_hf, hf_to_llamatron
 from llamatron.inference.generate import load_for_generation
+from llamatron.interop.hf import HFConversionError, config_from_hf, config_to_hf, hf_to_llamatron
 from llamatron.models import get_preset
 
 
@@ -280,7 +280,7 @@ def test_router_losses_train_as_transformers_mixtral_loss_times_its_coefficients
     its load-balancing loss) plus the z-loss written out (coefficient x mean logsumexp(router logits)^2; transformers
     has none). One sequence and one MoE layer, where transformers' batch-wide balancing loss and llamatron's
     per-sequence one are the same number (issue 39: dropping either coefficient changed no test)."""
-    from llamatron.checkpoint.hf import hf_to_llamatron
+    from llamatron.interop.hf import hf_to_llamatron
     from llamatron.models import build_model
     from llamatron.models.moe import MoE
 

@@ -50,7 +50,7 @@ def _check_startup_summary(stdout: str, model: str) -> None:
 
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from llamatron.checkpoint.hf import config_to_hf
+    from llamatron.interop.hf import config_to_hf
     from llamatron.models import get_preset
 
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_to_hf(get_preset(model))))

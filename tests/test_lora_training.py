@@ -16,10 +16,10 @@ from llamatron.adapters.export import export_adapter
 from llamatron.adapters.merge import open_base_weights, open_model_weights
 from llamatron.adapters.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_dir_problems
 from llamatron.adapters.targets import apply_lora, find_targets
-from llamatron.checkpoint.hf_io import export_hf
 from llamatron.checkpoint.reader import CheckpointReader, fingerprint, load_full_tensors, open_weights
 from llamatron.errors import CheckpointError
 from llamatron.inference.generate import load_for_generation
+from llamatron.interop.hf_io import export_hf
 from llamatron.models import build_model, get_preset
 
 peft = pytest.importorskip("peft")

@@ -236,7 +236,7 @@ def test_llama3_point_releases_have_the_published_shape_and_parameter_count(name
     rounds to the model card's, and transformers' own model built from the export counts the same."""
     import transformers
 
-    from llamatron.checkpoint.hf import config_to_hf
+    from llamatron.interop.hf import config_to_hf
 
     keys, factor, billions = PUBLISHED_LLAMA3[name]
     cfg = get_preset(name)

@@ -416,8 +416,8 @@ def test_compiled_layers_do_not_recompile_per_layer(preset, monkeypatch):
 
 
 def test_export_of_a_model_with_the_balancing_bias_is_refused():
-    from llamatron.checkpoint.hf import config_to_hf
     from llamatron.errors import HFConversionError
+    from llamatron.interop.hf import config_to_hf
 
     for preset in ("mixtral-test", "qwen3-moe-test", "llama4-test"):
         config_to_hf(get_preset(preset))  # without the bias: exported

@@ -14,8 +14,8 @@ from hf_fixtures import make_random_model
 from layout import assert_matches, run_train
 from safetensors.torch import load_file
 
-from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron
 from llamatron.cli import main as llamatron_main
+from llamatron.interop.hf import config_from_hf, hf_to_llamatron
 from llamatron.models import build_model, get_preset
 from llamatron.models.inventory import layers, num_params
 

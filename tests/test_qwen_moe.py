@@ -14,8 +14,8 @@ from layout import assert_matches, assert_same_weights, run_train, single_runs
 from safetensors.torch import load_file
 from test_qwen import _run, assert_imports_exactly
 
-from llamatron.checkpoint.hf import config_from_hf
 from llamatron.errors import HFConversionError
+from llamatron.interop.hf import config_from_hf
 from llamatron.models import get_preset
 from llamatron.models.inventory import active_params, num_params
 

@@ -509,7 +509,7 @@ def test_llama3_format_for_meta_llama3_tokenizer(llama3_tokenizer_dir):
 
 def test_llama3_format_for_a_hugging_face_llama3_tokenizer_without_template(llama3_tokenizer_dir, tmp_path):
     pytest.importorskip("transformers")
-    from llamatron.checkpoint.hf_tokenizer import hf_tokenizer_files
+    from llamatron.interop.hf_tokenizer import hf_tokenizer_files
 
     files = hf_tokenizer_files(load_tokenizer(llama3_tokenizer_dir))  # what export-hf ships, less its template
     config = json.loads(files["tokenizer_config.json"])

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint.hf_io import HFWeights
 from ..checkpoint.reader import BASE_KEY, read_meta
 from ..errors import CheckpointError
+from ..interop.hf_io import HFWeights
 from .merge import ADAPTER_SUFFIXES, MergedLoraReader, open_model_weights
 from .peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_tensors
 

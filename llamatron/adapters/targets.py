@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpoint.hf import TensorRule, config_to_hf, weight_rules
 from ..errors import ConfigError
+from ..interop.hf import TensorRule, config_to_hf, weight_rules
 from ..models import ModelConfig, build_model
 from ..parallel.param_spec import ParamSpec, ParamSpecs
 from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear

@@ -1,8 +1,8 @@
-"""Checkpoints that do not depend on the layout, and the Hugging Face / Meta / Megatron weight formats.
+"""Checkpoints that do not depend on the layout: llamatron's own format.
 
 `reader.py` describes the format, `writer.py` how ranks write it, `loading.py` reads a model's config and
-weights from it, `hf*.py` the conversions. What a training run saves and how it resumes is
-training/checkpointing.py's.
+weights from it. What a training run saves and how it resumes is training/checkpointing.py's; other projects'
+formats (Hugging Face, Meta, Megatron-LM) are converted to and from this one by interop/.
 """
 
 from .loading import check_checkpoint_fits, load_model_weights, read_model_config

@@ -8,14 +8,14 @@ from pathlib import Path
 
 from ..adapters.export import export_adapter
 from ..adapters.merge import open_base_weights, open_model_weights
-from ..checkpoint.hf_files import check_hf_files
-from ..checkpoint.hf_io import export_hf, import_hf, open_hf_dir
-from ..checkpoint.hub import push_to_hub
 from ..checkpoint.tensor_io import parse_size
 from ..config.ranges import SEED, at_least, number_arg
 from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..inference.verify import DEFAULT_TOLERANCE, compare_with_hf
+from ..interop.hf_files import check_hf_files
+from ..interop.hf_io import export_hf, import_hf, open_hf_dir
+from ..interop.hub import push_to_hub
 
 
 def register(sub) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint.megatron import import_megatron
 from ..config.model_overrides import add_model_override_argument
 from ..config.ranges import at_least, number_arg
 from ..config.settings import load_config
 from ..dtypes import DTYPES
+from ..interop.megatron import import_megatron
 
 
 def register(sub) -> None:

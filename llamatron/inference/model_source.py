@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import read_meta, read_model_config
-from ..checkpoint.hf import config_from_hf
-from ..checkpoint.hf_io import HFWeights, open_hf_dir
 from ..checkpoint.loading import read_weights
-from ..checkpoint.meta_consolidated import is_meta_checkpoint
+from ..interop.hf import config_from_hf
+from ..interop.hf_io import HFWeights, open_hf_dir
+from ..interop.meta_consolidated import is_meta_checkpoint
 from ..models import ModelConfig, Transformer, build_model
 from ..models.init import to_empty
 from ..parallel.param_spec import param_specs

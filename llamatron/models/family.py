@@ -71,7 +71,7 @@ class HFAdapter(Generic[C]):
     # config.json -> ModelConfig (HFConversionError for what the family cannot represent)
     config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
     # ModelConfig (and the config.json it came from, or {}) -> the family's own keys: model_type, architectures,
-    # the shape in the family's names; the keys every family shares are written by checkpoint/hf.py
+    # the shape in the family's names; the keys every family shares are written by interop/hf.py
     config_to_hf: Callable[[C, Mapping[str, Any]], dict[str, Any]]
     # (cfg, config.json, the Hugging Face tensor names at hand or ()) -> every llamatron tensor's rule, in order
     weight_rules: Callable[[C, Mapping[str, Any], Collection[str]], list[TensorRule]]
@@ -101,8 +101,8 @@ class Family(Generic[C]):
     # Extra prediction heads on the last stage (an ExtraHeads, or None): predictions
     # further ahead than the next token (DeepSeek-V3's multi-token prediction) that training adds to the loss
     extra_heads: Callable[[C], nn.Module | None] = no_extra_heads
-    # Other checkpoint formats its models come in, read by checkpoint/ into Hugging Face names: Meta's consolidated
-    # files (checkpoint/meta_consolidated.py), Megatron-LM runs (checkpoint/megatron.py).
+    # Other checkpoint formats its models come in, read by interop/ into Hugging Face names: Meta's consolidated
+    # files (interop/meta_consolidated.py), Megatron-LM runs (interop/megatron.py).
     meta_format: MetaFormat | None = None
     megatron_format: MegatronFormat | None = None
 

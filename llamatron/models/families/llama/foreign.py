@@ -1,7 +1,7 @@
 """Llama models in the checkpoint formats they were first trained and published in: Meta's consolidated files
 (Llama 1, 2, 3.x, Code Llama) and Megatron-LM runs (Megatron-LM, megatron-core, Megatron-LLaMA, Megatron-LLM).
 What is here is the llama family's part (names, config keys, what the run must have been); the files are read by
-checkpoint/meta_consolidated.py and checkpoint/megatron.py."""
+interop/meta_consolidated.py and interop/megatron.py."""
 
 from __future__ import annotations
 

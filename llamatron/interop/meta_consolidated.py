@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.tensor_io import load_pickled
 from ..errors import CheckpointError
 from ..models.families import meta_format
 from ..models.family import MetaFormat
-from .tensor_io import load_pickled
 
 
 def is_meta_checkpoint(directory: Path) -> bool:
@@ -59,7 +59,7 @@ class MetaSource:
     def __init__(self, directory: str | Path):
         directory = Path(directory)
         fmt = _format(directory)
-        # a JSON object: checked with the directory's other JSON files (checkpoint/hf_files.py)
+        # a JSON object: checked with the directory's other JSON files (hf_files.py)
         self.params: dict[str, Any] = json.loads((directory / "params.json").read_text(encoding="utf-8"))
         p = self.params
         problems = fmt.field_problems(p)

@@ -20,6 +20,17 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.pieces import Box
+from ..checkpoint.reader import (
+    META_FILE,
+    MODEL_FILE,
+    CheckpointReader,
+    inside,
+    open_weights,
+    read_meta,
+    resolve_checkpoint,
+)
+from ..checkpoint.tensor_io import PrefixedSource, StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 from ..config.settings import RunConfig
 from ..data.sft import CHAT_FORMATS, LLAMA3, ChatRenderer, chat_template
 from ..data.tokenizer import TiktokenTokenizer, load_tokenizer
@@ -39,9 +50,6 @@ from .hf import (
 from .hf_files import check_hf_files, read_hf_json
 from .hf_tokenizer import hf_tokenizer_files
 from .meta_consolidated import MetaSource, is_meta_checkpoint
-from .pieces import Box
-from .reader import META_FILE, MODEL_FILE, CheckpointReader, inside, open_weights, read_meta, resolve_checkpoint
-from .tensor_io import PrefixedSource, StreamingSafetensorsWriter, TensorSource, TensorSpec, WeightSource
 
 TOKENIZER_FILES = (
     "tokenizer.json",

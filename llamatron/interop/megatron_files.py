@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint.reader import inside
 from ..errors import CheckpointError
-from .reader import inside
 
 try:  # numpy 2
     from numpy._core.multiarray import _reconstruct
