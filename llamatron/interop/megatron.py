@@ -78,8 +78,9 @@ _LAYER_PART_NAMES = ("attn_norm", "qkv", "proj", "mlp_norm", "fc1", "fc2")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a Megatron flavour lays out what llamatron keeps apart (see the module docstring)."""
+class MegatronTensorLayout:
+    """How a Megatron flavour lays out the rows of what llamatron keeps apart (see the module docstring): within a
+    fused tensor, not across ranks (ShardGrid, megatron_files.py, is the shards)."""
 
     flavour: str
     qkv_per_rank: bool = False  # Megatron-LLaMA: [q; k; v] per tensor rank instead of per KV group
@@ -95,14 +96,16 @@ def _arg(args: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def layout_of(args: Any) -> Layout:
+def layout_of(args: Any) -> MegatronTensorLayout:
     if args is None:
-        return Layout("megatron-lm")
+        return MegatronTensorLayout("megatron-lm")
     if hasattr(args, "glu_activation") or hasattr(args, "num_attention_heads_kv"):
-        return Layout("megatron-llm", up_first=True, rotary_pairs=True)
+        return MegatronTensorLayout("megatron-llm", up_first=True, rotary_pairs=True)
     if hasattr(args, "overlapped_distributed_optimizer"):
-        return Layout("megatron-llama", qkv_per_rank=True, rotary_pairs=bool(_arg(args, "rotary_interleaved")))
-    return Layout("megatron-lm", rotary_pairs=bool(_arg(args, "rotary_interleaved")))
+        return MegatronTensorLayout(
+            "megatron-llama", qkv_per_rank=True, rotary_pairs=bool(_arg(args, "rotary_interleaved"))
+        )
+    return MegatronTensorLayout("megatron-lm", rotary_pairs=bool(_arg(args, "rotary_interleaved")))
 
 
 def _format() -> MegatronFormat:
@@ -344,4 +347,4 @@ def import_megatron(
     return step_dir, source
 
 
-__all__ = ["Layout", "MegatronSource", "import_megatron", "layout_of"]
+__all__ = ["MegatronTensorLayout", "MegatronSource", "import_megatron", "layout_of"]
