@@ -32,6 +32,7 @@ from ..errors import CheckpointError
 from ..models import ModelConfig
 from ..models.families import megatron_format
 from ..models.family import MegatronFormat
+from ..models.family import megatron_arg as _arg
 from .hf import config_to_hf
 from .hf_io import special_token_ids, write_imported
 from .megatron_files import ShardGrid, find_shards, flat_tensors, iteration_dir, load_megatron_file
@@ -86,14 +87,6 @@ class MegatronTensorLayout:
     qkv_per_rank: bool = False  # Megatron-LLaMA: [q; k; v] per tensor rank instead of per KV group
     up_first: bool = False  # Megatron-LLM: fc1 halves [up; gate]
     rotary_pairs: bool = False  # q/k rows in the adjacent-pairs rotary layout
-
-
-def _arg(args: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None:
-            return value
-    return default
 
 
 def layout_of(args: Any) -> MegatronTensorLayout:

@@ -134,6 +134,16 @@ class MegatronFormat:
     hf_global_names: Mapping[str, str]  # part (embed, final_norm, head) -> Hugging Face name
 
 
+def megatron_arg(args: Any, *names: str, default: Any = None) -> Any:
+    """The first of `names` a Megatron-LM run's args set (not None), else `default`: the flavours spell a flag
+    differently, and a run's pickle has only the flags its version knew."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+    return default
+
+
 __all__ = [
     "ExtraHeadInputs",
     "ExtraHeads",
@@ -141,6 +151,7 @@ __all__ = [
     "HFAdapter",
     "MegatronFormat",
     "MetaFormat",
+    "megatron_arg",
     "no_extra_heads",
     "no_problems",
     "same_layers",

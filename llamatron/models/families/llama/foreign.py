@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...family import MegatronFormat, MetaFormat
+from ...family import megatron_arg as _arg
 
 # Meta name (after "layers.N.") -> (Hugging Face name, dimension split across model-parallel files or None)
 META_LAYER_NAMES = {
@@ -145,14 +146,6 @@ META = MetaFormat(META_LAYER_NAMES, META_GLOBAL_NAMES, _meta_field_problems, _me
 
 
 # ---------------------------------------------------------------- Megatron-LM
-
-
-def _arg(args: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None:
-            return value
-    return default
 
 
 def _is_rotary(args: Any) -> bool:
