@@ -56,3 +56,17 @@ def test_the_checker_finds_cycles_local_imports_and_long_functions(tmp_path, cap
     (pkg / "sub" / "c.py").write_text("def short():\n    return 1\n")
     (pkg / "typed2.py").write_text("T = int\n")
     assert code_shape.main([str(pkg)]) == 0
+
+
+def test_the_checkpoint_format_imports_none_of_the_conversions():
+    """checkpoint/ is llamatron's own format; interop/ (Hugging Face, Meta, Megatron-LM) sits above it and reads and
+    writes the format through it, never the other way (docs/design.md, Checkpoints)."""
+    edges, _ = code_shape.import_edges(code_shape.module_names(ROOT / "llamatron"))
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        if module.startswith("llamatron.checkpoint")
+        for target in targets
+        if target.startswith("llamatron.interop")
+    )
+    assert upward == []
