@@ -4,7 +4,7 @@
 # usage: benchmarks/gpu_suite.sh [GROUP...]   (no group: single dp tests)
 #   2 GPUs: single, dp, overlap, tp, tpab, kernels, fa4, repeat, commit_ab, tp7, single7, fastpath, tests
 #   1 GPU:  clocks, profile, plan, commit_ab1, masks, masks_fa4, window_pair, longctx, fp8_7b, fp8_1b, fp8_parity, fp8_parity_moe,
-#           lora7, lora70, lora_fp8, dpo, generate, fsdp1
+#           lora7, lora70, lora_fp8, dpo, generate, fsdp1, deepseek_titan
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 1 ]; then echo "gpu_suite.sh: no NVIDIA GPU found" >&2; exit 2; fi
@@ -190,6 +190,20 @@ for group in ${@:-single dp tests}; do
             else (cd "$AB_BASE" && ROW_TAG=base one 0 $setting); fi
           done
         done
+      done ;;
+    deepseek_titan)  # issue 49: Moonlight's shape cut to DS_LAYERS layers (default 4), llamatron beside torchtitan's
+      # own deepseek_v3 model (benchmarks/titan_deepseek_bench.py; PEERS_WHL: its wheels, .peers: the peers' helpers),
+      # for each MTP depth of DS_MTP (default "0 1"); seq 4096, 4 sequences a step, compiled; one after the other
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${PEERS_WHL:-.peers-whl}/*.whl \
+        >>"$OUT/log.txt" 2>&1
+      for mtp in ${DS_MTP:-0 1}; do
+        ROW_TAG="llamatron-mtp$mtp" one 0 --model moonlight-16b-a3b --model-override num_layers=${DS_LAYERS:-4} \
+          --model-override num_nextn_predict_layers=$mtp --seq-length 4096 --micro-batch-size 1 --global-batch-size 4 \
+          --steps 6 --warmup 2 --compile
+        PYTHONPATH=/tmp/site:${PYTHONPATH:-} RESULTS="$OUT/titan.jsonl" timeout 500 torchrun --standalone \
+          --nproc_per_node=1 benchmarks/titan_deepseek_bench.py --layers ${DS_LAYERS:-4} --mtp $mtp --compile \
+          >>"$OUT/titan_log.txt" 2>&1
+        echo "== torchtitan deepseek_v3 mtp $mtp -> rc $?" >>"$OUT/log.txt"
       done ;;
     generate)  # issue 37: decoding tokens/s, llamatron against transformers' generate; one case a process
       for c in llama-1b:1 llama2-7b:1 llama-1b:32; do
