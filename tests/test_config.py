@@ -7,7 +7,7 @@ import yaml
 
 from llamatron.config.settings import add_config_arguments, config_from_values, load_config
 from llamatron.errors import ConfigError
-from llamatron.models import flash4_op
+from llamatron.kernels import flash4_op
 from llamatron.training.kernel_settings import KernelFlags, kernel_choices
 from llamatron.training.validate import validate
 

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from llamatron import triton_check
+from llamatron.kernels import triton_check
 from llamatron.models import KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.layers import RMSNorm
 from llamatron.objectives.language_model import LanguageModelObjective

@@ -11,7 +11,7 @@ three ways:
 - off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against;
 - a slice of the keys for one query decoding after a KV cache (models/kv_cache.py): it sees a contiguous range;
 - a range of slots of a static KV cache for batched decoding, one query per row at that row's own position
-  (`decode_mask`; the attention in models/decode_attention_op.py): rows of different lengths, the step's shapes
+  (`decode_mask`; the attention in kernels/decode_attention_op.py): rows of different lengths, the step's shapes
   fixed (a CUDA graph replays it).
 
 Context parallelism (parallel/context.py) gives each rank two chunks of every sequence (`load_balanced_index`)
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
+from ..kernels.flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
 
 # --attention-backend: auto (config resolves it: FA4 where installed and usable, else SDPA's own pick), fa4
 # (FlashAttention 4 for causal attention and plain sliding windows, flex for other masks) or one forced SDPA kernel.
@@ -205,7 +205,7 @@ def attention_core(
     fewer heads (GQA/MQA) and, under context parallelism or after a KV cache, more positions than q. backend: one of
     ATTENTION_BACKENDS (the layer's choice)."""
     if mask is not None and mask.rows is not None:
-        raise ValueError("a decoding step's attention runs in models/decode_attention_op.py, with its KV cache")
+        raise ValueError("a decoding step's attention runs in kernels/decode_attention_op.py, with its KV cache")
     gqa = q.shape[1] != k.shape[1]
     if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -235,7 +235,7 @@ def decode_mask(
 
 class DecodeRows:
     """The keys each row's one query sees over a static KV cache, by the same rule as every mask (`_keep`): a
-    contiguous range of slots, [lo, positions[b]] (models/decode_attention_op.py's kernel reads it so), or as the
+    contiguous range of slots, [lo, positions[b]] (kernels/decode_attention_op.py's kernel reads it so), or as the
     additive bias (batch, 1, keys) of 0 and -inf the torch path adds to the scores (built at its first use)."""
 
     def __init__(self, positions: torch.Tensor, keys: int, window: int | None, chunk: int | None, dtype: torch.dtype):

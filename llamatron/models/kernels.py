@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 from torch import nn
 
-from ..triton_check import TRITON_SETTINGS
+from ..kernels.triton_check import TRITON_SETTINGS
 from .attention import ATTENTION_BACKENDS
 from .blocks import SwiGLU
 from .layers import Attention, RMSNorm

@@ -14,12 +14,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .. import triton_check
-from . import rmsnorm_op, rope_op
+from ..kernels import rmsnorm_op, rope_op, triton_check
+from ..kernels.decode_attention_op import decode_step_attention
 from .attention import AttentionMask, attention_core
 from .attention_counts import GQACounts
 from .config import ModelConfig, RopeScaling
-from .decode_attention_op import decode_step_attention
 from .kv_cache import LayerKVCache
 from .yarn import yarn_attention_factor, yarn_inv_freq
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from ..kernels.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
+from ..kernels.rope_op import supports_head_dim
+from ..kernels.triton_check import HAS_TRITON
 from ..models import ModelConfig
 from ..models.families import family_of
-from ..models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
 from ..models.inventory import layers
-from ..models.rope_op import supports_head_dim
-from ..triton_check import HAS_TRITON
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,31 @@ the step is the torch ops (`decode_attention`, the reference the kernel is teste
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 
-from .. import triton_check
-from .attention import DecodeRows
-from .kv_cache import LayerKVCache
+from . import triton_check
+
+
+class DecodeRows(Protocol):
+    """The keys each row's query sees (models/attention.py's DecodeRows): the slots [lo, positions[b]], lo from
+    the window and the chunk, or as an additive bias (batch, 1, keys) of 0 and -inf."""
+
+    positions: torch.Tensor
+    window: int | None
+    chunk: int | None
+
+    def bias(self) -> torch.Tensor: ...
+
+
+class LayerKVCache(Protocol):
+    """A layer's static KV cache (models/kv_cache.py's LayerKVCache)."""
+
+    def buffers_like(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 _MAX_HEAD_DIM = 256
 _BLOCK_KEYS = 64
