@@ -30,17 +30,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from ..kernels.choices import SDPA_KERNELS
 from ..kernels.flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
 
-# --attention-backend: auto (config resolves it: FA4 where installed and usable, else SDPA's own pick), fa4
-# (FlashAttention 4 for causal attention and plain sliding windows, flex for other masks) or one forced SDPA kernel.
-_SDPA_BACKENDS = {
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "math": SDPBackend.MATH,
-}
-ATTENTION_BACKENDS = ("auto", "fa4", *_SDPA_BACKENDS)
+# --attention-backend's forced SDPA kernels (kernels/choices.py's SDPA_KERNELS, in that order).
+_SDPA_BACKENDS = dict(
+    zip(
+        SDPA_KERNELS,
+        (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+        strict=True,
+    )
+)
 
 
 def load_balanced_index(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
