@@ -15,8 +15,8 @@ import json
 import torch
 from mask_kernels import timed  # this script's folder is on sys.path
 
+from llamatron.kernels.flash4_op import available, fa4_causal_attention
 from llamatron.models.attention import _sdpa
-from llamatron.models.flash4_op import available, fa4_causal_attention
 
 TOKENS = 32768
 SHAPES = {"head dim 64 (llama-1b)": (32, 8, 64), "head dim 128 (llama2-7b)": (32, 32, 128)}

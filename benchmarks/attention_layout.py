@@ -19,8 +19,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from llamatron.models.flash4_op import available as fa4_available
-from llamatron.models.flash4_op import fa4_causal_attention
+from llamatron.kernels.flash4_op import available as fa4_available
+from llamatron.kernels.flash4_op import fa4_causal_attention
 
 
 def make(layout: str, b: int, h: int, kv: int, s: int, d: int, device: str, dtype: torch.dtype):

@@ -9,7 +9,7 @@ included). Systems:
 - llamatron-compile: the same with the step torch.compiled before its capture (`llamatron generate --compile`);
 - llamatron-eager: the same decoder with each step run eagerly (no graph: what a step costs in launches);
 - llamatron-torch-attention: the graph, with each layer's step attention as torch ops (two cache scatters, matmul,
-  softmax, matmul) instead of models/decode_attention_op.py's one kernel: the A/B of that kernel;
+  softmax, matmul) instead of kernels/decode_attention_op.py's one kernel: the A/B of that kernel;
 - hf-eager: transformers' generate with its default (dynamic) cache;
 - hf-static: transformers' generate with cache_implementation="static", which it compiles on CUDA
   (torch.compile, mode reduce-overhead: its CUDA graphs).
@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from llamatron.dtypes import DTYPES  # noqa: E402
 from llamatron.inference.decode import Decoder  # noqa: E402
 from llamatron.interop.hf import config_to_hf, llamatron_to_hf  # noqa: E402
-from llamatron.models import build_model, decode_attention_op, get_preset, materialize  # noqa: E402
+from llamatron.kernels import decode_attention_op  # noqa: E402
+from llamatron.models import build_model, get_preset, materialize  # noqa: E402
 from llamatron.training.validate import resolve_device  # noqa: E402
 
 SYSTEMS = ("llamatron", "llamatron-compile", "llamatron-eager", "llamatron-torch-attention", "hf-eager", "hf-static")

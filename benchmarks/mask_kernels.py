@@ -17,8 +17,8 @@ import statistics
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from llamatron.kernels.flash4_op import fa4_causal_attention
 from llamatron.models.attention import _sdpa, attention_mask
-from llamatron.models.flash4_op import fa4_causal_attention
 
 B, S, HQ, HKV, D, WINDOW = 4, 8192, 32, 8, 64, 1024
 DEV = torch.device("cuda")

@@ -1,12 +1,12 @@
-"""The torch ops a decoding step's attention kernel replaces (models/decode_attention_op.py), the reference its
+"""The torch ops a decoding step's attention kernel replaces (kernels/decode_attention_op.py), the reference its
 CPU (interpreted) and GPU tests compare it with."""
 
 from __future__ import annotations
 
 import torch
 
+from llamatron.kernels.decode_attention_op import decode_attention
 from llamatron.models.attention import DecodeRows
-from llamatron.models.decode_attention_op import decode_attention
 
 
 def torch_step(q, k_new, v_new, keys, values, positions, window, chunk):

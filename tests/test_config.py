@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import sys
 
 import pytest
@@ -7,8 +8,9 @@ import yaml
 
 from llamatron.config.settings import add_config_arguments, config_from_values, load_config
 from llamatron.errors import ConfigError
-from llamatron.models import flash4_op
-from llamatron.training.kernel_settings import KernelFlags, kernel_choices
+from llamatron.kernels import flash4_op
+from llamatron.kernels.choices import KernelChoices
+from llamatron.training.kernel_settings import kernel_choices
 from llamatron.training.validate import validate
 
 
@@ -258,8 +260,8 @@ def test_fa4_that_fails_to_import_is_reported_with_its_error(tmp_path, monkeypat
 def _kernel_choices(cfg, device: str) -> dict[str, str]:
     """kernel_choices of a RunConfig on `device`, --precision auto resolved as validate does."""
     dtype = cfg.train.precision if cfg.train.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-    flags = KernelFlags.of(cfg.train, cfg.optim)
-    return kernel_choices(flags, cfg.parallel.tp, device, dtype, cfg.model_config())
+    flags = KernelChoices.of(cfg.train, cfg.optim)
+    return dataclasses.asdict(kernel_choices(flags, cfg.parallel.tp, device, dtype, cfg.model_config()))
 
 
 def test_kernel_choices_resolve_auto_as_the_code_does(monkeypatch):

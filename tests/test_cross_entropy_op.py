@@ -4,7 +4,7 @@ test_triton_kernels; on CUDA: test_gpu)."""
 import pytest
 import torch
 
-from llamatron.models.cross_entropy_op import IGNORE_INDEX, cross_entropy_op, reference_cross_entropy
+from llamatron.kernels.cross_entropy_op import IGNORE_INDEX, cross_entropy_op, reference_cross_entropy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -32,8 +32,8 @@ def test_cross_entropy_op_matches_torch_loss_and_gradient(dtype):
 def test_model_loss_runs_the_op_when_its_kernels_are_on(monkeypatch):
     """The model's loss function routes through the custom op when its choice says so (CUDA in real runs; its
     CPU kernel here), and through torch's loss with backend torch."""
-    import llamatron.models.cross_entropy_op as ce
-    from llamatron import triton_check
+    import llamatron.kernels.cross_entropy_op as ce
+    from llamatron.kernels import triton_check
 
     calls = []
     real = ce.cross_entropy_op

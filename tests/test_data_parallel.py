@@ -6,7 +6,7 @@ from dist_utils import spawn
 from layout import assert_matches, run_train
 
 from llamatron.checkpoint.reader import load_full_tensors
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 
 
 @pytest.fixture(scope="module")

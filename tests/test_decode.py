@@ -226,3 +226,34 @@ def test_the_host_read_check_finds_one():
     with torch.no_grad(), HostReads() as reads:
         dynamic._step()
     assert reads.seen == ["aten._local_scalar_dense.default"]
+
+
+@pytest.mark.parametrize("preset", ["llama-test", "deepseek-v3-test"])
+@torch.no_grad()
+def test_every_attention_call_goes_through_the_layers_replaceable_core(preset):
+    """models/attention.py's attend is the one call: the prefill and each per-row decoding step (the decode kernel's
+    path, and the latent attention's absorbed one) reach each layer's `core`, which selective recompute and
+    context parallelism wrap; the module itself picks no kernel. The logits stay the full recompute's."""
+    model = tiny(preset)
+    calls: list[tuple[bool, bool]] = []  # (a decode_mask's rows, a cache given) per call
+    for layer in model.layers.values():
+        inner = layer.attn.core
+
+        def core(q, k, v, mask, cache, backend, _inner=inner):
+            calls.append((mask is not None and mask.rows is not None, cache is not None))
+            return _inner(q, k, v, mask, cache, backend)
+
+        layer.attn.core = core
+    prompts = PROMPTS[:2]
+    lengths = torch.tensor([len(p) for p in prompts])
+    cache = KVCache(11 + 2)
+    model(torch.tensor([p + [0] * (11 - len(p)) for p in prompts]), cache=cache, logits_at=lengths - 1)
+    cache.continue_rows(lengths)
+    layers = len(model.layers)
+    assert len(calls) == layers and not any(rows for rows, _ in calls)
+    chosen = torch.tensor([7, 9])
+    logits = model(chosen[:, None], cache=cache)[:, -1]
+    assert len(calls) == 2 * layers and all(rows for rows, _ in calls[layers:])
+    for row, p in enumerate(prompts):
+        full = full_logits(model, [*p, int(chosen[row])])
+        assert (logits[row] - full).abs().max() <= 1e-5 * full.abs().max()

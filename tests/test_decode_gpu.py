@@ -102,11 +102,11 @@ def test_models_the_graph_cannot_hold_decode_eagerly_on_cuda():
     [(32, 8, 64, None, None), (32, 32, 128, 100, None), (8, 2, 128, None, 64), (12, 4, 80, None, None)],
 )
 def test_the_decode_attention_kernel_matches_its_torch_ops(dtype, heads, kv_heads, dim, window, chunk):
-    """models/decode_attention_op.py's kernel compiled for CUDA against the torch ops it replaces, in fp32
+    """kernels/decode_attention_op.py's kernel compiled for CUDA against the torch ops it replaces, in fp32
     (the kernel computes in fp32; its inputs and output in `dtype`)."""
     from decode_reference import torch_step
 
-    from llamatron.models.decode_attention_op import decode_attention_op
+    from llamatron.kernels.decode_attention_op import decode_attention_op
 
     torch.manual_seed(0)
     batch, slots = 5, 300

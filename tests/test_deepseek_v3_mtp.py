@@ -17,8 +17,8 @@ from test_qwen import _run
 from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError, HFConversionError
 from llamatron.interop.hf import config_from_hf, hf_to_llamatron
+from llamatron.kernels.cross_entropy_op import IGNORE_INDEX
 from llamatron.models import build_model, get_preset
-from llamatron.models.cross_entropy_op import IGNORE_INDEX
 from llamatron.models.families import model_problems
 from llamatron.models.init import materialize
 from llamatron.models.layers import rope_cos_sin

@@ -11,7 +11,7 @@ import torch
 from test_plan import layer_saved_per_token, model_saved_per_token
 from test_plan_cli import main_code
 
-from llamatron import triton_check
+from llamatron.kernels import triton_check
 from llamatron.models import KernelChoices, build_model, get_preset, materialize
 from llamatron.models.inventory import decode_cache_bytes_per_token
 from llamatron.models.kv_cache import KVCache

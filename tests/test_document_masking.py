@@ -12,9 +12,9 @@ import torch
 from llamatron.config.settings import ConfigError, RunConfig
 from llamatron.data.batches import collate
 from llamatron.data.boundaries import DocumentBoundaries, document_ids_and_positions
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.attention import attention_core, attention_mask
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
 from llamatron.training.validate import validate
 
 CPU = torch.device("cpu")

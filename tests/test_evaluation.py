@@ -11,8 +11,8 @@ import torch
 from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.data.batches import micro_batches_for_step
 from llamatron.data.mock import MockDataset
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 from llamatron.models import IGNORE_INDEX
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
 from llamatron.parallel.mesh import build_mesh
 from llamatron.training import evaluation
 from llamatron.training.engine import build_engine

@@ -8,7 +8,7 @@ import pytest
 import torch
 from layout import assert_matches, run_train
 
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from layout import run_train
 
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +63,7 @@ def test_recomputed_compiled_layers_match_plain_layers(recompute):
 
 
 def _fa4_usable() -> bool:
-    from llamatron.models.flash4_op import available
+    from llamatron.kernels.flash4_op import available
 
     return available() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -175,7 +175,7 @@ def test_triton_swiglu_matches_torch(shape, dtype):
     inside a compiled function (no graph break), for a non-contiguous input too."""
     import torch.nn.functional as F
 
-    from llamatron.models.swiglu_op import swiglu_op
+    from llamatron.kernels.swiglu_op import swiglu_op
 
     torch.manual_seed(0)
     wide = torch.randn(*shape[:-1], shape[-1] + 8, device="cuda", dtype=dtype)
@@ -198,7 +198,7 @@ def test_triton_swiglu_matches_torch(shape, dtype):
 def test_triton_rmsnorm_matches_torch(dtype):
     """--rmsnorm-backend: the Triton kernels (norm alone, and residual add + norm) agree with the plain
     expression, forward and gradients, eager and compiled with fullgraph=True (no graph break)."""
-    from llamatron.models.rmsnorm_op import add_rms_norm_op, reference_rms_norm, rms_norm_op
+    from llamatron.kernels.rmsnorm_op import add_rms_norm_op, reference_rms_norm, rms_norm_op
 
     torch.manual_seed(0)
     rows, cols, tol = (4, 1000), 2048, 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -228,9 +228,9 @@ def test_triton_rmsnorm_matches_torch(dtype):
 def test_triton_qkv_rope_matches_torch(dtype):
     """The QKV split + rotary op (the CUDA default) against split + apply_rope: llama-1b's GQA shape, positions
     that differ per sample, forward and the QKV gradient, eager and compiled with fullgraph=True."""
+    from llamatron.kernels.rope_op import qkv_rope_op
     from llamatron.models.config import ModelConfig
     from llamatron.models.layers import apply_rope, rope_cos_sin
-    from llamatron.models.rope_op import qkv_rope_op
 
     torch.manual_seed(0)
     batch, seq, heads, kv, dim = 2, 256, 32, 8, 64
@@ -304,7 +304,7 @@ def test_triton_cross_entropy_matches_torch(shape, dtype):
     gradient; a label outside the vocabulary gives NaN, not a read out of bounds."""
     import torch.nn.functional as F
 
-    from llamatron.models.cross_entropy_op import IGNORE_INDEX, cross_entropy_op
+    from llamatron.kernels.cross_entropy_op import IGNORE_INDEX, cross_entropy_op
 
     torch.manual_seed(0)
     vocab = shape[-1]
@@ -334,7 +334,7 @@ def test_triton_adamw_matches_torch_fused_adamw():
     3 steps, then a skipped one) and the bf16 weights it writes equal the master rounded to bf16."""
     from torch.optim.adamw import adamw as functional_adamw
 
-    from llamatron.parallel.adamw_kernel import adamw_segment
+    from llamatron.kernels.adamw_kernel import adamw_segment
 
     torch.manual_seed(0)
     n = 3 * 2048 + 7

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from llamatron import triton_check
+from llamatron.kernels import triton_check
 from llamatron.models import KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.layers import RMSNorm
 from llamatron.objectives.language_model import LanguageModelObjective
@@ -136,16 +136,11 @@ def test_each_layer_holds_its_choice_and_dispatches_to_it(monkeypatch):
 
 
 def test_choices_come_from_the_resolved_config():
-    """engine.build_engine's KernelChoices: kernel_settings.kernel_choices' dict without adamw; "-" keeps auto."""
-    resolved = {
-        "attention": "fa4",
-        "swiglu": "-",
-        "rmsnorm": "-",
-        "rope": "triton",
-        "cross_entropy": "torch",
-        "adamw": "triton",
-    }
-    assert KernelChoices.from_resolved(resolved) == KernelChoices(attention="fa4", rope="triton", cross_entropy="torch")
+    """engine.build_engine's KernelChoices: kernel_settings.kernel_choices' resolved ones; "-" keeps auto."""
+    resolved = KernelChoices(
+        attention="fa4", swiglu="-", rmsnorm="-", rope="triton", cross_entropy="torch", adamw="triton"
+    )
+    assert resolved.in_layers() == KernelChoices(attention="fa4", rope="triton", cross_entropy="torch", adamw="triton")
 
 
 @pytest.mark.gpu

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 from llamatron.models import PRESET_NAMES, build_model, get_preset, materialize
 from llamatron.models.config import RopeScaling
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
 from llamatron.models.inventory import flops_per_token, input_embedding_params, num_params
 from llamatron.models.layers import Attention, rope_inv_freq
 
@@ -139,7 +139,7 @@ def test_swiglu_op_matches_the_plain_expression_forward_and_backward():
     """The custom op behind the fused SwiGLU (its CPU kernel states the derivative the Triton kernel computes)."""
     import torch.nn.functional as F
 
-    from llamatron.models.swiglu_op import swiglu_op
+    from llamatron.kernels.swiglu_op import swiglu_op
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 2 * 37, dtype=torch.float64, requires_grad=True)

@@ -234,7 +234,7 @@ def test_the_permutations_gradients_equal_autograd_of_the_index_ops(gather_sum, 
     under skewed routing with ties and an expert no token chose. "custom op": kernels_on standing in for CUDA, the
     combine and the permutation's backward run llamatron::gather_sum (its CPU kernel; the Triton kernel's own test
     is in test_triton_kernels.py)."""
-    from llamatron import triton_check
+    from llamatron.kernels import triton_check
     from llamatron.models.moe import combine, permute, route
 
     if gather_sum == "custom op":
@@ -246,7 +246,7 @@ def test_the_permutations_gradients_equal_autograd_of_the_index_ops(gather_sum, 
             calls.append(args[1].numel())
             return real(*args)
 
-        monkeypatch.setattr("llamatron.models.gather_sum_op.gather_sum_op", counted)
+        monkeypatch.setattr("llamatron.kernels.gather_sum_op.gather_sum_op", counted)
 
     torch.manual_seed(0)
     tokens_n, hidden, k, experts = 37, 8, 3, 6

@@ -7,7 +7,7 @@ import pytest
 import torch
 from layout import run_train
 
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,9 +33,9 @@ def _model(backend: str, compiled: bool):
 
 
 def test_gather_sum_kernel_on_cuda_is_the_fp32_sum_rounded_once():
-    """The combine's Triton kernel (models/gather_sum_op.py), eager and inside a compiled function, at a
+    """The combine's Triton kernel (kernels/gather_sum_op.py), eager and inside a compiled function, at a
     fine-grained shape (k 8, hidden 2048): within one bf16 rounding of the fp64 sum."""
-    from llamatron.models.gather_sum_op import gather_sum
+    from llamatron.kernels.gather_sum_op import gather_sum
 
     torch.manual_seed(0)
     tokens, k, hidden = 1000, 8, 2048

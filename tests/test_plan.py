@@ -8,10 +8,10 @@ import pytest
 import torch
 from planner_rows import ROWS, SPEED_ROWS, config_of
 
-from llamatron import triton_check
 from llamatron.config.settings import config_from_values
+from llamatron.kernels import triton_check
+from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 from llamatron.models import PRESET_NAMES, KernelChoices, apply_kernels, build_model, get_preset, materialize
-from llamatron.models.cross_entropy_op import cross_entropy_per_token
 from llamatron.models.families import family_of
 from llamatron.models.inventory import num_params
 from llamatron.models.layers import rope_cos_sin
@@ -183,7 +183,7 @@ def test_compiled_layer_activations_match_autograd_on_gpu(name):
     block(x, cos, sin)  # compile outside the measurement
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
-    from llamatron.models import rope_op
+    from llamatron.kernels import rope_op
 
     rope = triton_check.kernels_on("auto", x) and rope_op.supports_head_dim(cfg.head_dim)
     kernels = A.LayerKernels(compiled=True, rope=rope)  # the CUDA default

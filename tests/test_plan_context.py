@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamatron import triton_check
 from llamatron.cli import main
 from llamatron.commands.plan import format_table
 from llamatron.config.settings import config_from_values
+from llamatron.kernels import triton_check
 from llamatron.models import KernelChoices, apply_kernels, get_preset
 from llamatron.models.families import family_of
 from llamatron.models.layers import rope_cos_sin

@@ -2,8 +2,8 @@
 
 import torch
 
+from llamatron.kernels.rmsnorm_op import add_rms_norm_op, reference_rms_norm, rms_norm_op
 from llamatron.models.layers import RMSNorm
-from llamatron.models.rmsnorm_op import add_rms_norm_op, reference_rms_norm, rms_norm_op
 
 
 def _grads(out, inputs, grad):

@@ -3,9 +3,9 @@ test_triton_kernels)."""
 
 import torch
 
+from llamatron.kernels.rope_op import qkv_rope_op
 from llamatron.models.config import ModelConfig
 from llamatron.models.layers import apply_rope, rope_cos_sin
-from llamatron.models.rope_op import qkv_rope_op
 
 
 def test_qkv_rope_op_matches_split_and_rope_forward_and_gradient():

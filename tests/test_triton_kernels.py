@@ -30,7 +30,7 @@ def test_swiglu_kernels_match_the_plain_expression():
     _run_interpreted("""
         import torch
         import torch.nn.functional as F
-        from llamatron.models.swiglu_op import _kernels
+        from llamatron.kernels.swiglu_op import _kernels
 
         torch.manual_seed(0)
         # ffn 100: one partial block; 1500: a full block of 1024 and a partial one
@@ -51,11 +51,11 @@ def test_swiglu_kernels_match_the_plain_expression():
 
 
 def test_gather_sum_kernel_matches_the_expression():
-    """The MoE combine's kernel (models/gather_sum_op.py): each token's k rows at the index, weighted or not,
+    """The MoE combine's kernel (kernels/gather_sum_op.py): each token's k rows at the index, weighted or not,
     summed in fp32 with one rounding, against the expression in fp64; hidden 1100: a full block and a partial one."""
     _run_interpreted("""
         import torch
-        from llamatron.models.gather_sum_op import _kernels
+        from llamatron.kernels.gather_sum_op import _kernels
 
         torch.manual_seed(0)
         for tokens, k, hidden in ((5, 1, 100), (3, 3, 1100), (2, 8, 64)):
@@ -139,7 +139,7 @@ def test_rmsnorm_kernels_match_the_plain_expression():
     added, weight gradient summed over programs of several rows, the last one partly empty)."""
     _run_interpreted("""
         import torch
-        from llamatron.models import rmsnorm_op
+        from llamatron.kernels import rmsnorm_op
 
         rmsnorm_op._BACKWARD_PROGRAMS = 3  # 7 rows: programs of 3 rows, the last holding one
         torch.manual_seed(0)
@@ -178,7 +178,7 @@ def test_qkv_rope_kernels_match_split_and_apply_rope():
         import torch
         from llamatron.models.config import ModelConfig
         from llamatron.models.layers import apply_rope, rope_cos_sin
-        from llamatron.models.rope_op import _backward_kernel, _forward_kernel, _pow2
+        from llamatron.kernels.rope_op import _backward_kernel, _forward_kernel, _pow2
 
         torch.manual_seed(0)
         batch, seq, dim = 2, 5, 16
@@ -215,7 +215,7 @@ def test_cross_entropy_kernels_match_torch():
     _run_interpreted("""
         import torch
         import torch.nn.functional as F
-        from llamatron.models.cross_entropy_op import IGNORE_INDEX, _FORWARD_BLOCK, _kernels
+        from llamatron.kernels.cross_entropy_op import IGNORE_INDEX, _FORWARD_BLOCK, _kernels
 
         torch.manual_seed(0)
         # vocab 100: one partial block; 2 blocks + 5: the running max and sum carried across blocks
@@ -250,7 +250,7 @@ def test_cross_entropy_kernels_match_torch():
 
 
 def test_decode_attention_kernel_writes_the_cache_and_matches_the_torch_step():
-    """models/decode_attention_op.py's kernel against the torch ops it replaces (scatter the new key and value into
+    """kernels/decode_attention_op.py's kernel against the torch ops it replaces (scatter the new key and value into
     each row's slot, then softmax attention under the rows' bias): GQA groups of 1-8 heads, a head size that is not
     a power of two, sliding windows, chunks, both, rows at their first and their last slot. fp32 and fp16 (the
     interpreter's bf16 dots are wrong: bf16 is checked on the GPU, test_decode_gpu.py)."""
@@ -259,7 +259,7 @@ def test_decode_attention_kernel_writes_the_cache_and_matches_the_torch_step():
         import torch
         sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
         from decode_reference import torch_step
-        from llamatron.models.decode_attention_op import _kernels
+        from llamatron.kernels.decode_attention_op import _kernels
 
         torch.manual_seed(0)
         cases = [  # heads, kv heads, head dim, batch, slots, window, chunk
@@ -290,7 +290,7 @@ def test_decoding_through_the_kernel_gives_the_full_recompute_logits(preset):
         import dataclasses, types
         import torch
         from llamatron.models import build_model, get_preset, materialize
-        from llamatron.models import decode_attention_op
+        from llamatron.kernels import decode_attention_op
         from llamatron.models.kv_cache import KVCache
 
         calls = []

@@ -20,6 +20,7 @@ import yaml
 
 from ..data.cache import KEEP_PER_KIND
 from ..errors import ConfigError
+from ..kernels.choices import ATTENTION_BACKENDS, TRITON_SETTINGS
 from ..models import ModelConfig, get_preset
 from ..models.families import DEFAULT_PRESET, PRESET_NAMES, families_with_field
 from .megatron_flags import (
@@ -66,7 +67,7 @@ def _kernel_switch(
         "auto",
         f"{what}: triton ({triton}) or torch ({torch_path}); auto: triton on CUDA when triton is "
         f"installed{auto_also}; for comparison and debugging",
-        ("auto", "triton", "torch"),
+        TRITON_SETTINGS,
     )
 
 
@@ -215,7 +216,7 @@ class TrainConfig:
         "and debugging), or fa4: FlashAttention 4 for plain causal attention (Hopper "
         "or newer, bf16/fp16, head dims 64/96/128; document masks and sliding "
         "windows still run on SDPA; pip install -e '.[fa4]')",
-        ("auto", "fa4", "cudnn", "flash", "efficient", "math"),
+        ATTENTION_BACKENDS,
     )
     swiglu_backend: str = _kernel_switch("SwiGLU activation", "fused kernels")
     rmsnorm_backend: str = _kernel_switch("RMSNorm (and the residual add before it)", "one kernel each way")

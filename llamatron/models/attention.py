@@ -11,8 +11,8 @@ three ways:
 - off CUDA a dense boolean mask for scaled_dot_product_attention: the reference the GPU paths are tested against;
 - a slice of the keys for one query decoding after a KV cache (models/kv_cache.py): it sees a contiguous range;
 - a range of slots of a static KV cache for batched decoding, one query per row at that row's own position
-  (`decode_mask`; the attention in models/decode_attention_op.py): rows of different lengths, the step's shapes
-  fixed (a CUDA graph replays it).
+  (`decode_mask`; the attention in kernels/decode_attention_op.py, through `attend`): rows of different lengths, the
+  step's shapes fixed (a CUDA graph replays it).
 
 Context parallelism (parallel/context.py) gives each rank two chunks of every sequence (`load_balanced_index`)
 and the whole sequence's keys; the rule then reads each query's index in the whole sequence. Queries after a KV cache
@@ -21,6 +21,7 @@ of `offset` tokens are at positions offset, offset + 1, ... and see the cached k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,17 +31,20 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
+from ..kernels.choices import SDPA_KERNELS
+from ..kernels.decode_attention_op import decode_attention, decode_step_attention
+from ..kernels.flash4_op import SUPPORTED_HEAD_DIMS, fa4_causal_attention
+from .kv_cache import LayerKVCache
 
-# --attention-backend: auto (config resolves it: FA4 where installed and usable, else SDPA's own pick), fa4
-# (FlashAttention 4 for causal attention and plain sliding windows, flex for other masks) or one forced SDPA kernel.
-_SDPA_BACKENDS = {
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "math": SDPBackend.MATH,
-}
-ATTENTION_BACKENDS = ("auto", "fa4", *_SDPA_BACKENDS)
+# --attention-backend's forced SDPA kernels (kernels/choices.py's SDPA_KERNELS, in that order).
+_SDPA_BACKENDS = dict(
+    zip(
+        SDPA_KERNELS,
+        (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+        strict=True,
+    )
+)
+_ONE_WIDTH_BACKENDS = ("flash", "fa4")  # kernels whose queries, keys and values must be equally wide
 
 
 def load_balanced_index(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -198,14 +202,54 @@ def _fa4_runs(q: torch.Tensor, backend: str) -> bool:
     return backend == "fa4" and q.is_cuda and half and q.shape[-1] in SUPPORTED_HEAD_DIMS
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask | None = None,
+    cache: LayerKVCache | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The attention every attention module calls (as its replaceable `core`: selective recompute and context
+    parallelism wrap it), whatever kernel runs: q (batch, heads, queries, dk), k (batch, kv heads, keys, dk), v
+    (batch, kv heads, keys, dv) -> (batch, heads, queries, dv). cache: the layer's KV cache, which k/v join first.
+
+    Which kernel runs is the mask's, the cache's and the backend's (one of ATTENTION_BACKENDS) to say, not the
+    module's: a decoding step over a static cache's rows (`decode_mask`) runs kernels/decode_attention_op.py (its
+    Triton kernel on CUDA, which writes the new key and value into `cache` itself; without a cache k/v are the whole
+    cache already); every other mask `attention_core` (FA4, flex, SDPA's kernels)."""
+    if mask is not None and mask.rows is not None:
+        if cache is None:
+            return decode_attention(q, k, v, mask.rows.bias())
+        return decode_step_attention(q, k, v, cache, mask.rows)
+    if cache is not None:
+        k, v = cache.append(k, v)
+    return attention_core(q, k, v, mask, backend)
+
+
 def attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Attention over (batch, heads, queries, head_dim) with the keys `mask` allows (None: causal); k/v may have
-    fewer heads (GQA/MQA) and, under context parallelism or after a KV cache, more positions than q. backend: one of
-    ATTENTION_BACKENDS (the layer's choice)."""
+    fewer heads (GQA/MQA) and, under context parallelism or after a KV cache, more positions than q; v may be
+    narrower or wider than q/k (multi-head latent attention): under the kernels that want one width (SDPA's flash,
+    FA4) the narrower side is zero-padded (zero columns change no score and no output) and the output cut back.
+    backend: one of ATTENTION_BACKENDS (the layer's choice)."""
     if mask is not None and mask.rows is not None:
-        raise ValueError("a decoding step's attention runs in models/decode_attention_op.py, with its KV cache")
+        raise ValueError("a decoding step's attention runs in models/attention.py's attend, with its KV cache")
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dq == dv or backend not in _ONE_WIDTH_BACKENDS:
+        return _kernel(q, k, v, mask, backend)
+    d = max(dq, dv)
+    if d > dq:  # wider values: zero query/key columns add nothing; the kernel's 1/sqrt(d) is undone on q
+        q, k = F.pad(q, (0, d - dq)) * math.sqrt(d / dq), F.pad(k, (0, d - dq))
+    return _kernel(q, k, F.pad(v, (0, d - dv)), mask, backend)[..., :dv]
+
+
+def _kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None, backend: str
+) -> torch.Tensor:
+    """attention_core once q, k and v are as wide as the backend needs."""
     gqa = q.shape[1] != k.shape[1]
     if gqa and backend == "efficient":  # the memory-efficient kernel has no grouped-query (GQA) support
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -235,7 +279,7 @@ def decode_mask(
 
 class DecodeRows:
     """The keys each row's one query sees over a static KV cache, by the same rule as every mask (`_keep`): a
-    contiguous range of slots, [lo, positions[b]] (models/decode_attention_op.py's kernel reads it so), or as the
+    contiguous range of slots, [lo, positions[b]] (kernels/decode_attention_op.py's kernel reads it so), or as the
     additive bias (batch, 1, keys) of 0 and -inf the torch path adds to the scores (built at its first use)."""
 
     def __init__(self, positions: torch.Tensor, keys: int, window: int | None, chunk: int | None, dtype: torch.dtype):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import rope_op
+from ..kernels import rope_op
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,9 @@ class LayerKernels:
     """The code a decoder layer runs: compiled or eager, and which Triton ops (each the default on CUDA)."""
 
     compiled: bool = False
-    norms: bool = False  # models/rmsnorm_op.py
-    rope: bool = False  # models/rope_op.py
-    swiglu: bool = False  # models/swiglu_op.py
+    norms: bool = False  # kernels/rmsnorm_op.py
+    rope: bool = False  # kernels/rope_op.py
+    swiglu: bool = False  # kernels/swiglu_op.py
 
 
 EAGER_TORCH = LayerKernels()  # what runs on CPU
@@ -52,7 +52,7 @@ class AttentionCounts(Protocol):
 
     @property
     def fused_rope(self) -> bool:
-        """Whether the Triton QKV-split + rotary kernel (models/rope_op.py) runs it where chosen."""
+        """Whether the Triton QKV-split + rotary kernel (kernels/rope_op.py) runs it where chosen."""
         ...
 
     @property

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.swiglu_op import swiglu
 from .attention import AttentionMask
 from .config import ModelConfig
 from .kv_cache import LayerKVCache
 from .layers import Attention, RMSNorm
 from .moe import MoE
-from .swiglu_op import swiglu
 
 
 class SwiGLU(nn.Module):

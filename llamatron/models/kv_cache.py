@@ -54,7 +54,7 @@ class LayerKVCache:
 
     def buffers_like(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole buffers (batch, kv heads, max_length, head_dim), allocated at the first call from the new
-        tokens' k/v; a decoding step's kernel (models/decode_attention_op.py) writes its slot in them itself."""
+        tokens' k/v; a decoding step's kernel (kernels/decode_attention_op.py) writes its slot in them itself."""
         if self.keys is None or self.values is None:
             shape = (k.shape[0], k.shape[1], self.owner.max_length, k.shape[3])
             # zeros: a per-row step reads every slot (masked, times a zero weight), so none may hold NaN or inf

@@ -14,12 +14,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .. import triton_check
-from . import rmsnorm_op, rope_op
-from .attention import AttentionMask, attention_core
+from ..kernels import rmsnorm_op, rope_op, triton_check
+from .attention import AttentionMask, attend
 from .attention_counts import GQACounts
 from .config import ModelConfig, RopeScaling
-from .decode_attention_op import decode_step_attention
 from .kv_cache import LayerKVCache
 from .yarn import yarn_attention_factor, yarn_inv_freq
 
@@ -139,7 +137,7 @@ class Attention(nn.Module):
     # How tensor parallelism splits it (parallel/tensor.py): the heads over the ranks. The q/k norms' weights are
     # whole on every rank, each of which uses them on its own heads: their gradients are partial sums.
     tp_plan = {"qkv": "qkv", "o": "row", "q_norm": "replicated_partial", "k_norm": "replicated_partial"}
-    core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
+    core: Callable[..., torch.Tensor]  # attend, or a wrapper of it
 
     def __init__(self, cfg: ModelConfig, rope: bool = True):
         """rope: this layer rotates its queries and keys (False: a NoPE layer, ModelConfig.layer_has_rope)."""
@@ -153,7 +151,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.rope = rope
-        self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
+        self.core = attend  # replaceable: selective recompute and context parallelism wrap it
         # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
         self.backend = "auto"
         self.rope_backend = "auto"
@@ -187,12 +185,7 @@ class Attention(nn.Module):
             if self.rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = self.adjust(q, k, positions)
-        if cache is not None and mask is not None and mask.rows is not None:
-            out = decode_step_attention(q, k, v, cache, mask.rows)  # writes the cache too
-        else:
-            if cache is not None:
-                k, v = cache.append(k, v)
-            out = self.core(q, k, v, mask, self.backend)
+        out = self.core(q, k, v, mask, cache, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
     @property

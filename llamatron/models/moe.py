@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gather_sum_op import gather_sum
+from ..kernels.swiglu_op import swiglu
 from .config import ModelConfig
-from .gather_sum_op import gather_sum
 from .moe_balance import MoEBalance, capacity_keep, expert_capacity
-from .swiglu_op import swiglu
 
 
 @dataclass

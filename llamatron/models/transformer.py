@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cross_entropy_op import IGNORE_INDEX
 from .attention import AttentionMask, attention_mask, decode_mask, load_balanced_index
 from .config import ModelConfig
-from .cross_entropy_op import IGNORE_INDEX
 from .families import family_of
 from .family import ExtraHeadInputs, ExtraHeads
 from .kv_cache import KVCache

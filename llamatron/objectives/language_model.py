@@ -1,6 +1,6 @@
 """Next-token prediction: the cross entropy of every label token, as a mean over the global batch's label tokens.
 
-The per-token loss is the fused cross entropy of one device (models/cross_entropy_op.py: a Triton kernel each way
+The per-token loss is the fused cross entropy of one device (kernels/cross_entropy_op.py: a Triton kernel each way
 on CUDA, torch's compiled one with --cross-entropy-backend torch), or under tensor parallelism the
 vocabulary-parallel one (parallel/tensor_layers.py), which never builds the whole vocabulary's logits. Labels of
 IGNORE_INDEX (SFT prompts, document ends with --eod-mask-loss, padding) count nothing, in the sum and in the
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.cross_entropy_op import CrossEntropy
 from ..models import IGNORE_INDEX, ModelConfig, Transformer
-from ..models.cross_entropy_op import CrossEntropy
 from ..models.moe import MoE, MoEBalance, MoEStats
 from ..models.moe_balance import updated_expert_bias
 from ..parallel.mesh import Mesh, all_reduce

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.attention import AttentionMask, load_balanced_index
+from ..models.kv_cache import LayerKVCache
 from ..models.transformer import Transformer
 from .mesh import Mesh
 from .tensor_layers import gather_sequence
@@ -79,10 +80,16 @@ class ContextParallelCore:
         self.inner, self.group, self.cp = inner, group, cp
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None, backend: str
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask | None,
+        cache: LayerKVCache | None,
+        backend: str,
     ) -> torch.Tensor:
         k, v = gather_keys(k, self.group, self.cp), gather_keys(v, self.group, self.cp)
-        return self.inner(q, k, v, mask, backend)
+        return self.inner(q, k, v, mask, cache, backend)
 
 
 def apply_context_parallel(model: Transformer, mesh: Mesh) -> None:
@@ -92,7 +99,7 @@ def apply_context_parallel(model: Transformer, mesh: Mesh) -> None:
     model.parallel.context = (mesh.cp, mesh.cp_rank)
     for module in model.modules():
         # Every attention layer, the shared one or a family's own (latent attention), keeps its kernel in a
-        # replaceable `core` called with (q, k, v, mask, backend); values narrower than keys gather as they are.
+        # replaceable `core` called with (q, k, v, mask, cache, backend); values narrower than keys gather as they are.
         core = getattr(module, "core", None)
         if callable(core):
             module.core = ContextParallelCore(core, mesh.cp_group, mesh.cp)  # type: ignore[assignment]

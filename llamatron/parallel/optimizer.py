@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw as functional_adamw
 
-from .adamw_kernel import adamw_segment
+from ..kernels.adamw_kernel import adamw_segment
 from .fsdp import Buffer, owned_ranges
 from .mesh import Mesh, all_reduce
 from .param_spec import ParamSpec

@@ -117,10 +117,10 @@ class Precision:
     dtype: str = "bf16"
     compiled: bool = True
     grad_reduce_dtype: str = "fp32"
-    fused_norms: bool = True  # RMSNorm as Triton kernels (models/rmsnorm_op.py), the default on CUDA
-    fused_rope: bool = True  # QKV split + rotary as Triton kernels (models/rope_op.py), the default on CUDA
-    fused_swiglu: bool = True  # SwiGLU as Triton kernels (models/swiglu_op.py), the default on CUDA
-    fused_loss: bool = True  # the cross-entropy as Triton kernels (models/cross_entropy_op.py), the default on CUDA
+    fused_norms: bool = True  # RMSNorm as Triton kernels (kernels/rmsnorm_op.py), the default on CUDA
+    fused_rope: bool = True  # QKV split + rotary as Triton kernels (kernels/rope_op.py), the default on CUDA
+    fused_swiglu: bool = True  # SwiGLU as Triton kernels (kernels/swiglu_op.py), the default on CUDA
+    fused_loss: bool = True  # the cross-entropy as Triton kernels (kernels/cross_entropy_op.py), the default on CUDA
     fp8: str = "none"  # --fp8: the decoder's linears in FP8 (speed: SpeedAssumptions.fp8_gemm_speedup)
 
     @property

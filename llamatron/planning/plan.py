@@ -43,9 +43,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config.settings import RunConfig
+from ..kernels.choices import KernelChoices
 from ..models import ModelConfig
 from ..parallel.tensor import padded_vocab_size
-from ..training.kernel_settings import KernelFlags, kernel_choices
+from ..training.kernel_settings import kernel_choices
 from ..training.validate import validate
 from .activations import (
     chunk_activation_bytes,
@@ -307,16 +308,16 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """
     derived = validate(run_config, world_size, cuda_available=run_config.train.device != "cpu")
     p = run_config.parallel
-    flags = KernelFlags.of(run_config.train, run_config.optim)
+    flags = KernelChoices.of(run_config.train, run_config.optim)
     kernels = kernel_choices(flags, p.tp, derived.device, derived.dtype_name, run_config.model_config())
     precision = Precision(
         "fp32" if derived.dtype_name == "fp32" else "bf16",
         derived.compile,
         p.grad_reduce_dtype,
-        fused_norms=kernels["rmsnorm"] == "triton",
-        fused_rope=kernels["rope"] == "triton",
-        fused_swiglu=kernels["swiglu"] == "triton",
-        fused_loss=kernels["cross_entropy"] == "triton",
+        fused_norms=kernels.rmsnorm == "triton",
+        fused_rope=kernels.rope == "triton",
+        fused_swiglu=kernels.swiglu == "triton",
+        fused_loss=kernels.cross_entropy == "triton",
     )
     mem = layout_memory(
         run_config.model_config(),

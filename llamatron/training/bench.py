@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -22,11 +23,12 @@ from torch import nn
 from ..config.settings import RunConfig
 from ..data.batches import micro_batches_for_rank, to_device
 from ..data.mock import MockDataset
+from ..kernels.choices import KernelChoices
 from ..models.inventory import active_params, flops_per_token, num_params
 from ..parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
 from ..parallel.optimizer import bytes_per_param
 from .engine import Engine, build_engine, train_step
-from .kernel_settings import KernelFlags, kernel_choices
+from .kernel_settings import kernel_choices
 from .metrics import objective_fields, peak_memory_gib, peak_tflops, sync_device, throughput
 from .trainer import build_datasets
 from .validate import validate
@@ -106,7 +108,9 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "loss": loss,
         **_moe_fields(engine, out),
         # what ran: auto resolved
-        "kernels": kernel_choices(KernelFlags.of(t, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg),
+        "kernels": asdict(
+            kernel_choices(KernelChoices.of(t, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg)
+        ),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }

@@ -43,7 +43,7 @@ from ..parallel.param_spec import ParamSpec, ParamSpecs, param_specs
 from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward, pipeline_forward_each
 from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 from .fp8 import apply_fp8
-from .kernel_settings import KernelFlags, kernel_choices
+from .kernel_settings import kernel_choices
 
 # (engine, this rank's micro-batches, the objective's normaliser) -> the summed loss on this rank (device)
 ForwardBackward = Callable[["Engine", list[dict], torch.Tensor], torch.Tensor]
@@ -204,9 +204,9 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     )
     dtype = DTYPES[derived.dtype_name]
     p = cfg.parallel
-    resolved = kernel_choices(KernelFlags.of(cfg.train, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg)
+    resolved = kernel_choices(KernelChoices.of(cfg.train, cfg.optim), p.tp, device.type, derived.dtype_name, model_cfg)
     # off CUDA every layer keeps auto, as before (SDPA's pick even for math)
-    kernels = KernelChoices.from_resolved(resolved) if device.type == "cuda" else KernelChoices()
+    kernels = resolved.in_layers() if device.type == "cuda" else KernelChoices()
     chunks, specs, forward_backward = _build_chunks(cfg, model_cfg, mesh)
     adapters = _initial_adapters(cfg, model_cfg)
     frozen: list[tuple[nn.Parameter, ParamSpec]] = []
@@ -234,7 +234,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
     if split:  # (none where the experts are frozen: LoRA adapts the dense linears)
         buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
-    optimizer = _optimizer(cfg, buffers, mesh, resolved["adamw"])
+    optimizer = _optimizer(cfg, buffers, mesh, resolved.adamw)
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     objective = _objective(cfg, chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
     return Engine(

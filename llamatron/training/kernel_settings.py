@@ -3,46 +3,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
+from ..kernels.choices import NOT_RUN, KernelChoices
+from ..kernels.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
+from ..kernels.rope_op import supports_head_dim
+from ..kernels.triton_check import HAS_TRITON
 from ..models import ModelConfig
 from ..models.families import family_of
-from ..models.flash4_op import SUPPORTED_HEAD_DIMS, unavailable_reason
 from ..models.inventory import layers
-from ..models.rope_op import supports_head_dim
-from ..triton_check import HAS_TRITON
 
 
-@dataclass(frozen=True)
-class KernelFlags:
-    """The kernel switches of a run (--attention-backend, --swiglu-backend, ..., --adamw-kernel)."""
-
-    attention: str = "auto"
-    swiglu: str = "auto"
-    rmsnorm: str = "auto"
-    rope: str = "auto"
-    cross_entropy: str = "auto"
-    adamw: str = "auto"
-
-    @classmethod
-    def of(cls, train: Any, optim: Any) -> KernelFlags:
-        """From the train and optim settings (config/settings.py's sections)."""
-        return cls(
-            train.attention_backend,
-            train.swiglu_backend,
-            train.rmsnorm_backend,
-            train.rope_backend,
-            train.cross_entropy_backend,
-            optim.adamw_kernel,
-        )
-
-
-def kernel_choices(flags: KernelFlags, tp: int, device: str, dtype_name: str, model: ModelConfig) -> dict[str, str]:
+def kernel_choices(flags: KernelChoices, tp: int, device: str, dtype_name: str, model: ModelConfig) -> KernelChoices:
     """What each kernel switch runs on `device`: auto resolved as the code resolves it (triton on CUDA with Triton
-    installed, else torch), "-" where the model has no such layer (a GELU MLP, LayerNorm). Attention
+    installed, else torch), NOT_RUN ("-") where the model has no such layer (a GELU MLP, LayerNorm). Attention
     under auto: FlashAttention 4 where it can run (installed, Hopper or newer, bf16/fp16, a head dim it tunes:
     measured 3% faster per llama-1b step than SDPA's cuDNN on an H200, RESULTS.md run 5), else SDPA's pick."""
     triton_here = device == "cuda" and HAS_TRITON
@@ -55,14 +29,14 @@ def kernel_choices(flags: KernelFlags, tp: int, device: str, dtype_name: str, mo
     attention = flags.attention
     if attention == "auto" and device == "cuda" and fa4_problem(model.head_dim, dtype_name) is None:
         attention = "fa4"
-    return {
-        "attention": attention,
-        "swiglu": pick(flags.swiglu) if swiglu else "-",
-        "rmsnorm": pick(flags.rmsnorm) if rmsnorm else "-",
-        "rope": pick(flags.rope, layer.attention.fused_rope),  # its attention declares it
-        "cross_entropy": pick(flags.cross_entropy) if tp == 1 else "-",
-        "adamw": pick(flags.adamw),
-    }
+    return KernelChoices(
+        attention=attention,
+        swiglu=pick(flags.swiglu) if swiglu else NOT_RUN,
+        rmsnorm=pick(flags.rmsnorm) if rmsnorm else NOT_RUN,
+        rope=pick(flags.rope, layer.attention.fused_rope),  # its attention declares it
+        cross_entropy=pick(flags.cross_entropy) if tp == 1 else NOT_RUN,
+        adamw=pick(flags.adamw),
+    )
 
 
 def fa4_problem(head_dim: int, dtype_name: str) -> str | None:
@@ -89,7 +63,7 @@ def fa4_problem(head_dim: int, dtype_name: str) -> str | None:
     return None
 
 
-def kernel_problems(flags: KernelFlags, tp: int, model: ModelConfig, device: str, dtype_name: str) -> list[str]:
+def kernel_problems(flags: KernelChoices, tp: int, model: ModelConfig, device: str, dtype_name: str) -> list[str]:
     """The kernel flags against the model, the device and the precision (training/validate.py asks)."""
     f, out = flags, []
     if f.attention not in ("auto", "math") and device != "cuda":  # math is what runs off CUDA anyway
@@ -122,7 +96,7 @@ def kernel_problems(flags: KernelFlags, tp: int, model: ModelConfig, device: str
     return out or _triton_problems(f, device)
 
 
-def _triton_problems(f: KernelFlags, device: str) -> list[str]:
+def _triton_problems(f: KernelChoices, device: str) -> list[str]:
     kernels = {
         "--swiglu-backend": f.swiglu,
         "--rmsnorm-backend": f.rmsnorm,

@@ -17,6 +17,7 @@ from ..data.batch_rampup import BatchSizes, rampup_problems
 from ..data.batches import batch_problems
 from ..data.samples import data_settings_problems
 from ..errors import ConfigError
+from ..kernels.choices import KernelChoices
 from ..models import ModelConfig
 from ..models.families import model_problems
 from ..models.moe_balance import balancing_run_problems
@@ -35,7 +36,7 @@ from .engine import recompute_problems
 from .eval_tasks import eval_task_problems
 from .evaluation import resolve_eval_metrics
 from .fp8 import fp8_problems
-from .kernel_settings import KernelFlags, kernel_problems
+from .kernel_settings import kernel_problems
 from .logging_sinks import check_output_paths, check_sink_dependencies
 
 
@@ -101,7 +102,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     _raise_if(model.seq_length_problems(d.seq_length, t.model))
     _raise_if(lr_problems(o.lr, o.min_lr) + resume_problems(t.finetune, t.load))
     _raise_if(reduce_dtype_problems(dtype_name, p.grad_reduce_dtype) + comm_problems(p.dp_comm_max_ctas, device))
-    _raise_if(kernel_problems(KernelFlags.of(t, o), p.tp, model, device, dtype_name))
+    _raise_if(kernel_problems(KernelChoices.of(t, o), p.tp, model, device, dtype_name))
     tokens = t.micro_batch_size * d.seq_length // p.cp
     _raise_if(
         fp8_problems(

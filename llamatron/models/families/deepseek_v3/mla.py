@@ -8,19 +8,18 @@
     q            = [q_nope; rope(q_pe)]                   per head
     out          = o(softmax(q·k · softmax_scale) v)
 
-Training and a prefill build the keys and values per head and run `attention_core` (any mask, any kernel). The
+Training and a prefill build the keys and values per head and run `attend` (any mask, any kernel). The
 decode cache (mla_cache.py) holds only the normalised latent and the rotated rotary key; after it, the up-projection
 is absorbed: each head's query is carried into latent space by its key part of kv_b (q_nope · W_uk[h]), attends
 over [latent; k_pe] as one shared key head (multi-query attention with keys of kv_lora_rank + qk_rope_head_dim and
 values of kv_lora_rank), and its output leaves through the value part (· W_uv[h]ᵀ): full keys and values are never
 built. The scores are the same numbers: q_nope·(W_uk latent) = (q_nopeᵀ W_uk)·latent.
 
-The softmax scale is folded into the queries: attention_core scales by 1/sqrt(the query's width), so q is
+The softmax scale is folded into the queries: attend scales by 1/sqrt(the query's width), so q is
 multiplied by softmax_scale · sqrt(width) (1, and no multiply, when the scale is the default 1/sqrt(qk_head_dim)).
 The values may be narrower than the keys (v_head_dim < qk_head_dim; the absorbed form's kv_lora_rank <
-kv_lora_rank + qk_rope_head_dim): scaled_dot_product_attention's math, memory-efficient and cuDNN kernels and flex
-attention take that as it is; the FlashAttention kernels (SDPA's flash, FA4) want one width, so under those
-backends the narrower side is zero-padded (zero columns change no score and no output) and the output cut back.
+kv_lora_rank + qk_rope_head_dim): attend takes that under every kernel (models/attention.py's attention_core pads
+for those that want one width).
 
 Written for one device (docs/design.md, principle 1): the heads are reshaped with -1, so tensor parallelism's
 local head counts need no attribute; `num_heads` keeps the count the layer was built with.
@@ -33,17 +32,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ....errors import ConfigError
-from ...attention import AttentionMask, attention_core, attention_mask
+from ...attention import AttentionMask, attend, attention_mask
 from ...attention_counts import LayerKernels
 from ...layers import RMSNorm, apply_rope
 from .mla_cache import MLACache
 from .rope import halves_from_interleaved, interleaved_from_halves
-
-_ONE_WIDTH_BACKENDS = ("flash", "fa4")  # attention kernels whose queries, keys and values must be equally wide
 
 
 @dataclass(frozen=True)
@@ -179,7 +175,7 @@ class MLAttention(nn.Module):
     # it whole (a sequence all-gather under sequence parallelism; identity forward, all-reduced gradient without).
     tp_plan = {"q": "column", "q_b": "column", "kv_b": "column", "o": "row", "q_a": "replicated", "kv_a": "replicated"}
     tp_parallel_inputs = ("shared_key",)
-    core: Callable[..., torch.Tensor]  # attention_core, or a wrapper of it
+    core: Callable[..., torch.Tensor]  # attend, or a wrapper of it
     cache_kind = MLACache  # the decode cache it keeps (the transformer makes one per layer)
 
     def __init__(self, cfg: MLAConfig):
@@ -200,12 +196,12 @@ class MLAttention(nn.Module):
         kv_rows = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.kv_b = nn.Linear(cfg.kv_lora_rank, kv_rows, bias=False)
         self.o = nn.Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
-        # The softmax scale folded into the queries (see the module docstring), as attention_core runs and absorbed.
+        # The softmax scale folded into the queries (see the module docstring), as attend runs and absorbed.
         default = cfg.softmax_scale is None
         self.q_scale = 1.0 if default else cfg.scale * math.sqrt(cfg.qk_head_dim)
         self.absorbed_q_scale = cfg.scale * math.sqrt(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.shared_key: Callable[[torch.Tensor], torch.Tensor] = _identity  # tensor parallelism's (see tp_plan)
-        self.core = attention_core  # replaceable: selective recompute and context parallelism wrap it
+        self.core = attend  # replaceable: selective recompute and context parallelism wrap it
         self.backend = "auto"  # an ATTENTION_BACKENDS name: this model's choice (models/kernels.py)
 
     @property
@@ -267,7 +263,7 @@ class MLAttention(nn.Module):
         queries = torch.cat([q_nope, q_pe], dim=-1)
         if self.q_scale != 1.0:
             queries = queries * self.q_scale
-        return self._attend(queries, k, v, mask)
+        return self.core(queries, k, v, mask, None, self.backend)
 
     def _absorbed(self, q: _Pair, kv: _Pair, mask: AttentionMask | None, cache: MLACache) -> torch.Tensor:
         """The queries after a cache, in latent space over the cached latents: (batch, heads, seq, v_head_dim)."""
@@ -279,32 +275,13 @@ class MLAttention(nn.Module):
         w = self.kv_b.weight.view(-1, nope + self.cfg.v_head_dim, self.cfg.kv_lora_rank)
         q_latent = torch.einsum("bhsn,hnr->bhsr", q_nope, w[:, :nope])
         queries = torch.cat([q_latent, q_pe], dim=-1) * self.absorbed_q_scale
-        if mask is not None and mask.rows is not None:  # one query per row at its own position: a static cache
-            out = _rows_attention(queries, keys, values, mask.rows.bias())
-        else:
-            if cache.owner.per_row:
-                raise ValueError("a per-row cache decodes under decode_mask's rows (models/attention.py), not None")
-            if mask is None:  # the causal rule after `offset` cached tokens (attention_core's None is from key 0)
-                mask = attention_mask(queries.shape[2], None, None, queries.device, offset=offset)
-            out = self._attend(queries, keys, values, mask)
+        if (mask is None or mask.rows is None) and cache.owner.per_row:
+            raise ValueError("a per-row cache decodes under decode_mask's rows (models/attention.py), not None")
+        if mask is None:  # the causal rule after `offset` cached tokens (attend's None is from key 0)
+            mask = attention_mask(queries.shape[2], None, None, queries.device, offset=offset)
+        # the keys and values are the whole cache already: attend is given none to append to
+        out = self.core(queries, keys, values, mask, None, self.backend)
         return torch.einsum("bhsr,hvr->bhsv", out, w[:, nope:])
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None) -> torch.Tensor:
-        """self.core, with the narrower of q/k and v zero-padded under the kernels that need one width."""
-        dq, dv = q.shape[-1], v.shape[-1]
-        if dq == dv or self.backend not in _ONE_WIDTH_BACKENDS:
-            return self.core(q, k, v, mask, self.backend)
-        d = max(dq, dv)
-        if d > dq:  # wider values: zero query/key columns add nothing; the kernel's 1/sqrt(d) is undone on q
-            q, k = F.pad(q, (0, d - dq)) * math.sqrt(d / dq), F.pad(k, (0, d - dq))
-        return self.core(q, k, F.pad(v, (0, d - dv)), mask, self.backend)[..., :dv]
-
-
-def _rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q (batch, heads, 1, dk) over a static cache's one key head k (batch, 1, keys, dk) and values v (batch, 1,
-    keys, dv) under `bias` (batch, 1, keys) of 0 and -inf (DecodeRows); scaled by 1/sqrt(dk) as attention_core."""
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias[:, None]
-    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
 # ---- transformers' names (DeepseekV3Attention, under model.layers.N.self_attn) ---------------------------------

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....kernels.cross_entropy_op import IGNORE_INDEX
 from ...attention import AttentionMask
-from ...cross_entropy_op import IGNORE_INDEX
 from ...family import ExtraHeadInputs
 from ...layers import RMSNorm
 

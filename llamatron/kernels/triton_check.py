@@ -1,13 +1,10 @@
 """Whether Triton is installed, looked up once at import (not while torch.compile traces a layer), and the
 test each layer with Triton kernels makes with its own choice (`--swiglu-backend`, `--rmsnorm-backend`,
-`--rope-backend`, `--cross-entropy-backend`; models/kernels.py sets them per model)."""
+`--rope-backend`, `--cross-entropy-backend`: kernels/choices.py; models/kernels.py gives each layer its own)."""
 
 import importlib.util
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-# "auto"/"triton": the op's Triton kernels on CUDA; "torch": the plain expression (compiled with the layer).
-TRITON_SETTINGS = ("auto", "triton", "torch")
 
 
 def kernels_on(backend: str, x) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import triton_check
+from . import triton_check
 
 IGNORE_INDEX = -100
 

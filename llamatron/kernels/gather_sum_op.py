@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .. import triton_check
+from . import triton_check
 
 
 def gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:

@@ -16,12 +16,31 @@ the step is the torch ops (`decode_attention`, the reference the kernel is teste
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 
-from .. import triton_check
-from .attention import DecodeRows
-from .kv_cache import LayerKVCache
+from . import triton_check
+
+
+class DecodeRows(Protocol):
+    """The keys each row's query sees (models/attention.py's DecodeRows): the slots [lo, positions[b]], lo from
+    the window and the chunk, or as an additive bias (batch, 1, keys) of 0 and -inf."""
+
+    positions: torch.Tensor
+    window: int | None
+    chunk: int | None
+
+    def bias(self) -> torch.Tensor: ...
+
+
+class LayerKVCache(Protocol):
+    """A layer's static KV cache (models/kv_cache.py's LayerKVCache)."""
+
+    def buffers_like(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 _MAX_HEAD_DIM = 256
 _BLOCK_KEYS = 64
@@ -40,7 +59,8 @@ def decode_step_attention(
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q (batch, heads, 1, dim) over a static cache's k/v (batch, kv heads, keys, dim) under `bias` (DecodeRows).
+    """q (batch, heads, 1, dim) over a static cache's k (batch, kv heads, keys, dim) and v (batch, kv heads, keys,
+    dv: the values may be of another width, as multi-head latent attention's) under `bias` (DecodeRows).
 
     The query heads sharing a KV head are one batched matmul against it (no copy of the cache per query head,
     which SDPA's kernels that take a mask would make for GQA), the scale and bias ride in its epilogue."""
@@ -49,8 +69,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     q = q.reshape(batch * kv_heads, heads // kv_heads, dim)
     bias = bias.expand(batch, kv_heads, keys).reshape(-1, 1, keys)  # each KV head's group of queries sees the row's
     scores = torch.baddbmm(bias, q, k.reshape(-1, keys, dim).transpose(1, 2), alpha=dim**-0.5)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(-1, keys, dim))
-    return out.view(batch, heads, 1, dim)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(-1, keys, v.shape[-1]))
+    return out.view(batch, heads, 1, -1)
 
 
 @torch.library.custom_op("llamatron::decode_attention", mutates_args=("keys", "values"))

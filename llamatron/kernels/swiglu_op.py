@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import triton_check
+from . import triton_check
 
 
 def swiglu(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
