@@ -12,6 +12,7 @@ from torch import nn
 from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks
 from llamatron.parallel.tensor import apply_tensor_parallel
@@ -100,13 +101,14 @@ def test_the_head_runs_fp8_only_when_asked():
     with torch.no_grad():
         bf16_head, fp8_head = (models[h].logits(hidden).float() for h in (False, True))
     assert 1e-3 < float((fp8_head - bf16_head).norm() / bf16_head.norm()) < 0.08
-    chunks, _ = build_stage_chunks(get_preset("llama-test4"), Mesh(pp=2, pp_rank=0))  # no head on this stage
+    first_stage = Mesh(ParallelLayout(pp=2), pp_rank=0)
+    chunks, _ = build_stage_chunks(get_preset("llama-test4"), first_stage)  # no head on this stage
     assert "head" not in apply_fp8(chunks[0], "tensorwise", emulate=True, head=True)
 
 
 def test_tensor_parallel_layers_run_fp8_on_their_shards():
     model = build_model(MODEL)
-    apply_tensor_parallel(model, Mesh(tp=2, tp_rank=1), sequence_parallel=True)
+    apply_tensor_parallel(model, Mesh(ParallelLayout(tp=2), tp_rank=1), sequence_parallel=True)
     assert apply_fp8(model, "tensorwise", emulate=True) == _expected(range(MODEL.num_layers))
     assert all(isinstance(model.get_submodule(n).linear, FP8Matmul) for n in _expected([0, 1]))
     assert not isinstance(model.lm_head.linear, FP8Matmul)  # the vocabulary-parallel head stays bf16
@@ -114,7 +116,7 @@ def test_tensor_parallel_layers_run_fp8_on_their_shards():
 
 def test_a_pipeline_chunk_converts_only_its_own_layers():
     model = get_preset("llama-test4")
-    chunks, _ = build_stage_chunks(model, Mesh(pp=2, pp_rank=1), vpp=2)  # global chunks 1 and 3
+    chunks, _ = build_stage_chunks(model, Mesh(ParallelLayout(pp=2), pp_rank=1), vpp=2)  # global chunks 1 and 3
     assert [apply_fp8(c, "rowwise", emulate=True) for c in chunks] == [_expected([1]), _expected([3])]
 
 

@@ -135,6 +135,7 @@ PIPELINES = [
 def _gathered(rank, world):
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
+    from llamatron.parallel.layout import LayoutChoice
     from llamatron.parallel.mesh import build_mesh
     from llamatron.training.engine import build_engine, train_step
 
@@ -143,7 +144,7 @@ def _gathered(rank, world):
         values.update({"vpp": vpp, "global_batch_size": 8, "device": "cpu", "fsdp": True})
         cfg = config_from_values({**values, "model_overrides": {"num_layers": layers, **overrides}})
         derived = validate(cfg, world)
-        mesh = build_mesh(1, 2)
+        mesh = build_mesh(LayoutChoice(pp=2))
         engine = build_engine(cfg, derived, mesh)
         buckets = [b for buf in engine.buffers for b in buf.buckets]
         peak = [0]

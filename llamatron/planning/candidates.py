@@ -11,7 +11,7 @@ from ..config.settings import RunConfig, config_from_values
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..parallel.fsdp import fsdp_problems
-from ..parallel.mesh import divisors
+from ..parallel.layout import divisors
 from ..training.validate import validate
 from .layout import Layout
 
