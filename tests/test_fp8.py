@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from layout import assert_matches, run_train
+from plan_layouts import planned
 from torch import nn
 
 from llamatron.config.settings import config_from_values
@@ -207,7 +208,7 @@ def test_the_planners_fp8_speed_up_matches_every_measured_pair():
     import json
     from pathlib import Path
 
-    from llamatron.planning.plan import Layout, estimate_speed
+    from llamatron.planning.plan import estimate_speed
 
     rows = [
         json.loads(line) for line in (Path(__file__).parents[1] / "benchmarks/results-2026-12-01-run9-fp8.jsonl").open()
@@ -219,7 +220,7 @@ def test_the_planners_fp8_speed_up_matches_every_measured_pair():
         base = bf16.get((r["_call"], r["model"]))
         if r["fp8"] == "none" or base is None:
             continue
-        lay = Layout(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
+        lay = planned(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
         model = get_preset(r["model"])
         speeds = [estimate_speed(model, lay, r["seq"], 1, 8, fp8=f).tokens_per_sec_per_gpu for f in ("none", r["fp8"])]
         measured = r["tokens_per_sec"] / base["tokens_per_sec"]

@@ -9,8 +9,11 @@ import pytest
 
 from llamatron.config.settings import ParallelConfig, config_from_values, section_of
 from llamatron.errors import ConfigError
-from llamatron.parallel.layout import LayoutChoice, ParallelLayout
+from llamatron.parallel.layout import LayoutChoice, ParallelLayout, layout_values
 from llamatron.parallel.mesh import Mesh, build_mesh
+from llamatron.planning.layout import Layout
+from llamatron.planning.plan import run_layout
+from llamatron.planning.simulator.costs import Shape
 
 # The parallel section's flags and YAML keys before the layout was defined once (main at edc76eb): none may go.
 PARALLEL_SETTINGS = [
@@ -27,7 +30,7 @@ def test_the_parallel_settings_keep_their_names_and_are_the_layouts_fields():
     assert all(section_of(name) == "parallel" for name in PARALLEL_SETTINGS)
     chosen = {f.name for f in dataclasses.fields(LayoutChoice)}
     # the layout's fields are declared once, by LayoutChoice: every other layout type inherits them
-    for kind in (ParallelLayout,):
+    for kind in (ParallelLayout, Layout, Shape):
         assert chosen <= {f.name for f in dataclasses.fields(kind)} and issubclass(kind, LayoutChoice)
     # the mesh holds it (mesh.layout) beside the rank's coordinates and process groups (fsdp_shard_group: a group)
     sizes = {f.name for f in dataclasses.fields(Mesh) if not f.name.endswith("_group")}
@@ -41,6 +44,10 @@ def test_settings_parse_into_the_layout_that_every_reader_holds():
     layout = cfg.parallel.on(32)  # 32 ranks over tp 2 x cp 2 x pp 2: dp 4
     assert (layout.dp, layout.world_size, layout.replicas, layout.expert_replicas) == (4, 32, 8, 4)
     assert (layout.experts_fold_tp, layout.expert_parallel, layout.hybrid_shards) == (True, 4, 0)
+    planned = run_layout(cfg, layout.dp)
+    shape = Shape(**layout_values(planned, ParallelLayout))
+    for reader in (planned, shape):
+        assert layout_values(reader, ParallelLayout) == layout_values(layout, ParallelLayout)
     assert build_mesh().layout == ParallelLayout()  # one process: every size 1
 
 

@@ -162,11 +162,11 @@ def searched_layouts(
             for sharding, ep in ((d, e) for d in shardings(dp * cp, tp, gpus_per_node) for e in eps(dp)):
                 kw = {"distributed_optimizer": False, **sharding}
                 yield Layout(
-                    tp,
-                    pp,
-                    vpp,
-                    dp,
-                    tp > 1,
+                    tp=tp,
+                    pp=pp,
+                    vpp=vpp,
+                    dp=dp,
+                    sequence_parallel=tp > 1,
                     recompute=recompute,
                     micro_batch_size=mb,
                     global_batch_size=gbs,
