@@ -12,6 +12,7 @@ mode over the rounds, every round's numbers, and the speed-up. Any `llamatron tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,7 +38,7 @@ from llamatron.training.validate import validate  # noqa: E402
 
 
 def set_overlap(engine, on: bool) -> None:
-    engine.cfg.parallel.overlap_grad_reduce = engine.cfg.parallel.overlap_param_gather = on
+    engine.cfg.parallel = dataclasses.replace(engine.cfg.parallel, overlap_grad_reduce=on, overlap_param_gather=on)
     for buf in engine.buffers:
         buf.overlap_grad_reduce = on and buf.dp > 1
 
@@ -66,12 +67,13 @@ def main() -> None:
     cfg.train.train_steps = args.warmup + 2 * args.rounds * (args.steps + 1) + 1
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
-    mesh = build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas)
+    mesh = build_mesh(cfg.parallel, cfg.parallel.dp_comm_max_ctas)
     engine = build_engine(cfg, derived, mesh)
     t = cfg.train
     data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
     batch = to_device(
-        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.dp_rank), engine.device
+        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, mesh.layout.dp, mesh.dp_rank),
+        engine.device,
     )
     for step in range(args.warmup):
         train_step(engine, batch, step)
@@ -89,7 +91,7 @@ def main() -> None:
     row = {
         "model": t.model,
         "gpus": mesh.world_size,
-        "dp": mesh.dp,
+        "dp": mesh.layout.dp,
         "dist_opt": cfg.parallel.distributed_optimizer,
         "grad_reduce_dtype": cfg.parallel.grad_reduce_dtype,
         "dp_comm_max_ctas": cfg.parallel.dp_comm_max_ctas,

@@ -87,11 +87,13 @@ def engine_and_batch(args: argparse.Namespace, steps: int, model_overrides: dict
     cfg.train.train_steps = steps
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device)
-    engine = build_engine(cfg, derived, build_mesh(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_comm_max_ctas))
+    engine = build_engine(cfg, derived, build_mesh(cfg.parallel, cfg.parallel.dp_comm_max_ctas))
     t = cfg.train
     data = MockDataset(engine.model_cfg.vocab_size, cfg.data.seq_length, t.seed)
     batch = to_device(
-        micro_batches_for_step(data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.dp, engine.mesh.dp_rank),
+        micro_batches_for_step(
+            data, 0, t.global_batch_size, t.micro_batch_size, engine.mesh.layout.dp, engine.mesh.dp_rank
+        ),
         engine.device,
     )
     return engine, batch

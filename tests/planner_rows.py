@@ -10,6 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from plan_layouts import planned
+
 ROWS = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_peak_memory.json").read_text())["rows"]
 SPEED_ROWS = [r for r in ROWS if r["tokens_per_sec_per_gpu"]]
 
@@ -63,7 +65,7 @@ def planner_log_errors(table: dict[str, Any]) -> list[float]:
         for model, lay, seq, gpus, fp8, measured in _cases()
     ]
     for r, base in fp8_pairs():
-        lay = P.Layout(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
+        lay = planned(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
         model = get_preset(r["model"])
         pred = [
             P.estimate_speed(model, lay, r["seq"], 1, 8, speed, fp8=f).tokens_per_sec_per_gpu

@@ -15,6 +15,7 @@ from layout import assert_matches, run_train
 from llamatron.checkpoint.pieces import contiguous_blocks, local_pieces
 from llamatron.checkpoint.reader import CheckpointReader, load_full_tensors
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.param_spec import ParamSpec, param_specs
 from llamatron.parallel.tensor import apply_tensor_parallel
@@ -69,7 +70,9 @@ def _sharded_specs(preset: str, tp: int) -> list[dict[str, ParamSpec]]:
     out = []
     for rank in range(tp):
         model = build_model(get_preset(preset), device="meta")
-        out.append(apply_tensor_parallel(model, Mesh(tp=tp, tp_rank=rank)) if tp > 1 else param_specs(model))
+        out.append(
+            apply_tensor_parallel(model, Mesh(ParallelLayout(tp=tp), tp_rank=rank)) if tp > 1 else param_specs(model)
+        )
     return out
 
 

@@ -292,7 +292,7 @@ def test_train_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path
     """--eval-tasks under tp or pp (no rank holds the whole model) is refused in one line before anything is built,
     as are the task flags without tasks, tasks without a tokenizer and unknown task names (here, in the process
     that already indexed lm-eval's tasks for `eval`'s unknown name)."""
-    from llamatron.config.settings import RunConfig
+    from llamatron.config.settings import RunConfig, set_setting
     from llamatron.errors import ConfigError
     from llamatron.training.validate import validate
 
@@ -302,7 +302,7 @@ def test_train_eval_tasks_refused_where_no_rank_holds_the_model(models, tmp_path
     cfg.train.eval_include_path = str(tmp_path / "tasks")
     write_tasks(tmp_path / "tasks")
     for key, value in flags.items():
-        setattr(cfg.parallel if key in ("tp", "pp") else cfg.data if key == "tokenizer" else cfg.train, key, value)
+        set_setting(cfg, key, value)
     cfg.train.global_batch_size = cfg.train.micro_batch_size = 2
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=2 if {"tp", "pp"} & set(flags) else 1)

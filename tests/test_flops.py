@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from plan_layouts import planned
 
 from llamatron import cli
 from llamatron.models import get_preset
@@ -72,7 +73,7 @@ def test_metrics_bench_and_plan_count_the_same_flops(tmp_path, monkeypatch, caps
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert _observed(row) == pytest.approx(want, rel=1e-9)
 
-    layout = P.Layout(1, 1, 1, 1, False, False, "none", 1, 2)
+    layout = planned(1, 1, 1, 1, False, False, "none", 1, 2)
     speed = P.estimate_speed(get_preset("llama-test"), layout, SEQ, 1, 8)
     hw = P.SpeedAssumptions()
     assert speed.mfu * hw.peak_flops / speed.tokens_per_sec_per_gpu == pytest.approx(want, rel=1e-9)

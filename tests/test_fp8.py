@@ -7,11 +7,13 @@ import dataclasses
 import pytest
 import torch
 from layout import assert_matches, run_train
+from plan_layouts import planned
 from torch import nn
 
 from llamatron.config.settings import config_from_values
 from llamatron.errors import ConfigError
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks
 from llamatron.parallel.tensor import apply_tensor_parallel
@@ -100,13 +102,14 @@ def test_the_head_runs_fp8_only_when_asked():
     with torch.no_grad():
         bf16_head, fp8_head = (models[h].logits(hidden).float() for h in (False, True))
     assert 1e-3 < float((fp8_head - bf16_head).norm() / bf16_head.norm()) < 0.08
-    chunks, _ = build_stage_chunks(get_preset("llama-test4"), Mesh(pp=2, pp_rank=0))  # no head on this stage
+    first_stage = Mesh(ParallelLayout(pp=2), pp_rank=0)
+    chunks, _ = build_stage_chunks(get_preset("llama-test4"), first_stage)  # no head on this stage
     assert "head" not in apply_fp8(chunks[0], "tensorwise", emulate=True, head=True)
 
 
 def test_tensor_parallel_layers_run_fp8_on_their_shards():
     model = build_model(MODEL)
-    apply_tensor_parallel(model, Mesh(tp=2, tp_rank=1), sequence_parallel=True)
+    apply_tensor_parallel(model, Mesh(ParallelLayout(tp=2), tp_rank=1), sequence_parallel=True)
     assert apply_fp8(model, "tensorwise", emulate=True) == _expected(range(MODEL.num_layers))
     assert all(isinstance(model.get_submodule(n).linear, FP8Matmul) for n in _expected([0, 1]))
     assert not isinstance(model.lm_head.linear, FP8Matmul)  # the vocabulary-parallel head stays bf16
@@ -114,7 +117,7 @@ def test_tensor_parallel_layers_run_fp8_on_their_shards():
 
 def test_a_pipeline_chunk_converts_only_its_own_layers():
     model = get_preset("llama-test4")
-    chunks, _ = build_stage_chunks(model, Mesh(pp=2, pp_rank=1), vpp=2)  # global chunks 1 and 3
+    chunks, _ = build_stage_chunks(model, Mesh(ParallelLayout(pp=2), pp_rank=1), vpp=2)  # global chunks 1 and 3
     assert [apply_fp8(c, "rowwise", emulate=True) for c in chunks] == [_expected([1]), _expected([3])]
 
 
@@ -205,7 +208,7 @@ def test_the_planners_fp8_speed_up_matches_every_measured_pair():
     import json
     from pathlib import Path
 
-    from llamatron.planning.plan import Layout, estimate_speed
+    from llamatron.planning.plan import estimate_speed
 
     rows = [
         json.loads(line) for line in (Path(__file__).parents[1] / "benchmarks/results-2026-12-01-run9-fp8.jsonl").open()
@@ -217,7 +220,7 @@ def test_the_planners_fp8_speed_up_matches_every_measured_pair():
         base = bf16.get((r["_call"], r["model"]))
         if r["fp8"] == "none" or base is None:
             continue
-        lay = Layout(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
+        lay = planned(1, 1, 1, 1, False, False, "none", r["mbs"], r["gbs"])
         model = get_preset(r["model"])
         speeds = [estimate_speed(model, lay, r["seq"], 1, 8, fp8=f).tokens_per_sec_per_gpu for f in ("none", r["fp8"])]
         measured = r["tokens_per_sec"] / base["tokens_per_sec"]

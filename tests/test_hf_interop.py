@@ -178,7 +178,7 @@ def test_other_architecture_fails_with_mismatch_list(tmp_path):
     cfg = RunConfig()
     cfg.train.model, cfg.train.device, cfg.train.precision = "llama-test", "cpu", "fp32"
     cfg.train.micro_batch_size = cfg.train.global_batch_size = 2
-    engine = build_engine(cfg, validate(cfg), build_mesh(1, 1))
+    engine = build_engine(cfg, validate(cfg), build_mesh())
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(engine, str(tmp_path / "ckpt"), weights_only=True)
     message = str(err.value)

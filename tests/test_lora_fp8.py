@@ -10,6 +10,7 @@ from layout import assert_matches, run_train
 from llamatron.adapters.lora import LoraLinear, LoraMatmul, low_rank_update
 from llamatron.adapters.targets import apply_lora, find_targets
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.tensor import apply_tensor_parallel
 from llamatron.training.fp8 import FP8Matmul, apply_fp8, fp8_layers
@@ -41,7 +42,7 @@ def test_an_adapted_linear_runs_its_base_in_fp8_and_its_adapters_in_bf16():
 def test_tensor_parallel_adapted_layers_run_their_base_in_fp8():
     model = build_model(MODEL)
     targets = find_targets(model, MODEL, ["all-linear"])
-    apply_tensor_parallel(model, Mesh(tp=2, tp_rank=1), sequence_parallel=True)
+    apply_tensor_parallel(model, Mesh(ParallelLayout(tp=2), tp_rank=1), sequence_parallel=True)
     apply_lora(model, targets, 4, 8.0, 0.0)
     assert apply_fp8(model, "tensorwise", emulate=True) == EXPECTED
     for name in EXPECTED:

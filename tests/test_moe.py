@@ -168,11 +168,12 @@ def _split_moe_specs(mesh):
 def test_etp_1_keeps_experts_whole_over_ep_x_tp_ranks():
     """ep 2 x tp 2 on mixtral-test's 4 experts (ffn 96): --etp 1 gives dp rank 1's tp rank 1 (expert rank 3) expert
     3 whole, routed from its own sequence shard; the default splits experts 2-3 along ffn over the tp ranks."""
+    from llamatron.parallel.layout import ParallelLayout
     from llamatron.parallel.mesh import Mesh
 
     def mesh(etp):
-        coords = dict(world_size=4, tp=2, dp=2, ep=2, tp_rank=1, dp_rank=1, etp=etp)
-        return Mesh(**coords, expert_group="the 4 ranks' group")  # type: ignore[arg-type]  # never used on meta
+        coords = dict(tp_rank=1, dp_rank=1)
+        return Mesh(ParallelLayout(tp=2, dp=2, ep=2, etp=etp), **coords, expert_group="the 4 ranks' group")  # type: ignore[arg-type]  # never used on meta
 
     moe, specs = _split_moe_specs(mesh(1))
     up = specs["experts.gate_up"]
@@ -188,10 +189,10 @@ def test_etp_1_keeps_experts_whole_over_ep_x_tp_ranks():
 
 
 def test_ep_must_divide_the_data_parallel_size():
-    from llamatron.parallel.mesh import mesh_problems
+    from llamatron.parallel.layout import LayoutChoice
 
-    assert "--ep 4 must divide the data-parallel size 2" in mesh_problems(4, 2, 1, 1, 4)[0]
-    assert mesh_problems(8, 2, 1, 1, 4) == []
+    assert "--ep 4 must divide the data-parallel size 2" in LayoutChoice(tp=2, ep=4).world_problems(4)[0]
+    assert LayoutChoice(tp=2, ep=4).world_problems(8) == []
 
 
 def test_fp8_converts_the_attention_and_experts_and_leaves_the_router_in_bf16():
@@ -208,10 +209,11 @@ def test_fp8_converts_the_attention_and_experts_and_leaves_the_router_in_bf16():
 
 def _tp_logits(rank: int, world: int, checkpoint: str) -> None:
     from llamatron.inference.generate import load_for_generation
+    from llamatron.parallel.layout import LayoutChoice
     from llamatron.parallel.mesh import build_mesh
 
     ids = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
-    sharded, _ = load_for_generation(checkpoint, mesh=build_mesh(tp=world))
+    sharded, _ = load_for_generation(checkpoint, mesh=build_mesh(LayoutChoice(tp=world)))
     whole, _ = load_for_generation(checkpoint)
     # each rank holds its 1/tp of every expert's ffn (not a whole copy)
     assert sharded.layers["0"].mlp.experts.gate_up.shape[1] == whole.layers["0"].mlp.experts.gate_up.shape[1] // world

@@ -12,6 +12,7 @@ import pytest
 
 from llamatron.config.settings import config_from_values
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.training.engine import build_engine
 from llamatron.training.validate import validate
@@ -32,10 +33,8 @@ def _engine(model: str, tp: int, pp: int, tp_rank: int, pp_rank: int, **values):
         }
     )
     mesh = Mesh(
-        world_size=tp * pp,
+        ParallelLayout(tp=tp, pp=pp),
         rank=pp_rank * tp + tp_rank,
-        tp=tp,
-        pp=pp,
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         pp_ranks=[r * tp + tp_rank for r in range(pp)],

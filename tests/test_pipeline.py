@@ -16,6 +16,7 @@ from layout import assert_matches, free_port, run_train
 
 from llamatron.config.settings import ConfigError, config_from_values
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import LayoutChoice, ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.pipeline import build_stage_chunks, split_layers
 from llamatron.parallel.schedules import build_program, check_micro_batches, max_alive, output_message, rank_order
@@ -65,7 +66,7 @@ def test_stage_chunks_hold_every_parameter_once_under_its_global_name(model_name
     seen: Counter = Counter()
     for rank in range(pp):
         chunks, specs = build_stage_chunks(
-            get_preset(model_name), Mesh(pp=pp, pp_rank=rank), vpp=vpp, pp_layers=pp_layers
+            get_preset(model_name), Mesh(ParallelLayout(pp=pp), pp_rank=rank), vpp=vpp, pp_layers=pp_layers
         )
         assert len(chunks) == vpp
         for v, (chunk, chunk_specs) in enumerate(zip(chunks, specs)):
@@ -159,7 +160,7 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for model, pp, vpp in ALIVE_LAYOUTS:
         cfg = _config(model=model, pp=pp, vpp=vpp, seq_length=16, bucket_size=2000, precision="fp32")
         derived = validate(cfg, world)
-        mesh = build_mesh(1, pp)
+        mesh = build_mesh(LayoutChoice(pp=pp))
         engine = build_engine(cfg, derived, mesh)
         alive, peak, kept_outputs = [0], [0], [0]
 
@@ -180,7 +181,7 @@ def _alive_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for chunk in engine.chunks:
             chunk.register_forward_hook(count)
         data = MockDataset(engine.model_cfg.vocab_size, 16, 0)
-        mbs = micro_batches_for_step(data, 0, 8, 1, mesh.dp, mesh.dp_rank)
+        mbs = micro_batches_for_step(data, 0, 8, 1, mesh.layout.dp, mesh.dp_rank)
         out = train_step(engine, mbs, 0)
         results.append(
             {

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from plan_layouts import planned
 from planner_rows import ROWS, SPEED_ROWS, config_of
 
 from llamatron.config.settings import config_from_values
@@ -286,7 +287,7 @@ def test_pipeline_stage_memory_by_hand():
         cfg, 2, True, False, a, 2, True, "none", pipelined=True, kernels=A.LayerKernels(compiled=True)
     )
     assert got == pytest.approx(first_chunk)
-    lay = P.Layout(2, 2, 1, 1, True, False, "none", 1, 4)
+    lay = planned(2, 2, 1, 1, True, False, "none", 1, 4)
     mem = P.layout_memory(cfg, lay, 32, P.Precision(fused_rope=False))  # the torch rotary, as first_chunk
     assert mem.stage == 0  # two micro-batches in flight outweigh the last stage's (tiny) loss temporaries
     assert mem.activations == pytest.approx(2 * first_chunk * 32)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plan_layouts import planned
 
 from llamatron.cli import main
 from llamatron.config.settings import add_config_arguments, load_config
@@ -69,7 +70,7 @@ def test_plan_evaluates_the_layout_of_a_train_config_or_of_flags(tmp_path, capsy
     flags change it; the speed is the step simulator's for that layout (on the default H100 profile), beside the
     ranking model's."""
     from llamatron.config.settings import config_from_values
-    from llamatron.planning.plan import Layout, estimate_speed
+    from llamatron.planning.plan import estimate_speed
     from llamatron.planning.simulator.evaluate import simulate_layout
     from llamatron.planning.simulator.hardware import resolve_hardware
 
@@ -83,7 +84,7 @@ def test_plan_evaluates_the_layout_of_a_train_config_or_of_flags(tmp_path, capsy
     assert (got["tp"], got["pp"], got["dp"], got["micro_batch_size"], got["recompute"]) == (2, 1, 4, 2, "full")
     model = config_from_values(yaml_values(config)).model_config()
     assert model.hidden_size == 1536  # the overrides' shape, not the preset's
-    layout = Layout(2, 1, 1, 4, True, True, "full", 2, 64)
+    layout = planned(2, 1, 1, 4, True, True, "full", 2, 64)
     expected = simulate_layout(model, layout, 2048, resolve_hardware("h100-sxm")).result
     assert got["tokens_per_sec_per_gpu"] == expected.tokens_per_sec_per_gpu
     assert got["tflops_per_gpu"] == pytest.approx(expected.mfu * 989.4) and got["fits"] is True

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from dist_utils import spawn
+from plan_layouts import planned
 
 from llamatron.config.settings import config_from_values
 from llamatron.models import get_preset
@@ -27,7 +28,7 @@ FP32 = P.Precision(dtype="fp32", compiled=False)
 def _lay(dp=4, **kw):
     base = {"fsdp": True, "distributed_optimizer": False, "recompute": "none", "micro_batch_size": 1}
     base.update({"global_batch_size": 8 * dp, **kw})
-    return P.Layout(1, 1, 1, dp, False, **base)
+    return planned(1, 1, 1, dp, False, **base)
 
 
 # ---- memory: formulas written out ------------------------------------------------------------------------------
@@ -135,6 +136,7 @@ PIPELINES = [
 def _gathered(rank, world):
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
+    from llamatron.parallel.layout import LayoutChoice
     from llamatron.parallel.mesh import build_mesh
     from llamatron.training.engine import build_engine, train_step
 
@@ -143,7 +145,7 @@ def _gathered(rank, world):
         values.update({"vpp": vpp, "global_batch_size": 8, "device": "cpu", "fsdp": True})
         cfg = config_from_values({**values, "model_overrides": {"num_layers": layers, **overrides}})
         derived = validate(cfg, world)
-        mesh = build_mesh(1, 2)
+        mesh = build_mesh(LayoutChoice(pp=2))
         engine = build_engine(cfg, derived, mesh)
         buckets = [b for buf in engine.buffers for b in buf.buckets]
         peak = [0]
@@ -213,7 +215,7 @@ def test_simulated_step_has_the_fsdp_traffic_and_hybrid_all_reduce():
     """llama2-7b on 16 H100s: fsdp over all 16 (across nodes) exposes more than hsdp over a node, whose all-reduce
     over the 2 nodes shows; without fsdp neither part exists. The per-step traffic is written out."""
     model, hw = get_preset("llama2-7b"), resolve_hardware("h100-sxm")
-    lay = P.Layout(1, 1, 1, 16, False, False, "none", 1, 32, fsdp=True)
+    lay = planned(1, 1, 1, 16, False, False, "none", 1, 32, fsdp=True)
     full = simulate_layout(model, lay, 4096, hw)
     hybrid = simulate_layout(model, dataclasses.replace(lay, fsdp_shard_group=8), 4096, hw)
     plain = simulate_layout(model, dataclasses.replace(lay, fsdp=False, distributed_optimizer=True), 4096, hw)
@@ -280,7 +282,7 @@ def test_default_sequence_is_the_context_at_most_8192():
 def test_scout_on_16_80gb_gpus_cannot_fit_and_the_bound_says_why():
     """107.8B parameters x 18 bytes / 16 = 121 GB per GPU sharded perfectly (fsdp reaches it: ep 2 x 8 holders)."""
     model = get_preset("llama4-scout-17b-16e")
-    lay = P.Layout(1, 1, 1, 16, False, False, "full", 1, 16, ep=2, fsdp=True)
+    lay = planned(1, 1, 1, 16, False, False, "full", 1, 16, ep=2, fsdp=True)
     assert P.static_memory(model, lay) == pytest.approx(18 * num_params(model) / 16, rel=1e-6)
     assert P.static_memory(model, lay) > 80 * GB
 
@@ -290,9 +292,9 @@ def test_llama3_8b_on_8_gpus_fits_without_recompute_only_with_fsdp():
     recompute, fsdp fits 80 GB where the distributed optimizer (6 + 12/8 bytes a parameter) does not, and it has
     no pipeline bubble to pay, unlike the pp 4 layout that fits without recompute."""
     model = get_preset("llama3.1-8b")
-    fsdp = P.Layout(1, 1, 1, 8, False, False, "none", 1, 512, fsdp=True)
+    fsdp = planned(1, 1, 1, 8, False, False, "none", 1, 512, fsdp=True)
     zero1 = dataclasses.replace(fsdp, fsdp=False, distributed_optimizer=True)
-    piped = P.Layout(1, 4, 2, 2, False, True, "none", 1, 512)
+    piped = planned(1, 4, 2, 2, False, True, "none", 1, 512)
     assert P.layout_memory(model, fsdp, 8192).total <= 80 * GB < P.layout_memory(model, zero1, 8192).total
     assert P.layout_memory(model, piped, 8192).total <= 80 * GB
     speed = [P.estimate_speed(model, lay, 8192, 8, 8).tokens_per_sec_per_gpu for lay in (fsdp, piped)]
@@ -303,9 +305,9 @@ def test_qwen3_30b_on_8_gpus_fits_and_fsdp_with_ep_is_perfectly_sharded():
     """`plan --model qwen3-30b-a3b --gpus 8` (seq 8192): tp 4 x pp 2 with partial recompute fits 80 GB; fsdp with
     ep 8 stores 18 bytes x 30.5B / 8 = 68.7 GB of state, over 80 GB with the loss's 5 GB of logits at seq 8192."""
     model = get_preset("qwen3-30b-a3b")
-    proposed = P.Layout(4, 2, 1, 1, True, False, "full", 1, 512, recompute_layers=20)
+    proposed = planned(4, 2, 1, 1, True, False, "full", 1, 512, recompute_layers=20)
     assert P.layout_memory(model, proposed, 8192).total <= 80 * GB
-    ep8 = P.Layout(1, 1, 1, 8, False, False, "full", 1, 512, ep=8, fsdp=True)
+    ep8 = planned(1, 1, 1, 8, False, False, "full", 1, 512, ep=8, fsdp=True)
     assert P.static_memory(model, ep8) == pytest.approx(18 * num_params(model) / 8, rel=1e-6)
     assert P.layout_memory(model, ep8, 4096).total <= 80 * GB < P.layout_memory(model, ep8, 8192).total
 
@@ -315,7 +317,7 @@ def test_scout_on_16_h200s_fits_with_fsdp_and_ep():
     an H200's 139.8 GiB (150.1 GB); on 80 GB GPUs even perfect sharding needs 121 GB (the explanation's bound)."""
     model = get_preset("llama4-scout-17b-16e")
     h200 = resolve_hardware("h200").gpu.memory
-    lay = P.Layout(1, 2, 1, 8, False, False, "full", 1, 512, recompute_layers=22, ep=8, fsdp=True)
+    lay = planned(1, 2, 1, 8, False, False, "full", 1, 512, recompute_layers=22, ep=8, fsdp=True)
     assert P.layout_memory(model, lay, 8192).total <= h200
     assert 18 * num_params(model) / 16 > 80 * GB
 

@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 import pytest
+from plan_layouts import planned
 
 from llamatron.cli import main
 from llamatron.config.settings import RunConfig
@@ -81,8 +82,8 @@ def test_the_table_and_explain_print_the_same_speed_for_the_first_layout(capsys)
 
 
 def _bound_cases() -> list[tuple[str, dict | None, Layout, SimSettings]]:
-    dense = Layout(1, 4, 1, 2, False, True, "none", 1, 16)
-    moe = Layout(1, 2, 1, 4, False, True, "full", 1, 16, ep=4)
+    dense = planned(1, 4, 1, 2, False, True, "none", 1, 16)
+    moe = planned(1, 2, 1, 4, False, True, "full", 1, 16, ep=4)
     return [
         ("llama2-7b", None, dense, SimSettings()),
         ("llama2-7b", None, dataclasses.replace(dense, vpp=2), SimSettings()),

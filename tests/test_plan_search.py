@@ -266,7 +266,7 @@ def time_limit(seconds: int):
 
 
 def test_divisors_are_those_of_the_definition_and_found_fast():
-    from llamatron.parallel.mesh import divisors
+    from llamatron.parallel.layout import divisors
 
     for n in [*range(1, 200), 720720, 2**20, 999_983]:  # 999_983 is prime
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n

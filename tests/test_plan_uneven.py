@@ -4,6 +4,7 @@ the most even --pp-layers split, carried by the Layout into the memory model, th
 from __future__ import annotations
 
 import pytest
+from plan_layouts import planned
 
 from llamatron.planning import candidates as C
 from llamatron.planning.plan import Layout, Precision, layout_memory
@@ -54,7 +55,7 @@ def test_divisible_layer_counts_keep_even_splits_only():
 
 
 def _layout(pp_layers: str | None, **kw) -> Layout:
-    return Layout(1, 2, 1, 1, False, False, "none", 1, 8, pp_layers=pp_layers, **kw)
+    return planned(1, 2, 1, 1, False, False, "none", 1, 8, pp_layers=pp_layers, **kw)
 
 
 def test_memory_and_the_simulated_step_follow_the_layouts_split():
@@ -73,10 +74,10 @@ def test_an_uneven_mixture_of_experts_pipeline_with_fsdp_is_simulated():
     """The per-rank MoE and --fsdp figures count the layers of the busiest stage of the given split (they asked
     for the even split before, which a 7-layer pipeline of 2 does not have)."""
     model = C.planned_model("mixtral-8x7b", {"num_layers": 7})
-    lay = Layout(1, 2, 1, 4, False, False, "full", 1, 64, ep=2, fsdp=True, pp_layers="4,3")
+    lay = planned(1, 2, 1, 4, False, False, "full", 1, 64, ep=2, fsdp=True, pp_layers="4,3")
     record = simulate_layout(model, lay, 4096, resolve_hardware("h100-sxm")).to_dict()
     per_layer = simulate_layout(
-        model, Layout(1, 1, 1, 4, False, False, "full", 1, 64, ep=2, fsdp=True), 4096, resolve_hardware("h100-sxm")
+        model, planned(1, 1, 1, 4, False, False, "full", 1, 64, ep=2, fsdp=True), 4096, resolve_hardware("h100-sxm")
     ).to_dict()
     assert record["moe"]["expert_weights_gb_per_rank"] == pytest.approx(
         4 / 7 * per_layer["moe"]["expert_weights_gb_per_rank"]

@@ -191,6 +191,7 @@ def test_layouts_match_the_single_process(model, args, nproc, tmp_path_factory):
 def _qk_norm_grads_worker(rank: int, world: int, sequence_parallel: bool) -> None:
     from llamatron.models import materialize
     from llamatron.objectives.language_model import LanguageModelObjective
+    from llamatron.parallel.layout import LayoutChoice
     from llamatron.parallel.mesh import Mesh, build_mesh
     from llamatron.parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
 
@@ -199,7 +200,7 @@ def _qk_norm_grads_worker(rank: int, world: int, sequence_parallel: bool) -> Non
     whole = materialize(build_model(cfg), cfg, 5, torch.device("cpu"), torch.float32)
     objective = LanguageModelObjective.build([whole], cfg, Mesh(), torch.device("cpu"))
     objective.per_token(whole(tokens[:, :-1]), tokens[:, 1:]).sum().backward()
-    mesh = build_mesh(tp=world)
+    mesh = build_mesh(LayoutChoice(tp=world))
     sharded = build_model(cfg)
     specs = apply_tensor_parallel(sharded, mesh, sequence_parallel=sequence_parallel)
     materialize(sharded, cfg, 5, torch.device("cpu"), torch.float32, specs)

@@ -5,12 +5,13 @@ import builtins
 import json
 
 import pytest
+from plan_layouts import planned
 
 from llamatron.cli import main
 from llamatron.errors import ConfigError
 from llamatron.models import get_preset
 from llamatron.models.inventory import active_params, flops_per_token, num_params
-from llamatron.planning.plan import Layout, Precision
+from llamatron.planning.plan import Precision
 from llamatron.planning.simulator.costs import Shape, StepOptions
 from llamatron.planning.simulator.evaluate import SimSettings, simulate_layout
 from llamatron.planning.simulator.hardware import resolve_hardware
@@ -48,10 +49,8 @@ SLOW = resolve_hardware("h100-sxm", inter_node_bandwidth=5.0)  # dp across nodes
 
 
 def _step(overlap, hw=SLOW, dist_opt=True, **shape):
-    s = Shape(dp=2, micro_batch_size=4, seq_length=4096, **shape)
-    opt = StepOptions(
-        micro_batches=2, distributed_optimizer=dist_opt, overlap_grad_reduce=overlap, overlap_param_gather=overlap
-    )
+    s = Shape(dp=2, micro_batch_size=4, seq_length=4096, distributed_optimizer=dist_opt, **shape)
+    opt = StepOptions(micro_batches=2, overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     one_per_node = resolve_hardware("h100-sxm", inter_node_bandwidth=5.0, gpus_per_node=1) if hw is SLOW else hw
     return simulate_step(MODEL, s, one_per_node, opt)
 
@@ -81,7 +80,7 @@ def test_with_overlap_the_first_forward_waits_for_the_gathers_layer_by_layer():
 
 
 def test_the_simulator_says_how_much_traffic_overlap_hides_on_a_network():
-    lay = Layout(1, 1, 1, 16, False, True, "none", 4, 64)
+    lay = planned(1, 1, 1, 16, False, True, "none", 4, 64)
     fast = simulate_layout(MODEL, lay, 4096, resolve_hardware("h100-sxm", network="8x400Gb-ndr")).to_dict()
     slow = simulate_layout(MODEL, lay, 4096, resolve_hardware("h100-sxm", network="1x100Gb-eth")).to_dict()
     for d in (fast, slow):
@@ -94,10 +93,10 @@ def test_the_simulator_says_how_much_traffic_overlap_hides_on_a_network():
 
 def test_mfu_is_the_flops_contract_on_the_gpus_datasheet_peak():
     r = simulate_layout(
-        MODEL, Layout(1, 1, 1, 1, False, False, "none", 8, 8), 4096, resolve_hardware("a100-80gb")
+        MODEL, planned(1, 1, 1, 1, False, False, "none", 8, 8), 4096, resolve_hardware("a100-80gb")
     ).result
     assert r.mfu == pytest.approx(r.tokens_per_sec_per_gpu * flops_per_token(MODEL, 4096) / 312e12)
-    h100 = simulate_layout(MODEL, Layout(1, 1, 1, 1, False, False, "none", 8, 8), 4096, resolve_hardware("h100-sxm"))
+    h100 = simulate_layout(MODEL, planned(1, 1, 1, 1, False, False, "none", 8, 8), 4096, resolve_hardware("h100-sxm"))
     assert h100.result.tokens_per_sec_per_gpu > 2 * r.tokens_per_sec_per_gpu
 
 
@@ -243,7 +242,7 @@ def test_explain_png_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path,
 
 def test_zero_bubble_gains_on_a_pipeline_and_keeps_1f1b_memory(capsys):
     model = get_preset("llama2-70b")
-    lay = Layout(8, 8, 1, 8, True, True, "none", 1, 512)
+    lay = planned(8, 8, 1, 8, True, True, "none", 1, 512)
     hw = resolve_hardware("h100-sxm", network="8x400Gb-ndr")
     one = simulate_layout(model, lay, 4096, hw, Precision(), SimSettings(schedule="1f1b")).result
     zb = simulate_layout(model, lay, 4096, hw, Precision(), SimSettings(schedule="zb-h1")).result
@@ -257,7 +256,7 @@ def test_zero_bubble_gains_on_a_pipeline_and_keeps_1f1b_memory(capsys):
         plan_simulate.simulate(
             Args(),
             model,
-            type("P", (), {"layout": Layout(8, 8, 2, 8, True, True, "none", 1, 512)})(),
+            type("P", (), {"layout": planned(8, 8, 2, 8, True, True, "none", 1, 512)})(),
             4096,
             hw,
             Precision(),
@@ -282,7 +281,7 @@ def test_overlapped_gradient_buckets_cost_the_compute_at_most_their_own_time():
     """Llama 2 7B over 8 H100s (dp 8, NVLink): the buckets' collectives move more than the contention bandwidth's
     bytes a second, so their bytes alone would charge the compute more than the time they run beside it; the
     charge is bounded by their time (an overlapped collective never costs more than running it alone)."""
-    lay = Layout(1, 1, 1, 8, False, True, "none", 1, 64)
+    lay = planned(1, 1, 1, 8, False, True, "none", 1, 64)
     sim = simulate_layout(get_preset("llama2-7b"), lay, 4096, resolve_hardware("h100-sxm"))
     assert 0 < sim.result.parts["contention"] <= sim.result.dp_comm_seconds
 

@@ -4,10 +4,10 @@ all-to-all, the activations saved), global-batch balancing runs the step's micro
 gradient. Each checked against the formula written out."""
 
 import pytest
+from plan_layouts import planned
 
 from llamatron.models.inventory import layers
 from llamatron.planning.activations import LayerKernels, layer_activation_terms
-from llamatron.planning.layout import Layout
 from llamatron.planning.simulator.calibration import load_calibration
 from llamatron.planning.simulator.chunks import build_chunks
 from llamatron.planning.simulator.costs import Costs, Shape, StepOptions
@@ -103,7 +103,7 @@ def test_the_planners_ranking_model_knows_both():
     (6 x expert parameters per layer x k/2 x layers) fewer at a capacity of 0.5."""
 
     def compute(**overrides) -> float:
-        lay = Layout(1, 1, 1, 1, False, True, "none", 4, 8)
+        lay = planned(1, 1, 1, 1, False, True, "none", 4, 8)
         return estimate_speed(_model(**overrides), lay, 4096, 1, 8).parts["compute"]
 
     from llamatron.models.inventory import flops_per_token

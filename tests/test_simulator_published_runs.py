@@ -205,7 +205,7 @@ def test_expert_tensor_parallelism_1_dispatches_each_tp_ranks_shard_over_ep_x_tp
 
     model, hw, cal = run_model({"model": "mixtral-8x22b"}), resolve_hardware("h100-sxm"), load_calibration()
     split, whole = (
-        Costs(model, Shape(tp=2, dp=8, ep=4, sequence_parallel=True, experts_fold_tp=fold), hw, cal)
+        Costs(model, Shape(tp=2, dp=8, ep=4, sequence_parallel=True, etp=1 if fold else None), hw, cal)
         for fold in (False, True)
     )
     copies = 4096 * experts_taken(model) * model.hidden_size * 2  # bf16
@@ -216,7 +216,7 @@ def test_expert_tensor_parallelism_1_dispatches_each_tp_ranks_shard_over_ep_x_tp
     fine = run_model({"model": "qwen3-30b-a3b"})  # experts of ffn 768: 384 wide when split over tp 2
     thin, wide = (
         Costs(
-            fine, Shape(tp=2, dp=8, ep=4, sequence_parallel=True, experts_fold_tp=fold), hw, cal
+            fine, Shape(tp=2, dp=8, ep=4, sequence_parallel=True, etp=1 if fold else None), hw, cal
         ).expert_gemm_forward()
         for fold in (False, True)
     )

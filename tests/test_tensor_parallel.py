@@ -24,6 +24,7 @@ from llamatron.models import IGNORE_INDEX, build_model, get_preset, materialize
 from llamatron.models.init import init_full_tensor
 from llamatron.models.inventory import num_params
 from llamatron.models.transformer import VocabShard
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.tensor import (
     apply_tensor_parallel,
@@ -233,7 +234,7 @@ def _init_worker(rank: int, groups: dict, presets: tuple[str, ...]) -> None:
         plain = materialize(build_model(cfg), cfg, seed=7, device="cpu", dtype=torch.float32)
         reference = dict(plain.named_parameters())
         for n, group in groups.items():
-            mesh = Mesh(world_size=4, rank=rank, tp=n, tp_rank=dist.get_rank(group), tp_group=group)
+            mesh = Mesh(ParallelLayout(tp=n, dp=4 // n), rank=rank, tp_rank=dist.get_rank(group), tp_group=group)
             model = build_model(cfg)
             specs = apply_tensor_parallel(model, mesh, sequence_parallel=True)
             assert all(p.is_meta for p in model.parameters())
@@ -255,7 +256,7 @@ def test_tp_init_gathers_to_the_single_device_weights():
 def test_llama2_70b_under_tp8_stays_on_meta_and_one_shard_materializes():
     cfg = get_preset("llama2-70b")
     full_params = dict(build_model(cfg).named_parameters())
-    mesh = Mesh(tp=8, tp_rank=5)
+    mesh = Mesh(ParallelLayout(tp=8), tp_rank=5)
     model = build_model(cfg)
     specs = apply_tensor_parallel(model, mesh, sequence_parallel=True)
     params = dict(model.named_parameters())
@@ -310,7 +311,7 @@ def test_apply_tensor_parallel_rejects_unsplittable_model():
     cfg = get_preset("llama-test")
     cfg.num_kv_heads = 3
     with pytest.raises(ConfigError, match="num_kv_heads=3 and tp=2"):
-        apply_tensor_parallel(build_model(cfg), Mesh(tp=2, tp_rank=0))
+        apply_tensor_parallel(build_model(cfg), Mesh(ParallelLayout(tp=2), tp_rank=0))
 
 
 def test_padded_vocab_size():

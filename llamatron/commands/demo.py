@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint import step_dirs
-from ..config.settings import RunConfig, section_of
+from ..config.settings import RunConfig, set_setting
 from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR, on_console, prepare_demo_data
 from ..data.demo_preference import PAIRS_NAME, prepare_demo_pairs
 from ..data.tokenizer import load_tokenizer
@@ -71,7 +71,7 @@ def apply_demo_defaults(cfg: RunConfig) -> None:
     dpo = cfg.objective.objective == "dpo"
     for key, value in (DPO_DEMO_DEFAULTS if dpo else DEMO_DEFAULTS).items():
         if key not in cfg.explicit:
-            setattr(getattr(cfg, section_of(key)), key, value)
+            set_setting(cfg, key, value)
     if dpo:
         _prepare_dpo_demo(cfg)
     if "save" not in cfg.explicit:

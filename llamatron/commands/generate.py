@@ -22,6 +22,7 @@ from ..errors import ConfigError, DataError
 from ..inference.generate import StopStrings, generate_batch, load_for_generation, sample
 from ..inference.sampling import Sampling
 from ..inference.stops import eos_ids_of
+from ..parallel.layout import LayoutChoice
 from ..parallel.mesh import Mesh, build_mesh, init_distributed
 from ..training.validate import resolve_device
 
@@ -254,7 +255,7 @@ def _mesh(tp: int, device: str) -> Mesh | None:
     if tp == 1:
         return None
     init_distributed(device)
-    return build_mesh(tp=tp)
+    return build_mesh(LayoutChoice(tp=tp))
 
 
 def _generate(args: argparse.Namespace, model, prompts: list[list[int]], stop_ids: set[int], stops) -> list[list[int]]:

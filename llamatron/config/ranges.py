@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 # Integer settings end up in torch and numpy int64 values (sample counts, steps, sizes): no bigger ones.
 INT64_MAX = 2**63 - 1
@@ -96,3 +97,21 @@ def number_arg(kind: type, allowed: Range):
 SEED = Range(low=0, high=2**32 - 1, note="numpy's seed range")
 
 __all__ = ["INT64_MAX", "SEED", "Range", "above", "at_least", "number_arg", "problem"]
+
+
+def setting(
+    default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None, words: bool = False
+) -> Any:
+    """A setting's dataclass field: its default, help and choices; `allowed`: the range of a number (every int and
+    float has one); `words`: a text of several words (a blend's W1 P1 W2 P2) that its flag also takes unquoted, as
+    Megatron-LM's --data-path does. config/settings.py makes each such field a flag and a YAML key."""
+    meta: dict[str, Any] = {"help": help}
+    if words:
+        meta["words"] = True
+    if choices:
+        meta["choices"] = choices
+    if allowed is not None:
+        meta["allowed"] = allowed
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)

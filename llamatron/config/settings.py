@@ -9,6 +9,7 @@ belongs to the module that applies it, and training/validate.py asks them all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import types
 import typing
@@ -23,6 +24,7 @@ from ..errors import ConfigError
 from ..kernels.choices import ATTENTION_BACKENDS, TRITON_SETTINGS
 from ..models import ModelConfig, get_preset
 from ..models.families import DEFAULT_PRESET, PRESET_NAMES, families_with_field
+from ..parallel.layout import LayoutChoice, ParallelLayout
 from .megatron_flags import (
     MODEL_ALIASES,
     add_model_aliases,
@@ -32,7 +34,7 @@ from .megatron_flags import (
     settings_from_aliases,
 )
 from .model_overrides import add_model_override_argument, did_you_mean, merged_overrides, parse_model_overrides
-from .ranges import Range, above, at_least, problem
+from .ranges import Range, above, at_least, problem, setting
 from .yaml_errors import yaml_error_line
 
 # --fp8's recipes (torchao.float8's names; training/fp8.py applies them)
@@ -42,20 +44,7 @@ OBJECTIVES = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None, words: bool = False) -> Any:
-    """A setting: its default, help and choices; `allowed`: the range of a number (every int and float has one);
-    `words`: a text of several words (a blend's W1 P1 W2 P2) that its flag also takes unquoted, as Megatron-LM's
-    --data-path does."""
-    meta: dict[str, Any] = {"help": help}
-    if words:
-        meta["words"] = True
-    if choices:
-        meta["choices"] = choices
-    if allowed is not None:
-        meta["allowed"] = allowed
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+_f = setting  # every section's fields below
 
 
 def _kernel_switch(
@@ -71,44 +60,16 @@ def _kernel_switch(
     )
 
 
-@dataclass
-class ParallelConfig:
-    tp: int = _f(1, "tensor-parallel size (ranks sharing each layer)", allowed=at_least(1))
-    pp: int = _f(1, "pipeline-parallel size (stages)", allowed=at_least(1))
-    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved 1F1B)", allowed=at_least(1))
-    cp: int = _f(
-        1, "context-parallel size (ranks that split every sequence and share the weights)", allowed=at_least(1)
-    )
-    ep: int = _f(
-        1,
-        "expert-parallel size: a mixture of experts' experts split over this many of the data-parallel ranks",
-        allowed=at_least(1),
-    )
-    etp: int | None = _f(
-        None,
-        "expert tensor-parallel size: 1 keeps every expert whole, the tp ranks becoming more expert-parallel ranks "
-        "(experts split over ep x tp ranks; each tp rank routes its sequence shard; needs --sequence-parallel), "
-        "or the --tp size (every expert's ffn split over the tp ranks, as the MLP's); default: --tp",
-        allowed=at_least(1, "1 or the --tp size"),
-    )
-    pp_layers: str | None = _f(None, "comma-separated decoder layers per stage, e.g. 7,9,9,7")
-    sequence_parallel: bool = _f(False, "shard norms/dropout along the sequence inside the tensor-parallel group")
-    distributed_optimizer: bool = _f(False, "shard optimizer state and master weights over data-parallel ranks")
-    fsdp: bool = _f(
-        False,
-        "fully sharded data parallelism (ZeRO-3): parameters, gradients and optimizer state sharded over the "
-        "data-parallel ranks, each layer's parameters all-gathered just before use and freed after",
-    )
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig(LayoutChoice):
+    """The parallel layout the flags choose (its fields: parallel/layout.py's LayoutChoice, which the world size
+    turns into the ParallelLayout the mesh, planner and simulator read) and how its communication runs: the knobs
+    below change speed and memory, never which rank holds what."""
+
     fsdp_keep_params_in_backward: bool = _f(
         False, "with --fsdp, keep each layer's gathered parameters from forward to its backward (no re-gather)"
     )
     fsdp_prefetch: bool = _f(True, "with --fsdp, issue the next layer's all-gather before this layer computes")
-    fsdp_shard_group: int | None = _f(
-        None,
-        "with --fsdp, hybrid sharding: shard over groups of this many data-parallel ranks, replicate across them "
-        "(gradients all-reduced between the groups; e.g. the GPUs of one node)",
-        allowed=at_least(2, "or left unset to shard over every data-parallel rank"),
-    )
     tp_comm_overlap: bool = _f(
         True,
         "with --tp > 1, column-parallel backward runs the input gradient's "
@@ -474,8 +435,14 @@ def config_from_values(values: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"unknown setting(s) {unknown}{hints}; see `llamatron train --help` for the names")
     cfg = RunConfig(model_overrides=dict(overrides), explicit=set(values) | ({"model"} if overrides else set()))
     for key, value in values.items():
-        setattr(getattr(cfg, section_of(key)), key, _checked(key, value))
+        set_setting(cfg, key, _checked(key, value))
     return cfg
+
+
+def set_setting(cfg: RunConfig, key: str, value: Any) -> None:
+    """Setting `key` of `cfg` to `value` (a frozen section, the parallel layout, is replaced by its changed copy)."""
+    section = section_of(key)
+    setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **{key: value}))
 
 
 _FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
@@ -592,9 +559,16 @@ def load_config(args: argparse.Namespace) -> RunConfig:
 class Derived:
     """Sizes that follow from the config and the world size."""
 
-    world_size: int
-    dp: int
+    layout: ParallelLayout  # the settings' layout on the world (its data-parallel size)
     grad_accum_steps: int  # micro-batches per data-parallel rank per step
     device: str
     dtype_name: str
     compile: bool  # --compile, defaulting to on for cuda
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp

@@ -42,8 +42,10 @@ def micro_batches_for_rank(
 ) -> list[dict[str, torch.Tensor]]:
     """This rank's micro-batches of the step starting at `consumed_samples`: its data-parallel share, each
     sequence cut to its context-parallel part."""
-    mbs = micro_batches_for_step(dataset, consumed_samples, global_batch_size, micro_batch_size, mesh.dp, mesh.dp_rank)
-    return [split_for_context(mb, mesh.cp, mesh.cp_rank) for mb in mbs]
+    mbs = micro_batches_for_step(
+        dataset, consumed_samples, global_batch_size, micro_batch_size, mesh.layout.dp, mesh.dp_rank
+    )
+    return [split_for_context(mb, mesh.layout.cp, mesh.cp_rank) for mb in mbs]
 
 
 def collate(samples: list) -> dict[str, torch.Tensor]:

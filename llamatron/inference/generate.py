@@ -167,7 +167,7 @@ def load_for_generation(
     when `mesh` has tp > 1), in `dtype`; and its meta.json."""
     model = build_model(read_model_config(path), device="meta")
     specs = param_specs(model)
-    if mesh is not None and mesh.tp > 1:
+    if mesh is not None and mesh.layout.tp > 1:
         specs = apply_tensor_parallel(model, mesh, specs=specs)
         if model.cfg.is_moe:  # every expert split along its ffn too (parallel/expert.py)
             specs = apply_expert_parallel(model, mesh, False, specs)

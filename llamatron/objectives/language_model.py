@@ -93,7 +93,7 @@ class RouterTraining:
         finally:
             self.balance.routing_pass = False
         assert self.balance.global_loads is not None
-        if mesh.replica_group is not None and mesh.dp * mesh.cp > 1:
+        if mesh.replica_group is not None and mesh.layout.dp * mesh.layout.cp > 1:
             torch.distributed.all_reduce(self.balance.global_loads, group=mesh.replica_group)
 
     def end_step(self, mesh: Mesh) -> None:
@@ -102,7 +102,7 @@ class RouterTraining:
         if self.bias_rate is None:
             return
         loads = self.balance.loads
-        if mesh.replica_group is not None and mesh.dp * mesh.cp > 1:
+        if mesh.replica_group is not None and mesh.layout.dp * mesh.layout.cp > 1:
             loads = all_reduce(loads.clone(), mesh.replica_group)
         with torch.no_grad():
             for m, load in zip(self.layers, loads):
@@ -144,7 +144,7 @@ def summed(local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     flat = local.clone()
     if mesh.world_size > 1:
         torch.distributed.all_reduce(flat)
-    return flat / mesh.tp
+    return flat / mesh.layout.tp
 
 
 def per_token_loss(chunks: list[Transformer], kernel: str = "auto", compile: bool = False) -> PerTokenLoss:

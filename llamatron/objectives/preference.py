@@ -107,7 +107,7 @@ class PreferenceObjective(RoutedObjective):
     def sequence_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(each sequence's log-probability of its response tokens, fp32; the number of those tokens)."""
         logps, tokens = -self.per_token_loss(logits, labels).sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
-        if self.mesh.cp > 1:  # each context-parallel rank holds part of every sequence: sum the parts
+        if self.mesh.layout.cp > 1:  # each context-parallel rank holds part of every sequence: sum the parts
             # (autograd's all-reduce: its backward sums the ranks' gradients, each rank's loss being 1/cp of it,
             # as the normaliser counts every pair once per context-parallel rank)
             logps = dist_nn.all_reduce(logps, group=self.mesh.cp_group)
@@ -172,7 +172,7 @@ class PreferenceObjective(RoutedObjective):
         flat = local[: len(_STATS)].clone()
         if self.mesh.world_size > 1:
             torch.distributed.all_reduce(flat)
-        flat = flat / (self.mesh.tp * self.mesh.cp * max(sequences // 2, 1))
+        flat = flat / (self.mesh.layout.tp * self.mesh.layout.cp * max(sequences // 2, 1))
         if self.router is None:
             return flat
         return torch.cat([flat, self.router.step_stats(local[len(_STATS) :], sequences, self.mesh)])

@@ -94,12 +94,12 @@ class ContextParallelCore:
 
 def apply_context_parallel(model: Transformer, mesh: Mesh) -> None:
     """Make `model` (a Transformer or a pipeline chunk) run this rank's part of every sequence."""
-    if mesh.cp == 1:
+    if mesh.layout.cp == 1:
         return
-    model.parallel.context = (mesh.cp, mesh.cp_rank)
+    model.parallel.context = (mesh.layout.cp, mesh.cp_rank)
     for module in model.modules():
         # Every attention layer, the shared one or a family's own (latent attention), keeps its kernel in a
         # replaceable `core` called with (q, k, v, mask, cache, backend); values narrower than keys gather as they are.
         core = getattr(module, "core", None)
         if callable(core):
-            module.core = ContextParallelCore(core, mesh.cp_group, mesh.cp)  # type: ignore[assignment]
+            module.core = ContextParallelCore(core, mesh.cp_group, mesh.layout.cp)  # type: ignore[assignment]

@@ -38,7 +38,8 @@ from torch.autograd import Function
 
 from ..models.config import ModelConfig
 from ..models.moe import Experts, MoE, Routing, SequenceShards, SharedExpert, permute, unpermute
-from .mesh import Mesh, divisors
+from .layout import divisors
+from .mesh import Mesh
 from .param_spec import ParamSpecs, param_specs
 from .tensor import gate_up_layout
 from .tensor_layers import contiguous_layout, from_parallel_output, to_parallel_input
@@ -244,8 +245,8 @@ def _split_shared_expert(shared: SharedExpert, prefix: str, mesh: Mesh, specs: P
     ffn, hidden = shared.down.weight.shape[1], shared.down.weight.shape[0]
     group, rank = mesh.tp_group, mesh.tp_rank
     layouts = {
-        "gate_up": (gate_up_layout(ffn, mesh.tp, rank, group, dim=0), (2 * ffn, hidden)),
-        "down": (contiguous_layout(1, ffn, mesh.tp, rank, group), (hidden, ffn)),
+        "gate_up": (gate_up_layout(ffn, mesh.layout.tp, rank, group, dim=0), (2 * ffn, hidden)),
+        "down": (contiguous_layout(1, ffn, mesh.layout.tp, rank, group), (hidden, ffn)),
     }
     for leaf, (layout, full) in layouts.items():
         name = f"{prefix}.{leaf}.weight"
@@ -262,8 +263,8 @@ def _split_experts_over_tp(moe: MoE, names: dict[str, str], mesh: Mesh, specs: P
     num, ffn2, hidden = moe.experts.gate_up.shape
     ffn = ffn2 // 2
     group, rank = mesh.tp_group, mesh.tp_rank
-    gu = gate_up_layout(ffn, mesh.tp, rank, group, dim=1)
-    dn = contiguous_layout(2, ffn, mesh.tp, rank, group)
+    gu = gate_up_layout(ffn, mesh.layout.tp, rank, group, dim=1)
+    dn = contiguous_layout(2, ffn, mesh.layout.tp, rank, group)
     for leaf, layout, full in (("gate_up", gu, (num, 2 * ffn, hidden)), ("down", dn, (num, hidden, ffn))):
         specs[names[leaf]] = replace(specs[names[leaf]], partial_grad=False).sharded(layout, full)
     return specs
@@ -272,13 +273,13 @@ def _split_experts_over_tp(moe: MoE, names: dict[str, str], mesh: Mesh, specs: P
 def _route_sequence_shards(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
     """Expert tensor parallelism 1: the layer routes this tp rank's sequence shard (no gather, no reduction); only
     a shared expert, split over tp, gathers its input and reduce-scatters its output."""
-    moe.shards = TensorParallelShards(mesh.tp_group, mesh.tp, mesh.tp_rank)
+    moe.shards = TensorParallelShards(mesh.tp_group, mesh.layout.tp, mesh.tp_rank)
     moe.shared_input = partial(to_parallel_input, group=mesh.tp_group, sequence_parallel=sequence_parallel)
     moe.shared_output = partial(from_parallel_output, group=mesh.tp_group, sequence_parallel=sequence_parallel)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, specs: ParamSpecs) -> ParamSpecs:
-    """Split every MoE layer of `model` (on meta, after apply_tensor_parallel) over mesh.ep (experts) and mesh.tp
+    """Split every MoE layer of `model` (on meta, after apply_tensor_parallel) over the layout's ep (experts) and tp
     (each expert's ffn, or under etp 1 more experts), in place; returns the specs with the experts' shards."""
     specs = dict(specs or param_specs(model))
     for prefix, moe in [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]:
@@ -286,26 +287,26 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool,
         num = experts.gate_up.shape[0]
         names = {leaf: f"{prefix}.experts.{leaf}" for leaf in ("gate_up", "down")}
         router = f"{prefix}.router.weight"
-        if mesh.tp > 1:
+        if mesh.layout.tp > 1:
             specs[router] = replace(specs[router], partial_grad=True)  # partial on each tp rank
             if moe.shared is not None:
                 specs = _split_shared_expert(moe.shared, f"{prefix}.shared", mesh, specs)
-        if mesh.experts_fold_tp:
+        if mesh.layout.experts_fold_tp:
             _route_sequence_shards(moe, mesh, sequence_parallel)
-        elif mesh.tp > 1:
+        elif mesh.layout.tp > 1:
             specs = _split_experts_over_tp(moe, names, mesh, specs)
             moe.gather_input = partial(to_parallel_input, group=mesh.tp_group, sequence_parallel=sequence_parallel)
             moe.reduce_output = partial(from_parallel_output, group=mesh.tp_group, sequence_parallel=sequence_parallel)
-            moe.router_loss_share = 1.0 / mesh.tp
-        if mesh.expert_parallel > 1:
-            local = num // mesh.expert_parallel
+            moe.router_loss_share = 1.0 / mesh.layout.tp
+        if mesh.layout.expert_parallel > 1:
+            local = num // mesh.layout.expert_parallel
             shard = (mesh.expert_rank * local, local)
             for leaf in names.values():
                 # not partial under sequence parallelism: etp 1's tp ranks hold different experts
-                fold = mesh.experts_fold_tp
+                fold = mesh.layout.experts_fold_tp
                 specs[leaf] = replace(specs[leaf], expert_shard=shard, experts_over_tp=fold, partial_grad=False)
             assert mesh.expert_group is not None
-            moe.dispatch = ExpertParallelDispatch(mesh.expert_group, mesh.expert_parallel, local)
+            moe.dispatch = ExpertParallelDispatch(mesh.expert_group, mesh.layout.expert_parallel, local)
         for leaf, name in names.items():
             spec = specs[name]
             setattr(experts, leaf, nn.Parameter(torch.empty(spec.local_shape, device="meta")))

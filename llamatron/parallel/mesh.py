@@ -31,30 +31,25 @@ t and d % ep), and ep_group stays the dp part (the grad norm sums the experts ov
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from .layout import LayoutChoice, ParallelLayout
 
 
 @dataclass
 class Mesh:
-    world_size: int = 1
+    """A rank's place in its layout: the layout (every size), the rank's coordinates and its process groups."""
+
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
     rank: int = 0
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
     cp_rank: int = 0
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallelism: 1 (experts whole, the tp ranks join the all-to-all) or tp
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
@@ -64,9 +59,9 @@ class Mesh:
     ep_group: dist.ProcessGroup | None = None  # the ep dp ranks that together hold every expert (with their tp peers)
     expert_group: dist.ProcessGroup | None = None  # the all-to-all's: ep_group, or under etp 1 its ep x tp ranks
     expert_replica_group: dist.ProcessGroup | None = None  # (dp / ep) x cp: the ranks holding the same experts
-    # Hybrid sharding (--fsdp-shard-group N): the replica group cut into groups of N consecutive replicas, which
-    # shard the weights among them, and the ranks holding the same shard in each, which all-reduce its gradient.
-    fsdp_shard: int = 0  # N; 0: no hybrid sharding
+    # Hybrid sharding (--fsdp-shard-group N, layout.hybrid_shards): the replica group cut into groups of N
+    # consecutive replicas, which shard the weights among them, and the ranks holding the same shard in each, which
+    # all-reduce its gradient.
     fsdp_shard_group: dist.ProcessGroup | None = None
     fsdp_replicate_group: dist.ProcessGroup | None = None
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
@@ -74,38 +69,18 @@ class Mesh:
     dp_ranks: list[int] = field(default_factory=lambda: [0])
 
     @property
-    def replicas(self) -> int:
-        """Ranks holding the same weights (gradients are reduced over them): dp x cp."""
-        return self.dp * self.cp
-
-    @property
     def replica_rank(self) -> int:
-        return self.dp_rank * self.cp + self.cp_rank
+        return self.dp_rank * self.layout.cp + self.cp_rank
 
     @property
     def ep_rank(self) -> int:
         """Which experts this rank holds: the ep_rank-th num_experts / ep of every MoE layer."""
-        return self.dp_rank % self.ep
-
-    @property
-    def experts_fold_tp(self) -> bool:
-        """Expert tensor parallelism 1 under tp > 1: whole experts, the tp ranks more expert-parallel ranks."""
-        return self.etp == 1 and self.tp > 1
-
-    @property
-    def expert_parallel(self) -> int:
-        """Ranks the experts are split over (the all-to-all's size): ep, or ep x tp under etp 1."""
-        return self.ep * self.tp if self.experts_fold_tp else self.ep
+        return self.dp_rank % self.layout.ep
 
     @property
     def expert_rank(self) -> int:
         """Which expert_parallel-th of every MoE layer's experts this rank holds (its rank in expert_group)."""
-        return self.ep_rank * self.tp + self.tp_rank if self.experts_fold_tp else self.ep_rank
-
-    @property
-    def expert_replicas(self) -> int:
-        """Ranks holding the same experts: (dp / ep) x cp."""
-        return self.dp // self.ep * self.cp
+        return self.ep_rank * self.layout.tp + self.tp_rank if self.layout.experts_fold_tp else self.ep_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -113,15 +88,20 @@ class Mesh:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        return self.pp_rank == self.layout.pp - 1
 
     @property
     def is_logging_rank(self) -> bool:
         """The rank that writes metrics: last pipeline stage (it has the loss), first tp and dp rank."""
         return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
-        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+        lay = self.layout
+        return ((pp_rank * lay.dp + dp_rank) * lay.cp + cp_rank) * lay.tp + tp_rank
 
 
 def coordinates(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int, int]:
@@ -129,50 +109,11 @@ def coordinates(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int
     return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp
 
 
-def divisors(n: int) -> list[int]:
-    """1..n's divisors of n, ascending: the sizes a dimension of n can be split into. Found in pairs (d, n // d) up to
-    sqrt(n): plan's --gpus may be large."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
 def comm_problems(dp_comm_max_ctas: int | None, device: str) -> list[str]:
     """The communication settings against the device (--dp-comm-max-ctas tunes NCCL)."""
     if dp_comm_max_ctas is not None and device != "cuda":
         return [f"--dp-comm-max-ctas {dp_comm_max_ctas} tunes NCCL; on {device} (gloo) leave it unset"]
     return []
-
-
-def mesh_problems(
-    world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1, world_flag: str | None = None
-) -> list[str]:
-    """Why `world_size` processes cannot form a tp x cp x dp x pp mesh with ep | dp (empty when they can).
-    world_flag: the flag the world size came from (plan's --gpus), named in the fix instead of the launcher."""
-    sizes_given = (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
-    out = [f"--{name} must be >= 1" for name, size in sizes_given if size < 1]
-    if not out and world_size % (tp * pp * cp):
-        names, sizes = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
-        more = (
-            f"give {world_flag} a multiple of {tp * cp * pp}"
-            if world_flag
-            else f"launch a multiple of {tp * cp * pp} processes (--nproc-per-node N, torchrun or srun)"
-        )
-        out.append(f"world size {world_size} is not divisible by {names} = {sizes}; {more} or change --tp/--cp/--pp")
-    elif not out and (world_size // (tp * pp * cp)) % ep:
-        dp = world_size // (tp * pp * cp)
-        out.append(
-            f"--ep {ep} must divide the data-parallel size {dp} (experts are split over data-parallel ranks); "
-            f"use --ep in {divisors(dp)} or launch {ep * tp * pp * cp}·k processes"
-        )
-    return out
-
-
-def check_sizes(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> int:
-    """The data-parallel size; raises ConfigError before any group is built if the sizes cannot work."""
-    problems = mesh_problems(world_size, tp, pp, cp, ep)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return world_size // (tp * pp * cp)
 
 
 # Collectives of every group wait at most this long (--dist-timeout); new_group does not inherit it by itself.
@@ -195,27 +136,19 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(
-    tp: int = 1,
-    pp: int = 1,
-    dp_comm_max_ctas: int | None = None,
-    cp: int = 1,
-    ep: int = 1,
-    fsdp_shard: int | None = None,
-    etp: int | None = None,
-) -> Mesh:
-    """Groups for the current job (a single process gets a mesh of size 1 with no groups).
-
-    fsdp_shard: --fsdp-shard-group (hybrid sharding's groups). etp: expert tensor parallelism (None: tp).
+def build_mesh(chosen: LayoutChoice | None = None, dp_comm_max_ctas: int | None = None) -> Mesh:
+    """Groups for the current job laid out as `chosen` (a single process gets a mesh of size 1 with no groups);
+    raises ConfigError before any group is built if the job's world size cannot hold it.
 
     dp_comm_max_ctas caps the thread blocks NCCL gives the gradient reduction's collectives (the replica group):
     those run beside backward/forward compute, and every SM they take is one the matmuls lose.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dp = check_sizes(world_size, tp, pp, cp, ep)
+    layout = (chosen or LayoutChoice()).on(world_size)
+    tp, pp, dp, cp, ep = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep
     tp_rank, dp_rank, pp_rank, cp_rank = coordinates(rank, tp, dp, cp)
-    mesh = Mesh(world_size, rank, tp, pp, dp, cp, tp_rank, pp_rank, dp_rank, cp_rank, ep, etp)
+    mesh = Mesh(layout, rank, tp_rank, pp_rank, dp_rank, cp_rank)
     if world_size == 1:
         return mesh
     # Every rank must create every group, in the same order, even those it is not in.
@@ -253,10 +186,10 @@ def build_mesh(
         mesh.ep_group = groups_by(lambda c: (c[0], c[1] // ep, c[2], c[3]))[0]
         mesh.expert_replica_group = groups_by(lambda c: (c[0], c[1] % ep, c[2]), max_ctas=dp_comm_max_ctas)[0]
     mesh.expert_group = mesh.ep_group
-    if mesh.experts_fold_tp:  # the ep_group's dp ranks with all their tp ranks
+    if layout.experts_fold_tp:  # the ep_group's dp ranks with all their tp ranks
         mesh.expert_group = mesh.tp_group if ep == 1 else groups_by(lambda c: (c[1] // ep, c[2], c[3]))[0]
+    fsdp_shard = layout.hybrid_shards
     if fsdp_shard:  # a replica's index is d * cp + c
-        mesh.fsdp_shard = fsdp_shard
         mesh.fsdp_shard_group = groups_by(lambda c: (c[0], c[2], (c[1] * cp + c[3]) // fsdp_shard))[0]
         mesh.fsdp_replicate_group = groups_by(lambda c: (c[0], c[2], (c[1] * cp + c[3]) % fsdp_shard))[0]
     return mesh
@@ -294,6 +227,6 @@ def sum_from_last_stage(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Sum `t` over the replicas (dp x cp: each holds its share of the global batch's tokens) where the last
     pipeline stage computed it, then give every stage the sum."""
     all_reduce(t, mesh.replica_group)
-    if mesh.pp > 1:
+    if mesh.layout.pp > 1:
         dist.broadcast(t, src=mesh.pp_ranks[-1], group=mesh.pp_group)
     return t

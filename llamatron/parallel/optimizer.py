@@ -55,7 +55,7 @@ class DistributedAdamW:
         self.buffers, self.mesh, self.kernel = buffers, mesh, kernel
         self.shard_group = mesh.replica_group if shard_group is None else shard_group
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, betas, eps, clip_grad
-        self.distributed = distributed and mesh.replicas > 1
+        self.distributed = distributed and mesh.layout.replicas > 1
         self.segments: list[Segment] = []
         for buf in buffers:
             for p, s, e, start in owned_ranges(buf):

@@ -89,7 +89,7 @@ def build_stage_chunks(
     cfg: ModelConfig, mesh: Mesh, vpp: int = 1, pp_layers: str | Sequence[int] | None = None
 ) -> tuple[list[Transformer], list[ParamSpecs]]:
     """This rank's model chunks on meta (local chunk v is global chunk v*pp + pp_rank) and their parameter specs."""
-    pp = mesh.pp
+    pp = mesh.layout.pp
     split = split_layers(cfg.num_layers, pp, vpp, pp_layers)
     starts = [sum(split[:c]) for c in range(len(split))]
     tied = cfg.tie_embeddings
@@ -124,10 +124,10 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
     mine = None
-    for d in range(mesh.dp):
-        for c in range(mesh.cp):
-            for t in range(mesh.tp):
-                ranks = [mesh.rank_of(t, d, 0, c), mesh.rank_of(t, d, mesh.pp - 1, c)]
+    for d in range(mesh.layout.dp):
+        for c in range(mesh.layout.cp):
+            for t in range(mesh.layout.tp):
+                ranks = [mesh.rank_of(t, d, 0, c), mesh.rank_of(t, d, mesh.layout.pp - 1, c)]
                 group = new_group(ranks)  # carries --dist-timeout
                 if mesh.rank in ranks:
                     mine = group
@@ -244,7 +244,9 @@ def _activation_shape(engine, micro_batches: list[dict]) -> tuple[int, int, int]
 
 
 def _program(engine, num_micro_batches: int, forward_only: bool) -> tuple[Step, ...]:
-    return build_program(engine.mesh.pp, len(engine.chunks), num_micro_batches, engine.mesh.pp_rank, forward_only)
+    return build_program(
+        engine.mesh.layout.pp, len(engine.chunks), num_micro_batches, engine.mesh.pp_rank, forward_only
+    )
 
 
 class _Runner:
@@ -252,7 +254,7 @@ class _Runner:
 
     def __init__(self, engine, micro_batches: list[dict], forward_only: bool):
         self.engine = engine
-        self.pp = engine.mesh.pp
+        self.pp = engine.mesh.layout.pp
         self.num_chunks = self.pp * len(engine.chunks)
         self.program = _program(engine, len(micro_batches), forward_only)
         self.p2p = P2P(engine.mesh, _activation_shape(engine, micro_batches), engine.dtype, engine.device)

@@ -74,7 +74,8 @@ from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.moe import MoE
 from ..models.transformer import Transformer, VocabShard
-from .mesh import Mesh, divisors
+from .layout import divisors
+from .mesh import Mesh
 from .param_spec import ParamSpec, ParamSpecs, param_specs
 from .tensor_layers import (
     ColumnParallelLinear,
@@ -199,7 +200,7 @@ def apply_tensor_parallel(
     collective behind the weight gradient.
     """
     specs = param_specs(model) if specs is None else specs
-    cfg, tp, rank, group = model.cfg, mesh.tp, mesh.tp_rank, mesh.tp_group
+    cfg, tp, rank, group = model.cfg, mesh.layout.tp, mesh.tp_rank, mesh.tp_group
     check_tensor_parallel(cfg, tp)
     sp = sequence_parallel
     partial: list[nn.Module] = []
@@ -237,7 +238,7 @@ def _apply_plans(
     """Split every child a block's `tp_plan` names (see the module docstring); the replicated_partial ones are
     collected in `partial`, the replicated ones in `kept`; set the blocks' `tp_parallel_inputs`. Layouts are built
     once per style and size: every layer is split alike."""
-    tp, rank, group = mesh.tp, mesh.tp_rank, mesh.tp_group
+    tp, rank, group = mesh.layout.tp, mesh.tp_rank, mesh.tp_group
     layouts: dict[tuple[str, int], ShardLayout] = {}
 
     def layout(style: str, size: int) -> ShardLayout:

@@ -11,7 +11,7 @@ from ..config.settings import RunConfig, config_from_values
 from ..errors import ConfigError
 from ..models import ModelConfig
 from ..parallel.fsdp import fsdp_problems
-from ..parallel.mesh import divisors
+from ..parallel.layout import divisors
 from ..training.validate import validate
 from .layout import Layout
 
@@ -162,11 +162,11 @@ def searched_layouts(
             for sharding, ep in ((d, e) for d in shardings(dp * cp, tp, gpus_per_node) for e in eps(dp)):
                 kw = {"distributed_optimizer": False, **sharding}
                 yield Layout(
-                    tp,
-                    pp,
-                    vpp,
-                    dp,
-                    tp > 1,
+                    tp=tp,
+                    pp=pp,
+                    vpp=vpp,
+                    dp=dp,
+                    sequence_parallel=tp > 1,
                     recompute=recompute,
                     micro_batch_size=mb,
                     global_batch_size=gbs,

@@ -6,49 +6,20 @@ from dataclasses import dataclass
 
 from ..models import ModelConfig
 from ..models.inventory import layers
+from ..parallel.layout import ParallelLayout
 from .activations import LayerKernels
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    vpp: int
-    dp: int
-    sequence_parallel: bool
-    distributed_optimizer: bool
+@dataclass(frozen=True, kw_only=True)
+class Layout(ParallelLayout):
+    """The parallel layout (parallel/layout.py: the sizes and sharding) with what else the planner weighs for it:
+    recompute, the batch, and whether --fsdp keeps the gathered weights for backward."""
+
     recompute: str
     micro_batch_size: int
     global_batch_size: int
     recompute_layers: int | None = None  # --recompute-layers: only the first N layers of each chunk
-    cp: int = 1  # --cp: ranks that split every sequence (world = tp x cp x dp x pp)
-    ep: int = 1  # --ep: a mixture of experts' experts split over this many of the dp ranks
-    fsdp: bool = False  # --fsdp: parameters, gradients and optimizer state sharded (parallel/fsdp.py)
-    fsdp_shard_group: int | None = None  # --fsdp-shard-group N: hybrid sharding, shard over N replicas
     fsdp_keep_params: bool = False  # --fsdp-keep-params-in-backward: no re-gather in backward
-    pp_layers: str | None = None  # --pp-layers: decoder layers per chunk where the split is not even
-    # --etp: 1 keeps each expert whole, the experts over ep x tp ranks (None: tp, each expert split over tp). The
-    # weights per rank are the same either way; the simulator models the step (simulator/costs.py), the memory model
-    # still counts the gathered sequence's dispatched copies (1/tp of them are held under etp 1: an overestimate)
-    etp: int | None = None
-
-    @property
-    def expert_replicas(self) -> int:
-        """Ranks holding the same experts: their gradients are reduced, and the optimizer sharded, over these."""
-        return max(1, self.replicas // self.ep)
-
-    @property
-    def dense_shards(self) -> int:
-        """Ranks one copy of the dense weights is cut over: --fsdp's shard group (hybrid sharding: N), else dp x cp
-        with the distributed optimizer or --fsdp, else 1 (what the optimizer state is divided by)."""
-        if self.fsdp and self.fsdp_shard_group:
-            return self.fsdp_shard_group
-        return self.replicas if self.fsdp or self.distributed_optimizer else 1
-
-    @property
-    def expert_shards(self) -> int:
-        """As dense_shards, for the experts (sharded over their own replicas; ep with hybrid sharding is refused)."""
-        return self.expert_replicas if self.fsdp or self.distributed_optimizer else 1
 
     @property
     def micro_batches(self) -> int:
@@ -56,23 +27,13 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
-    def replicas(self) -> int:
-        """Ranks holding the same weights: gradients are reduced, and the optimizer sharded, over dp x cp."""
-        return self.dp * self.cp
-
-    @property
     def label(self) -> str:
         """The parallel sizes in words, for messages: 'tp 8 x cp 2 x pp 1, dp 1'."""
         label = f"tp {self.tp} x cp {self.cp} x pp {self.pp}, dp {self.dp}"
         experts = (
-            f" (ep {self.ep}{', etp 1' if self.experts_whole else ''})" if self.ep > 1 or self.experts_whole else ""
+            f" (ep {self.ep}{', etp 1' if self.experts_fold_tp else ''})" if self.ep > 1 or self.experts_fold_tp else ""
         )
         return label + experts + (f", {self.sharding}" if self.fsdp else "")
-
-    @property
-    def experts_whole(self) -> bool:
-        """--etp 1 under tp > 1: every expert whole, the tp ranks more expert-parallel ranks."""
-        return self.etp == 1 and self.tp > 1
 
     @property
     def sharding(self) -> str:
@@ -91,7 +52,7 @@ class Layout:
         flags = [f"--tp {self.tp}", f"--pp {self.pp}"]
         flags += [f"--cp {self.cp}"] if self.cp > 1 else []
         flags += [f"--ep {self.ep}"] if self.ep > 1 else []
-        flags += ["--etp 1"] if self.experts_whole else []
+        flags += ["--etp 1"] if self.experts_fold_tp else []
         flags += [f"--vpp {self.vpp}"] if self.vpp > 1 else []
         flags += [f"--pp-layers {self.pp_layers}"] if self.pp_layers else []
         flags += ["--sequence-parallel"] if self.sequence_parallel else []

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from ..config.settings import RunConfig
 from ..kernels.choices import KernelChoices
 from ..models import ModelConfig
+from ..parallel.layout import LayoutChoice, layout_values
 from ..parallel.tensor import padded_vocab_size
 from ..training.kernel_settings import kernel_choices
 from ..training.validate import validate
@@ -280,23 +281,13 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
     """The Layout of a run's configuration (dp: its data-parallel size, from training.validate)."""
     p, t = run_config.parallel, run_config.train
     return Layout(
-        p.tp,
-        p.pp,
-        p.vpp,
-        dp,
-        p.sequence_parallel,
-        p.distributed_optimizer,
-        t.recompute,
-        t.micro_batch_size,
-        t.global_batch_size,
-        t.recompute_layers,
-        p.cp,
-        p.ep,
-        p.fsdp,
-        p.fsdp_shard_group if p.fsdp else None,
-        p.fsdp and p.fsdp_keep_params_in_backward,
-        pp_layers=p.pp_layers,
-        etp=p.etp,
+        **{**layout_values(p, LayoutChoice), "fsdp_shard_group": p.fsdp_shard_group if p.fsdp else None},
+        dp=dp,
+        recompute=t.recompute,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        recompute_layers=t.recompute_layers,
+        fsdp_keep_params=p.fsdp and p.fsdp_keep_params_in_backward,
     )
 
 

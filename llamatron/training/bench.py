@@ -40,8 +40,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     row `llamatron bench` prints (every rank returns it; rank 0 prints it)."""
     derived = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     init_distributed(derived.device, cfg.train.dist_timeout)
-    p = cfg.parallel
-    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None, p.etp)
+    mesh = build_mesh(cfg.parallel, cfg.parallel.dp_comm_max_ctas)
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
@@ -83,8 +82,8 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
         "tp": p.tp,
         "pp": p.pp,
         "vpp": p.vpp,
-        "dp": mesh.dp,
-        "cp": mesh.cp,
+        "dp": mesh.layout.dp,
+        "cp": mesh.layout.cp,
         "sp": p.sequence_parallel,
         "dist_opt": p.distributed_optimizer,
         "fsdp": p.fsdp,
@@ -125,7 +124,7 @@ def _moe_fields(engine: Engine, out: dict) -> dict:
     return {
         "params": num_params(model_cfg),
         "active_params": active_params(model_cfg),
-        "ep": engine.mesh.ep,
+        "ep": engine.mesh.layout.ep,
         **objective_fields(engine, out),
     }
 
@@ -143,7 +142,7 @@ def state_memory(engine: Engine) -> dict[str, float]:
         buf.finish_param_gather()
     sync_device(engine.device)
     params = sum(p.numel() for b in engine.buffers for p in b.param_range)
-    per_param = sum(bytes_per_param(engine.derived.dtype_name, engine.optimizer.distributed, engine.mesh.dp))
+    per_param = sum(bytes_per_param(engine.derived.dtype_name, engine.optimizer.distributed, engine.mesh.layout.dp))
     return {
         "state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
         "state_formula_gib": params * per_param / 2**30,
@@ -161,7 +160,7 @@ def _breakdown(engine: Engine, batch: list[dict], step: int) -> dict[str, float]
         sync_device(device)
         marks[name] = time.perf_counter()
 
-    forwards = _ForwardClock(engine.chunks[0], device) if engine.mesh.pp == 1 else None
+    forwards = _ForwardClock(engine.chunks[0], device) if engine.mesh.layout.pp == 1 else None
     sync_device(device)
     start = time.perf_counter()
     try:

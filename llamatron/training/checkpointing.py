@@ -40,7 +40,7 @@ FORMAT_VERSION = 2
 
 
 def _layout(engine: Engine) -> dict[str, Any]:
-    m, p = engine.mesh, engine.cfg.parallel
+    m, p = engine.mesh.layout, engine.cfg.parallel
     return {
         "world_size": m.world_size,
         "tp": m.tp,

@@ -230,7 +230,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     buffer = partial(_buffer, cfg, mesh, model_cfg, device, dtype)
 
     # One buffer per chunk, in chunk order (the pipeline's tied-embedding sum pairs them); the experts' after them.
-    split = mesh.ep > 1
+    split = mesh.layout.ep > 1
     buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
     if split:  # (none where the experts are frozen: LoRA adapts the dense linears)
         buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
@@ -268,10 +268,12 @@ def _buffer(
     every parameter; False / True: the dense ones / the experts (reduced over their replicas)."""
     p = cfg.parallel
     group, replicas = (
-        (mesh.expert_replica_group, mesh.expert_replicas) if experts else (mesh.replica_group, mesh.replicas)
+        (mesh.expert_replica_group, mesh.layout.expert_replicas)
+        if experts
+        else (mesh.replica_group, mesh.layout.replicas)
     )
-    if mesh.fsdp_shard:  # hybrid sharding
-        group, replicas = mesh.fsdp_shard_group, mesh.fsdp_shard
+    if mesh.layout.hybrid_shards:  # hybrid sharding
+        group, replicas = mesh.fsdp_shard_group, mesh.layout.hybrid_shards
     grad_dtype = torch.float32
     reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
     if p.fsdp:
@@ -288,7 +290,7 @@ def _buffer(
             keep_params_in_backward=p.fsdp_keep_params_in_backward,
             prefetch=p.fsdp_prefetch,
             replicate_group=mesh.fsdp_replicate_group,
-            tp_group=mesh.tp_group if mesh.tp > 1 else None,
+            tp_group=mesh.tp_group if mesh.layout.tp > 1 else None,
             select=None if experts is None else partial(_is_expert, experts),
         )
     return GradBuffer(
@@ -356,7 +358,7 @@ def forward_each(engine: Engine, micro_batches: list[dict], on_output: Callable[
     """Forward every micro-batch (no backward, eval mode) and call on_output(chunk, its logits, the micro-batch):
     through the pipeline's forward-only schedule (on its last stage), or the one chunk. Evaluation and DPO's
     reference pass use it."""
-    if engine.mesh.pp > 1:
+    if engine.mesh.layout.pp > 1:
         pipeline_forward_each(engine, micro_batches, on_output)
         return
     model = engine.chunks[0]
@@ -392,7 +394,7 @@ def train_step(
     for buf in engine.buffers:
         buf.zero_grad()
     scaler = engine.loss_scaler
-    sequences = sum(int(mb["input_ids"].shape[0]) for mb in micro_batches) * engine.mesh.dp  # the step's samples
+    sequences = sum(int(mb["input_ids"].shape[0]) for mb in micro_batches) * engine.mesh.layout.dp  # the step's samples
     engine.objective.begin_step(sequences, None if scaler is None else scaler.scale)
     engine.objective.before_forward(lambda: forward_each(engine, micro_batches, _ignore_output))
     if scaler is None:
@@ -403,7 +405,9 @@ def train_step(
         on_phase("forward_backward")
     for buf in engine.buffers:
         buf.finish_grad_sync()
-    if engine.mesh.tp > 1:  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
+    if (
+        engine.mesh.layout.tp > 1
+    ):  # gradients each tp rank holds only part of (sequence-parallel norms, replicated KV heads)
         sync_tensor_parallel_grads([g for buf in engine.buffers for g in buf.tp_partial_grads], engine.mesh.tp_group)
     if on_phase is not None:
         on_phase("grad_sync")

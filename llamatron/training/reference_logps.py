@@ -95,7 +95,7 @@ def compute_reference_logps(engine: Engine, samples: _ReferenceSamples, base: bo
 
     for first in range(0, n, size):
         batches = to_device(micro_batches_for_rank(samples, first, size, mbs, mesh), engine.device)
-        per_rank = size // mesh.dp
+        per_rank = size // mesh.layout.dp
         start_of.clear()
         start_of.update({id(mb): first + mesh.dp_rank * per_rank + k * mbs for k, mb in enumerate(batches)})
         with adapters_off(engine.chunks) if base else nullcontext():

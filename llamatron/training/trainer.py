@@ -257,8 +257,7 @@ def _train_on_this_rank(
     cfg: RunConfig, derived: Derived, model_cfg: ModelConfig, faults: FaultInjection
 ) -> TrainResult:
     t = cfg.train
-    p = cfg.parallel
-    mesh = build_mesh(p.tp, p.pp, p.dp_comm_max_ctas, p.cp, p.ep, p.fsdp_shard_group if p.fsdp else None, p.etp)
+    mesh = build_mesh(cfg.parallel, cfg.parallel.dp_comm_max_ctas)
     if mesh.rank == 0:
         print("\n".join(startup_summary(cfg, derived, model_cfg, model_label(cfg))), flush=True)
         _warn_if_metrics_file_has_another_run(cfg)

@@ -26,7 +26,8 @@ from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
 from ..parallel.fsdp import fsdp_problems
 from ..parallel.grad_buffer import reduce_dtype_problems
-from ..parallel.mesh import comm_problems, mesh_problems
+from ..parallel.layout import ParallelLayout
+from ..parallel.mesh import comm_problems
 from ..parallel.optimizer import lr_problems
 from ..parallel.pipeline import pipeline_problems, split_layers
 from ..parallel.schedules import schedule_problems
@@ -47,11 +48,13 @@ def _raise_if(problems: list[str], before: str = "", after: str = "") -> None:
 
 def _validate_layout(
     cfg: RunConfig, world_size: int, model: ModelConfig, world_flag: str | None = None
-) -> tuple[int, int]:
-    """The mesh, tensor and pipeline split and the batch: (data-parallel size, micro-batches per rank and step)."""
+) -> tuple[ParallelLayout, int]:
+    """The mesh, tensor and pipeline split and the batch: (the layout on the world, micro-batches per rank and
+    step)."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    _raise_if(mesh_problems(world_size, p.tp, p.pp, p.cp, p.ep, world_flag))
-    dp = world_size // (p.tp * p.pp * p.cp)
+    _raise_if(p.world_problems(world_size, world_flag))
+    layout = p.on(world_size)
+    dp = layout.dp
     _raise_if(
         tensor_parallel_problems(model, p.tp, p.sequence_parallel)
         + expert_parallel_problems(model, p.ep, p.cp, p.tp, p.etp, p.sequence_parallel)
@@ -84,7 +87,7 @@ def _validate_layout(
     if p.pp > 1:
         for size in BatchSizes.of(t.global_batch_size, t.rampup_batch_size).sizes():
             _raise_if(schedule_problems(size // (t.micro_batch_size * dp), p.pp, p.vpp))
-    return dp, accum
+    return layout, accum
 
 
 def resolve_device(device: str, precision: str, cuda_available: bool) -> tuple[str, str]:
@@ -162,11 +165,11 @@ def validate(
     model = model or cfg.model_config()
     shape_problems = model_problems(model, cfg.model_overrides)
     _raise_if(shape_problems, "the model's shape cannot be trained: ", f" ({shape_fix(cfg, shape_problems)})")
-    dp, accum = _validate_layout(cfg, world_size, model, world_flag)
+    layout, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
     _validate_run(cfg, model, device, dtype_name)
     compile_layers = cfg.train.compile if cfg.train.compile is not None else device == "cuda"
-    return Derived(world_size, dp, accum, device, dtype_name, compile_layers)
+    return Derived(layout, accum, device, dtype_name, compile_layers)
 
 
 __all__ = ["resolve_device", "validate"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ...models import ModelConfig
 from ...models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share, per_config
+from ...parallel.layout import ParallelLayout
 from ...parallel.tensor import padded_vocab_size
 from .calibration import Calibration
 from .fsdp import FsdpOptions
@@ -37,18 +38,12 @@ from .hardware import Hardware
 TP_SP_FORWARD, TP_SP_BACKWARD_EXPOSED, TP_SP_BACKWARD_OVERLAPPED = 4, 2, 2
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The layout and run settings the costs depend on."""
+@dataclass(frozen=True, kw_only=True)
+class Shape(ParallelLayout):
+    """The parallel layout (parallel/layout.py) and the run settings the costs depend on."""
 
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-    ep: int = 1
     micro_batch_size: int = 1
     seq_length: int = 4096
-    sequence_parallel: bool = False
     recompute: str = "none"
     recompute_layers: int | None = None
     act_bytes: int = 2
@@ -69,33 +64,22 @@ class Shape:
     # expert's rank) or "hybridep" (Megatron-core's flex dispatcher with DeepEP's HybridEP backend: a token crosses
     # to a remote node once, then fans out over NVLink, one copy per GPU holding any of its experts).
     ep_dispatcher: str = "alltoall"
-    # --etp 1 (Megatron-core's expert tensor parallelism 1): every expert whole, the tp ranks more expert-parallel
-    # ranks (the all-to-all over ep x tp), each tp rank dispatching its own sequence shard; no tp collectives around
-    # the routed experts (a shared expert keeps its own)
-    experts_fold_tp: bool = False
 
     @property
     def tokens(self) -> float:
         return self.micro_batch_size * self.seq_length / self.cp
 
     @property
-    def folded(self) -> bool:
-        return self.experts_fold_tp and self.tp > 1
-
-    @property
-    def a2a_ranks(self) -> int:
-        """The MoE all-to-all's ranks: ep, or ep x tp under --etp 1."""
-        return self.ep * self.tp if self.folded else self.ep
-
-    @property
     def a2a_tokens(self) -> float:
-        """The tokens one rank routes and dispatches: the micro-batch's, or under --etp 1 its tp shard."""
-        return self.tokens / self.tp if self.folded else self.tokens
+        """The tokens one rank routes and dispatches: the micro-batch's, or under --etp 1 (experts_fold_tp: every
+        expert whole, the tp ranks more expert-parallel ranks, no tp collectives around the routed experts) its tp
+        shard."""
+        return self.tokens / self.tp if self.experts_fold_tp else self.tokens
 
     @property
     def a2a_stride(self) -> int:
         """Ranks between two of the all-to-all's (the tp ranks are adjacent: folded in, the stride is cp)."""
-        return self.cp if self.folded else self.tp * self.cp
+        return self.cp if self.experts_fold_tp else self.tp * self.cp
 
 
 @dataclass(frozen=True)
@@ -103,15 +87,12 @@ class StepOptions:
     """How the step runs besides its shape: the schedule, the data-parallel buckets and their overlap."""
 
     micro_batches: int = 1  # per data-parallel rank and step
-    vpp: int = 1
-    distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     grad_reduce_bytes: int = 4  # fp32 (2: --grad-reduce-dtype bf16)
     param_gather_bytes: int = 2  # the weights' all-gathers (1: Megatron-core's fp8_param_gather, published runs)
     bucket_size: int = 40_000_000
     schedule: str = "1f1b"  # or "zb-h1"
-    pp_layers: str | None = None
     fsdp: FsdpOptions | None = None  # --fsdp (simulator/fsdp.py): per-layer gathers and reduce-scatters instead
 
 
@@ -215,7 +196,7 @@ class Costs:
         if not moe:
             return 0.0
         rows = s.tokens * experts_taken(m) * s.ep / m.num_experts  # etp 1: tokens / tp over ep x tp ranks, the same
-        width = min(m.hidden_size, m.ffn_hidden_size / (1 if s.folded else s.tp))
+        width = min(m.hidden_size, m.ffn_hidden_size / (1 if s.experts_fold_tp else s.tp))
         shape = rows / (rows + c.grouped_rows_half) * width / (width + c.gemm_width_half)
         fp8 = c.fp8_gemm_speedup.get(s.fp8, 1.0) if s.fp8_experts else 1.0
         return 2 * s.tokens * moe / s.tp / (self._gemm_rate * c.grouped_gemm_efficiency * shape) / fp8
@@ -243,7 +224,9 @@ class Costs:
         )
         if m.is_moe:  # the token choices' rows permuted to their experts and back, forward and backward
             permuted = c.permutation_passes * s.act_bytes * experts_taken(m) * m.hidden_size * moe_layer_share(m)
-            per_token += permuted / (s.tp if s.folded else 1)  # etp 1: each tp rank permutes its shard's tokens
+            per_token += permuted / (
+                s.tp if s.experts_fold_tp else 1
+            )  # etp 1: each tp rank permutes its shard's tokens
         t = per_token * s.tokens / (self.hw.gpu.hbm_bw * c.elementwise_hbm_efficiency)
         return t * (1 if s.compiled else c.eager_factor)
 
@@ -318,7 +301,7 @@ class Costs:
     def all_to_all_bytes(self) -> float:
         """Bytes one MoE dispatch (or combine) sends off this rank (HybridEP: over the network and NVLink)."""
         m, s = self.model, self.s
-        ranks = s.a2a_ranks
+        ranks = s.expert_parallel
         if s.ep_dispatcher == "hybridep" and ranks > 1:
             return s.a2a_tokens * m.hidden_size * s.act_bytes * sum(self.hybrid_ep_copies())
         return s.a2a_tokens * experts_taken(m) * m.hidden_size * s.act_bytes * (ranks - 1) / ranks
@@ -327,7 +310,7 @@ class Costs:
         """One MoE dispatch (or combine) over the ep ranks: T x k x hidden values (the kept ones under a
         capacity), (ep-1)/ep off the rank."""
         m, s, hw, c = self.model, self.s, self.hw, self.cal
-        ranks = s.a2a_ranks
+        ranks = s.expert_parallel
         if not m.is_moe or ranks == 1:
             return 0.0
         if s.ep_dispatcher == "hybridep":
@@ -348,7 +331,7 @@ class Costs:
         arriving from the network). With k of E experts chosen uniformly (the even loads assumed throughout), a
         group of g experts holds none of a token's with probability C(E - g, k) / C(E, k)."""
         m, s = self.model, self.s
-        ranks = s.a2a_ranks
+        ranks = s.expert_parallel
         local = self.group_per_node(s.a2a_stride, ranks)
         nodes = ranks // local
         k, experts = m.experts_per_token, m.num_experts
@@ -425,7 +408,7 @@ class Costs:
         """The share of layers whose MLP runs no tp collective: MoE layers under --etp 1 without a shared expert
         (one of the MLP's gather and reduce-scatter each way, and its backward's two)."""
         m, s = self.model, self.s
-        return moe_layer_share(m) if s.folded and not m.shared_expert_ffn else 0.0
+        return moe_layer_share(m) if s.experts_fold_tp and not m.shared_expert_ffn else 0.0
 
     def head(self) -> tuple[Piece, Piece, Piece]:
         """(forward, backward input, backward weight) of the output head and the loss for one micro-batch."""

@@ -48,8 +48,8 @@ class DataParallel:
         self.model, self.s, self.hw, self.opt, self.costs, self.chunks = model, s, hw, opt, costs, chunks
         # --fsdp reduces per layer and micro-batch inside the chunks' pieces (step.py): no buckets at the step's end
         self.buckets = [[] if opt.fsdp else buckets(ch, c, opt.bucket_size) for c, ch in enumerate(chunks)]
-        self.dense_replicas = s.dp * s.cp
-        self.expert_replicas = max(1, s.dp * s.cp // s.ep)
+        self.dense_replicas = s.replicas
+        self.expert_replicas = s.expert_replicas
         gpn = hw.gpus_per_node
         self.dense_per_node = max(1, min(self.dense_replicas, gpn // s.tp)) if s.tp <= gpn else 1
         self.expert_per_node = max(1, min(self.expert_replicas, gpn // (s.tp * s.ep))) if s.tp * s.ep <= gpn else 1
@@ -123,7 +123,7 @@ class DataParallel:
         owned = [self._owned(r) for r in ranks]
         optimizer = max(self.costs.optimizer(o) for o in owned)
         blocking = 0.0
-        if opt.distributed_optimizer and not opt.overlap_param_gather:
+        if s.distributed_optimizer and not opt.overlap_param_gather:
             blocking = max(
                 sum(
                     self._collective(b, "all_gather", opt.param_gather_bytes)[0]
@@ -161,7 +161,7 @@ class DataParallel:
     ) -> float:
         """Issue rank r's gradient collectives as their buckets fill; returns when the last one ends."""
         opt = self.opt
-        kind = "reduce_scatter" if opt.distributed_optimizer else "all_reduce"
+        kind = "reduce_scatter" if self.s.distributed_optimizer else "all_reduce"
         free = max([end for c in self._rank_chunks(r) for _, _, end, _ in gathers.get(c, [])], default=0.0)
         last_kind = "W" if zb else "B"
         pipeline_end = max(e.end for e in rank_events)
@@ -198,7 +198,7 @@ class DataParallel:
             expert = sum(ch.expert_params)
             if self.opt.fsdp is not None:
                 dense, expert = dense / self.opt.fsdp.dense_shards, expert / self.opt.fsdp.expert_shards
-            elif self.opt.distributed_optimizer:
+            elif self.s.distributed_optimizer:
                 dense, expert = dense / self.dense_replicas, expert / self.expert_replicas
             total += dense + expert
         return total

@@ -9,6 +9,7 @@ from typing import Any
 
 from ...models import ModelConfig
 from ...models.inventory import active_params, num_params
+from ...parallel.layout import ParallelLayout, layout_values
 from ..params import expert_layer_params, layer_shards, stage_layers
 from ..plan import GB, Layout, Precision
 from .calibration import Calibration, load_calibration
@@ -103,7 +104,8 @@ class Simulation:
             lay = self.layout
             layers = max(sum(chunk) for chunk in stage_layers(m, lay.pp, lay.vpp, lay.pp_layers))
             out["moe"] = {
-                "experts_per_rank": m.num_experts // (lay.ep * (lay.tp if lay.experts_whole else 1)),  # whole or split
+                "experts_per_rank": m.num_experts
+                // (lay.ep * (lay.tp if lay.experts_fold_tp else 1)),  # whole or split
                 "expert_weights_gb_per_rank": layers * expert_layer_params(m, lay.tp, lay.ep) * 2 / GB,
                 "all_to_all_gb_per_rank_and_step": self.all_to_all_bytes / GB,
                 "all_to_all_seconds_exposed": parts.get("ep", 0.0),
@@ -117,14 +119,9 @@ class Simulation:
 
 def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: SimSettings) -> Shape:
     return Shape(
-        tp=lay.tp,
-        cp=lay.cp,
-        dp=lay.dp,
-        pp=lay.pp,
-        ep=lay.ep,
+        **layout_values(lay, ParallelLayout),
         micro_batch_size=lay.micro_batch_size,
         seq_length=seq_length,
-        sequence_parallel=lay.sequence_parallel,
         recompute=lay.recompute,
         recompute_layers=lay.recompute_layers,
         act_bytes=precision.act_bytes,
@@ -136,22 +133,18 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
         fused_grad_accumulation=settings.fused_grad_accumulation,
         fp8_experts=settings.fp8_experts,
         ep_dispatcher=settings.ep_dispatcher,
-        experts_fold_tp=lay.experts_whole,
     )
 
 
 def _options(lay: Layout, settings: SimSettings, overlap: bool, act_bytes: int) -> StepOptions:
     return StepOptions(
         micro_batches=lay.micro_batches,
-        vpp=lay.vpp,
-        distributed_optimizer=lay.distributed_optimizer,
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
         grad_reduce_bytes=2 if settings.grad_reduce_dtype == "bf16" else 4,
         param_gather_bytes=1 if settings.fp8_param_gather else act_bytes,
         bucket_size=settings.bucket_size,
         schedule=settings.schedule,
-        pp_layers=lay.pp_layers,
         fsdp=fsdp_options(lay),
     )
 

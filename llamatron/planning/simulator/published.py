@@ -50,15 +50,15 @@ def validate_case(case: dict[str, Any]) -> Validation:
     gpus = case["gpus"]
     tp, pp = lay["tp"], lay["pp"]
     layout = Layout(
-        tp,
-        pp,
-        lay["vpp"],
-        gpus // (tp * pp),
-        lay.get("sequence_parallel", tp > 1),
-        lay.get("distributed_optimizer", True),
-        lay["recompute"],
-        lay["micro_batch_size"],
-        lay["global_batch_size"],
+        tp=tp,
+        pp=pp,
+        vpp=lay["vpp"],
+        dp=gpus // (tp * pp),
+        sequence_parallel=lay.get("sequence_parallel", tp > 1),
+        distributed_optimizer=lay.get("distributed_optimizer", True),
+        recompute=lay["recompute"],
+        micro_batch_size=lay["micro_batch_size"],
+        global_batch_size=lay["global_batch_size"],
     )
     sim = simulate_layout(run_model(case), layout, case["seq_length"], resolve_hardware(case["gpu"], case["network"]))
     if "published_gpu_hours" in case:

@@ -41,15 +41,15 @@ def run_layout(run: dict[str, Any]) -> Layout:
     tp, pp, cp = run["tp"], run["pp"], run["cp"]
     dp = run["gpus"] // (tp * pp * cp)
     return Layout(
-        tp,
-        pp,
-        run["vpp"],
-        dp,
-        tp > 1,  # sequence parallelism with tensor parallelism, as Megatron-core's recipes run it
-        True,  # the distributed optimizer
-        run.get("recompute", "none"),
-        run["micro_batch_size"],
-        run["global_batch_size"],
+        tp=tp,
+        pp=pp,
+        vpp=run["vpp"],
+        dp=dp,
+        sequence_parallel=tp > 1,  # sequence parallelism with tensor parallelism, as Megatron-core's recipes run it
+        distributed_optimizer=True,  # the distributed optimizer
+        recompute=run.get("recompute", "none"),
+        micro_batch_size=run["micro_batch_size"],
+        global_batch_size=run["global_batch_size"],
         cp=cp,
         # Megatron-core's expert-parallel size counts the tp ranks that expert tensor parallelism 1 folds in; --ep
         # counts data-parallel ranks only

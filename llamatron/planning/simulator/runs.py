@@ -40,6 +40,8 @@ def simulate_run(run: dict[str, Any], cal: Calibration | None = None) -> StepRes
         micro_batch_size=run["micro_batch_size"],
         seq_length=run["seq_length"],
         sequence_parallel=run["sequence_parallel"],
+        vpp=run["vpp"],
+        distributed_optimizer=run["distributed_optimizer"],
         recompute=run["recompute"],
         recompute_layers=run.get("recompute_layers"),
         compiled=run["compile"],
@@ -49,8 +51,6 @@ def simulate_run(run: dict[str, Any], cal: Calibration | None = None) -> StepRes
     overlap = run.get("overlap", True)
     options = StepOptions(
         micro_batches=run["global_batch_size"] // (run["micro_batch_size"] * dp),
-        vpp=run["vpp"],
-        distributed_optimizer=run["distributed_optimizer"],
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
         grad_reduce_bytes=2 if run.get("grad_reduce_dtype") == "bf16" else 4,

@@ -65,7 +65,7 @@ class _Prepared:
 
 def _prepare(model: ModelConfig, s: Shape, hw: Hardware, opt: StepOptions, cal: Calibration) -> _Prepared:
     costs = Costs(model, s, hw, cal)
-    chunks = build_chunks(model, s, costs, opt.vpp, opt.pp_layers)
+    chunks = build_chunks(model, s, costs, s.vpp, s.pp_layers)
     fsdp_tail = _add_fsdp(model, s, hw, opt, costs, chunks) if opt.fsdp is not None else 0.0
     zb = opt.schedule == "zb-h1"
     durations = [
@@ -89,9 +89,9 @@ def simulate_step(
     costs, chunks, p2p = prep.costs, prep.chunks, prep.p2p
     zb = opt.schedule == "zb-h1"
     dp = DataParallel(model, s, hw, opt, costs, chunks)
-    gathers = dp.gathers() if opt.distributed_optimizer and opt.overlap_param_gather else {}
+    gathers = dp.gathers() if s.distributed_optimizer and opt.overlap_param_gather else {}
     events = run_pipeline(
-        s.pp, opt.vpp, opt.micro_batches, prep.durations, p2p, zb, dp.first_forward(gathers) if gathers else None
+        s.pp, s.vpp, opt.micro_batches, prep.durations, p2p, zb, dp.first_forward(gathers) if gathers else None
     )
     done = dp.finish(events, gathers, zb)
     if model.is_moe and model.router_aux_loss_scope == "global_batch":
@@ -155,7 +155,7 @@ def _routing_pass(
     its GEMMs, attention, all-to-alls and the head), then the MoE layers' counts all-reduced over the
     data-parallel ranks."""
     forward = [ChunkDurations(ch.forward.seconds, 0.0, 0.0) for ch in chunks]
-    events = run_pipeline(s.pp, opt.vpp, opt.micro_batches, forward, p2p, forward_only=True)
+    events = run_pipeline(s.pp, s.vpp, opt.micro_batches, forward, p2p, forward_only=True)
     counts = model.num_moe_layers / s.pp * model.num_experts * 4  # fp32 per MoE layer of a stage and expert
     reduce = costs.collective("all_reduce", counts, s.dp * s.cp, costs.group_per_node(s.tp, s.dp * s.cp))
     return max(e.end for e in events) + reduce
