@@ -6,7 +6,8 @@ pipelines plain and interleaved, and context parallelism (values narrower than k
 Each run compares every logged field of every step and evaluation with the single process's (layout.assert_matches:
 loss, gradient norm, the router losses, the dropped fraction, every expert's share of the token choices; fp32, gloo,
 relative 1e-4), and the final weights (the balancing bias included) to 1e-3 of each tensor's norm. Where a layout
-needs another shape, the reference has the same overrides: 4 layers for the pipelines; no balancing bias under FSDP
+needs another shape, the reference has the same overrides: 4 layers for the pipelines (with multi-token
+prediction too); no balancing bias under FSDP
 (refused with it, below); a dense model under context parallelism (refused with experts, below). LoRA on latent
 attention's five projections: under tp 2 + sp against the single process, and its exported adapter loaded by PEFT
 onto the base in transformers."""
@@ -38,6 +39,9 @@ OVERRIDES = {  # --config YAML -> its model_overrides
     "four-layers": {"num_layers": 4},
     "no-bias": {"router_expert_bias": "false"},
     "dense": {"num_experts": 0},  # MLA without experts (the preset's MoE settings go with them)
+    # multi-token prediction: under a pipeline the last stage holds a copy of the embedding for it (its gradient
+    # summed with the first stage's, as a tied head's is); mtp_loss is among the logged fields compared
+    "mtp": {"num_layers": 4, "num_nextn_predict_layers": 1, "mtp_loss_weight": 0.3},
 }
 # name -> (flags, processes, overrides)
 LAYOUTS = {
@@ -50,6 +54,8 @@ LAYOUTS = {
     "pp2": (["--pp", "2"], 2, "four-layers"),
     "pp2-vpp2": (["--pp", "2", "--vpp", "2"], 2, "four-layers"),
     "cp2": (["--cp", "2"], 2, "dense"),
+    "mtp-pp2": (["--pp", "2"], 2, "mtp"),
+    "mtp-pp2-vpp2": (["--pp", "2", "--vpp", "2"], 2, "mtp"),
 }
 
 

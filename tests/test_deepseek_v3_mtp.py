@@ -117,15 +117,24 @@ def test_mtp_off_is_the_plain_model():
     assert objective.extra is None and "mtp_loss" not in objective.stat_fields([0.0] * 11)
 
 
-@pytest.mark.parametrize("flag", ["tp", "pp"])
-def test_layouts_mtp_cannot_train_are_refused_in_one_line(flag):
-    given = {"model": "deepseek-v3-test", "seq_length": 32, "global_batch_size": 8, flag: 2}
-    run = config_from_values({**given, "pp_layers": "2,1"} if flag == "pp" else given)  # 3 layers in 2 stages
+def test_layouts_mtp_cannot_train_are_refused_in_one_line():
+    given = {"model": "deepseek-v3-test", "seq_length": 32, "global_batch_size": 8, "tp": 2}
+    run = config_from_values(given)
     with pytest.raises(ConfigError) as err:
         validate(run, world_size=2, model=mtp_config())
     message = str(err.value)
-    assert "\n" not in message and f"--{flag} 2" in message and "num_nextn_predict_layers 2" in message
+    assert "\n" not in message and "--tp 2" in message and "num_nextn_predict_layers 2" in message
     validate(run, world_size=2, model=mtp_config(depths=0))  # the same layout without MTP is fine
+
+
+def test_a_pipeline_trains_mtp_unless_the_embedding_is_tied():
+    """The last stage holds a copy of the embedding for the MTP modules; a tied head would be a second copy."""
+    run = config_from_values(
+        {"model": "deepseek-v3-test", "seq_length": 32, "global_batch_size": 8, "pp": 2, "pp_layers": "2,1"}
+    )
+    validate(run, world_size=2, model=mtp_config())
+    (problem,) = mtp_config(tie_embeddings=True).layout_problems(1, 2, 1)
+    assert "tie_embeddings and --pp 2" in problem and mtp_config(tie_embeddings=True).layout_problems(1, 1, 1) == []
 
 
 def test_context_parallelism_is_refused_too():

@@ -16,8 +16,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from ..models import IGNORE_INDEX, Transformer
+from ..models import IGNORE_INDEX, ModelConfig, Transformer
 from ..models.family import ExtraHeads
+from ..models.transformer import extra_heads_of
 
 
 def labels_ahead(labels: torch.Tensor, offset: int) -> torch.Tensor:
@@ -26,18 +27,20 @@ def labels_ahead(labels: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 class ExtraHeadsTraining:
-    """The extra heads of this rank's last chunk: their share of each micro-batch's loss and the step's statistic."""
+    """The model's extra heads on this rank: their share of each micro-batch's loss on the last stage (`chunk`, the
+    one holding them) and the step's statistic, which every pipeline stage adds to (0 where they are not)."""
 
-    def __init__(self, chunk: Transformer, device: torch.device):
-        heads = cast(ExtraHeads, chunk.extra_heads)
+    def __init__(self, heads: ExtraHeads, chunk: Transformer, device: torch.device):
         self.chunk, self.offsets, self.weight = chunk, heads.offsets, heads.loss_weight
         self.stat_name = heads.stat_name
         self.loss_sum = torch.zeros((), device=device)  # the step's unweighted extra loss (this rank's share)
 
     @staticmethod
-    def attach(chunks: list[Transformer], device: torch.device) -> ExtraHeadsTraining | None:
+    def attach(chunks: list[Transformer], model_cfg: ModelConfig, device: torch.device) -> ExtraHeadsTraining | None:
+        """None for a model without extra heads; on a rank without the last stage, their statistic's place."""
         last = chunks[-1]
-        return None if last.extra_heads is None else ExtraHeadsTraining(last, device)
+        heads = last.extra_heads if last.extra_heads is not None else extra_heads_of(model_cfg)
+        return None if heads is None else ExtraHeadsTraining(cast(ExtraHeads, heads), last, device)
 
     def counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Each head's label count over this rank's micro-batches, (J,) float."""
