@@ -56,6 +56,9 @@ LAYOUTS = {
     "cp2": (["--cp", "2"], 2, "dense"),
     "mtp-pp2": (["--pp", "2"], 2, "mtp"),
     "mtp-pp2-vpp2": (["--pp", "2", "--vpp", "2"], 2, "mtp"),
+    "mtp-tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, "mtp"),
+    "mtp-tp2": (["--tp", "2"], 2, "mtp"),
+    "mtp-tp2-pp2": (["--tp", "2", "--pp", "2"], 4, "mtp"),
 }
 
 

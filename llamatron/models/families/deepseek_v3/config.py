@@ -102,19 +102,16 @@ class DeepseekV3Config(ModelConfig):
         return dataclasses.replace(self, num_nextn_predict_layers=0)
 
     def layout_problems(self, tp: int, pp: int, cp: int) -> list[str]:
-        """Multi-token prediction reads the input ids and the embedding on the last stage, whole sequences in
-        order, its modules unsplit: no context or tensor parallelism. Under a pipeline the last stage holds a copy
-        of the embedding (parallel/pipeline.py), a tied one's head copy being another: not both."""
+        """Multi-token prediction reads whole sequences in order (the tokens k places ahead): no context
+        parallelism. Under a pipeline the last stage holds a copy of the embedding (parallel/pipeline.py), a tied
+        one's head copy being another: not both."""
         n = self.num_nextn_predict_layers
-        split = [f"{flag} {k}" for flag, k in (("--tp", tp), ("--cp", cp)) if k > 1]
-        if not n:
-            return []
-        if split:
+        if n and cp > 1:
             return [
-                f"num_nextn_predict_layers {n} with {', '.join(split)}: multi-token prediction trains without "
-                "tensor or context parallelism; drop those flags or set num_nextn_predict_layers 0 (--model-override)"
+                f"num_nextn_predict_layers {n} with --cp {cp}: multi-token prediction trains without context "
+                "parallelism; drop --cp or set num_nextn_predict_layers 0 (--model-override)"
             ]
-        if pp > 1 and self.tie_embeddings:
+        if n and pp > 1 and self.tie_embeddings:
             return [
                 f"num_nextn_predict_layers {n} with tie_embeddings and --pp {pp}: the last stage would hold two "
                 "copies of the embedding; untie them, drop --pp or set num_nextn_predict_layers 0 (--model-override)"
