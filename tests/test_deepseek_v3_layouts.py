@@ -129,7 +129,7 @@ def test_lora_on_latent_attention_under_tp2_sp_matches_the_single_process(lora_r
 def test_lora_on_latent_attention_exports_an_adapter_peft_loads_onto_the_base(lora_runs, tmp_path):
     """export_adapter's directory, loaded by PEFT onto the transformers model of the base checkpoint, gives our
     adapted model's logits. The base goes to transformers in this process (weight_rules) with a zero balancing
-    bias, which routes as none: export-hf of a DeepSeek-V3 checkpoint without one is refused (missing expert_bias)."""
+    bias, which routes as none (export-hf writes the same for a checkpoint trained without one)."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     d, _, _ = lora_runs
