@@ -165,3 +165,21 @@ def test_lora_on_a_shared_expert_under_tp_is_refused_in_one_line():
     (problem,) = lora_problems(lora, cfg, tp=2)
     assert "shared expert's down_proj,gate_proj,up_proj" in problem and "--tp 2" in problem
     assert lora_problems(LoraConfig(lora_rank=4, lora_targets=MLA_TARGETS), cfg, tp=2) == []
+
+
+def test_lora_all_linear_adapts_what_peft_adapts_on_the_transformers_model():
+    """PEFT's all-linear on transformers' DeepseekV3ForCausalLM (peft 0.22, transformers 5): every nn.Linear but the
+    output head, and, as it resolved all-linear on transformers 4's modules, the router (DeepseekV3TopkRouter's
+    gate.weight) and the stacked routed experts through target_parameters. Ours adapts the same modules but the
+    routed experts (grouped GEMMs, which LoRA here does not adapt). The model trains without the balancing bias
+    (LoRA's rule), whose export writes a zero bias beside the router's weight: no module of its own."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = replace(get_preset(MODEL), router_expert_bias=False)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config_to_hf(cfg)))
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules="all-linear"))
+    theirs = {n.removeprefix("base_model.model.") for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
+    routed = {n for n in theirs if ".mlp.experts" in n}
+    assert routed and {"model.layers.1.mlp.gate", "model.layers.2.mlp.gate"} <= theirs
+    ours = find_targets(build_model(cfg, device="meta"), cfg, ["all-linear"])
+    assert {h for t in ours for h in t.hf_modules} == theirs - routed
