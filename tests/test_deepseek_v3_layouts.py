@@ -42,6 +42,7 @@ OVERRIDES = {  # --config YAML -> its model_overrides
     # multi-token prediction: under a pipeline the last stage holds a copy of the embedding for it (its gradient
     # summed with the first stage's, as a tied head's is); mtp_loss is among the logged fields compared
     "mtp": {"num_layers": 4, "num_nextn_predict_layers": 1, "mtp_loss_weight": 0.3},
+    "mtp-dense": {"num_experts": 0, "num_nextn_predict_layers": 2, "mtp_loss_weight": 0.3},  # cp: no experts
 }
 # name -> (flags, processes, overrides)
 LAYOUTS = {
@@ -59,6 +60,7 @@ LAYOUTS = {
     "mtp-tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, "mtp"),
     "mtp-tp2": (["--tp", "2"], 2, "mtp"),
     "mtp-tp2-pp2": (["--tp", "2", "--pp", "2"], 4, "mtp"),
+    "mtp-cp2": (["--cp", "2"], 2, "mtp-dense"),  # the tokens and labels ahead from the whole sequence's
 }
 
 

@@ -76,7 +76,7 @@ def batch_inputs(mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | Non
     return {
         "position_ids": mb.get("position_ids"),
         "document_ids": mb.get("document_ids"),
-        "tokens": mb.get("input_ids"),
+        "tokens": mb.get("whole_input_ids", mb.get("input_ids")),  # the whole sequence's under cp
     }
 
 
@@ -175,7 +175,7 @@ class Transformer(nn.Module):
         join them (models/kv_cache.py); a per-row cache takes one token per row at each row's own
         position. logits_at: (batch,) the one position per row whose logits are wanted (a prefill of
         prompts of different lengths: each one's last token), the head runs there only. tokens: the token ids
-        of a later stage's inputs, which its extra heads read.
+        the extra heads read: a later stage's inputs, the whole sequence's under context parallelism.
         Returns the logits (this rank's vocabulary shard under tensor parallelism); a stage without
         the head returns its hidden states.
         """
@@ -210,7 +210,7 @@ class Transformer(nn.Module):
             return h
         if self.extra_heads is not None and cache is None and logits_at is None:
             whole = masks[None] if None in masks else self._mask(seq, position_ids, document_ids, h, None, 0, None)
-            ids = inputs if self.embed is not None else tokens
+            ids = tokens if tokens is not None or self.embed is None else inputs
             assert ids is not None, "extra heads on a later pipeline stage need the token ids"
             self.extra_logits = self._extra_logits(h, ids, cos, sin, whole)
         if logits_at is not None:
@@ -223,7 +223,9 @@ class Transformer(nn.Module):
         embed = self.embed if self.embed is not None else self.extra_embed
         assert embed is not None and self.extra_heads is not None, "extra heads without an embedding"
         heads = cast(ExtraHeads, self.extra_heads)
-        return heads(h, tokens, ExtraHeadInputs(embed, self.head_logits, cos, sin, mask))
+        size, rank = self.parallel.context  # under cp: where this rank's tokens lie in `tokens`, the whole sequence
+        index = load_balanced_index(tokens.shape[1], size, rank, tokens.device) if size > 1 else None
+        return heads(h, tokens, ExtraHeadInputs(embed, self.head_logits, cos, sin, mask, index))
 
     def take_extra_logits(self) -> list[torch.Tensor]:
         """The extra heads' logits of the last forward, handed over once (empty without extra heads)."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import IGNORE_INDEX, ModelConfig, Transformer
+from ..models.attention import load_balanced_index
 from ..models.family import ExtraHeads
 from ..models.transformer import extra_heads_of
 
@@ -24,6 +25,16 @@ from ..models.transformer import extra_heads_of
 def labels_ahead(labels: torch.Tensor, offset: int) -> torch.Tensor:
     """labels (batch, seq) moved `offset` places left: position i holds label i + offset, IGNORE_INDEX past the end."""
     return F.pad(labels[:, offset:], (0, min(offset, labels.shape[1])), value=IGNORE_INDEX)
+
+
+def local_labels_ahead(mb: Mapping[str, torch.Tensor], offset: int, context: tuple[int, int]) -> torch.Tensor:
+    """labels_ahead at this rank's tokens: under context parallelism (cp size, rank) from the whole sequence's
+    labels (parallel/context.py keeps them), at the positions the rank holds."""
+    size, rank = context
+    if size == 1:
+        return labels_ahead(mb["labels"], offset)
+    whole = mb["whole_labels"]
+    return labels_ahead(whole, offset)[:, load_balanced_index(whole.shape[1], size, rank, whole.device)]
 
 
 class ExtraHeadsTraining:
@@ -42,11 +53,14 @@ class ExtraHeadsTraining:
         heads = last.extra_heads if last.extra_heads is not None else extra_heads_of(model_cfg)
         return None if heads is None else ExtraHeadsTraining(cast(ExtraHeads, heads), last, device)
 
+    def _ahead(self, mb: Mapping[str, torch.Tensor], offset: int) -> torch.Tensor:
+        return local_labels_ahead(mb, offset, self.chunk.parallel.context)
+
     def counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Each head's label count over this rank's micro-batches, (J,) float."""
         return torch.stack(
             [
-                torch.stack([(labels_ahead(mb["labels"], k) != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+                torch.stack([(self._ahead(mb, k) != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
                 for k in self.offsets
             ]
         ).float()
@@ -61,10 +75,10 @@ class ExtraHeadsTraining:
         global-batch label count (clamped >= 1)."""
         logits = self.chunk.take_extra_logits()
         assert len(logits) == len(self.offsets), "the extra heads' logits of this micro-batch are missing"
-        terms = [per_token(x, labels_ahead(mb["labels"], k)).sum() for x, k in zip(logits, self.offsets)]
+        terms = [per_token(x, self._ahead(mb, k)).sum() for x, k in zip(logits, self.offsets)]
         extra = (torch.stack(terms) / counts).mean()
         self.loss_sum += extra.detach()
         return self.weight * extra
 
 
-__all__ = ["ExtraHeadsTraining", "labels_ahead"]
+__all__ = ["ExtraHeadsTraining", "labels_ahead", "local_labels_ahead"]

@@ -102,15 +102,9 @@ class DeepseekV3Config(ModelConfig):
         return dataclasses.replace(self, num_nextn_predict_layers=0)
 
     def layout_problems(self, tp: int, pp: int, cp: int) -> list[str]:
-        """Multi-token prediction reads whole sequences in order (the tokens k places ahead): no context
-        parallelism. Under a pipeline the last stage holds a copy of the embedding (parallel/pipeline.py), a tied
-        one's head copy being another: not both."""
+        """Under a pipeline the last stage holds a copy of the embedding for multi-token prediction
+        (parallel/pipeline.py), a tied one's head copy being another: not both."""
         n = self.num_nextn_predict_layers
-        if n and cp > 1:
-            return [
-                f"num_nextn_predict_layers {n} with --cp {cp}: multi-token prediction trains without context "
-                "parallelism; drop --cp or set num_nextn_predict_layers 0 (--model-override)"
-            ]
         if n and pp > 1 and self.tie_embeddings:
             return [
                 f"num_nextn_predict_layers {n} with tie_embeddings and --pp {pp}: the last stage would hold two "

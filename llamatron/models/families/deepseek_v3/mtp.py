@@ -97,13 +97,17 @@ def mtp_logits(
     cos: torch.Tensor,
     sin: torch.Tensor,
     mask: AttentionMask | None = None,
+    positions: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Every depth's logits (batch, seq, vocab), depth k's at position i predicting token i + k + 1. hidden: the
-    model's last hidden states; tokens: its input ids (batch, seq). The places past the end read token 0: their
-    targets do not exist, and causal attention keeps them from every earlier position."""
+    model's last hidden states; tokens: its input ids (batch, seq); positions: where hidden's tokens lie in them
+    (context parallelism; None: all, in order). The places past the end read token 0: their targets do not exist,
+    and causal attention keeps them from every earlier position."""
     out = []
     for k, module in enumerate(modules, start=1):
-        hidden = module(hidden, embed(shifted(tokens, k, 0)), cos, sin, mask)
+        ahead = shifted(tokens, k, 0)
+        ahead = ahead if positions is None else ahead[:, positions]
+        hidden = module(hidden, embed(ahead), cos, sin, mask)
         out.append(head(module.head_input(module.norm(hidden))))
     return out
 
@@ -141,7 +145,7 @@ class MTPHeads(nn.ModuleList):
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: ExtraHeadInputs) -> list[torch.Tensor]:
         depths = cast(Sequence[MTPModule], list(self))
         i = inputs
-        return mtp_logits(depths, hidden, tokens, i.embed, i.head, i.cos, i.sin, i.mask)
+        return mtp_logits(depths, hidden, tokens, i.embed, i.head, i.cos, i.sin, i.mask, i.positions)
 
 
 def mtp_problems(num_modules: int, weight: float, seq_length: int) -> list[str]:
