@@ -16,7 +16,7 @@ from test_qwen import _run
 
 from llamatron.checkpoint.hf import config_from_hf, hf_to_llamatron
 from llamatron.config.settings import config_from_values
-from llamatron.errors import HFConversionError
+from llamatron.errors import ConfigError, HFConversionError
 from llamatron.models import build_model, get_preset
 from llamatron.models.cross_entropy_op import IGNORE_INDEX
 from llamatron.models.families import model_problems
@@ -121,6 +121,18 @@ def test_tensor_and_context_parallelism_train_mtp():
     run = config_from_values({"model": "deepseek-v3-test", "seq_length": 32, "global_batch_size": 8, "tp": 2})
     validate(run, world_size=2, model=mtp_config())
     assert mtp_config().layout_problems(2, 1, 2) == []
+
+
+def test_fsdp_over_several_ranks_is_refused_in_one_line():
+    """Seen: --fsdp on dp 2 with one MTP module (no balancing bias, 4 layers) parts from the single process at step
+    2's grad norm (0.9274 against 0.9263); --fsdp --pp 2 (one rank a stage: nothing sharded) matches it."""
+    given = {"model": "deepseek-v3-test", "seq_length": 32, "global_batch_size": 8, "fsdp": True}
+    no_bias = mtp_config(router_expert_bias=False)
+    with pytest.raises(ConfigError) as err:
+        validate(config_from_values(given), world_size=2, model=no_bias)
+    assert "\n" not in str(err.value) and "--fsdp over 2 ranks" in str(err.value)
+    validate(config_from_values(given), world_size=2, model=dataclasses.replace(no_bias, num_nextn_predict_layers=0))
+    validate(config_from_values({**given, "pp": 2, "pp_layers": "2,1"}), world_size=2, model=no_bias)
 
 
 def test_a_pipeline_trains_mtp_unless_the_embedding_is_tied():

@@ -37,6 +37,20 @@ def local_labels_ahead(mb: Mapping[str, torch.Tensor], offset: int, context: tup
     return labels_ahead(whole, offset)[:, load_balanced_index(whole.shape[1], size, rank, whole.device)]
 
 
+def extra_heads_problems(cfg: ModelConfig, fsdp_replicas: int) -> list[str]:
+    """Why this model's extra heads cannot train so (empty: they can). fsdp_replicas: the ranks --fsdp shards the
+    weights over (0 without --fsdp). Under --fsdp over several ranks the run parts from the single process's at its
+    second step (DeepSeek-V3's MTP, dp 2: grad norm 0.9274 against 0.9263), the embedding being used again by the
+    heads: refused until that is found."""
+    if fsdp_replicas < 2 or extra_heads_of(cfg) is None:
+        return []
+    return [
+        f"--fsdp over {fsdp_replicas} ranks with this {cfg.family} model's extra prediction heads does not train "
+        "as one process does yet; drop --fsdp (the distributed optimizer shards the optimizer state) or the heads "
+        "(their count set to 0 with --model-override)"
+    ]
+
+
 class ExtraHeadsTraining:
     """The model's extra heads on this rank: their share of each micro-batch's loss on the last stage (`chunk`, the
     one holding them) and the step's statistic, which every pipeline stage adds to (0 where they are not)."""
@@ -81,4 +95,4 @@ class ExtraHeadsTraining:
         return self.weight * extra
 
 
-__all__ = ["ExtraHeadsTraining", "labels_ahead", "local_labels_ahead"]
+__all__ = ["ExtraHeadsTraining", "extra_heads_problems", "labels_ahead", "local_labels_ahead"]
