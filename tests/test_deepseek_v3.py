@@ -165,3 +165,21 @@ def test_generation_keeps_the_compressed_cache():
     per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     assert all(c.buffer.shape == (2, 1, 16, per_token) for c in layers)
     assert per_token < 2 * cfg.num_heads * cfg.v_head_dim  # the full keys and values it replaces
+
+
+def test_a_model_trained_without_the_balancing_bias_exports_with_a_zero_one(tmp_path):
+    """DeepSeek-V3's format has e_score_correction_bias in every MoE layer: a checkpoint trained without the bias
+    (router_expert_bias false, as --fsdp and LoRA need) exports zeros, and transformers' model of the export gives
+    our logits (verify)."""
+    from layout import run_train
+    from safetensors.torch import load_file
+
+    (tmp_path / "no-bias.yaml").write_text("model_overrides:\n  router_expert_bias: false\n")
+    flags = ["--config", str(tmp_path / "no-bias.yaml"), "--train-steps", "2", "--save", "ck"]
+    run_train(flags, 1, tmp_path, model="deepseek-v3-test")
+    assert _run("export-hf", tmp_path / "ck" / "step-2", tmp_path / "hf") == 0
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    biases = {n: t for n, t in exported.items() if n.endswith("e_score_correction_bias")}
+    assert sorted(biases) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    assert all(t.dtype == torch.float32 and not t.any() for t in biases.values())
+    assert _run("verify", tmp_path / "ck" / "step-2", "--hf", tmp_path / "hf", "--batches", "2") == 0

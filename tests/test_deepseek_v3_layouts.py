@@ -6,7 +6,8 @@ pipelines plain and interleaved, and context parallelism (values narrower than k
 Each run compares every logged field of every step and evaluation with the single process's (layout.assert_matches:
 loss, gradient norm, the router losses, the dropped fraction, every expert's share of the token choices; fp32, gloo,
 relative 1e-4), and the final weights (the balancing bias included) to 1e-3 of each tensor's norm. Where a layout
-needs another shape, the reference has the same overrides: 4 layers for the pipelines; no balancing bias under FSDP
+needs another shape, the reference has the same overrides: 4 layers for the pipelines (with multi-token
+prediction too); no balancing bias under FSDP
 (refused with it, below); a dense model under context parallelism (refused with experts, below). LoRA on latent
 attention's five projections: under tp 2 + sp against the single process, and its exported adapter loaded by PEFT
 onto the base in transformers."""
@@ -38,6 +39,10 @@ OVERRIDES = {  # --config YAML -> its model_overrides
     "four-layers": {"num_layers": 4},
     "no-bias": {"router_expert_bias": "false"},
     "dense": {"num_experts": 0},  # MLA without experts (the preset's MoE settings go with them)
+    # multi-token prediction: under a pipeline the last stage holds a copy of the embedding for it (its gradient
+    # summed with the first stage's, as a tied head's is); mtp_loss is among the logged fields compared
+    "mtp": {"num_layers": 4, "num_nextn_predict_layers": 1, "mtp_loss_weight": 0.3},
+    "mtp-dense": {"num_experts": 0, "num_nextn_predict_layers": 2, "mtp_loss_weight": 0.3},  # cp: no experts
 }
 # name -> (flags, processes, overrides)
 LAYOUTS = {
@@ -50,6 +55,12 @@ LAYOUTS = {
     "pp2": (["--pp", "2"], 2, "four-layers"),
     "pp2-vpp2": (["--pp", "2", "--vpp", "2"], 2, "four-layers"),
     "cp2": (["--cp", "2"], 2, "dense"),
+    "mtp-pp2": (["--pp", "2"], 2, "mtp"),
+    "mtp-pp2-vpp2": (["--pp", "2", "--vpp", "2"], 2, "mtp"),
+    "mtp-tp2-sp": (["--tp", "2", "--sequence-parallel"], 2, "mtp"),
+    "mtp-tp2": (["--tp", "2"], 2, "mtp"),
+    "mtp-tp2-pp2": (["--tp", "2", "--pp", "2"], 4, "mtp"),
+    "mtp-cp2": (["--cp", "2"], 2, "mtp-dense"),  # the tokens and labels ahead from the whole sequence's
 }
 
 
@@ -120,7 +131,7 @@ def test_lora_on_latent_attention_under_tp2_sp_matches_the_single_process(lora_r
 def test_lora_on_latent_attention_exports_an_adapter_peft_loads_onto_the_base(lora_runs, tmp_path):
     """export_adapter's directory, loaded by PEFT onto the transformers model of the base checkpoint, gives our
     adapted model's logits. The base goes to transformers in this process (weight_rules) with a zero balancing
-    bias, which routes as none: export-hf of a DeepSeek-V3 checkpoint without one is refused (missing expert_bias)."""
+    bias, which routes as none (export-hf writes the same for a checkpoint trained without one)."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     d, _, _ = lora_runs
@@ -156,3 +167,21 @@ def test_lora_on_a_shared_expert_under_tp_is_refused_in_one_line():
     (problem,) = lora_problems(lora, cfg, tp=2)
     assert "shared expert's down_proj,gate_proj,up_proj" in problem and "--tp 2" in problem
     assert lora_problems(LoraConfig(lora_rank=4, lora_targets=MLA_TARGETS), cfg, tp=2) == []
+
+
+def test_lora_all_linear_adapts_what_peft_adapts_on_the_transformers_model():
+    """PEFT's all-linear on transformers' DeepseekV3ForCausalLM (peft 0.22, transformers 5): every nn.Linear but the
+    output head, and, as it resolved all-linear on transformers 4's modules, the router (DeepseekV3TopkRouter's
+    gate.weight) and the stacked routed experts through target_parameters. Ours adapts the same modules but the
+    routed experts (grouped GEMMs, which LoRA here does not adapt). The model trains without the balancing bias
+    (LoRA's rule), whose export writes a zero bias beside the router's weight: no module of its own."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = replace(get_preset(MODEL), router_expert_bias=False)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config_to_hf(cfg)))
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules="all-linear"))
+    theirs = {n.removeprefix("base_model.model.") for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
+    routed = {n for n in theirs if ".mlp.experts" in n}
+    assert routed and {"model.layers.1.mlp.gate", "model.layers.2.mlp.gate"} <= theirs
+    ours = find_targets(build_model(cfg, device="meta"), cfg, ["all-linear"])
+    assert {h for t in ours for h in t.hf_modules} == theirs - routed

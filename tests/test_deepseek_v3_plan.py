@@ -13,9 +13,10 @@ from test_plan_cli import main_code
 
 from llamatron.kernels import triton_check
 from llamatron.models import KernelChoices, build_model, get_preset, materialize
-from llamatron.models.inventory import decode_cache_bytes_per_token
+from llamatron.models.inventory import active_params, decode_cache_bytes_per_token, flops_per_token, layers, num_params
 from llamatron.models.kv_cache import KVCache
 from llamatron.planning import activations as A
+from llamatron.planning.params import stage_params
 
 
 def _dense_test_model(q_lora_rank: int | None):
@@ -75,3 +76,60 @@ def test_model_activations_match_autograd(recompute):
     measured = model_saved_per_token(cfg, recompute, KernelChoices(rmsnorm="torch", rope="torch", swiglu="torch"))
     chunk = A.chunk_activation_bytes(cfg, cfg.num_layers, True, True, 2, 1, False, recompute, pipelined=False)
     assert measured == pytest.approx(chunk + 4 * cfg.vocab_size, rel=0.01)  # + the loss's saved log-softmax
+
+
+# ---- multi-token prediction's modules ---------------------------------------------------------------------------
+
+
+def _mtp(cfg, depths: int = 2):
+    return dataclasses.replace(cfg, num_nextn_predict_layers=depths)
+
+
+def test_parameter_counts_include_the_mtp_modules():
+    """num_params and active_params against the built model (the MTP modules' block, eh_proj and three norms, the
+    embedding and head shared) and against the formula: each module adds a decoder layer numbered after the model's
+    (a MoE layer, experts_per_token experts active) and eh_proj 2h x h plus three norms h."""
+    cfg = _mtp(get_preset("deepseek-v3-test"))
+    built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert num_params(cfg) == built
+    plain = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    h, moe_layer = cfg.hidden_size, layers(plain)[-1]
+    experts = moe_layer.params("expert")
+    per_module = 2 * h * h + 3 * h
+    assert num_params(cfg) - num_params(plain) == 2 * (moe_layer.params() + per_module)
+    active = moe_layer.params() - experts + experts * cfg.experts_per_token // cfg.num_experts
+    assert active_params(cfg) - active_params(plain) == 2 * (active + per_module)
+
+
+def test_flops_include_the_mtp_modules_and_their_head():
+    """6 x (their active parameters + the output head once more each) + 12 x their layers' attention width x S."""
+    cfg = _mtp(get_preset("deepseek-v3-test"))
+    plain = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    seq, width = 32, layers(plain)[-1].attention_width
+    extra = active_params(cfg) - active_params(plain) + 2 * cfg.vocab_size * cfg.hidden_size
+    assert flops_per_token(cfg, seq) - flops_per_token(plain, seq) == pytest.approx(6 * extra + 12 * 2 * width * seq)
+
+
+def test_stage_params_hold_the_mtp_modules_on_the_last_stage():
+    """The last stage's count: the modules (built there, on meta) and, under a pipeline, the embedding's copy."""
+    cfg = _mtp(dataclasses.replace(get_preset("deepseek-v3-test"), num_layers=4))
+    plain = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    modules = sum(p.numel() for p in build_model(cfg).extra_heads.parameters())
+    assert stage_params(cfg, 1, 1, 0, 4)[0] - stage_params(plain, 1, 1, 0, 4)[0] == modules
+    assert stage_params(cfg, 1, 2, 0, 2)[0] == stage_params(plain, 1, 2, 0, 2)[0]
+    copy = cfg.vocab_size * cfg.hidden_size
+    assert stage_params(cfg, 1, 2, 1, 2)[0] - stage_params(plain, 1, 2, 1, 2)[0] == modules + copy
+
+
+def test_mtp_activations_match_autograd():
+    """What the MTP modules save in the model's forward (a model without experts, whose modules' layers are then
+    its others'): autograd with them less autograd without, against the last chunk's terms with them less without."""
+    cfg = _mtp(dataclasses.replace(_dense_test_model(32), num_experts=0), depths=1)
+    plain = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    choices = KernelChoices(rmsnorm="torch", rope="torch", swiglu="torch")
+    measured = model_saved_per_token(cfg, "none", choices) - model_saved_per_token(plain, "none", choices)
+
+    def chunk(c):
+        return A.chunk_activation_bytes(c, c.num_layers, True, True, 2, 1, False, "none", pipelined=False)
+
+    assert chunk(cfg) - chunk(plain) == pytest.approx(measured, rel=0.01)

@@ -53,10 +53,13 @@ def find_targets(model: nn.Module, cfg: ModelConfig, targets: Sequence[str], str
     found, available = [], set()
     for name, linear, rule in _layer_linears(model, cfg):
         index = torch.arange(linear.out_features, dtype=torch.float64).unsqueeze(1)
-        parts = [t.flatten().long() for t in rule.split(index)]
-        hf_modules = [h.removesuffix(".weight") for h in rule.hf_names]
-        available |= {h.rsplit(".", 1)[-1] for h in hf_modules}
-        keep = [(h, rows) for h, rows in zip(hf_modules, parts) if _matches(h, targets)]
+        # the Hugging Face weights it splits into (not a tensor exported beside them: DeepSeek-V3's zero
+        # balancing bias beside the router's weight, for a model trained without one)
+        split = [
+            (h.removesuffix(".weight"), t) for h, t in zip(rule.hf_names, rule.split(index)) if h.endswith(".weight")
+        ]
+        available |= {h.rsplit(".", 1)[-1] for h, _ in split}
+        keep = [(h, t.flatten().long()) for h, t in split if _matches(h, targets)]
         if keep:
             shape = (linear.out_features, linear.in_features)
             found.append(LoraTarget(name, tuple(h for h, _ in keep), tuple(r for _, r in keep), shape))

@@ -32,13 +32,15 @@ def no_problems(cfg: ModelConfig) -> list[str]:
 @dataclass(frozen=True)
 class ExtraHeadInputs:
     """What extra heads read from the model besides its hidden states and input ids: its embedding and head
-    (logits of a hidden state), the rotary tables and the attention mask of the whole sequence."""
+    (logits of a hidden state), the rotary tables and the attention mask of the whole sequence, and under context
+    parallelism the positions in the input ids (the whole sequence's) of the hidden states' tokens (None: all)."""
 
     embed: Callable[[torch.Tensor], torch.Tensor]
     head: Callable[[torch.Tensor], torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
     mask: AttentionMask | None
+    positions: torch.Tensor | None = None
 
 
 class ExtraHeads(Protocol):

@@ -95,7 +95,8 @@ def _kind_of(module: nn.Module, leaf: str, name: str) -> str:
     return "router" if name.endswith("router") else "matmul"
 
 
-def _describe(layer: nn.Module) -> Layer:
+def _describe(layer: nn.Module, core: nn.Module | None = None) -> Layer:
+    """`layer`'s weights; its features read off `core` (default: itself), the decoder layer an extra head wraps."""
     plans = {}
     for prefix, module in layer.named_modules():
         styles = {**getattr(type(module), "tp_plan", {}), **getattr(type(module), "tp_split", {})}
@@ -108,7 +109,8 @@ def _describe(layer: nn.Module) -> Layer:
         kind = _kind_of(modules[owner], leaf, owner)
         split = "expert" if kind == "expert" else _split_of(plans.get(owner), leaf)
         weights.append(Weight(name, tuple(p.shape), split, kind))
-    children = dict(layer.named_children())
+    core = layer if core is None else core
+    children = dict(core.named_children())
     attention = children.get("attn")
     residual_norms = [m for m in children.values() if isinstance(m, (RMSNorm, nn.LayerNorm))]
     mlp = children.get("mlp")
@@ -119,9 +121,9 @@ def _describe(layer: nn.Module) -> Layer:
         mlp="swiglu" if isinstance(mlp, (SwiGLU, MoE)) else "gelu",
         moe=isinstance(mlp, MoE),
         qk_norm=any(n.endswith(("q_norm", "k_norm")) for n in modules),
-        parallel_residual=bool(getattr(type(layer), "parallel_residual", False)),
+        parallel_residual=bool(getattr(type(core), "parallel_residual", False)),
         attention_width=float(getattr(attention, "flops_width", 0)),
-        attention=_counts(layer, attention),
+        attention=_counts(core, attention),
     )
 
 
@@ -134,7 +136,7 @@ def _counts(layer: nn.Module, attention: nn.Module | None) -> AttentionCounts:
 
 _FIELDS: dict[type, Callable[[ModelConfig], tuple]] = {}  # each config class's fields but rope_scaling, read at once
 _SCALING_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(RopeScaling)))  # its fields are scalars
-_CACHE: dict[tuple, tuple[tuple[Layer, ...], int]] = {}  # the planner asks thousands of times per search
+_CACHE: dict[tuple, tuple[tuple[Layer, ...], int, tuple[Layer, ...]]] = {}  # asked thousands of times a search
 
 
 _UNCHANGED: dict[int, tuple[ModelConfig, tuple]] = {}  # id -> (config, key) inside unchanged_config
@@ -193,8 +195,14 @@ def per_config(fn: Callable[Concatenate[ModelConfig, P], T]) -> Callable[Concate
     return cached
 
 
-def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int]:
-    """(every decoder layer, the final norm's parameters) of `cfg`, built once on meta per configuration."""
+def _decoder_layer(module: nn.Module) -> nn.Module:
+    """The decoder layer inside an extra head (the submodule holding an attention that declares its counts)."""
+    return next(m for m in module.modules() if hasattr(getattr(m, "attn", None), "counts"))
+
+
+def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int, tuple[Layer, ...]]:
+    """(every decoder layer, the final norm's parameters, each extra prediction head: its decoder layer's features
+    and all its weights) of `cfg`, built once on meta per configuration."""
     key = config_key(cfg)
     if key not in _CACHE:
         family = family_of(cfg)
@@ -207,9 +215,11 @@ def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int]:
                     kinds[kind] = _describe(family.block(cfg, i))
                 out.append(kinds[kind])
             norm = sum(p.numel() for p in family.final_norm(cfg).parameters())
+            heads = family.extra_heads(cfg)
+            extra = () if heads is None else tuple(_describe(m, _decoder_layer(m)) for m in heads.children())
         if len(_CACHE) > 256:
             _CACHE.clear()
-        _CACHE[key] = (tuple(out), norm)
+        _CACHE[key] = (tuple(out), norm, extra)
     return _CACHE[key]
 
 
@@ -222,21 +232,36 @@ def final_norm_params(cfg: ModelConfig) -> int:
     return _built(cfg)[1]
 
 
+def extra_head_layers(cfg: ModelConfig) -> tuple[Layer, ...]:
+    """Each of the family's extra prediction heads (DeepSeek-V3's MTP modules): all its weights, its decoder
+    layer's features; () without them. They run the model's output head once more each, on the last stage."""
+    return _built(cfg)[2]
+
+
 def input_embedding_params(cfg: ModelConfig) -> int:
     """The parameters of an input-embedding table of its own (untied): a lookup, no matmul, so no FLOPs. A tied
     table is the output head's weight too, and its matmul counts: 0 then."""
     return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
 
 
+def _layer_params(cfg: ModelConfig, layer: Layer, active: bool) -> int:
+    experts = layer.params("expert")
+    taken = experts * cfg.experts_per_token // cfg.num_experts if active and layer.moe else experts
+    return layer.params() - experts + taken
+
+
+@per_config
+def extra_head_params(cfg: ModelConfig, active: bool = False) -> int:
+    """The extra prediction heads' parameters (the model's embedding and head they share not counted again); with
+    `active`, experts_per_token experts in each MoE layer."""
+    return sum(_layer_params(cfg, layer, active) for layer in extra_head_layers(cfg))
+
+
 @per_config
 def _params(cfg: ModelConfig, active: bool) -> int:
-    total = 0
-    for layer in layers(cfg):
-        experts = layer.params("expert")
-        total += layer.params() - experts
-        total += experts * cfg.experts_per_token // cfg.num_experts if active and layer.moe else experts
+    total = sum(_layer_params(cfg, layer, active) for layer in layers(cfg))
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-    return total + final_norm_params(cfg) + embed
+    return total + final_norm_params(cfg) + embed + extra_head_params(cfg, active)
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -289,8 +314,11 @@ def _layer_keys(cfg: ModelConfig, index: int, seq_length: int) -> int:
 
 @per_config
 def attention_flops(cfg: ModelConfig, seq_length: int) -> float:
-    """Σ over layers of attention width x keys: the score and value products' share of the FLOP formula, / 12."""
-    return float(sum(layer.attention_width * _layer_keys(cfg, i, seq_length) for i, layer in enumerate(layers(cfg))))
+    """Σ over layers of attention width x keys: the score and value products' share of the FLOP formula, / 12.
+    An extra head's decoder layer attends over the whole sequence (numbered after the model's layers)."""
+    extra = [(cfg.num_layers + j, layer) for j, layer in enumerate(extra_head_layers(cfg))]
+    every = [*enumerate(layers(cfg)), *extra]
+    return float(sum(layer.attention_width * _layer_keys(cfg, i, seq_length) for i, layer in every))
 
 
 def decode_cache_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
@@ -307,8 +335,10 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     attention declares its `flops_width`). S is the keys a query attends to: the sequence length, or the sliding
     window (or the layer's attention chunk) when it is shorter (else windowed models report MFU above 100%). N of a
     mixture of experts is its active parameters (experts_per_token experts per layer, as Megatron-core and
-    torchtitan count MoE FLOPs)."""
-    matmul_params = active_params(cfg) - input_embedding_params(cfg)
+    torchtitan count MoE FLOPs). N includes the extra prediction heads' parameters, and each of them runs the output
+    head once more (vocab_size x hidden_size), as Megatron-LM counts its MTP layers."""
+    head_again = len(extra_head_layers(cfg)) * cfg.vocab_size * cfg.hidden_size
+    matmul_params = active_params(cfg) - input_embedding_params(cfg) + head_again
     return 6.0 * matmul_params + 12.0 * attention_flops(cfg, seq_length)
 
 
@@ -320,6 +350,8 @@ __all__ = [
     "config_key",
     "decode_cache_bytes_per_token",
     "expert_params",
+    "extra_head_layers",
+    "extra_head_params",
     "final_norm_params",
     "flops_per_token",
     "input_embedding_params",

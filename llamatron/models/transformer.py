@@ -29,7 +29,17 @@ from .family import ExtraHeadInputs, ExtraHeads
 from .kv_cache import KVCache
 from .layers import rope_cos_sin
 
-__all__ = ["IGNORE_INDEX", "ExtraHeads", "ParallelContext", "Transformer", "VocabShard", "batch_inputs", "build_model"]
+__all__ = [
+    "IGNORE_INDEX",
+    "ExtraHeads",
+    "ParallelContext",
+    "Transformer",
+    "VocabShard",
+    "batch_inputs",
+    "build_model",
+    "embedding_on_last_stage",
+    "extra_heads_of",
+]
 
 
 @dataclass(frozen=True)
@@ -61,9 +71,26 @@ class ParallelContext:
 
 def batch_inputs(mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """The model's keyword inputs in micro-batch `mb` (its first input, token ids or a pipeline stage's hidden
-    states, is positional): rotary positions and document masks, which every pipeline stage reads from its own
-    copy of the micro-batch."""
-    return {"position_ids": mb.get("position_ids"), "document_ids": mb.get("document_ids")}
+    states, is positional): rotary positions, document masks and the token ids (extra heads read them on the last
+    stage), which every pipeline stage reads from its own copy of the micro-batch."""
+    return {
+        "position_ids": mb.get("position_ids"),
+        "document_ids": mb.get("document_ids"),
+        "tokens": mb.get("whole_input_ids", mb.get("input_ids")),  # the whole sequence's under cp
+    }
+
+
+def extra_heads_of(cfg: ModelConfig) -> nn.Module | None:
+    """The family's extra prediction heads of `cfg`, built on meta (None without them): what every pipeline rank
+    knows of them, whichever stage holds them."""
+    with torch.device("meta"):
+        return family_of(cfg).extra_heads(cfg)
+
+
+def embedding_on_last_stage(cfg: ModelConfig) -> bool:
+    """A last pipeline stage without the embedding holds a copy of it: as its head (tied embeddings), or for its
+    extra heads, which embed the tokens ahead (parallel/pipeline.py sums the copies' gradients)."""
+    return cfg.tie_embeddings or extra_heads_of(cfg) is not None
 
 
 class Transformer(nn.Module):
@@ -103,6 +130,12 @@ class Transformer(nn.Module):
         # `extra_logits` for the objective to take
         self.extra_heads: nn.Module | None = family.extra_heads(cfg) if head else None
         self.extra_logits: list[torch.Tensor] = []
+        # Their embedding on a last stage without the model's: a copy of it, as a tied head is (parallel/pipeline.py)
+        self.extra_embed: nn.Module | None = None
+        if self.extra_heads is not None and not embed:
+            self.extra_embed = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+            )
 
     @property
     def is_first_stage(self) -> bool:
@@ -132,6 +165,7 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         logits_at: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs: token ids (first stage) or hidden states (batch, seq, hidden).
 
@@ -140,7 +174,8 @@ class Transformer(nn.Module):
         cache: the inputs follow the tokens it holds (their positions start at its length) and
         join them (models/kv_cache.py); a per-row cache takes one token per row at each row's own
         position. logits_at: (batch,) the one position per row whose logits are wanted (a prefill of
-        prompts of different lengths: each one's last token), the head runs there only.
+        prompts of different lengths: each one's last token), the head runs there only. tokens: the token ids
+        the extra heads read: a later stage's inputs, the whole sequence's under context parallelism.
         Returns the logits (this rank's vocabulary shard under tensor parallelism); a stage without
         the head returns its hidden states.
         """
@@ -175,7 +210,9 @@ class Transformer(nn.Module):
             return h
         if self.extra_heads is not None and cache is None and logits_at is None:
             whole = masks[None] if None in masks else self._mask(seq, position_ids, document_ids, h, None, 0, None)
-            self.extra_logits = self._extra_logits(h, inputs, cos, sin, whole)
+            ids = tokens if tokens is not None or self.embed is None else inputs
+            assert ids is not None, "extra heads on a later pipeline stage need the token ids"
+            self.extra_logits = self._extra_logits(h, ids, cos, sin, whole)
         if logits_at is not None:
             h = h[torch.arange(batch, device=h.device), logits_at][:, None]
         return self.logits(h)
@@ -183,9 +220,12 @@ class Transformer(nn.Module):
     def _extra_logits(
         self, h: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None
     ) -> list[torch.Tensor]:
-        assert self.embed is not None and self.extra_heads is not None, "extra heads need the embedding's stage"
+        embed = self.embed if self.embed is not None else self.extra_embed
+        assert embed is not None and self.extra_heads is not None, "extra heads without an embedding"
         heads = cast(ExtraHeads, self.extra_heads)
-        return heads(h, tokens, ExtraHeadInputs(self.embed, self.head_logits, cos, sin, mask))
+        size, rank = self.parallel.context  # under cp: where this rank's tokens lie in `tokens`, the whole sequence
+        index = load_balanced_index(tokens.shape[1], size, rank, tokens.device) if size > 1 else None
+        return heads(h, tokens, ExtraHeadInputs(embed, self.head_logits, cos, sin, mask, index))
 
     def take_extra_logits(self) -> list[torch.Tensor]:
         """The extra heads' logits of the last forward, handed over once (empty without extra heads)."""

@@ -20,6 +20,7 @@ from ..kernels.cross_entropy_op import CrossEntropy
 from ..models import IGNORE_INDEX, ModelConfig, Transformer
 from ..models.moe import MoE, MoEBalance, MoEStats
 from ..models.moe_balance import updated_expert_bias
+from ..models.transformer import extra_heads_of
 from ..parallel.mesh import Mesh, all_reduce
 from ..parallel.tensor_layers import VocabParallelCrossEntropy
 from .extra_heads import ExtraHeadsTraining
@@ -51,13 +52,14 @@ class RouterTraining:
             torch.zeros(shape, device=device),
             torch.zeros(shape, device=device) if global_batch else None,
         )
-        # an extra head's MoE layers (DeepSeek-V3's MTP blocks) route and count too; they are on a model's one
-        # stage (its layout rules), so every rank counts them only where the model has one stage
-        extra = [m for chunk in chunks if chunk.extra_heads is not None for m in chunk.extra_heads.modules()]
+        # an extra head's MoE layers (DeepSeek-V3's MTP blocks) route and count too, on the last stage: every rank
+        # counts them from the model's config
+        extra = extra_heads_of(model_cfg)
+        extra_moe = 0 if extra is None else sum(isinstance(m, MoE) for m in extra.modules())
         run = RouterTraining(
             torch.zeros((), device=device),
             MoEStats.zeros(model_cfg.num_experts, device),
-            model_cfg.num_moe_layers + sum(isinstance(m, MoE) for m in extra),
+            model_cfg.num_moe_layers + extra_moe,
             balance,
             layers,
             global_batch,
@@ -206,7 +208,7 @@ class LanguageModelObjective(RoutedObjective):
     ) -> LanguageModelObjective:
         """The objective for this rank's `chunks` (per_token_loss says what `kernel` and `compile` pick)."""
         router = RouterTraining.attach(chunks, model_cfg, device)
-        extra = ExtraHeadsTraining.attach(chunks, device)
+        extra = ExtraHeadsTraining.attach(chunks, model_cfg, device)
         return cls(per_token_loss(chunks, kernel, compile), mesh, device, router, extra)
 
     def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -50,13 +50,16 @@ def context_problems(seq_length: int, cp: int, sequence_shards: int = 1) -> list
 
 
 def split_for_context(mb: dict[str, torch.Tensor], cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
-    """This rank's part of micro-batch `mb`: its tokens, labels and rotary positions; document ids stay whole."""
+    """This rank's part of micro-batch `mb`: its tokens, labels and rotary positions; document ids stay whole, and
+    the whole sequence's tokens and labels are kept beside them (`whole_input_ids`, `whole_labels`: a family's
+    extra heads read the tokens and labels k places ahead, which may lie on another rank)."""
     if cp == 1:
         return mb
     batch, seq = mb["input_ids"].shape
     index = load_balanced_index(seq, cp, cp_rank)
     out: dict[str, torch.Tensor] = {k: mb[k][:, index] for k in ("input_ids", "labels", "position_ids") if k in mb}
     out.setdefault("position_ids", index.expand(batch, -1).contiguous())
+    out.update({f"whole_{k}": mb[k] for k in ("input_ids", "labels") if k in mb})
     for key in ("document_ids", "ref_logps"):  # whole: the documents' ids, a sequence's reference log-prob (DPO)
         if key in mb:
             out[key] = mb[key]

@@ -16,6 +16,9 @@ tensor) and `shared_replica` (checkpoints hold it once, the gradient norm
 leaves it out). Each step the two copies' gradients are summed between the
 first and the last stage before the data-parallel reduction
 (`defer_grad_reduce` in both specs), so both copies take the same update.
+A family's extra heads (DeepSeek-V3's multi-token prediction) embed the tokens
+ahead on the last stage: it holds a copy of the embedding the same way,
+`extra_embed.weight` (Megatron-LM's MTP under a pipeline shares it so too).
 
 Activations travel as (micro_batch, seq / seq_shards, hidden) tensors of the
 compute dtype: every rank knows that shape from its own micro-batches, so only
@@ -33,7 +36,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models import ModelConfig, Transformer, build_model
-from ..models.transformer import batch_inputs
+from ..models.transformer import batch_inputs, embedding_on_last_stage
 from .fsdp import Buffer
 from .grad_buffer import mark_last_microbatch
 from .mesh import Mesh, new_group
@@ -92,8 +95,7 @@ def build_stage_chunks(
     pp = mesh.layout.pp
     split = split_layers(cfg.num_layers, pp, vpp, pp_layers)
     starts = [sum(split[:c]) for c in range(len(split))]
-    tied = cfg.tie_embeddings
-    group = _tied_embedding_group(mesh) if tied and pp > 1 else None
+    group = _tied_embedding_group(mesh) if pp > 1 and embedding_on_last_stage(cfg) else None
     chunks, tables = [], []
     for v in range(vpp):
         c = v * pp + mesh.pp_rank
@@ -106,16 +108,17 @@ def build_stage_chunks(
 
 
 def _tied_embedding_specs(chunk: Transformer, specs: ParamSpecs) -> ParamSpecs:
-    """Mark the copies of a tied embedding on a chunk holding one end of the model (not both)."""
-    if not chunk.cfg.tie_embeddings or chunk.is_first_stage == chunk.is_last_stage:
+    """Mark the embedding and its copy (a tied head, or the extra heads' embedding) on a chunk holding one end of
+    the model (not both)."""
+    if chunk.is_first_stage == chunk.is_last_stage or not embedding_on_last_stage(chunk.cfg):
         return specs
     specs = dict(specs)
     if chunk.is_first_stage:
         specs["embed.weight"] = replace(specs["embed.weight"], defer_grad_reduce=True)
-    else:  # the head is a copy of the embedding: the same tensor in checkpoints and init, counted once in the norm
-        specs["lm_head.weight"] = replace(
-            specs["lm_head.weight"], global_name="embed.weight", shared_replica=True, defer_grad_reduce=True
-        )
+    # a copy of the embedding: the same tensor in checkpoints and init, counted once in the norm
+    for copy in ("lm_head.weight", "extra_embed.weight") if chunk.cfg.tie_embeddings else ("extra_embed.weight",):
+        if copy in specs:
+            specs[copy] = replace(specs[copy], global_name="embed.weight", shared_replica=True, defer_grad_reduce=True)
     return specs
 
 
@@ -135,11 +138,12 @@ def _tied_embedding_group(mesh: Mesh) -> dist.ProcessGroup | None:
 
 
 def _tied_params(chunk: Transformer) -> list[nn.Parameter]:
-    """The copy of a tied embedding this chunk holds: the embedding on the first stage, the head on the last
-    (none when it is frozen: it has no gradient)."""
+    """The copy of a shared embedding this chunk holds: the embedding on the first stage, the tied head or the
+    extra heads' embedding on the last (none when it is frozen: it has no gradient)."""
     if chunk.parallel.tied_embedding_group is None:
         return []
-    copies = [m.weight for m in (chunk.embed, chunk.lm_head) if m is not None]
+    heads = (chunk.lm_head,) if chunk.cfg.tie_embeddings else ()
+    copies = [m.weight for m in (chunk.embed, *heads, chunk.extra_embed) if m is not None]
     return [p for p in copies if isinstance(p, nn.Parameter) and p.requires_grad]
 
 

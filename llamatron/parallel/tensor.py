@@ -207,9 +207,10 @@ def apply_tensor_parallel(
     kept: list[nn.Module] = []
     _apply_plans(model, cfg, mesh, sequence_parallel, partial, kept)
     vocab = vocab_layout(cfg.vocab_size, tp, rank, group)
-    if model.embed is not None:
-        weight = model.embed.weight
-        model.embed = VocabParallelEmbedding(vocab, cfg.hidden_size, group, sp, weight.device, weight.dtype)
+    for name in ("embed", "extra_embed"):  # the extra heads' copy of the embedding on a later stage
+        if getattr(model, name) is not None:
+            weight = getattr(model, name).weight
+            setattr(model, name, VocabParallelEmbedding(vocab, cfg.hidden_size, group, sp, weight.device, weight.dtype))
     if model.lm_head is not None:
         model.lm_head = _column(model.lm_head, vocab, group, sp)
     if model.norm is not None:

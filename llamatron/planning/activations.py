@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from ..models import ModelConfig
 from ..models.attention_counts import EAGER_TORCH, LayerKernels
-from ..models.inventory import experts_taken, layers, mean_mlp_width, moe_layer_share, per_config
+from ..models.inventory import experts_taken, extra_head_layers, layers, mean_mlp_width, moe_layer_share, per_config
 from ..parallel.schedules import max_alive
 
 
@@ -161,7 +161,25 @@ def chunk_activation_bytes(
         total += hidden  # the received input, kept for its gradient
     if last:
         total += final_norm_bytes(model, act_bytes, tp, sequence_parallel, kernels.norms)
+        total += extra_head_bytes(model, act_bytes, tp, sequence_parallel, kernels, cp)
     return total  # (the sent output is not kept: backward starts from its gradient edge)
+
+
+def extra_head_bytes(
+    model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, kernels: LayerKernels, cp: int
+) -> float:
+    """Bytes per token the family's extra prediction heads keep (DeepSeek-V3's MTP modules, on the last chunk, never
+    recomputed), each: its two input norms' inputs (as the final norm's), the concatenation eh_proj reads 2a*h
+    (/tp with sp: it runs on the rank's tokens), the token ids its embedding saves 8, a decoder layer (the mean
+    layer's terms) and its norm before the shared head (final_norm_bytes)."""
+    depths = len(extra_head_layers(model))
+    if not depths:
+        return 0.0
+    shard = tp if sequence_parallel else 1
+    head = final_norm_bytes(model, act_bytes, tp, sequence_parallel, kernels.norms)
+    norm_input = head - act_bytes * model.hidden_size  # a norm's own input terms: the final norm's, less the head's
+    layer = layer_activation_bytes(model, act_bytes, tp, sequence_parallel, "none", kernels, cp)
+    return depths * (2 * norm_input + 2 * act_bytes * model.hidden_size / shard + 8 + layer + head)
 
 
 def _rope_width(model: ModelConfig) -> int:

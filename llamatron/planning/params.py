@@ -8,6 +8,8 @@ from ..models import ModelConfig
 from ..models.inventory import (
     active_params,
     config_key,
+    extra_head_layers,
+    extra_head_params,
     final_norm_params,
     input_embedding_params,
     layers,
@@ -74,7 +76,8 @@ def active_layer_params(model: ModelConfig) -> int:
     """Parameters of one decoder layer that compute one token (all of it for a dense model; the router and
     experts_per_token experts of a mixture of experts): the model's active parameters per layer."""
     embed = model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2)
-    return (active_params(model) - embed - final_norm_params(model)) // model.num_layers
+    others = embed + final_norm_params(model) + extra_head_params(model, active=True)
+    return (active_params(model) - others) // model.num_layers
 
 
 def expert_layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
@@ -110,6 +113,13 @@ def stage_params(model: ModelConfig, tp: int, pp: int, rank: int, layers: int, e
         if not model.tie_embeddings or pp > 1:  # tied: the last stage keeps a copy of the embedding
             count += vocab * h
             largest = max(largest, vocab * h)
+        extra = extra_head_layers(model)  # beside the head; under a pipeline with a copy of the embedding
+        count += sum(
+            shard_numel(w.split, w.shape, model, tp) // (ep if w.split == "expert" else 1)
+            for layer in extra
+            for w in layer.weights
+        )
+        count += vocab * h if extra and pp > 1 else 0
     return count, largest
 
 

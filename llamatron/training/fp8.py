@@ -1,6 +1,7 @@
 """FP8 training (--fp8): the decoder's linear layers run FP8 matmuls through torchao.float8.
 
-What runs in FP8: each decoder layer's QKV, attention output, gate/up and down projections (Falcon's too),
+What runs in FP8: each decoder layer's QKV, attention output (DeepSeek-V3's five latent-attention projections),
+gate/up and down projections (Falcon's too),
 forward and backward, with dynamic scaling (torchao's recipes: `tensorwise` scales each tensor by its own amax;
 `rowwise` scales each row, with the weight gradient's matmul in higher precision). The embedding, the output
 head, norms, attention and the loss stay bf16; weights, gradients, master weights and optimizer state are what
@@ -35,9 +36,10 @@ from torch import nn
 
 from ..adapters.lora import LoraLinear, LoraMatmul
 from ..models.config import ModelConfig
+from ..models.inventory import layers
 from ..models.moe import Experts
 from ..models.transformer import Transformer
-from ..parallel.tensor import padded_vocab_size
+from ..parallel.tensor import padded_vocab_size, shard_numel
 from ..parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 from .fp8_experts import FP8GroupedMM
 
@@ -119,12 +121,9 @@ def fp8_problems(
 def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> list[str]:
     """Every FP8 matmul's dimensions on a rank must be multiples of 16: features in and out, and the tokens
     (the inner dimension of the weight gradient's matmul)."""
-    q = model.num_heads * model.head_dim // tp
-    kv = max(model.num_kv_heads // tp, 1) * model.head_dim  # a KV head replicated over ranks when kv < tp
     sizes = {
         "hidden_size": model.hidden_size,
-        "QKV output per tensor-parallel rank": q + 2 * kv,
-        "attention output input per rank (heads x head_dim / tp)": q,
+        **_attention_sizes(model, tp),
         "ffn_hidden_size per rank": model.ffn_hidden_size // tp,
         "tokens per micro-batch and rank (micro-batch-size x seq-length / cp)": tokens,
     }
@@ -141,6 +140,23 @@ def _shape_problems(model: ModelConfig, tp: int, tokens: int, head: bool) -> lis
         f"--fp8 needs every matmul dimension to be a multiple of {FP8_MULTIPLE}; not so: {', '.join(bad)} "
         "(change the shape or the layout, or use --fp8 none)"
     ]
+
+
+def _attention_sizes(model: ModelConfig, tp: int) -> dict[str, int]:
+    """Each attention linear's inputs and outputs on a rank, read from the layers' own weights and their split
+    (models/inventory.py): the shared attention's QKV and output projections, latent attention's five."""
+    sizes = {}
+    for layer in dict.fromkeys(layers(model)):
+        for w in layer.weights:
+            if w.kind != "matmul" or not w.name.startswith("attn.") or len(w.shape) != 2:
+                continue
+            out, inputs = w.shape
+            local = shard_numel(w.split, w.shape, model, tp)
+            out, inputs = (out, local // out) if w.split == "row" else (local // inputs, inputs)
+            linear = w.name.removesuffix(".weight")
+            sizes[f"{linear} outputs per rank"] = out
+            sizes[f"{linear} inputs per rank"] = inputs
+    return sizes
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from ..kernels.choices import KernelChoices
 from ..models import ModelConfig
 from ..models.families import model_problems
 from ..models.moe_balance import balancing_run_problems
+from ..objectives.extra_heads import extra_heads_problems
 from ..objectives.preference import preference_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
@@ -62,6 +63,7 @@ def _validate_layout(
     _raise_if(context_problems(d.seq_length, p.cp, p.tp if p.sequence_parallel else 1))
     _raise_if(pipeline_problems(model.num_layers, p.pp, p.vpp, p.pp_layers))
     _raise_if(model.layout_problems(p.tp, p.pp, p.cp))
+    _raise_if(extra_heads_problems(model, dp * p.cp if p.fsdp else 0))
     given = [k for k in asdict(p) if k in cfg.explicit]
     _raise_if(
         fsdp_problems(

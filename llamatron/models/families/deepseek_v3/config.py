@@ -102,16 +102,15 @@ class DeepseekV3Config(ModelConfig):
         return dataclasses.replace(self, num_nextn_predict_layers=0)
 
     def layout_problems(self, tp: int, pp: int, cp: int) -> list[str]:
-        """Multi-token prediction reads the input ids and the embedding on the last stage, whole sequences in
-        order, its modules unsplit: one stage, no context or tensor parallelism."""
-        split = [f"{flag} {n}" for flag, n in (("--tp", tp), ("--pp", pp), ("--cp", cp)) if n > 1]
-        if not self.num_nextn_predict_layers or not split:
-            return []
-        return [
-            f"num_nextn_predict_layers {self.num_nextn_predict_layers} with {', '.join(split)}: multi-token "
-            "prediction trains on one stage without tensor or context parallelism (the embedding lives on the "
-            "first stage); drop those flags or set num_nextn_predict_layers 0 (--model-override)"
-        ]
+        """Under a pipeline the last stage holds a copy of the embedding for multi-token prediction
+        (parallel/pipeline.py), a tied one's head copy being another: not both."""
+        n = self.num_nextn_predict_layers
+        if n and pp > 1 and self.tie_embeddings:
+            return [
+                f"num_nextn_predict_layers {n} with tie_embeddings and --pp {pp}: the last stage would hold two "
+                "copies of the embedding; untie them, drop --pp or set num_nextn_predict_layers 0 (--model-override)"
+            ]
+        return []
 
     def seq_length_problems(self, seq_length: int, name: str) -> list[str]:
         out, n = super().seq_length_problems(seq_length, name), self.num_nextn_predict_layers

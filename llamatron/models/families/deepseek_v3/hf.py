@@ -9,7 +9,8 @@ Layer N (`model.layers.N.`):
   the first first_k_dense_replace layers:
   mlp.gate_up, mlp.down              <- mlp.gate_proj|up_proj, mlp.down_proj
   the others:
-  mlp.router.weight, mlp.expert_bias <- mlp.gate.weight, mlp.gate.e_score_correction_bias
+  mlp.router.weight, mlp.expert_bias <- mlp.gate.weight, mlp.gate.e_score_correction_bias (a model trained
+                                        without the bias exports zeros, which route as none)
   mlp.experts.gate_up, .down         <- mlp.experts.{e}.gate_proj|up_proj, down_proj (or transformers 5's stacked)
   mlp.shared.gate_up, .down          <- mlp.shared_experts.gate_proj|up_proj, down_proj
 With rope_interleave (DeepSeek's published configs), the rotary rows of q/q_b and kv_a are reordered from
@@ -183,10 +184,11 @@ def _rotary_order(block: int, rope: int) -> tuple[Callable, Callable]:
 
 def _moe_rules(cfg: DeepseekV3Config, h: str, L: str, names: Collection[str]) -> list[TensorRule]:
     s, shared = f"{h}.shared_experts", cfg.shared_expert_ffn
-    rules = [
-        TensorRule(f"{L}.router.weight", (f"{h}.gate.weight",)),
-        TensorRule(f"{L}.expert_bias", (f"{h}.gate.e_score_correction_bias",), _fp32, _as_is),
-    ]
+    gate, bias = f"{h}.gate.weight", f"{h}.gate.e_score_correction_bias"
+    if cfg.router_expert_bias:
+        rules = [TensorRule(f"{L}.router.weight", (gate,)), TensorRule(f"{L}.expert_bias", (bias,), _fp32, _as_is)]
+    else:  # trained without the balancing bias: DeepSeek-V3's format holds one, which routes as none when zero
+        rules = [TensorRule(f"{L}.router.weight", (gate, bias), _first, _with_zero_bias)]
     rules += linear(
         f"{L}.shared.gate_up", f"{s}.gate_proj|{s}.up_proj", False, fuse=cat, split=split_rows([shared] * 2)
     )
@@ -201,6 +203,15 @@ def _fp32(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _as_is(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
+
+
+def _first(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0]
+
+
+def _with_zero_bias(router: torch.Tensor) -> list[torch.Tensor]:
+    """The router's weight and a zero balancing bias (fp32, one per expert) beside it."""
+    return [router, torch.zeros(router.shape[0], dtype=torch.float32)]
 
 
 def weight_rules(cfg: DeepseekV3Config, hf: Mapping[str, Any], names: Collection[str] = ()) -> list[TensorRule]:

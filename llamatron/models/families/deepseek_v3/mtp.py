@@ -44,9 +44,12 @@ class MTPModule(nn.Module):
     """One depth of multi-token prediction around a decoder `block` (called as every layer: x, cos, sin, mask,
     cache, positions)."""
 
-    # Tensor parallelism: eh_proj whole on every rank, run on the rank's tokens ("replicated", not yet a style of
-    # parallel/tensor.py), the block split as its own plan says.
+    # Tensor parallelism: eh_proj whole on every rank, run on the rank's tokens (a sequence shard under sequence
+    # parallelism), the block split as its own plan says; the head (column-parallel over the vocabulary) reads
+    # `norm`'s output through `head_input`, as the model's head reads its final norm's (the whole sequence, its
+    # gradient summed over the ranks).
     tp_plan = {"eh_proj": "replicated"}
+    tp_parallel_inputs = ("head_input",)
 
     def __init__(self, cfg: MTPConfig, block: nn.Module):
         super().__init__()
@@ -55,6 +58,7 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = block
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)  # before the shared head
+        self.head_input: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def forward(
         self,
@@ -70,6 +74,10 @@ class MTPModule(nn.Module):
         reads (position i: token i + k). Returns this depth's hidden states, before `norm`."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         return self.block(x, cos, sin, mask, cache, positions)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def shifted(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
@@ -89,14 +97,18 @@ def mtp_logits(
     cos: torch.Tensor,
     sin: torch.Tensor,
     mask: AttentionMask | None = None,
+    positions: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Every depth's logits (batch, seq, vocab), depth k's at position i predicting token i + k + 1. hidden: the
-    model's last hidden states; tokens: its input ids (batch, seq). The places past the end read token 0: their
-    targets do not exist, and causal attention keeps them from every earlier position."""
+    model's last hidden states; tokens: its input ids (batch, seq); positions: where hidden's tokens lie in them
+    (context parallelism; None: all, in order). The places past the end read token 0: their targets do not exist,
+    and causal attention keeps them from every earlier position."""
     out = []
     for k, module in enumerate(modules, start=1):
-        hidden = module(hidden, embed(shifted(tokens, k, 0)), cos, sin, mask)
-        out.append(head(module.norm(hidden)))
+        ahead = shifted(tokens, k, 0)
+        ahead = ahead if positions is None else ahead[:, positions]
+        hidden = module(hidden, embed(ahead), cos, sin, mask)
+        out.append(head(module.head_input(module.norm(hidden))))
     return out
 
 
@@ -133,7 +145,7 @@ class MTPHeads(nn.ModuleList):
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: ExtraHeadInputs) -> list[torch.Tensor]:
         depths = cast(Sequence[MTPModule], list(self))
         i = inputs
-        return mtp_logits(depths, hidden, tokens, i.embed, i.head, i.cos, i.sin, i.mask)
+        return mtp_logits(depths, hidden, tokens, i.embed, i.head, i.cos, i.sin, i.mask, i.positions)
 
 
 def mtp_problems(num_modules: int, weight: float, seq_length: int) -> list[str]:
