@@ -16,6 +16,7 @@ from layout import assert_matches, run_train
 from torch import nn
 
 from llamatron.models import build_model, get_preset
+from llamatron.parallel.layout import ParallelLayout
 from llamatron.parallel.mesh import Mesh
 from llamatron.parallel.tensor import apply_tensor_parallel
 from llamatron.training.fp8 import FP8Matmul, apply_fp8, fp8_problems
@@ -58,7 +59,7 @@ def test_latent_attentions_five_projections_run_fp8_and_the_router_does_not():
     assert not any(n.endswith("router") for n in converted) and type(model.layers["1"].mlp.router) is nn.Linear
     # under tensor parallelism: the replicated down-projections are torchao's Float8Linear, the split ones FP8Matmul
     tp = build_model(_fp8_cfg())
-    apply_tensor_parallel(tp, Mesh(tp=2, tp_rank=1), sequence_parallel=True)
+    apply_tensor_parallel(tp, Mesh(ParallelLayout(tp=2), tp_rank=1), sequence_parallel=True)
     assert [n for n in apply_fp8(tp, "tensorwise", emulate=True) if ".attn." in n] == _attention_linears(tp)
     attn = tp.layers["0"].attn
     assert type(attn.q_a).__name__ == type(attn.kv_a).__name__ == "Float8Linear"
