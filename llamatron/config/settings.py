@@ -32,6 +32,7 @@ from .megatron_flags import (
 )
 from .model_overrides import add_model_override_argument, did_you_mean, merged_overrides, parse_model_overrides
 from .ranges import Range, above, at_least, problem
+from .setting import setting as _f
 from .yaml_errors import yaml_error_line
 
 # --fp8's recipes (torchao.float8's names; training/fp8.py applies them)
@@ -39,22 +40,7 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")
 # --objective and --dpo-loss (objectives/: language_model.py, preference.py)
 OBJECTIVES = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
-
-
-def _f(default: Any, help: str, choices: tuple | None = None, allowed: Range | None = None, words: bool = False) -> Any:
-    """A setting: its default, help and choices; `allowed`: the range of a number (every int and float has one);
-    `words`: a text of several words (a blend's W1 P1 W2 P2) that its flag also takes unquoted, as Megatron-LM's
-    --data-path does."""
-    meta: dict[str, Any] = {"help": help}
-    if words:
-        meta["words"] = True
-    if choices:
-        meta["choices"] = choices
-    if allowed is not None:
-        meta["allowed"] = allowed
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+OPTIMIZERS = ("adamw",)  # --optimizer (llamatron/optim/'s registry)
 
 
 def _kernel_switch(
@@ -130,6 +116,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
+    optimizer: str = _f("adamw", "the optimizer (llamatron/optim/)", OPTIMIZERS)
     lr: float = _f(3e-4, "peak learning rate", allowed=at_least(0))
     min_lr: float = _f(3e-5, "learning-rate floor of the decay (at most --lr)", allowed=at_least(0))
     lr_schedule: str = _f("cosine", "learning-rate decay after warm-up", ("constant", "linear", "cosine"))

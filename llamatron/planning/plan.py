@@ -3,7 +3,7 @@ layouts that fit a model on a cluster with it).
 
 Memory model (bytes on the busiest GPU: every pipeline rank is evaluated, the largest is reported)
 ---------------------------------------------------------------------------------------------------
-Weights, gradients, optimizer state: per parameter the rank holds, as parallel/optimizer.py allocates them:
+Weights, gradients, optimizer state: per parameter the rank holds, as the optimizer (llamatron/optim/) allocates them:
 bf16 params 2 + fp32 grads 4 + (fp32 master 4 + moments 8) / s; fp32 params 4 + 4 + 8 / s (s = dp x cp, the
 replicas holding the same weights, with the distributed optimizer, else 1). Tensor-parallel shards divide by
 tp (KV heads stay >= 1 per rank), norms are replicated, the vocabulary is padded to 128*tp (parallel/tensor.py);
