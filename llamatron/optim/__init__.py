@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..parallel.fsdp import Buffer
@@ -21,6 +22,7 @@ from ..parallel.mesh import Mesh
 from .adamw import MOMENTS, DistributedAdamW, adamw_state_bytes
 from .base import Segment, SegmentOptimizer
 from .loss_scale import DynamicLossScaler
+from .muon import MOMENTUM, Muon, MuonSettings, hidden_matrices, muon_problems, muon_state_bytes
 from .schedule import lr_at, lr_problems
 
 
@@ -67,12 +69,28 @@ def _build_adamw(a: BuildArgs) -> SegmentOptimizer:
     return DistributedAdamW(**_adamw_args(a))
 
 
+def _build_muon(a: BuildArgs) -> SegmentOptimizer:
+    o = a.optim
+    adamw_lr = o.lr if o.muon_adamw_lr is None else o.muon_adamw_lr
+    settings = MuonSettings(
+        momentum=o.muon_momentum,
+        nesterov=o.muon_nesterov,
+        ns_steps=o.muon_ns_steps,
+        ns_coefficients=tuple(o.muon_ns_coefficients),
+        adjust_lr=o.muon_adjust_lr,
+        adamw_lr_ratio=adamw_lr / o.lr if o.lr > 0 else 1.0,
+        ns_dtype=torch.float32 if o.muon_ns_dtype == "fp32" else torch.bfloat16,
+    )
+    return Muon(_adamw_args(a), settings, a.hidden_matrices)
+
+
 def _no_problems(optim: Any) -> list[str]:
     return []
 
 
 ADAMW = OptimizerKind("adamw", _build_adamw, MOMENTS, lambda dtype, share: adamw_state_bytes(dtype), _no_problems)
-OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW,)}
+MUON = OptimizerKind("muon", _build_muon, (*MOMENTS, MOMENTUM), muon_state_bytes, muon_problems)
+OPTIMIZERS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, MUON)}
 
 
 def optimizer_kind(name: str) -> OptimizerKind:
@@ -103,6 +121,7 @@ __all__ = [
     "Segment",
     "SegmentOptimizer",
     "bytes_per_param",
+    "hidden_matrices",
     "lr_at",
     "lr_problems",
     "optimizer_kind",

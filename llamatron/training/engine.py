@@ -32,7 +32,7 @@ from ..models.transformer import batch_inputs
 from ..objectives import Objective
 from ..objectives.language_model import LanguageModelObjective
 from ..objectives.preference import PreferenceObjective
-from ..optim import BuildArgs, DynamicLossScaler, SegmentOptimizer, lr_at, optimizer_kind
+from ..optim import BuildArgs, DynamicLossScaler, SegmentOptimizer, hidden_matrices, lr_at, optimizer_kind
 from ..parallel.context import apply_context_parallel
 from ..parallel.expert import ExpertParallelDispatch, TensorParallelShards, apply_expert_parallel
 from ..parallel.fsdp import Buffer, ShardedBuffer
@@ -233,7 +233,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
     if split:  # (none where the experts are frozen: LoRA adapts the dense linears)
         buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
-    optimizer = _optimizer(cfg, buffers, mesh, resolved["adamw"], frozenset())
+    optimizer = _optimizer(cfg, buffers, mesh, resolved["adamw"], hidden_matrices(chunks, specs))
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     objective = _objective(cfg, chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
     return Engine(
