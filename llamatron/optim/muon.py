@@ -8,9 +8,12 @@ Per hidden matrix W with gradient G (clipped and unscaled as AdamW's), as torch.
 A MoE's stacked experts are orthogonalised one expert at a time.
 
 Whole matrices on every layout: the momentum is elementwise, kept in the same flat segments as AdamW's moments (so
-checkpoints store and reshard it as theirs); U is made whole before NS: summed over the data-parallel shard group
-when the buffer is sharded (--distributed-optimizer, --fsdp), gathered over tensor parallelism when the matrix is
-split; every rank then runs NS on the whole matrix and keeps its own part of O.
+checkpoints store and reshard it as theirs). When a buffer is sharded (--distributed-optimizer, --fsdp: each rank
+updates a flat range across rows), each matrix is owned by one rank of the shard group (balanced by elements):
+the ranks' segments of U are summed onto it, it runs NS, and broadcasts O back; the sums and broadcasts are
+asynchronous, so one matrix's travel overlaps another's NS. Under tensor parallelism the owner's tp ranks gather
+U over tp and NS the whole matrix (each shard alone would be another optimizer). Unsharded, every rank runs NS
+on its own matrices (tp: the whole, gathered, each keeping its part). The cost is `plan`'s (planning/).
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ class _Matrix:
     spec: ParamSpec
     buffer: Buffer
     segment: int | None
+    owner: int | None = None  # the global rank that orthogonalises it (a sharded buffer); None: every rank its own
+
+
+# Matrices whose updates are in flight at once (their summed updates and orthogonalised results live together):
+# enough to overlap one matrix's communication with another's Newton-Schulz, bounded in memory.
+WINDOW_ELEMENTS = 1 << 26
 
 
 def newton_schulz(
@@ -106,6 +115,7 @@ class Muon(DistributedAdamW):
             for p, spec in buf.spec_of.items()
             if spec.global_name in hidden
         ]
+        _assign_owners(self.matrices)
         self.muon_segments = [m.segment for m in self.matrices if m.segment is not None]
         self.momentum = self._zeros(set(self.muon_segments))
 
@@ -123,27 +133,36 @@ class Muon(DistributedAdamW):
         # A skipped step leaves the matrices as they are; Muon's collectives need every rank to agree, as the
         # norm (all-reduced) makes them: one host sync.
         if self.matrices and not bool(found_inf.item()):
+            window: list[_Matrix] = []
             for m in self.matrices:
-                self._update(m, grads, lr, grad_scale)
+                window.append(m)
+                if sum(math.prod(w.spec.local_shape) for w in window) >= WINDOW_ELEMENTS:
+                    self._update(window, grads, lr, grad_scale)
+                    window = []
+            self._update(window, grads, lr, grad_scale)
             if self.muon_segments:
                 torch._foreach_add_([self.steps[i] for i in self.muon_segments], 1.0)
             self.write_back(self.muon_segments)
         return norm, found_inf
 
-    def _update(self, m: _Matrix, grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | None) -> None:
-        update = self._whole_update(m, grads, grad_scale)
-        ortho = self._orthogonalised(m.spec, update).reshape(-1)
-        if m.segment is None:
-            return
-        seg, master = self.segments[m.segment], self.master[m.segment]
-        master.mul_(1 - lr * self.weight_decay)
-        master.add_(ortho[seg.param_offset : seg.param_offset + master.numel()], alpha=-self._lr(lr, m.spec))
+    def _update(self, window: list[_Matrix], grads: list[torch.Tensor], lr: float, scale: torch.Tensor | None) -> None:
+        """Muon on these matrices: every momentum step and update sum started, then each owner's Newton-Schulz as
+        its sum arrives, its result sent back to the group while the next is computed, then the weights."""
+        started = [self._whole_update(m, grads, scale) for m in window]
+        results = [self._orthogonalise(m, whole, work) for m, (whole, work) in zip(window, started)]
+        for m, (ortho, work) in zip(window, results):
+            if work is not None:
+                work.wait()
+            if m.segment is None:
+                continue
+            seg, master = self.segments[m.segment], self.master[m.segment]
+            flat = ortho.reshape(-1)[seg.param_offset : seg.param_offset + master.numel()]
+            master.mul_(1 - lr * self.weight_decay)
+            master.add_(flat, alpha=-adjusted_lr(lr, self.muon.adjust_lr, m.spec.full_shape))
 
-    def _lr(self, lr: float, spec: ParamSpec) -> float:
-        return adjusted_lr(lr, self.muon.adjust_lr, spec.full_shape)
-
-    def _whole_update(self, m: _Matrix, grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> torch.Tensor:
-        """The momentum step on this rank's segment, and the update U of the whole local (tp) matrix, flat."""
+    def _whole_update(self, m: _Matrix, grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> tuple:
+        """The momentum step on this rank's segment, and the update U of the whole local (tp) matrix, flat: summed
+        onto its owner (async: the work to wait for) when the buffer is sharded."""
         s = self.muon
         part = None
         if m.segment is not None:
@@ -151,17 +170,28 @@ class Muon(DistributedAdamW):
             buf = self.momentum[m.segment]
             buf.lerp_(g, 1 - s.momentum)
             part = g.lerp(buf, s.momentum) if s.nesterov else buf.clone()
-        if not _sharded(m.buffer):
+        if m.owner is None:
             assert part is not None  # an unsharded buffer's segments are whole parameters
-            return part
-        numel = math.prod(m.spec.local_shape)
-        # The buffer is sharded over its data-parallel group: each rank adds its segment into a zero tensor.
-        whole = torch.zeros(numel, device=self.device)
+            return part, None
+        # Each rank adds its segment into a zero tensor, summed on the owner.
+        whole = torch.zeros(math.prod(m.spec.local_shape), device=self.device)
         if part is not None:
             offset = self.segments[m.segment].param_offset  # type: ignore[index]
             whole[offset : offset + part.numel()] = part
-        dist.all_reduce(whole, group=m.buffer.dp_group)
-        return whole
+        return whole, dist.reduce(whole, dst=m.owner, group=m.buffer.dp_group, async_op=True)
+
+    def _orthogonalise(self, m: _Matrix, whole: torch.Tensor, work) -> tuple:
+        """The orthogonalised update in the local shape, on the owner (or every rank where there is none), and the
+        broadcast that brings it to the group's other ranks (async: the work to wait for)."""
+        if work is not None:
+            work.wait()
+        if m.owner is None:
+            return self._orthogonalised(m.spec, whole), None
+        if m.owner == dist.get_rank():
+            ortho = self._orthogonalised(m.spec, whole).contiguous()
+        else:
+            ortho = torch.empty(m.spec.local_shape, dtype=self.muon.ns_dtype, device=self.device)
+        return ortho, dist.broadcast(ortho, src=m.owner, group=m.buffer.dp_group, async_op=True)
 
     def _orthogonalised(self, spec: ParamSpec, flat: torch.Tensor) -> torch.Tensor:
         """NS of the whole matrix (gathered over tensor parallelism), this rank's part of it in the local shape."""
@@ -174,6 +204,21 @@ class Muon(DistributedAdamW):
         else:
             out = newton_schulz(full, s.ns_coefficients, s.ns_steps, s.ns_dtype)
         return out if layout is None else layout.shard(out)
+
+
+def _assign_owners(matrices: list[_Matrix]) -> None:
+    """Each matrix of a sharded buffer to one rank of its data-parallel group, the least loaded so far (by
+    elements): the same on every rank, which see the same matrices in the same order."""
+    loads: dict[int, list[int]] = {}
+    for m in matrices:
+        if not _sharded(m.buffer):
+            continue
+        group = m.buffer.dp_group
+        assert group is not None  # sharded: dp > 1
+        load = loads.setdefault(id(group), [0] * m.buffer.dp)
+        r = load.index(min(load))
+        load[r] += math.prod(m.spec.local_shape)
+        m.owner = dist.get_global_rank(group, r)
 
 
 def _sharded(buf: Buffer) -> bool:
