@@ -36,6 +36,8 @@ class Segment:
 class SegmentOptimizer:
     """The segments, master weights, step counts and gradient norm; subclasses keep their state and `step`."""
 
+    hidden: frozenset[str] = frozenset()  # global names of the matrices it treats apart (Muon's), for bytes_per_param
+
     def __init__(
         self,
         buffers: list[Buffer],

@@ -139,8 +139,10 @@ def state_memory(engine: Engine) -> dict[str, float]:
         buf.finish_param_gather()
     sync_device(engine.device)
     params = sum(p.numel() for b in engine.buffers for p in b.param_range)
-    optimizer = engine.cfg.optim.optimizer
-    per_param = sum(bytes_per_param(engine.derived.dtype_name, engine.optimizer.distributed, engine.mesh.dp, optimizer))
+    opt = engine.optimizer
+    share = sum(p.numel() for b in engine.buffers for p, s in b.spec_of.items() if s.global_name in opt.hidden) / params
+    kind = engine.cfg.optim.optimizer
+    per_param = sum(bytes_per_param(engine.derived.dtype_name, opt.distributed, engine.mesh.dp, kind, share))
     return {
         "state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
         "state_formula_gib": params * per_param / 2**30,

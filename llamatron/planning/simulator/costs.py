@@ -113,6 +113,7 @@ class StepOptions:
     schedule: str = "1f1b"  # or "zb-h1"
     pp_layers: str | None = None
     fsdp: FsdpOptions | None = None  # --fsdp (simulator/fsdp.py): per-layer gathers and reduce-scatters instead
+    optimizer_extra: float = 0.0  # seconds an optimizer adds after the reduction (Muon: planning/muon_cost.py)
 
 
 @dataclass
