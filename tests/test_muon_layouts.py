@@ -42,14 +42,17 @@ def test_muon_layouts_match_the_single_process(name, single, tmp_path):
     assert_same_weights(weights, tmp_path / "ck" / "step-5")
 
 
-def test_muon_checkpoint_at_tp2_dp2_resumes_exactly_in_one_process(tmp_path, capsys):
-    """Saved at tp 2 x dp 2 with the distributed optimizer after step 3, resumed on one process: steps 4 and 5 equal
+def test_muon_checkpoint_at_tp2_dp2_resumes_exactly_in_one_process_and_at_fsdp4(tmp_path, capsys):
+    """Saved at tp 2 x dp 2 with the distributed optimizer after step 3, resumed on one process and at --fsdp over
+    4 ranks (each rank's momentum shard a flat range across rows of the matrices): steps 4 and 5 equal
     the uninterrupted run's (the momentum came across: without it, step 5 differs). The checkpoint keeps Muon's
     momentum for the hidden matrices and AdamW's moments for the rest, by the kinds the optimizer declares."""
     steps = ["--save", "ck", "--save-interval", "3"]
     first = run_train([*MUON, "--tp", "2", "--distributed-optimizer", *steps], 4, tmp_path, model=MODEL)
     resumed = run_train([*MUON, "--load", "ck/step-3"], 1, tmp_path, model=MODEL)
     assert_matches(first[3:], resumed)
+    fsdp4 = run_train([*MUON, "--fsdp", "--micro-batch-size", "1", "--load", "ck/step-3"], 4, tmp_path, model=MODEL)
+    assert_matches(first[3:], fsdp4)
     reader = CheckpointReader(tmp_path / "ck" / "step-3")
     assert "layers.0.mlp.experts.gate_up" in reader.names("momentum_buffer")
     assert {"embed.weight", "layers.0.mlp.router.weight"} <= reader.names("exp_avg")

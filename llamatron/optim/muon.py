@@ -97,9 +97,11 @@ def hidden_matrices(chunks: Sequence[nn.Module], specs: Sequence[ParamSpecs]) ->
             for name, p in layer.named_parameters():
                 owner, _, leaf = name.rpartition(".")
                 kind = weight_kind(modules[owner], leaf, owner)
+                spec = chunk_specs[f"layers.{prefix}.{name}"]
+                shape = spec.full_shape  # not the shard's: every layout picks the same matrices
                 # a 1-row matrix (a shared expert's gate) is a vector: NS would only normalise it
-                if p.requires_grad and (kind == "expert" or (kind == "matmul" and p.ndim == 2 and min(p.shape) > 1)):
-                    out.add(chunk_specs[f"layers.{prefix}.{name}"].global_name)
+                if p.requires_grad and (kind == "expert" or (kind == "matmul" and len(shape) == 2 and min(shape) > 1)):
+                    out.add(spec.global_name)
     return frozenset(out)
 
 
