@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -63,3 +64,14 @@ def test_simulated_step_adds_muon_seconds():
     extra = optimizer_seconds(model, lay, hw, muon_precision)
     assert 0 < extra < 0.05 * adamw.step_seconds  # 1.7%: 32 micro-batches of one sequence a step
     assert muon.parts["optimizer"] - adamw.parts["optimizer"] == extra
+
+
+def test_plan_takes_the_yaml_optimizer_and_refuses_an_unknown_one(tmp_path, capsys):
+    from llamatron.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model: llama-test\noptimizer: sgd\n")
+    with pytest.raises(SystemExit) as failed:
+        main(["plan", "--config", str(config), "--gpus", "1"])
+    err = capsys.readouterr().err
+    assert failed.value.code == 2 and "optimizer 'sgd': choose one of adamw, muon" in err and "Traceback" not in err
