@@ -61,6 +61,7 @@ WRONG_TYPES: dict[Any, list[Any]] = {
     str: [5, 2.5, True, ["a"], {"a": 1}],
     list[str]: [5, [1], {"a": 1}],
     list[int]: [5, ["a"], [1.5], {"a": 1}, [True]],
+    list[float]: [5, ["a"], {"a": 1}, [True]],
 }
 
 

@@ -130,8 +130,8 @@ def test_optimizer_matches_torch_adamw_with_clipping(clip):
     from llamatron.data.batches import micro_batches_for_step
     from llamatron.data.mock import MockDataset
     from llamatron.models import build_model, materialize
+    from llamatron.optim import lr_at
     from llamatron.parallel.mesh import build_mesh
-    from llamatron.parallel.optimizer import lr_at
     from llamatron.training.engine import build_engine, train_step
     from llamatron.training.validate import validate
 

@@ -92,8 +92,8 @@ needs_fp8 = pytest.mark.skipif(
 def test_fp8_on_the_gpu_tracks_bf16_and_runs_latent_attention_in_fp8(tmp_path):
     """A few steps of --fp8 tensorwise against bf16 (the loss within 2%), and one forward and backward in which
     MLA's projections' weight gradients differ from bf16's by FP8's error: they ran FP8 matmuls."""
+    from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
     from llamatron.models import materialize
-    from llamatron.models.cross_entropy_op import cross_entropy_per_token
 
     args = [*_config(tmp_path), "--device", "cuda", "--precision", "bf16", "--seq-length", "128"]
     args += ["--train-steps", "6", "--lr", "3e-3"]

@@ -3,7 +3,7 @@
 import torch
 from layout import run_train
 
-from llamatron.parallel.loss_scale import DynamicLossScaler
+from llamatron.optim import DynamicLossScaler
 
 
 def test_scaler_backs_off_on_overflow_and_grows_after_clean_steps():

@@ -8,7 +8,7 @@ import math
 import pytest
 from layout import BASE_ARGS, run_train
 
-from llamatron.parallel.optimizer import lr_at
+from llamatron.optim import lr_at
 
 PEAK, FLOOR = 1e-3, 1e-4
 

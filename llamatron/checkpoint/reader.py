@@ -12,8 +12,9 @@ Every path read from a checkpoint (`latest`, the index's files) must name a file
 symlinks resolved: a crafted checkpoint cannot make a load read anything else.
 
 Tensors are grouped by kind: `model` (weights), `master` (fp32 master
-weights, only when they differ from the weights), `exp_avg`, `exp_avg_sq`
-(AdamW moments) and `step` (AdamW step count, shape (1,)), each by the global
+weights, only when they differ from the weights), `step` (the optimizer's
+step count, shape (1,)) and the kinds of state the optimizer declares
+(llamatron/optim/: each the shape of its weight), each by the global
 parameter name of the single-device model with its unpadded shape.
 
 A directory without index.json is the full-tensor layout that `import-hf`
@@ -41,7 +42,6 @@ from .pieces import Box
 META_FILE, INDEX_FILE = "meta.json", "index.json"
 MODEL_FILE, OPTIM_FILE = "model.safetensors", "optimizer.safetensors"  # the full-tensor layout (imports)
 FORMAT = "llamatron-pieces/1"
-STATE_KINDS = ("exp_avg", "exp_avg_sq", "master", "step")
 
 
 _RELOAD = "load another checkpoint (an earlier DIR/step-N) or re-create it"
@@ -441,7 +441,6 @@ __all__ = [
     "META_FILE",
     "MODEL_FILE",
     "OPTIM_FILE",
-    "STATE_KINDS",
     "CheckpointReader",
     "StoredPiece",
     "StoredTensor",

@@ -142,11 +142,9 @@ def rank_pieces(engine, frozen: bool = True) -> list[PieceToWrite]:
                 first = a - seg.param_offset
                 if first < 0 or first + (b - a) > seg.end - seg.start:
                     raise CheckpointError(f"{spec.global_name}: range [{a}, {b}) is not in this rank's optimizer shard")
-                sources = {
-                    "model": buf.param_data[buf.local(start + a, start + b)],  # p's own elements (fsdp: its shard)
-                    "exp_avg": opt.exp_avg[i][first : first + b - a],
-                    "exp_avg_sq": opt.exp_avg_sq[i][first : first + b - a],
-                }
+                sources = {"model": buf.param_data[buf.local(start + a, start + b)]}  # p's own elements
+                # the optimizer's state, by the kinds it declares
+                sources |= {kind: t[first : first + b - a] for kind, t in opt.state(i).items()}
                 if not opt.master_is_param:
                     sources["master"] = opt.master[i][first : first + b - a]
                 name, full = spec.global_name, spec.full_shape
@@ -337,10 +335,16 @@ def _publish(pending: PendingSave, reports: list[tuple]) -> None:
     if pending.expected is not None and written != pending.expected:
         wrong = sorted(set(written.items()) ^ set(pending.expected.items()))[:10]
         raise CheckpointError(f"the weights written do not match the model: {wrong}")
-    trained = set(tensors.get("exp_avg", {}))  # all weights, or those that train (frozen ones have no state)
-    for kind in ("exp_avg", "exp_avg_sq", "step"):
-        if set(tensors.get(kind, {})) != trained or not trained <= set(written):
+    trained = set(tensors.get("step", {}))  # all weights, or those that train (frozen ones have no state)
+    if not trained <= set(written):
+        raise CheckpointError("the ranks wrote optimizer state for tensors that are not among the weights")
+    stated: set[str] = set()  # the tensors with some optimizer state (an optimizer may keep other kinds for some)
+    for kind in sorted(set(tensors) - {"model", "step"}):  # master weights and the optimizer's own state kinds
+        if not set(tensors[kind]) <= trained:
             raise CheckpointError(f"the ranks wrote {kind} for a different set of tensors than the weights")
+        stated |= set(tensors[kind]) if kind != "master" else set()
+    if stated != trained:
+        raise CheckpointError("the ranks wrote optimizer state for a different set of tensors than the weights")
     tmp, root, final = pending.tmp, pending.root, pending.final
     for name, text in (
         (INDEX_FILE, json.dumps(_index_with_checksums(files, tensors, reports), separators=(",", ":"))),

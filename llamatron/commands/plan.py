@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config.model_overrides import add_model_override_argument, parse_model_overrides
 from ..config.ranges import Range, at_least, number_arg
-from ..config.settings import FP8_RECIPES, RunConfig
+from ..config.settings import FP8_RECIPES, OPTIMIZERS, RunConfig
 from ..errors import ConfigError
 from ..models import ModelConfig, get_preset
 from ..models.families import model_problems
@@ -119,6 +119,12 @@ def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
         help="the run's --fp8 recipe: its decoder linears' speed-up, measured on an H200 (memory as bf16)",
     )
     p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="the run's --optimizer: its state's memory; muon adds its Newton-Schulz FLOPs and traffic to the step",
+    )
+    p.add_argument(
         "--fp8-experts",
         action="store_true",
         default=None,
@@ -160,8 +166,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fp8_experts = bool(args.fp8_experts or settings.get("fp8_experts"))
     flags = parse_model_overrides(args.model_override).flags
     _check_model(settings["model"], settings.get("model_overrides"), flags, fp8, fp8_experts)
-    precision = Precision(compiled=args.compile, fp8=fp8)
+    optimizer = args.optimizer or settings.get("optimizer", "adamw")
+    if optimizer not in OPTIMIZERS:  # the YAML's, which argparse did not check
+        raise ConfigError(f"optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    precision = Precision(compiled=args.compile, fp8=fp8, optimizer=optimizer)
     run_flags = (f" --fp8 {fp8}" if fp8 != "none" else "") + (" --fp8-experts" if fp8_experts else "")
+    run_flags += f" --optimizer {optimizer}" if optimizer != "adamw" else ""
     if not settings.get("seq_length") and not args.json:
         print(
             f"seq {seq_length}: the default, the model's context ({preset.max_seq_length}) but at most "

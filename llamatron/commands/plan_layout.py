@@ -38,7 +38,7 @@ _LAYOUT_KEYS = [f.replace("-", "_") for f, *_ in _LAYOUT_FLAGS] + _SWITCHES
 # What plan reads of a train YAML: the model, its shape and the layout (data, checkpoints and logging are the run's).
 _PLANNED = {
     *("model", "model_overrides", "seq_length", "global_batch_size", "sequence_parallel", "pp_layers"),
-    *("fp8", "fp8_experts"),
+    *("fp8", "fp8_experts", "optimizer"),
 }
 
 
@@ -90,5 +90,11 @@ def evaluate_layout(
     model = cfg.model_config()
     lay = run_layout(cfg, derived.dp)
     memory = layout_memory(model, lay, seq_length, precision)
-    plan = Plan(lay, memory, estimate_speed(model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8))
+    plan = Plan(
+        lay,
+        memory,
+        estimate_speed(
+            model, lay, seq_length, gpus, gpus_per_node, speed, fp8=precision.fp8, optimizer_name=precision.optimizer
+        ),
+    )
     return plan, model

@@ -42,6 +42,8 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")
 # --objective and --dpo-loss (objectives/: language_model.py, preference.py)
 OBJECTIVES = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
+OPTIMIZERS = ("adamw", "muon")  # --optimizer (llamatron/optim/'s registry)
+MUON_ADJUST_LR_HELP = "a Muon matrix's lr: --lr x 0.2 sqrt(max(rows, cols)) (its update's RMS AdamW's) or original"
 
 
 _f = setting  # every section's fields below
@@ -92,6 +94,7 @@ class ParallelConfig(LayoutChoice):
 
 @dataclass
 class OptimConfig:
+    optimizer: str = _f("adamw", "adamw, or muon: Muon on the decoder layers' matrices, AdamW on the rest", OPTIMIZERS)
     lr: float = _f(3e-4, "peak learning rate", allowed=at_least(0))
     min_lr: float = _f(3e-5, "learning-rate floor of the decay (at most --lr)", allowed=at_least(0))
     lr_schedule: str = _f("cosine", "learning-rate decay after warm-up", ("constant", "linear", "cosine"))
@@ -101,6 +104,13 @@ class OptimConfig:
     adam_beta2: float = _f(0.95, "AdamW beta2", allowed=Range(0, 1, high_open=True))
     adam_eps: float = _f(1e-8, "AdamW epsilon", allowed=above(0))
     clip_grad: float = _f(1.0, "clip gradients to this global norm (0: off)", allowed=at_least(0, "0: off"))
+    muon_momentum: float = _f(0.95, "Muon's momentum", allowed=Range(0, 1, high_open=True))
+    muon_nesterov: bool = _f(True, "Muon's Nesterov momentum")
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations", allowed=Range(1, 99))
+    muon_ns_coefficients: list[float] = _f([3.4445, -4.7750, 2.0315], "Muon's Newton-Schulz coefficients a b c")
+    muon_ns_dtype: str = _f("bf16", "Muon's Newton-Schulz dtype (bf16: torch.optim.Muon's)", ("bf16", "fp32"))
+    muon_adjust_lr: str = _f("match_rms_adamw", MUON_ADJUST_LR_HELP, ("match_rms_adamw", "original"))
+    muon_adamw_lr: float | None = _f(None, "Muon runs: peak lr of what AdamW updates (def. --lr)", allowed=at_least(0))
     adamw_kernel: str = _f(
         "auto",
         "AdamW update: triton (one pass that also writes the model weights; CUDA) or "

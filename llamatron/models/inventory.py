@@ -85,7 +85,8 @@ def _split_of(plan_style: str | None, leaf: str) -> str:
     return plan_style
 
 
-def _kind_of(module: nn.Module, leaf: str, name: str) -> str:
+def weight_kind(module: nn.Module, leaf: str, name: str) -> str:
+    """What a layer's parameter `name.leaf` of `module` is: matmul (a linear's weight), expert, router, norm, bias."""
     if isinstance(module, Experts):
         return "expert"
     if isinstance(module, (RMSNorm, nn.LayerNorm)):
@@ -106,7 +107,7 @@ def _describe(layer: nn.Module, core: nn.Module | None = None) -> Layer:
     weights = []
     for name, p in layer.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        kind = _kind_of(modules[owner], leaf, owner)
+        kind = weight_kind(modules[owner], leaf, owner)
         split = "expert" if kind == "expert" else _split_of(plans.get(owner), leaf)
         weights.append(Weight(name, tuple(p.shape), split, kind))
     core = layer if core is None else core

@@ -3,7 +3,8 @@ data-parallel ranks, each layer's parameters gathered just before use and freed 
 
 `ShardedBuffer` has the interface of the gradient buffer (grad_buffer.py) that the optimizer, the gradient norm
 and the checkpoint writer read, with the same flat layout (element offsets, buckets padded to dp·_ALIGN, rank r
-owning the r-th 1/dp of each bucket), so `DistributedAdamW` and `checkpoint/writer.py` run unchanged over it.
+owning the r-th 1/dp of each bucket), so the optimizer (llamatron/optim/) and `checkpoint/writer.py` run unchanged
+over it.
 What differs: a bucket is one forward unit (the embedding, a decoder layer, the final norm with the output head),
 and a rank *stores* only its shard of each bucket (`param_data`, `grad_data`: numel/dp elements). The whole
 bucket exists only while gathered: its parameters are views of `bucket.full`, whose storage is resized to 0 when

@@ -32,6 +32,7 @@ from ..models.inventory import final_norm_params
 from ..parallel.fsdp import MAX_REDUCING
 from ..parallel.schedules import rank_order
 from .layout import Layout, Precision
+from .muon_cost import matrix_share
 from .params import bytes_per_param, expert_layer_params, layer_shards, local_vocab, stage_layers, stage_params
 
 
@@ -42,8 +43,11 @@ def fsdp_state_bytes(
     params = stage_params(model, lay.tp, lay.pp, rank, layers, lay.ep)[0]
     experts = layers * expert_layer_params(model, lay.tp, lay.ep)
     held = (params - experts) / lay.dense_shards + experts / lay.expert_shards
-    w, g, o = bytes_per_param(prec.dtype, True, 1)
-    return w * held, g * held, o * held
+    w, g, o = bytes_per_param(
+        prec.dtype, True, 1, prec.optimizer, matrix_share(model, lay, prec, params - experts, layers)
+    )
+    o_expert = bytes_per_param(prec.dtype, True, 1, prec.optimizer, 1.0)[2]
+    return w * held, g * held, o * (params - experts) / lay.dense_shards + o_expert * experts / lay.expert_shards
 
 
 def _unit_sizes(model: ModelConfig, lay: Layout, rank: int) -> tuple[float, float, float]:

@@ -83,6 +83,7 @@ class Precision:
     fused_swiglu: bool = True  # SwiGLU as Triton kernels (kernels/swiglu_op.py), the default on CUDA
     fused_loss: bool = True  # the cross-entropy as Triton kernels (kernels/cross_entropy_op.py), the default on CUDA
     fp8: str = "none"  # --fp8: the decoder's linears in FP8 (speed: SpeedAssumptions.fp8_gemm_speedup)
+    optimizer: str = "adamw"  # --optimizer: its state bytes per parameter; Muon's step cost (muon_cost.py)
 
     @property
     def act_bytes(self) -> int:

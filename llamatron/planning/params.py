@@ -15,7 +15,7 @@ from ..models.inventory import (
     layers,
     per_config,
 )
-from ..parallel.optimizer import bytes_per_param
+from ..optim import bytes_per_param
 from ..parallel.pipeline import split_layers
 from ..parallel.tensor import padded_vocab_size, shard_numel
 

@@ -3,9 +3,11 @@ layouts that fit a model on a cluster with it).
 
 Memory model (bytes on the busiest GPU: every pipeline rank is evaluated, the largest is reported)
 ---------------------------------------------------------------------------------------------------
-Weights, gradients, optimizer state: per parameter the rank holds, as parallel/optimizer.py allocates them:
+Weights, gradients, optimizer state: per parameter the rank holds, as the optimizer (llamatron/optim/) allocates them:
 bf16 params 2 + fp32 grads 4 + (fp32 master 4 + moments 8) / s; fp32 params 4 + 4 + 8 / s (s = dp x cp, the
-replicas holding the same weights, with the distributed optimizer, else 1). Tensor-parallel shards divide by
+replicas holding the same weights, with the distributed optimizer, else 1); --optimizer muon keeps one 4-byte
+momentum instead of the 8 bytes of moments for the decoder layers' matrices and experts (muon_cost.py, which
+also prices its Newton-Schulz FLOPs and traffic for speed.py and the simulator). Tensor-parallel shards divide by
 tp (KV heads stay >= 1 per rank), norms are replicated, the vocabulary is padded to 128*tp (parallel/tensor.py);
 the embedding sits on the first stage, the head and final norm on the last, and a tied embedding keeps a copy
 there when pp > 1. --fsdp: every bucket's shard, 2 + 4 + 12 bytes a parameter over the shard group
@@ -58,6 +60,7 @@ from .activations import (
 from .fsdp_memory import fsdp_buffers, fsdp_state_bytes
 from .layout import Layout as Layout  # re-exported: the planner's public names
 from .layout import Precision as Precision
+from .muon_cost import matrix_share
 from .params import bytes_per_param as bytes_per_param
 from .params import (
     expert_layer_params,
@@ -167,8 +170,9 @@ def _state_bytes(
         return fsdp_state_bytes(model, lay, prec, layers, rank)
     params = stage_params(model, lay.tp, lay.pp, rank, layers, lay.ep)[0]
     experts = layers * expert_layer_params(model, lay.tp, lay.ep)
-    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.replicas)
-    o_expert = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.expert_replicas)[2]
+    share = matrix_share(model, lay, prec, params - experts, layers)
+    w, g, o = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.replicas, prec.optimizer, share)
+    o_expert = bytes_per_param(prec.dtype, lay.distributed_optimizer, lay.expert_replicas, prec.optimizer, 1.0)[2]
     return w * params, g * params, o * (params - experts) + o_expert * experts
 
 

@@ -41,6 +41,7 @@ from .plan import (
     Memory,
     Plan,
     Precision,
+    Speed,
     SpeedAssumptions,
     estimate_speed,
     layout_memory,
@@ -221,9 +222,7 @@ class _Search:
         return memory_within(self.model, lay, self.seq_length, self.precision, self.gpu_memory)
 
     def _plan(self, lay: Layout, mem: Memory) -> Plan:
-        speed = estimate_speed(
-            self.model, lay, self.seq_length, self.gpus, self.gpus_per_node, self.speed, fp8=self.precision.fp8
-        )
+        speed = _estimate(self.model, lay, self.seq_length, self.gpus, self.gpus_per_node, self.speed, self.precision)
         return Plan(lay, mem, speed)
 
     def _partial_recompute(self, fits: list[Plan]) -> list[Layout]:
@@ -273,8 +272,8 @@ class _ContextFilter:
         if self.to_beat == 0:
             return True
         fastest = replace(lay, recompute="none", recompute_layers=None)
-        speed = estimate_speed(
-            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, self.speed, fp8=self.precision.fp8
+        speed = _estimate(
+            self.model, fastest, self.seq_length, self.gpus, self.gpus_per_node, self.speed, self.precision
         )
         return speed.tokens_per_sec_per_gpu > self.to_beat
 
@@ -469,3 +468,10 @@ def _smallest_layout(rejected: list[tuple[Layout, Memory]], gpu_memory: float) -
         f"{lay.micro_batch_size}) needs {mem.total / GB:.1f} GB: weights+grads+optimizer {mem.static / GB:.1f}, "
         f"activations {mem.activations / GB:.1f}, buffers {mem.buffers_total / GB:.1f}"
     )
+
+
+def _estimate(
+    model: ModelConfig, lay: Layout, seq: int, gpus: int, per_node: int, hw: SpeedAssumptions, prec: Precision
+) -> Speed:
+    """estimate_speed with the precision's FP8 recipe and optimizer."""
+    return estimate_speed(model, lay, seq, gpus, per_node, hw, fp8=prec.fp8, optimizer_name=prec.optimizer)

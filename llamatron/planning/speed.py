@@ -24,7 +24,8 @@ llamatron/planning/simulator/calibration.yaml, this one from its `planner:` sect
   --fsdp: per micro-batch and layer, the weights' all-gather (forward, and backward unless keep-params) and the
     gradient's reduce-scatter over the shard group, exposed what outlasts the layer's compute (fsdp_comm_seconds);
     hybrid sharding's all-reduce exposed in full; no step-end reduction;
-  optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter;
+  optimizer step: memory-bound, about 30 bytes per owned parameter plus 8 per held parameter; --optimizer muon
+    adds its Newton-Schulz FLOPs (at the base MFU) and its updates' gather/sum/broadcast (muon_cost.py), exposed;
   a mixture of experts: under a capacity factor the experts' FLOPs of the choices dropped (k - experts_taken per
     token) are not run; global-batch load balancing (router_aux_loss_scope global_batch) runs every micro-batch
     forward once more without gradient before the step (a third of the model FLOPs more);
@@ -46,6 +47,7 @@ from ..models import ModelConfig
 from ..models.inventory import experts_taken, flops_per_token, layers
 from .activations import gathered_kv_bytes
 from .layout import Layout
+from .muon_cost import muon_cost
 from .params import active_layer_params, layer_shards, stage_params
 from .simulator.calibration import Calibration, load_calibration
 from .simulator.hardware import Hardware, resolve_hardware
@@ -121,6 +123,7 @@ def estimate_speed(
     hw: SpeedAssumptions = SpeedAssumptions(),
     precision: str = "bf16",
     fp8: str = "none",
+    optimizer_name: str = "adamw",
 ) -> Speed:
     """Expected step time and throughput of a layout (see the module docstring)."""
     a = 4 if precision == "fp32" else 2
@@ -161,6 +164,8 @@ def estimate_speed(
     )
     owned = params / lay.dense_shards
     optimizer = (30 * owned + 8 * (owned if lay.fsdp else params)) / hw.hbm_bw
+    if optimizer_name == "muon":
+        optimizer += muon_seconds(model, lay, gpus_per_node, hw)
     step = pipeline + reduce_exposed + gather_exposed + optimizer
     tokens_per_gpu = lay.global_batch_size * seq_length / step / gpus
     return Speed(
@@ -179,6 +184,14 @@ def estimate_speed(
             "optimizer": optimizer,
         },
     )
+
+
+def muon_seconds(model: ModelConfig, lay: Layout, gpus_per_node: int, hw: SpeedAssumptions) -> float:
+    """Muon's Newton-Schulz (at the base MFU) and its extra traffic (planning/muon_cost.py), exposed: they run
+    after the gradients are reduced."""
+    cost = muon_cost(model, lay, model.num_layers / lay.pp)
+    dp_bw = hw.nvlink_bw if lay.tp * lay.replicas <= gpus_per_node else hw.internode_bw
+    return cost.flops / (hw.peak_flops * hw.base_mfu) + cost.tp_bytes / hw.nvlink_bw + cost.dp_bytes / dp_bw
 
 
 def moe_flops_change(model: ModelConfig, model_flops: float) -> float:

@@ -25,8 +25,8 @@ from ..data.batches import micro_batches_for_rank, to_device
 from ..data.mock import MockDataset
 from ..kernels.choices import KernelChoices
 from ..models.inventory import active_params, flops_per_token, num_params
+from ..optim import bytes_per_param
 from ..parallel.mesh import build_mesh, init_distributed, sum_from_last_stage
-from ..parallel.optimizer import bytes_per_param
 from .engine import Engine, build_engine, train_step
 from .kernel_settings import kernel_choices
 from .metrics import objective_fields, peak_memory_gib, peak_tflops, sync_device, throughput
@@ -132,8 +132,8 @@ def _moe_fields(engine: Engine, out: dict) -> dict:
 def state_memory(engine: Engine) -> dict[str, float]:
     """Weights + gradients + optimizer state: allocated between steps (no activations alive) vs the formula.
 
-    The formula is the optimizer's (parallel/optimizer.py's bytes_per_param, which the planner uses): bf16 params
-    2 + grads 4 + (master 4 + moments 8) / s, s = dp with the distributed optimizer (fp32 params: 4 + 4 + 8 / s).
+    The formula is the optimizer's (llamatron/optim's bytes_per_param, which the planner uses): bf16 params
+    2 + grads 4 + its state / s (AdamW: master 4 + moments 8), s = dp with the distributed optimizer.
     The measured figure also holds the step's batch and the small tensors of the optimizer's bookkeeping.
     """
     if engine.device.type != "cuda":
@@ -142,7 +142,10 @@ def state_memory(engine: Engine) -> dict[str, float]:
         buf.finish_param_gather()
     sync_device(engine.device)
     params = sum(p.numel() for b in engine.buffers for p in b.param_range)
-    per_param = sum(bytes_per_param(engine.derived.dtype_name, engine.optimizer.distributed, engine.mesh.layout.dp))
+    opt = engine.optimizer
+    share = sum(p.numel() for b in engine.buffers for p, s in b.spec_of.items() if s.global_name in opt.hidden) / params
+    kind = engine.cfg.optim.optimizer
+    per_param = sum(bytes_per_param(engine.derived.dtype_name, opt.distributed, engine.mesh.layout.dp, kind, share))
     return {
         "state_mem_gib": torch.cuda.memory_allocated(engine.device) / 2**30,
         "state_formula_gib": params * per_param / 2**30,

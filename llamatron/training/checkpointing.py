@@ -1,8 +1,8 @@
 """A run's checkpoints (the format is checkpoint/'s): save under any tp/pp/vpp/dp, resume under any other.
 
 `save_checkpoint` writes DIR/step-N: every rank its own pieces of the
-weights, fp32 master weights (when separate from the weights), AdamW moments
-and step counts, plus its RNG states; rank 0 adds meta.json (step,
+weights, fp32 master weights (when separate from the weights), the optimizer's
+state (the kinds it declares) and step counts, plus its RNG states; rank 0 adds meta.json (step,
 consumed_samples, the resolved config, the layout) and index.json, renames
 the directory into place and then points DIR/latest at it (writer.py; the
 format is described in reader.py). It is `begin_save` then
@@ -32,7 +32,7 @@ from ..checkpoint.rng import restore_rng
 from ..checkpoint.writer import PendingSave, engine_params, finish, start_save
 from ..config.settings import RunConfig, TrainConfig
 from ..errors import CheckpointError, TrainingAborted
-from ..parallel.optimizer import lr_at
+from ..optim import lr_at
 from .engine import Engine
 from .faults import NO_FAULTS, FaultInjection
 
@@ -223,13 +223,12 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
                 if seg.spec.global_name not in fresh:
                     _fill_master(reader, opt, i)
         return meta
-    if not all(reader.has(kind) for kind in ("exp_avg", "exp_avg_sq", "step")):
-        raise CheckpointError(f"{reader.step_dir} has no optimizer state; resume it with --finetune")
+    _check_optimizer_state(reader, engine)
     with torch.no_grad():
         for i, seg in enumerate(opt.segments):
             spec, start = seg.spec, seg.param_offset
-            read_into(reader, "exp_avg", spec, opt.exp_avg[i], start)
-            read_into(reader, "exp_avg_sq", spec, opt.exp_avg_sq[i], start)
+            for kind, state in opt.state(i).items():  # the kinds the optimizer declares (llamatron/optim/)
+                read_into(reader, kind, spec, state, start)
             if not opt.master_is_param:
                 _fill_master(reader, opt, i)
             opt.steps[i].fill_(reader.read("step", spec.global_name).item())
@@ -238,6 +237,22 @@ def load_checkpoint(engine: Engine, path: str, weights_only: bool = False) -> di
         scaler.load_state_dict(meta["loss_scaler"])
     _restore_rng(reader, engine)
     return meta
+
+
+def _check_optimizer_state(reader: CheckpointReader, engine: Engine) -> None:
+    """The checkpoint holds the state this run's optimizer keeps, for every tensor this rank updates."""
+    saved = (reader.run_meta.get("config") or {}).get("optim", {}).get("optimizer", "adamw")
+    now = engine.cfg.optim.optimizer
+    if saved != now:
+        raise CheckpointError(
+            f"{reader.step_dir} was trained with --optimizer {saved}, this run uses --optimizer {now}: resume it "
+            f"with --optimizer {saved}, or start from its weights with --finetune"
+        )
+    opt = engine.optimizer
+    for i, seg in enumerate(opt.segments):
+        for kind in (*opt.state(i), "step"):
+            if not reader.has(kind, seg.spec.global_name):
+                raise CheckpointError(f"{reader.step_dir} has no optimizer state; resume it with --finetune")
 
 
 def check_adapters(meta: dict[str, Any], cfg: RunConfig) -> None:

@@ -32,13 +32,12 @@ from ..models.transformer import batch_inputs
 from ..objectives import Objective
 from ..objectives.language_model import LanguageModelObjective
 from ..objectives.preference import PreferenceObjective
+from ..optim import BuildArgs, DynamicLossScaler, SegmentOptimizer, hidden_matrices, lr_at, optimizer_kind
 from ..parallel.context import apply_context_parallel
 from ..parallel.expert import ExpertParallelDispatch, TensorParallelShards, apply_expert_parallel
 from ..parallel.fsdp import Buffer, ShardedBuffer
 from ..parallel.grad_buffer import GradBuffer, mark_last_microbatch
-from ..parallel.loss_scale import DynamicLossScaler
 from ..parallel.mesh import Mesh
-from ..parallel.optimizer import DistributedAdamW, lr_at
 from ..parallel.param_spec import ParamSpec, ParamSpecs, param_specs
 from ..parallel.pipeline import build_stage_chunks, pipeline_forward_backward, pipeline_forward_each
 from ..parallel.tensor import apply_tensor_parallel, sync_tensor_parallel_grads
@@ -67,7 +66,7 @@ class Engine:
     model_cfg: ModelConfig
     chunks: list[Transformer]
     buffers: list[Buffer]
-    optimizer: DistributedAdamW
+    optimizer: SegmentOptimizer
     device: torch.device
     dtype: torch.dtype
     forward_backward: ForwardBackward
@@ -234,7 +233,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
     buffers = [buffer(chunk, chunk_specs, False if split else None) for chunk, chunk_specs in zip(chunks, specs)]
     if split:  # (none where the experts are frozen: LoRA adapts the dense linears)
         buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
-    optimizer = _optimizer(cfg, buffers, mesh, resolved.adamw)
+    optimizer = _optimizer(cfg, buffers, mesh, resolved.adamw, hidden_matrices(chunks, specs))
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
     objective = _objective(cfg, chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
     return Engine(
@@ -322,22 +321,14 @@ def _objective(
     return LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernel, compile)
 
 
-def _optimizer(cfg: RunConfig, buffers: list[Buffer], mesh: Mesh, adamw_kernel: str) -> DistributedAdamW:
-    """AdamW over the buffers' parameters; adamw_kernel auto: the Triton pass on CUDA, measured 2 ms faster of a
-    351 ms llama-1b step on an H200 (RESULTS.md run 4)."""
-    o = cfg.optim
-    return DistributedAdamW(
-        buffers,
-        mesh,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        distributed=cfg.parallel.distributed_optimizer or cfg.parallel.fsdp,
-        kernel=adamw_kernel,
-        shard_group=mesh.fsdp_shard_group,
-    )
+def _optimizer(
+    cfg: RunConfig, buffers: list[Buffer], mesh: Mesh, adamw_kernel: str, matrices: frozenset[str]
+) -> SegmentOptimizer:
+    """The run's --optimizer over the buffers' parameters; adamw_kernel auto: the Triton pass on CUDA, measured
+    2 ms faster of a 351 ms llama-1b step on an H200 (RESULTS.md run 4)."""
+    distributed = cfg.parallel.distributed_optimizer or cfg.parallel.fsdp
+    args = BuildArgs(cfg.optim, buffers, mesh, distributed, adamw_kernel, mesh.fsdp_shard_group, matrices)
+    return optimizer_kind(cfg.optim.optimizer).build(args)
 
 
 def _initial_local(model_cfg: ModelConfig, seed: int, device: torch.device, spec: ParamSpec) -> torch.Tensor:

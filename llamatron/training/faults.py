@@ -1,7 +1,7 @@
 """Surviving faults: non-finite steps, pre-emption signals, time limits and hung ranks.
 
 - A step whose gradient norm is not finite is skipped: parameters and optimizer state stay as they were
-  (parallel/optimizer.py). A NaN/Inf loss reaches the gradients through backward, so the same test catches
+  (llamatron/optim/). A NaN/Inf loss reaches the gradients through backward, so the same test catches
   it. `FaultGuard` counts skipped steps and stops the run after --max-skipped-steps of them in a row. Under
   fp16 an overflow while the loss scale can still back off is the scaler calibrating, not a fault: it is
   counted in `skipped_steps` but neither reported nor part of a streak.

@@ -23,13 +23,13 @@ from ..models.families import model_problems
 from ..models.moe_balance import balancing_run_problems
 from ..objectives.extra_heads import extra_heads_problems
 from ..objectives.preference import preference_problems
+from ..optim import optimizer_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
 from ..parallel.fsdp import fsdp_problems
 from ..parallel.grad_buffer import reduce_dtype_problems
 from ..parallel.layout import ParallelLayout
 from ..parallel.mesh import comm_problems
-from ..parallel.optimizer import lr_problems
 from ..parallel.pipeline import pipeline_problems, split_layers
 from ..parallel.schedules import schedule_problems
 from ..parallel.tensor import tensor_parallel_problems
@@ -105,7 +105,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     """The settings against each other, the model, the device and the precision; then where records go."""
     p, t, o, d = cfg.parallel, cfg.train, cfg.optim, cfg.data
     _raise_if(model.seq_length_problems(d.seq_length, t.model))
-    _raise_if(lr_problems(o.lr, o.min_lr) + resume_problems(t.finetune, t.load))
+    _raise_if(optimizer_problems(o) + resume_problems(t.finetune, t.load))
     _raise_if(reduce_dtype_problems(dtype_name, p.grad_reduce_dtype) + comm_problems(p.dp_comm_max_ctas, device))
     _raise_if(kernel_problems(KernelChoices.of(t, o), p.tp, model, device, dtype_name))
     tokens = t.micro_batch_size * d.seq_length // p.cp

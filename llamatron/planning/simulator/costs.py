@@ -94,6 +94,7 @@ class StepOptions:
     bucket_size: int = 40_000_000
     schedule: str = "1f1b"  # or "zb-h1"
     fsdp: FsdpOptions | None = None  # --fsdp (simulator/fsdp.py): per-layer gathers and reduce-scatters instead
+    optimizer_extra: float = 0.0  # seconds an optimizer adds after the reduction (Muon: planning/muon_cost.py)
 
 
 @dataclass

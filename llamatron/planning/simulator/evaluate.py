@@ -10,6 +10,7 @@ from typing import Any
 from ...models import ModelConfig
 from ...models.inventory import active_params, num_params
 from ...parallel.layout import ParallelLayout, layout_values
+from ..muon_cost import muon_cost
 from ..params import expert_layer_params, layer_shards, stage_layers
 from ..plan import GB, Layout, Precision
 from .calibration import Calibration, load_calibration
@@ -136,7 +137,8 @@ def layout_shape(lay: Layout, seq_length: int, precision: Precision, settings: S
     )
 
 
-def _options(lay: Layout, settings: SimSettings, overlap: bool, act_bytes: int) -> StepOptions:
+def _options(lay: Layout, settings: SimSettings, overlap: bool, act_bytes: int, extra: float = 0.0) -> StepOptions:
+    """The step's options; extra: the optimizer's seconds beyond AdamW's (optimizer_seconds)."""
     return StepOptions(
         micro_batches=lay.micro_batches,
         overlap_grad_reduce=overlap,
@@ -146,7 +148,19 @@ def _options(lay: Layout, settings: SimSettings, overlap: bool, act_bytes: int) 
         bucket_size=settings.bucket_size,
         schedule=settings.schedule,
         fsdp=fsdp_options(lay),
+        optimizer_extra=extra,
     )
+
+
+def optimizer_seconds(model: ModelConfig, lay: Layout, hw: Hardware, precision: Precision) -> float:
+    """What --optimizer muon adds to a step (planning/muon_cost.py): its Newton-Schulz FLOPs at the GEMM efficiency
+    and its updates' traffic (tp over the node's links; the shard group's over them or the network), exposed."""
+    if precision.optimizer != "muon":
+        return 0.0
+    cost = muon_cost(model, lay, model.num_layers / lay.pp)
+    dp_bw = hw.link.bandwidth if lay.tp * lay.replicas <= hw.gpus_per_node else hw.nic_bandwidth_per_gpu()
+    gemm = hw.gpu.peak_flops * load_calibration().gemm_efficiency
+    return cost.flops / gemm + cost.tp_bytes / hw.link.bandwidth + cost.dp_bytes / dp_bw
 
 
 def fsdp_options(lay: Layout) -> FsdpOptions | None:
@@ -187,8 +201,11 @@ def simulate_layout(
     """Simulate one step of `lay`, with the data-parallel overlap as `settings` say and the other way (`cal`:
     calibration.yaml's numbers unless given; `result`: the first, when LayoutSteps.step has simulated it)."""
     shape = layout_shape(lay, seq_length, precision, settings)
-    result = result or simulate_step(model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes), cal)
-    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap, shape.act_bytes), cal)
+    extra = optimizer_seconds(model, lay, hw, precision)
+    result = result or simulate_step(
+        model, shape, hw, _options(lay, settings, settings.overlap, shape.act_bytes, extra), cal
+    )
+    other = simulate_step(model, shape, hw, _options(lay, settings, not settings.overlap, shape.act_bytes, extra), cal)
     a2a = 0.0
     if model.is_moe and lay.ep > 1:
         per_layer = Costs(model, shape, hw, cal or load_calibration()).all_to_all_bytes()
@@ -224,4 +241,5 @@ class LayoutSteps:
 
     def _inputs(self, lay: Layout) -> tuple[Shape, StepOptions]:
         shape = layout_shape(lay, self.seq_length, self.precision, self.settings)
-        return shape, _options(lay, self.settings, self.settings.overlap, shape.act_bytes)
+        extra = optimizer_seconds(self.model, lay, self.hw, self.precision)
+        return shape, _options(lay, self.settings, self.settings.overlap, shape.act_bytes, extra)

@@ -98,6 +98,9 @@ def simulate_step(
         routing = _routing_pass(model, s, opt, costs, chunks, p2p)
         done.step_seconds += routing
         done.parts["routing_pass"] = routing
+    if opt.optimizer_extra:  # --optimizer muon: Newton-Schulz and its updates' traffic, after the reduction
+        done.step_seconds += opt.optimizer_extra
+        done.parts["optimizer"] = done.parts.get("optimizer", 0.0) + opt.optimizer_extra
     if prep.fsdp_tail:  # the step's last reduce-scatter (the first unit's), waited for before the optimizer
         done.step_seconds += prep.fsdp_tail
         done.parts["fsdp"] = done.parts.get("fsdp", 0.0) + prep.fsdp_tail
