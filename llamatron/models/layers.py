@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..kernels import rmsnorm_op, rope_op, triton_check
-from .attention import AttentionMask, attend
+from .attention import attend
 from .attention_counts import GQACounts
 from .config import ModelConfig, RopeScaling
-from .kv_cache import LayerKVCache
+from .layer_input import LayerInput
 from .yarn import yarn_attention_factor, yarn_inv_freq
 
 
@@ -156,17 +156,11 @@ class Attention(nn.Module):
         self.backend = "auto"
         self.rope_backend = "auto"
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """cache: this layer's KV cache; the new keys and values join the cached ones, and the queries see them all
-        (as `mask` says). positions: (batch, seq) of the queries (for `adjust`)."""
+    def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
+        """inputs.cache: this layer's KV cache (a LayerKVCache); the new keys and values join the cached ones, and
+        the queries see them all (as inputs.mask says). inputs.positions: (batch, seq) of the queries (for
+        `adjust`)."""
+        cos, sin, mask, cache = inputs.cos, inputs.sin, inputs.mask, inputs.cache
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
@@ -184,7 +178,7 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if self.rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k = self.adjust(q, k, positions)
+        q, k = self.adjust(q, k, inputs.positions)
         out = self.core(q, k, v, mask, cache, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
