@@ -72,3 +72,19 @@ def test_full_recompute_saves_the_layer_input_s_tensors_and_matches(name):
     assert {t.untyped_storage().data_ptr() for t in captured[0].tensors() if t is not None} <= seen
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_a_compiled_decoding_step_builds_its_layer_inputs_in_one_graph(monkeypatch):
+    """The decoding step (inference/decode.py, the one a CUDA graph captures on GPU) builds every layer's LayerInput
+    from its own tensors: compiled whole (dynamo's eager backend: the graph, not the kernels, is the question) it is
+    one graph without a break, and gives the eager step's tokens."""
+    from llamatron.inference.decode import Decoder
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
+    model = _model("llama-test")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    want = Decoder(model, 2, 24).generate(prompts, 10)
+    counters.clear()
+    assert Decoder(model, 2, 24, compile=True).generate(prompts, 10) == want
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
