@@ -21,6 +21,7 @@ from llamatron.kernels.cross_entropy_op import IGNORE_INDEX
 from llamatron.models import build_model, get_preset
 from llamatron.models.families import model_problems
 from llamatron.models.init import materialize
+from llamatron.models.layer_input import LayerInput
 from llamatron.models.layers import rope_cos_sin
 from llamatron.objectives.language_model import LanguageModelObjective
 from llamatron.parallel.mesh import Mesh
@@ -60,14 +61,14 @@ def _by_hand(model, cfg, mbs) -> torch.Tensor:
         positions = torch.arange(seq).expand_as(ids)
         cos, sin = rope_cos_sin(cfg, positions, h.dtype)
         for layer in model.layers.values():
-            h = layer(h, cos, sin, None, None, positions)
+            h = layer(h, LayerInput(cos, sin, positions=positions))
         logits = model.lm_head(model.norm(h))
         main_sum = main_sum + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         main_n += int((labels != IGNORE_INDEX).sum())
         for k, m in enumerate(model.extra_heads, start=1):
             ahead = torch.cat([ids[:, k:], torch.zeros_like(ids[:, :k])], dim=1)  # token i + k (past the end: 0)
             x = m.eh_proj(torch.cat([m.enorm(model.embed(ahead)), m.hnorm(h)], dim=-1))
-            h = m.block(x, cos, sin, None, None, positions)
+            h = m.block(x, LayerInput(cos, sin, positions=positions))
             logits_k = model.lm_head(m.norm(h))
             target = torch.full_like(labels, IGNORE_INDEX)
             target[:, : seq - k] = labels[:, k:]  # label i + k = token i + k + 1

@@ -24,6 +24,7 @@ from llamatron.models.attention import attention_mask, decode_mask
 from llamatron.models.families.deepseek_v3 import mla, mtp, rope, routing
 from llamatron.models.families.deepseek_v3.mla_cache import MLACache
 from llamatron.models.kv_cache import KVCache
+from llamatron.models.layer_input import LayerInput
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -122,7 +123,7 @@ def test_mla_matches_transformers_outputs_and_input_gradients(q_lora_rank, inter
     x = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(1))
     cos, sin = cos_sin(config.qk_rope_head_dim, 9, batch=2)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    expected, got = hf_forward(theirs, x1, cos, sin), ours(x2, cos, sin)
+    expected, got = hf_forward(theirs, x1, cos, sin), ours(x2, LayerInput(cos, sin))
     assert_close(got, expected)
     expected.square().sum().backward()
     got.square().sum().backward()
@@ -138,7 +139,7 @@ def test_the_interleaved_rotary_rows_must_be_reordered_at_import():
     unordered = ours_from(theirs, cfg, rope_interleave=False)
     x = torch.randn(1, 7, config.hidden_size, generator=torch.Generator().manual_seed(2))
     cos, sin = cos_sin(config.qk_rope_head_dim, 7)
-    assert not torch.allclose(unordered(x, cos, sin), hf_forward(theirs, x, cos, sin), rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(unordered(x, LayerInput(cos, sin)), hf_forward(theirs, x, cos, sin), rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
@@ -185,7 +186,7 @@ def test_mla_with_yarn_matches_transformers():
     hf_cos, hf_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
     inv_freq = shared_yarn.yarn_inv_freq(config.qk_rope_head_dim, 500.0, 4.0, 16, beta_fast=8.0, beta_slow=1.0)
     cos, sin = rotary(inv_freq, positions, shared_yarn.yarn_attention_factor(4.0, 0.9, 0.7))
-    assert_close(ours(x, cos, sin), hf_forward(theirs, x, hf_cos, hf_sin))
+    assert_close(ours(x, LayerInput(cos, sin)), hf_forward(theirs, x, hf_cos, hf_sin))
 
 
 @pytest.mark.parametrize("v_head_dim", [10, 20])
@@ -198,9 +199,9 @@ def test_values_of_another_width_run_under_the_one_width_kernels(v_head_dim):
     x = torch.randn(2, 8, config.hidden_size, generator=torch.Generator().manual_seed(5))
     cos, sin = cos_sin(config.qk_rope_head_dim, 8, batch=2)
     ours.backend = "math"
-    expected = ours(x, cos, sin)
+    expected = ours(x, LayerInput(cos, sin))
     ours.backend = "flash"
-    assert_close(ours(x, cos, sin), expected)
+    assert_close(ours(x, LayerInput(cos, sin)), expected)
 
 
 def test_mla_config_problems_are_one_line_each_and_refused_before_building():
@@ -223,11 +224,11 @@ def decode_stepwise(attn: mla.MLAttention, x: torch.Tensor, prefill: int) -> tup
     cos, sin = cos_sin(attn.cfg.qk_rope_head_dim, seq, batch)
     owner = KVCache(max_length=seq + 3)
     cache = MLACache(owner)
-    outs = [attn(x[:, :prefill], cos[:, :prefill], sin[:, :prefill], None, cache)]
+    outs = [attn(x[:, :prefill], LayerInput(cos[:, :prefill], sin[:, :prefill], None, cache))]
     owner.advance(prefill)
     for i in range(prefill, seq):
         mask = attention_mask(1, None, None, x.device, offset=owner.length)
-        outs.append(attn(x[:, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1], mask, cache))
+        outs.append(attn(x[:, i : i + 1], LayerInput(cos[:, i : i + 1], sin[:, i : i + 1], mask, cache)))
         owner.advance(1)
     return torch.cat(outs, dim=1), cache
 
@@ -239,7 +240,7 @@ def test_decoding_with_the_compressed_cache_equals_the_full_forward(q_lora_rank,
     attn = ours_from(hf_attention(config, seed=6), cfg, rope_interleave=True)
     seq = 18
     x = torch.randn(2, seq, config.hidden_size, generator=torch.Generator().manual_seed(7))
-    full = attn(x, *cos_sin(cfg.qk_rope_head_dim, seq, 2))
+    full = attn(x, LayerInput(*cos_sin(cfg.qk_rope_head_dim, seq, 2)))
     with torch.no_grad():
         stepwise, cache = decode_stepwise(attn, x, prefill)
     assert_close(stepwise, full)
@@ -269,21 +270,21 @@ def test_per_row_decoding_after_a_right_padded_prefill():
     attn = ours_from(hf_attention(config, seed=8), cfg, rope_interleave=True)
     steps, lengths = 4, [3, 5]
     seqs = [torch.randn(1, n + steps, config.hidden_size, generator=torch.Generator().manual_seed(n)) for n in lengths]
-    fulls = [attn(s, *cos_sin(cfg.qk_rope_head_dim, s.shape[1])) for s in seqs]
+    fulls = [attn(s, LayerInput(*cos_sin(cfg.qk_rope_head_dim, s.shape[1]))) for s in seqs]
     owner = KVCache(max_length=12)
     cache = MLACache(owner)
     prompt = torch.zeros(2, 5, config.hidden_size)
     for row, (s, n) in enumerate(zip(seqs, lengths)):
         prompt[row, :n] = s[0, :n]
     with torch.no_grad():
-        attn(prompt, *cos_sin(cfg.qk_rope_head_dim, 5, 2), None, cache)
+        attn(prompt, LayerInput(*cos_sin(cfg.qk_rope_head_dim, 5, 2), None, cache))
         owner.advance(5)
         owner.continue_rows(torch.tensor(lengths))
         for step in range(steps):
             positions = owner.positions.clone()
             x = torch.stack([s[0, n + step] for s, n in zip(seqs, lengths)])[:, None]
             cos, sin = rotary(inv_freq(cfg.qk_rope_head_dim), positions[:, None])
-            out = attn(x, cos, sin, decode_mask(positions, 12, None, x.dtype), cache)
+            out = attn(x, LayerInput(cos, sin, decode_mask(positions, 12, None, x.dtype), cache))
             for row, (full, n) in enumerate(zip(fulls, lengths)):
                 assert_close(out[row, 0], full[0, n + step])
             owner.advance(1)
@@ -440,9 +441,9 @@ class ToyLayer(torch.nn.Module):
         self.mix = torch.nn.Linear(hidden, hidden)
         self.causal = causal
 
-    def forward(self, x, cos, sin, mask=None, cache=None, positions=None):
+    def forward(self, x, inputs):
         out = x + torch.tanh(self.mix(x))
-        return out + 0.1 * x.cumsum(dim=1) * cos[..., :1] if self.causal else out
+        return out + 0.1 * x.cumsum(dim=1) * inputs.cos[..., :1] if self.causal else out
 
 
 def test_mtp_module_matches_transformers_mtp_layer():
@@ -464,7 +465,7 @@ def test_mtp_module_matches_transformers_mtp_layer():
     h, emb = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
     cos, sin = cos_sin(4, 5, 2)
     expected = theirs(emb, h, position_embeddings=(cos, sin), attention_mask=None, position_ids=None, cache=None)
-    assert_close(ours.norm(ours(h, emb, cos, sin)), expected)
+    assert_close(ours.norm(ours(h, emb, LayerInput(cos, sin))), expected)
 
 
 def test_mtp_depths_read_the_tokens_ahead_and_chain_their_hidden_states():
@@ -479,14 +480,14 @@ def test_mtp_depths_read_the_tokens_ahead_and_chain_their_hidden_states():
     tokens = torch.randint(0, vocab, (2, 6), generator=g)
     h0 = torch.randn(2, 6, hidden, generator=g)
     cos, sin = cos_sin(4, 6, 2)
-    got = mtp.mtp_logits(modules, h0, tokens, embed, head, cos, sin)
+    got = mtp.mtp_logits(modules, h0, tokens, embed, head, LayerInput(cos, sin))
     h = h0
     for k, module in enumerate(modules, start=1):
         ahead = torch.zeros_like(tokens)
         for b in range(2):
             for i in range(6):
                 ahead[b, i] = tokens[b, i + k] if i + k < 6 else 0
-        h = module(h, embed(ahead), cos, sin)
+        h = module(h, embed(ahead), LayerInput(cos, sin))
         assert_close(got[k - 1], head(module.norm(h)))
 
 

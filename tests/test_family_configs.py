@@ -79,6 +79,19 @@ def test_a_checkpoint_config_written_before_the_split_still_loads():
         config_from_dict({**old, "qk_l2_norm": True})
 
 
+def test_qwen_s_options_are_its_config_s_and_old_checkpoint_configs_still_load():
+    """qkv_bias, qk_norm and shared_expert_gate are QwenConfig's fields, not the common config's. A meta.json written
+    while they were ModelConfig's loads: a llama model's (them at their defaults) as before, set on it they are
+    refused; a qwen model's keeps them."""
+    assert {"qkv_bias", "qk_norm", "shared_expert_gate"} & {f.name for f in dataclasses.fields(ModelConfig)} == set()
+    old = {**get_preset("llama-test").to_dict(), "qkv_bias": False, "qk_norm": False, "shared_expert_gate": False}
+    assert config_from_dict(old) == get_preset("llama-test")
+    with pytest.raises(ValueError, match="qk_norm"):
+        config_from_dict({**old, "qk_norm": True})
+    qwen = get_preset("qwen2-moe-test")
+    assert qwen.qkv_bias and qwen.shared_expert_gate and config_from_dict(qwen.to_dict()) == qwen
+
+
 @pytest.mark.parametrize("preset", ["deepseek-v3-test", "mixtral-test", "qwen3-moe-test"])
 def test_a_mixture_of_experts_made_dense_drops_its_moe_settings(preset):
     """model_overrides {num_experts: 0} on a MoE preset: a dense model of the same shape (its MoE settings back at

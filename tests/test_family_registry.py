@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from llamatron.config.settings import config_from_values
+from llamatron.errors import ConfigError
 from llamatron.interop.hf import config_from_hf, config_to_hf
 from llamatron.models.families import FAMILIES, get_preset, model_problems
 from llamatron.models.inventory import num_params
@@ -103,6 +105,9 @@ def test_families_read_disjoint_model_types_and_refuse_options_they_lack():
     assert len(types) == len(set(types))
     falcon = dataclasses.replace(get_preset("falcon-test"), num_experts=4)
     assert any("no such option" in p and "llama" in p for p in model_problems(falcon))
-    llama = dataclasses.replace(get_preset("llama-test"), qk_norm=True)
-    assert any("qk_norm" in p and "qwen" in p for p in model_problems(llama))
+    # qk_norm is the qwen family's config's own field: a llama model cannot carry it (settings refuse it, naming qwen)
+    with pytest.raises(ConfigError) as refused:
+        config_from_values({"model": "llama-test", "model_overrides": {"qk_norm": True}}).model_config()
+    assert "qk_norm" in str(refused.value) and "qwen" in str(refused.value)
+    llama = get_preset("llama-test")
     assert "family 'gpt2' is not one of" in model_problems(dataclasses.replace(llama, family="gpt2"))[0]

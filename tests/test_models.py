@@ -7,6 +7,7 @@ from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 from llamatron.models import PRESET_NAMES, build_model, get_preset, materialize
 from llamatron.models.config import RopeScaling
 from llamatron.models.inventory import flops_per_token, input_embedding_params, num_params
+from llamatron.models.layer_input import LayerInput
 from llamatron.models.layers import Attention, rope_inv_freq
 
 
@@ -62,7 +63,7 @@ def test_gqa_equals_multi_head_with_repeated_kv():
     from llamatron.models.layers import rope_cos_sin
 
     cos, sin = rope_cos_sin(cfg, pos, x.dtype)
-    torch.testing.assert_close(gqa(x, cos, sin), mha(x, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gqa(x, LayerInput(cos, sin)), mha(x, LayerInput(cos, sin)), atol=1e-5, rtol=1e-5)
 
 
 def test_causality_and_sliding_window():

@@ -15,6 +15,7 @@ from llamatron.kernels.cross_entropy_op import cross_entropy_per_token
 from llamatron.models import PRESET_NAMES, KernelChoices, apply_kernels, build_model, get_preset, materialize
 from llamatron.models.families import family_of
 from llamatron.models.inventory import num_params
+from llamatron.models.layer_input import LayerInput
 from llamatron.models.layers import rope_cos_sin
 from llamatron.planning import activations as A
 from llamatron.planning import plan as P
@@ -120,7 +121,7 @@ def layer_saved_per_token(cfg, dtype: torch.dtype, choices: KernelChoices) -> fl
     x = torch.randn(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(cfg, torch.arange(seq).expand(batch, seq), dtype)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    return _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
+    return _saved_bytes(lambda: block(x, LayerInput(cos, sin)), params) / (batch * seq)
 
 
 @pytest.mark.parametrize(
@@ -181,9 +182,9 @@ def test_compiled_layer_activations_match_autograd_on_gpu(name):
     batch, seq = 1, 1024
     x = torch.randn(batch, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rope_cos_sin(cfg, torch.arange(seq, device="cuda").expand(batch, seq), torch.bfloat16)
-    block(x, cos, sin)  # compile outside the measurement
+    block(x, LayerInput(cos, sin))  # compile outside the measurement
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    measured = _saved_bytes(lambda: block(x, cos, sin), params) / (batch * seq)
+    measured = _saved_bytes(lambda: block(x, LayerInput(cos, sin)), params) / (batch * seq)
     from llamatron.kernels import rope_op
 
     rope = triton_check.kernels_on("auto", x) and rope_op.supports_head_dim(cfg.head_dim)

@@ -14,6 +14,7 @@ from llamatron.config.settings import config_from_values
 from llamatron.kernels import triton_check
 from llamatron.models import KernelChoices, apply_kernels, get_preset
 from llamatron.models.families import family_of
+from llamatron.models.layer_input import LayerInput
 from llamatron.models.layers import rope_cos_sin
 from llamatron.parallel import context
 from llamatron.planning import activations as A
@@ -86,7 +87,7 @@ def test_context_parallel_layer_activations_match_autograd(name, cp, recompute, 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, cos, sin)
+        block(x, LayerInput(cos, sin))
     measured = sum(seen.values()) / (batch * seq)
     kernels = dataclasses.replace(EAGER, fused_rope=fused, fused_swiglu=fused).layer_kernels(cfg)
     predicted = A.layer_activation_bytes(cfg, 2, 1, False, recompute, kernels, cp) + 4 * cfg.head_dim  # + cos/sin

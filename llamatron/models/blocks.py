@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from ..kernels.swiglu_op import swiglu
-from .attention import AttentionMask
 from .config import ModelConfig
-from .kv_cache import LayerKVCache
+from .layer_input import LayerInput
 from .layers import Attention, RMSNorm
 from .moe import MoE
 
@@ -48,7 +47,8 @@ class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(...)): the pre-norm layer. Layer `index` of the model: whether it has
     experts, its MLP's width and whether it rotates come from the config (ModelConfig.is_moe_layer, ...). A family
     with an attention or a mixture of experts of its own passes it (`attn`: Llama 4's, DeepSeek-V3's latent
-    attention; `moe`: DeepSeek-V3's group-limited routing), called as the shared ones are."""
+    attention; `moe`: DeepSeek-V3's group-limited routing), called as the shared ones are: `attn(x, inputs)`, the
+    layer's own LayerInput (models/layer_input.py)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0, attn: nn.Module | None = None, moe: MoE | None = None) -> None:
         super().__init__()
@@ -61,16 +61,8 @@ class DecoderBlock(nn.Module):
         else:
             self.mlp = SwiGLU(cfg, cfg.layer_ffn(index))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        attn = self.attn(self.attn_norm(x), cos, sin, mask, cache, positions)
+    def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
+        attn = self.attn(self.attn_norm(x), inputs)
         x, normed = self.mlp_norm.add_and_norm(x, attn)
         return self.mlp(normed, residual=x)
 

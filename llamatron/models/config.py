@@ -6,7 +6,7 @@ import math
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 # how a mixture of experts balances its experts' loads (models/moe.py): every family with experts has them
 BALANCING_SETTINGS = (
@@ -23,7 +23,6 @@ MOE_SETTINGS = (
     "router_z_loss_coef",
     "moe_renormalize",
     "shared_expert_ffn",
-    "shared_expert_gate",
     "moe_layer_step",
     "dense_ffn_hidden_size",
     "router_score",
@@ -70,6 +69,10 @@ class ModelConfig:
     family's own modules read lives in that family's config, a subclass in its folder (`Family.config_class`),
     which also overrides the per-layer hooks (`layer_has_rope`, `layer_attention_chunk`) where its layers differ."""
 
+    # The mixture-of-experts settings of this config class: MOE_SETTINGS and those a family's config adds (Qwen-MoE's
+    # shared expert gate); a dense model keeps them at their defaults
+    moe_settings: ClassVar[tuple[str, ...]] = MOE_SETTINGS
+
     family: str  # a name in models/families/ (registry: models/families/__init__.py)
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -89,8 +92,6 @@ class ModelConfig:
     head_dim: int = None  # type: ignore[assignment]
     sliding_window: int | None = None  # attend to at most this many past tokens (Mistral)
     bias: bool = False  # biases on every linear layer
-    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
-    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotary embedding (Qwen3)
     # Mixture of experts (models/moe.py): 0 for a dense MLP, else each layer's MLP is this many SwiGLU
     # experts of ffn_hidden_size, of which a router picks experts_per_token for each token
     num_experts: int = 0
@@ -100,10 +101,9 @@ class ModelConfig:
     # the chosen experts' softmax weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); False:
     # the softmax over all experts as it is (Qwen2-MoE)
     moe_renormalize: bool = True
-    # a shared expert (Qwen2-MoE): a SwiGLU of this width every token goes through beside its routed experts (0:
-    # none), scaled by a sigmoid gate of the token with shared_expert_gate
+    # a shared expert (Qwen2-MoE, Llama 4, DeepSeek-V3): a SwiGLU of this width every token goes through beside
+    # its routed experts (0: none)
     shared_expert_ffn: int = 0
-    shared_expert_gate: bool = False
     # Layer i has experts when (i + 1) % moe_layer_step == 0 (Llama 4's interleave_moe_layer_step, Qwen's
     # decoder_sparse_step); the others are dense SwiGLUs dense_ffn_hidden_size wide (0: ffn_hidden_size)
     moe_layer_step: int = 1
@@ -205,7 +205,7 @@ class ModelConfig:
             return [
                 f"{name} {getattr(self, name)} is a mixture-of-experts setting, but this model is dense "
                 "(num_experts 0): remove it, or give the model experts"
-                for name in MOE_SETTINGS
+                for name in self.moe_settings
                 if getattr(self, name) != defaults[name]
             ]
         out = []
@@ -216,8 +216,6 @@ class ModelConfig:
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "shared_expert_ffn"):
             if not getattr(self, name) >= 0:
                 out.append(f"{name} {getattr(self, name)} must be >= 0")
-        if self.shared_expert_gate and not self.shared_expert_ffn:
-            out.append("shared_expert_gate needs a shared expert: give shared_expert_ffn > 0")
         if not self.moe_layer_step >= 1:
             out.append(f"moe_layer_step {self.moe_layer_step} must be >= 1 (1: experts in every layer)")
         elif self.moe_layer_step > self.num_layers:
@@ -359,7 +357,7 @@ class ModelConfig:
         d = self.to_dict()
         derived = self.head_dim == self.hidden_size // max(self.num_heads, 1)
         if changes.get("num_experts") == 0 and self.num_experts:  # made dense: the preset's MoE settings go too
-            d.update({f.name: f.default for f in fields(ModelConfig) if f.name in MOE_SETTINGS})
+            d.update({f.name: f.default for f in fields(self) if f.name in self.moe_settings})
         d.update(changes)
         if derived and "head_dim" not in changes:
             d["head_dim"] = None
@@ -369,7 +367,10 @@ class ModelConfig:
 def _field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
     """(type, may be None) of each field of a config dataclass, from its annotations."""
     kinds = {}
+    names = {f.name for f in fields(cls)}  # not the class variables (moe_settings)
     for name, hint in typing.get_type_hints(cls).items():
+        if name not in names:
+            continue
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         kind = next(a for a in args if a is not type(None))
         kinds[name] = (typing.get_origin(kind) or kind, type(None) in args)  # tuple[int, ...]: a tuple

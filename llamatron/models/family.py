@@ -18,9 +18,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
-from .attention import AttentionMask
 from .config import ModelConfig
 from .hf_format import TensorRule
+from .layer_input import LayerInput
 
 C = TypeVar("C", bound=ModelConfig)
 
@@ -32,14 +32,13 @@ def no_problems(cfg: ModelConfig) -> list[str]:
 @dataclass(frozen=True)
 class ExtraHeadInputs:
     """What extra heads read from the model besides its hidden states and input ids: its embedding and head
-    (logits of a hidden state), the rotary tables and the attention mask of the whole sequence, and under context
-    parallelism the positions in the input ids (the whole sequence's) of the hidden states' tokens (None: all)."""
+    (logits of a hidden state), what its layers read (`layer`: the rotary tables and the attention mask of the whole
+    sequence, no cache), which the heads' own layers read too, and under context parallelism the positions in the
+    input ids (the whole sequence's) of the hidden states' tokens (None: all)."""
 
     embed: Callable[[torch.Tensor], torch.Tensor]
     head: Callable[[torch.Tensor], torch.Tensor]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: AttentionMask | None
+    layer: LayerInput
     positions: torch.Tensor | None = None
 
 

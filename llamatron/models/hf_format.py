@@ -254,16 +254,16 @@ def decoder_config_keys(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def decoder_layer_rules(
-    cfg: ModelConfig, i: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, mlp: bool = True
+    cfg: ModelConfig, i: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, mlp: bool = True, qk_norm: bool = False
 ) -> list[TensorRule]:
     """Layer `i` of such a decoder under transformers' names (model.layers.i.self_attn.q_proj, ...): norms,
-    attention (with the q/k norms where cfg.qk_norm) and, with `mlp`, the SwiGLU MLP."""
+    attention (with per-head q/k norms where `qk_norm`) and, with `mlp`, the SwiGLU MLP."""
     qkv, gate_up = qkv_and_gate_up(cfg, cfg.layer_ffn(i))
     h, L = f"model.layers.{i}", f"layers.{i}"
     q, k, v = (f"{h}.self_attn.{x}_proj" for x in "qkv")
     rules = [TensorRule(f"{L}.attn_norm.weight", (f"{h}.input_layernorm.weight",))]
     rules += linear(f"{L}.attn.qkv", f"{q}|{k}|{v}", qkv_bias, fuse=cat, split=qkv)
-    if cfg.qk_norm:
+    if qk_norm:
         rules += [TensorRule(f"{L}.attn.{x}_norm.weight", (f"{h}.self_attn.{x}_norm.weight",)) for x in "qk"]
     rules += linear(f"{L}.attn.o", f"{h}.self_attn.o_proj", o_bias)
     rules.append(TensorRule(f"{L}.mlp_norm.weight", (f"{h}.post_attention_layernorm.weight",)))

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..kernels import rmsnorm_op, rope_op, triton_check
-from .attention import AttentionMask, attend
+from .attention import attend
 from .attention_counts import GQACounts
 from .config import ModelConfig, RopeScaling
-from .kv_cache import LayerKVCache
+from .layer_input import LayerInput
 from .yarn import yarn_attention_factor, yarn_inv_freq
 
 
@@ -130,43 +130,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]; optionally an RMSNorm over
-    each query and key head before the rotary embedding (`cfg.qk_norm`, Qwen3). A family's own attention subclasses
-    it where its queries and keys are treated otherwise after the rotary embedding (`adjust`: Llama 4's)."""
+    """Self-attention with a fused QKV projection laid out [Q heads; K heads; V heads]. A family's block chooses its
+    options (`qkv_bias`: biases on the QKV projection alone; `qk_norm`: an RMSNorm over each query and key head before
+    the rotary embedding: Qwen's, families/qwen/block.py); a family's own attention subclasses it where its queries
+    and keys are treated otherwise after the rotary embedding (`adjust`: Llama 4's)."""
 
     # How tensor parallelism splits it (parallel/tensor.py): the heads over the ranks. The q/k norms' weights are
     # whole on every rank, each of which uses them on its own heads: their gradients are partial sums.
     tp_plan = {"qkv": "qkv", "o": "row", "q_norm": "replicated_partial", "k_norm": "replicated_partial"}
     core: Callable[..., torch.Tensor]  # attend, or a wrapper of it
 
-    def __init__(self, cfg: ModelConfig, rope: bool = True):
-        """rope: this layer rotates its queries and keys (False: a NoPE layer, ModelConfig.layer_has_rope)."""
+    def __init__(self, cfg: ModelConfig, rope: bool = True, qkv_bias: bool = False, qk_norm: bool = False):
+        """rope: this layer rotates its queries and keys (False: a NoPE layer, ModelConfig.layer_has_rope); qkv_bias:
+        biases on the QKV projection (all linears have them with cfg.bias); qk_norm: per-head q/k RMSNorms."""
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias or cfg.qkv_bias)
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.bias or qkv_bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=cfg.bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if qk_norm else None
         self.rope = rope
         self.core = attend  # replaceable: selective recompute and context parallelism wrap it
         # This model's choices (models/kernels.py): an ATTENTION_BACKENDS name; auto, triton or torch.
         self.backend = "auto"
         self.rope_backend = "auto"
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """cache: this layer's KV cache; the new keys and values join the cached ones, and the queries see them all
-        (as `mask` says). positions: (batch, seq) of the queries (for `adjust`)."""
+    def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
+        """inputs.cache: this layer's KV cache (a LayerKVCache); the new keys and values join the cached ones, and
+        the queries see them all (as inputs.mask says). inputs.positions: (batch, seq) of the queries (for
+        `adjust`)."""
+        cos, sin, mask, cache = inputs.cos, inputs.sin, inputs.mask, inputs.cache
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv(x)
@@ -184,7 +180,7 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if self.rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k = self.adjust(q, k, positions)
+        q, k = self.adjust(q, k, inputs.positions)
         out = self.core(q, k, v, mask, cache, self.backend)
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 

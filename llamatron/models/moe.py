@@ -1,6 +1,7 @@
 """A sparse mixture-of-experts MLP (Mixtral): a router sends each token to k of E SwiGLU experts.
 
-A shared expert (`shared_expert_ffn`, Qwen2-MoE's, optionally gated) runs on every token beside the routed ones.
+A shared expert (`shared_expert_ffn`) runs on every token beside the routed ones (a family's MoE may build its own:
+`MoE.shared_expert`, Qwen2-MoE's gated one).
 
 Routing picks the k experts of the highest router logits. Their weights are Mixtral's by default: the softmax
 over all experts, renormalised over the k to sum to 1 (without `moe_renormalize`, Qwen2-MoE's: the top k's softmax
@@ -262,23 +263,22 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A SwiGLU every token goes through beside its routed experts (Qwen2-MoE's shared expert), its output scaled
-    by sigmoid(gate(x)) when `gated`. It belongs to every rank like a dense MLP (expert parallelism leaves it)."""
+    """A SwiGLU every token goes through beside its routed experts. It belongs to every rank like a dense MLP
+    (expert parallelism leaves it)."""
 
     # How tensor parallelism splits it: parallel/expert.py, beside the routed experts (not apply_tensor_parallel's
-    # parallel linears: its partial sum joins theirs before their one reduction); read by models/inventory.py
+    # parallel linears: its partial sum joins theirs before their one reduction; a "replicated_partial" child, whole
+    # on every rank, gets a tp-summed gradient); read by models/inventory.py
     tp_split = {"gate_up": "gate_up", "down": "row"}
 
-    def __init__(self, hidden: int, ffn: int, gated: bool):
+    def __init__(self, hidden: int, ffn: int):
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
-        self.gate = nn.Linear(hidden, 1, bias=False) if gated else None
         self.swiglu_backend = "auto"  # models/kernels.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down(swiglu(self.gate_up(x), self.swiglu_backend))
-        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+        return self.down(swiglu(self.gate_up(x), self.swiglu_backend))
 
 
 # (tokens, chosen experts, routing, experts) -> the experts' outputs for the sorted choices; see MoE.dispatch
@@ -345,9 +345,7 @@ class MoE(nn.Module):
         self.sigmoid_scores, self.weights_input = cfg.router_score == "sigmoid", cfg.router_weights_input
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
-        self.shared: SharedExpert | None = None
-        if cfg.shared_expert_ffn:
-            self.shared = SharedExpert(cfg.hidden_size, cfg.shared_expert_ffn, cfg.shared_expert_gate)
+        self.shared: SharedExpert | None = self.shared_expert(cfg) if cfg.shared_expert_ffn else None
         self.dispatch: Dispatch = local_dispatch
         # Tensor parallelism: the whole sequence in, this rank's partial sum out (identities on one rank), and
         # each tp rank's share of the router losses' gradient (every one of them computes the whole loss).
@@ -367,6 +365,11 @@ class MoE(nn.Module):
         self.balance_load: torch.Tensor | None = None
         self.balance_global_load: torch.Tensor | None = None
         self.recomputing = False  # full recompute's second forward: the statistics were counted the first time
+
+    def shared_expert(self, cfg: ModelConfig) -> SharedExpert:
+        """The shared expert of a model with one (cfg.shared_expert_ffn > 0); a family's MoE overrides this to build
+        its own (Qwen2-MoE's gated one)."""
+        return SharedExpert(cfg.hidden_size, cfg.shared_expert_ffn)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' weighted sum for each token of x (batch, seq, hidden), plus `residual` when given."""

@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .families import family_of
 from .family import ExtraHeadInputs, ExtraHeads
 from .kv_cache import KVCache
+from .layer_input import LayerInput
 from .layers import rope_cos_sin
 
 __all__ = [
@@ -200,32 +201,37 @@ class Transformer(nn.Module):
             position_ids = index.expand(batch, seq)
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
         masks = {chunk: self._mask(seq, position_ids, document_ids, h, cache, offset, chunk) for chunk in self._chunks}
+        # what every layer reads besides h, built once per kind of mask; decoding adds each layer's own cache
+        layer_inputs = {chunk: LayerInput(cos, sin, mask, None, position_ids) for chunk, mask in masks.items()}
         for name, layer in self.layers.items():
-            mask = masks[self.attention_chunks[name]]
-            layer_cache = None if cache is None else cache.layer(name, self.cache_kinds[name])
-            h = layer(h, cos, sin, mask, layer_cache, position_ids)
+            layer_input = layer_inputs[self.attention_chunks[name]]
+            if cache is not None:
+                layer_input = layer_input.with_cache(cache.layer(name, self.cache_kinds[name]))
+            h = layer(h, layer_input)
         if cache is not None:
             cache.advance(seq)
         if self.norm is None:
             return h
         if self.extra_heads is not None and cache is None and logits_at is None:
-            whole = masks[None] if None in masks else self._mask(seq, position_ids, document_ids, h, None, 0, None)
+            if None in layer_inputs:
+                whole = layer_inputs[None]
+            else:  # the heads attend to the whole causal context
+                whole_mask = self._mask(seq, position_ids, document_ids, h, None, 0, None)
+                whole = LayerInput(cos, sin, whole_mask, None, position_ids)
             ids = tokens if tokens is not None or self.embed is None else inputs
             assert ids is not None, "extra heads on a later pipeline stage need the token ids"
-            self.extra_logits = self._extra_logits(h, ids, cos, sin, whole)
+            self.extra_logits = self._extra_logits(h, ids, whole)
         if logits_at is not None:
             h = h[torch.arange(batch, device=h.device), logits_at][:, None]
         return self.logits(h)
 
-    def _extra_logits(
-        self, h: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None
-    ) -> list[torch.Tensor]:
+    def _extra_logits(self, h: torch.Tensor, tokens: torch.Tensor, layer_input: LayerInput) -> list[torch.Tensor]:
         embed = self.embed if self.embed is not None else self.extra_embed
         assert embed is not None and self.extra_heads is not None, "extra heads without an embedding"
         heads = cast(ExtraHeads, self.extra_heads)
         size, rank = self.parallel.context  # under cp: where this rank's tokens lie in `tokens`, the whole sequence
         index = load_balanced_index(tokens.shape[1], size, rank, tokens.device) if size > 1 else None
-        return heads(h, tokens, ExtraHeadInputs(embed, self.head_logits, cos, sin, mask, index))
+        return heads(h, tokens, ExtraHeadInputs(embed, self.head_logits, layer_input, index))
 
     def take_extra_logits(self) -> list[torch.Tensor]:
         """The extra heads' logits of the last forward, handed over once (empty without extra heads)."""

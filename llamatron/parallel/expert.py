@@ -240,8 +240,8 @@ def _source_major_to_expert_major(grid: list[list[int]], device: torch.device) -
 
 def _split_shared_expert(shared: SharedExpert, prefix: str, mesh: Mesh, specs: ParamSpecs) -> ParamSpecs:
     """A shared expert's ffn split over tp like the routed experts' (gate and up by rows, down by columns): its output
-    is a partial sum that joins theirs before the one reduction. Its sigmoid gate, whole on every rank, scales a
-    partial sum: its gradient is partial too."""
+    is a partial sum that joins theirs before the one reduction. What its `tp_split` keeps whole on every rank
+    ("replicated_partial": Qwen2-MoE's sigmoid gate) scales a partial sum: its gradient is partial too."""
     ffn, hidden = shared.down.weight.shape[1], shared.down.weight.shape[0]
     group, rank = mesh.tp_group, mesh.tp_rank
     layouts = {
@@ -253,8 +253,10 @@ def _split_shared_expert(shared: SharedExpert, prefix: str, mesh: Mesh, specs: P
         # not partial (as a replicated weight under sequence parallelism would be): each rank's slice is whole
         specs[name] = replace(specs[name], partial_grad=False).sharded(layout, full)
         getattr(shared, leaf).weight = nn.Parameter(torch.empty(specs[name].local_shape, device="meta"))
-    if shared.gate is not None:
-        specs[f"{prefix}.gate.weight"] = replace(specs[f"{prefix}.gate.weight"], partial_grad=True)
+    for leaf, style in type(shared).tp_split.items():
+        if style == "replicated_partial":  # whole on every rank (a family's gate), scaling a partial sum
+            name = f"{prefix}.{leaf}.weight"
+            specs[name] = replace(specs[name], partial_grad=True)
     return specs
 
 

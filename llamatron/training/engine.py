@@ -26,6 +26,7 @@ from ..config.settings import Derived, RunConfig
 from ..dtypes import DTYPES
 from ..models import KernelChoices, ModelConfig, Transformer, apply_kernels, build_model, materialize
 from ..models.init import init_full_tensor
+from ..models.layer_input import LayerInput
 from ..models.layers import Attention
 from ..models.moe import MoE
 from ..models.transformer import batch_inputs
@@ -87,8 +88,15 @@ class _Checkpointed:
         self.forward = forward  # the layer's own forward (apply_compile compiles it, inside the checkpoint)
         self.contexts = contexts  # checkpoint's context_fn: (first forward's, recompute's) context managers
 
-    def __call__(self, *args):
-        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self.contexts)
+    def __call__(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
+        # The inputs' tensors as arguments of their own: the checkpoint saves tensor arguments for backward (where
+        # saved-tensor hooks, and the planner's measurement, see them); of an object's it would only keep a reference.
+        return checkpoint(self._run, x, inputs, *inputs.tensors(), use_reentrant=False, context_fn=self.contexts)
+
+    def _run(
+        self, x: torch.Tensor, inputs: LayerInput, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.forward(x, inputs.with_tensors(cos, sin, positions))
 
 
 def _recompute_contexts(moes: list[MoE]) -> tuple[_Recomputing, _Recomputing]:

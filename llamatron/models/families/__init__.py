@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ...errors import did_you_mean
-from ..config import MOE_SETTINGS, ModelConfig
+from ..config import ModelConfig
 from ..family import Family, MegatronFormat, MetaFormat
 from . import deepseek_v3, falcon, llama, llama4, qwen
 
@@ -103,7 +103,7 @@ def model_problems(cfg: ModelConfig, given: Collection[str] = ()) -> list[str]:
             f"{name} {getattr(cfg, name)} was given, but it is a mixture-of-experts setting and this model is dense "
             "(num_experts 0): remove it, or give the model experts"
             for name in given
-            if name in MOE_SETTINGS and getattr(cfg, name) == defaults[name]  # the others: cfg.problems said so
+            if name in cfg.moe_settings and getattr(cfg, name) == defaults[name]  # the others: cfg.problems said so
         ]
     if out:
         return out

@@ -37,6 +37,7 @@ from torch import nn
 from ....errors import ConfigError
 from ...attention import AttentionMask, attend, attention_mask
 from ...attention_counts import LayerKernels
+from ...layer_input import LayerInput
 from ...layers import RMSNorm, apply_rope
 from .mla_cache import MLACache
 from .rope import halves_from_interleaved, interleaved_from_halves
@@ -165,8 +166,8 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention, called as every attention layer is: (x, cos, sin, mask, cache, positions), cos
-    and sin for qk_rope_head_dim (layers.rope_cos_sin: under YaRN its attention factor included)."""
+    """Multi-head latent attention, called as every attention layer is: (x, inputs), a LayerInput whose cos and sin
+    are for qk_rope_head_dim (layers.rope_cos_sin: under YaRN its attention factor included)."""
 
     # How tensor parallelism splits it (parallel/tensor.py): the per-head projections by heads (q / q_b and kv_b
     # are laid out head after head, so a contiguous slice of their rows is a set of whole heads; o takes the
@@ -215,17 +216,10 @@ class MLAttention(nn.Module):
         """What the planner reads of it (models/attention_counts.py): saved activations, cache and widths."""
         return MLACounts(self.cfg)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: MLACache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x (batch, seq, hidden). cache: this layer's compressed cache; the new tokens' latents join it, and after
-        cached tokens the queries attend in the absorbed form. positions: unused (the signature of every layer)."""
+    def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
+        """x (batch, seq, hidden). inputs.cache: this layer's compressed cache (an MLACache); the new tokens'
+        latents join it, and after cached tokens the queries attend in the absorbed form."""
+        cos, sin, mask, cache = inputs.cos, inputs.sin, inputs.mask, inputs.cache
         q = self._queries(x, cos, sin)
         latent, k_pe = self.kv_a(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         # the rotary key: (batch, 1, seq, rope), one head for all

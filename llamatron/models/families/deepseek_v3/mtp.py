@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....kernels.cross_entropy_op import IGNORE_INDEX
-from ...attention import AttentionMask
 from ...family import ExtraHeadInputs
+from ...layer_input import LayerInput
 from ...layers import RMSNorm
 
 
@@ -41,8 +41,7 @@ class MTPConfig:
 
 
 class MTPModule(nn.Module):
-    """One depth of multi-token prediction around a decoder `block` (called as every layer: x, cos, sin, mask,
-    cache, positions)."""
+    """One depth of multi-token prediction around a decoder `block` (called as every layer: x and its LayerInput)."""
 
     # Tensor parallelism: eh_proj whole on every rank, run on the rank's tokens (a sequence shard under sequence
     # parallelism), the block split as its own plan says; the head (column-parallel over the vocabulary) reads
@@ -60,20 +59,12 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)  # before the shared head
         self.head_input: Callable[[torch.Tensor], torch.Tensor] = _identity
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        next_embeds: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: object | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
         """hidden: the previous depth's (batch, seq, hidden); next_embeds: the embeddings of the tokens this depth
-        reads (position i: token i + k). Returns this depth's hidden states, before `norm`."""
+        reads (position i: token i + k); inputs: what its block reads. Returns this depth's hidden states, before
+        `norm`."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self.block(x, cos, sin, mask, cache, positions)
+        return self.block(x, inputs)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -94,9 +85,7 @@ def mtp_logits(
     tokens: torch.Tensor,
     embed: Callable[[torch.Tensor], torch.Tensor],
     head: Callable[[torch.Tensor], torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: AttentionMask | None = None,
+    inputs: LayerInput,
     positions: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Every depth's logits (batch, seq, vocab), depth k's at position i predicting token i + k + 1. hidden: the
@@ -107,7 +96,7 @@ def mtp_logits(
     for k, module in enumerate(modules, start=1):
         ahead = shifted(tokens, k, 0)
         ahead = ahead if positions is None else ahead[:, positions]
-        hidden = module(hidden, embed(ahead), cos, sin, mask)
+        hidden = module(hidden, embed(ahead), inputs)
         out.append(head(module.head_input(module.norm(hidden))))
     return out
 
@@ -144,8 +133,7 @@ class MTPHeads(nn.ModuleList):
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: ExtraHeadInputs) -> list[torch.Tensor]:
         depths = cast(Sequence[MTPModule], list(self))
-        i = inputs
-        return mtp_logits(depths, hidden, tokens, i.embed, i.head, i.cos, i.sin, i.mask, i.positions)
+        return mtp_logits(depths, hidden, tokens, inputs.embed, inputs.head, inputs.layer, inputs.positions)
 
 
 def mtp_problems(num_modules: int, weight: float, seq_length: int) -> list[str]:

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...attention import AttentionMask
 from ...config import ModelConfig
-from ...kv_cache import LayerKVCache
+from ...layer_input import LayerInput
 from ...layers import Attention
 from .config import FalconConfig
 
@@ -39,18 +38,10 @@ class FalconBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = GeluMLP(cfg)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
         attn_in = self.attn_norm(x)
         mlp_in = self.mlp_norm(x) if self.mlp_norm is not None else attn_in
-        return x + self.attn(attn_in, cos, sin, mask, cache) + self.mlp(mlp_in)
+        return x + self.attn(attn_in, inputs) + self.mlp(mlp_in)
 
 
 def falcon_block(cfg: FalconConfig, index: int) -> FalconBlock:

@@ -91,6 +91,8 @@ def weight_rules(cfg: QwenConfig, hf: Mapping[str, Any], names: Collection[str] 
     layers = []
     for i in range(cfg.num_layers):
         sparse = cfg.is_moe_layer(i)
-        layer = decoder_layer_rules(cfg, i, qkv_bias=cfg.qkv_bias, o_bias=False, mlp_bias=False, mlp=not sparse)
+        layer = decoder_layer_rules(
+            cfg, i, qkv_bias=cfg.qkv_bias, o_bias=False, mlp_bias=False, mlp=not sparse, qk_norm=cfg.qk_norm
+        )
         layers.append(layer + (expert_rules(cfg, i, names) if sparse else []))
     return decoder_rules(cfg, layers)
