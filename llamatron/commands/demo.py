@@ -64,7 +64,8 @@ def is_demo(cfg: RunConfig) -> bool:
     d = cfg.data
     if cfg.objective.objective == "dpo" and cfg.train.load and cfg.train.finetune:
         return False
-    return d.data is None and not d.mock_data and d.sft_data is None and d.preference_data is None
+    given = d.data or d.mock_data or d.sft_data or d.preference_data or cfg.objective.prompts
+    return not given
 
 
 def apply_demo_defaults(cfg: RunConfig) -> None:

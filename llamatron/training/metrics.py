@@ -182,6 +182,7 @@ class MetricsLog:
                 "stats": objective_fields(self.engine, o) if i == last else {},
                 "consumed_samples": done,
                 "samples": n,
+                "extra": o.get("extra", {}),  # an objective's own step fields (GRPO's rollouts)
             }
             for i, ((s, o, n), loss, done) in enumerate(zip(self.pending, losses.tolist(), after))
         ]
@@ -208,6 +209,7 @@ class MetricsLog:
             "steps_in_record": len(steps),
             **_loss_scale(last),
             **last["stats"],  # the objective's statistics of the logged step
+            **last["extra"],
             **speed,
             "peak_mem_gib": peak_memory_gib(self.engine.device),
             "global_batch_size": last["samples"],  # the logged step's (--rampup-batch-size grows it)

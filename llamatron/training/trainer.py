@@ -35,6 +35,7 @@ from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_fa
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
 from .reference_logps import REFERENCE_KEY, attach_reference
+from .step_runners import StepRunner, runs_own_steps, step_runner
 from .summary import startup_summary
 from .validate import validate
 
@@ -262,7 +263,8 @@ def _train_on_this_rank(
         print("\n".join(startup_summary(cfg, derived, model_cfg, model_label(cfg))), flush=True)
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)
-    datasets = build_datasets(cfg, model_cfg, mesh)
+    own_steps = runs_own_steps(cfg.objective.objective)  # its rollouts are its data
+    datasets = Datasets([], None, cfg.data.tokenizer) if own_steps else build_datasets(cfg, model_cfg, mesh)
     # TensorBoard / W&B start before the model is built: a W&B login failure costs no memory or time.
     sinks = build_metric_sinks(cfg) if mesh.is_logging_rank else []
     torch.manual_seed(t.seed)
@@ -293,6 +295,7 @@ def _train_on_this_rank(
         inherited[REFERENCE_KEY] = attach_reference(engine, preference, resumed, zero)
     try:
         trainer = Trainer(engine, datasets, start, Checkpointing(t, inherited, faults), faults, sinks)
+        trainer.step_runner = step_runner(engine)
         return trainer.run()
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
         failure = explain_collective_failure(e, t.dist_timeout)
@@ -325,6 +328,7 @@ class Trainer:
         self.guard = FaultGuard(engine, faults, echo=self.log.echo)
         self.guard.skipped_total = start.skipped_steps  # skipped steps of the run this one resumes
         self.evaluation = Evaluation(engine, datasets.valid)
+        self.step_runner: StepRunner | None = None  # an objective's own steps (training/step_runners.py)
 
     def run(self) -> TrainResult:
         t = self.engine.cfg.train
@@ -353,9 +357,12 @@ class Trainer:
     def _train(self, step: int) -> None:
         t, mesh = self.engine.cfg.train, self.engine.mesh
         size = self.batch_sizes.at(self.consumed)
-        mbs = micro_batches_for_rank(self.train_data, self.consumed, size, t.micro_batch_size, mesh)
         self.guard.start_step(step)
-        out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
+        if self.step_runner is not None:
+            out = self.step_runner(step, size)
+        else:
+            mbs = micro_batches_for_rank(self.train_data, self.consumed, size, t.micro_batch_size, mesh)
+            out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
         self.consumed += size
         self.log.add_step(step, out, size)
 

@@ -22,7 +22,7 @@ from ..models import ModelConfig
 from ..models.families import model_problems
 from ..models.moe_balance import balancing_run_problems
 from ..objectives.extra_heads import extra_heads_problems
-from ..objectives.grpo_checks import grpo_problems
+from ..objectives.grpo_checks import check_grpo
 from ..objectives.preference import preference_problems
 from ..parallel.context import context_problems
 from ..parallel.expert import expert_parallel_problems
@@ -128,7 +128,6 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     ]
     ob = cfg.objective
     _raise_if(preference_problems(ob.objective, d.preference_data, other_data, t.micro_batch_size))
-    _raise_if(grpo_problems(ob))
     resolve_eval_metrics(t.eval_metrics)
     layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
     demo_corpus = not (d.data or d.mock_data or d.sft_data or d.preference_data)  # brings its own tokenizer
@@ -172,6 +171,7 @@ def validate(
     layout, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
     _validate_run(cfg, model, device, dtype_name)
+    check_grpo(cfg, layout.dp)
     compile_layers = cfg.train.compile if cfg.train.compile is not None else device == "cuda"
     return Derived(layout, accum, device, dtype_name, compile_layers)
 
