@@ -165,3 +165,23 @@ def test_prompts_without_the_answer_field(task, tmp_path):
     cfg = config_from_values({**SETTINGS, **task, "prompts": str(prompts)})
     with pytest.raises(DataError, match=f"--prompts {prompts} line 1: has no answer field, which --reward needs"):
         validate(cfg)
+
+
+def test_the_demo_runs_a_few_steps(tmp_path, monkeypatch, capsys):
+    """`llamatron train --objective grpo` with no data: the single-digit-sums task (data/demo_grpo.py), its
+    records carrying the reward, and the summary of the saved policy's greedy answers (3 steps: the demo itself,
+    150 steps, is README's)."""
+    from llamatron.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", "--objective", "grpo", "--train-steps", "3", "--log-interval", "1", "--no-progress"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--metrics-file", str(metrics), "--global-batch-size", "32", "--micro-batch-size", "32"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(0 <= r["reward"] <= 1 for r in records)
+    assert "step 3: loss" in out and ", reward " in out
+    assert "greedy answers right:" in out and "of the 55 sums" in out
+    assert (tmp_path / "runs/demo/grpo-checkpoint/step-3").is_dir()

@@ -227,12 +227,14 @@ class MetricsLog:
                 lr=f"{record['lr']:.2e}",
                 tok_s=f"{speed['tokens_per_sec']:.0f}",
                 mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}",
+                **({"reward": f"{record['reward']:.3f}"} if "reward" in record else {}),
             )
             self.progress.update(record["steps_in_record"])
         elif self.logging_rank:  # --no-progress (batch logs): one plain line per logged step
             mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
+            reward = f", reward {record['reward']:.3f}" if "reward" in record else ""  # GRPO's rollouts
             self.echo(
-                f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                f"step {record['step']}: loss {record['loss']:.4f}{reward}, lr {record['lr']:.2e}, "
                 f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu} | "
                 + self._progress_note(record["step"])
             )
