@@ -19,7 +19,7 @@ from llamatron.errors import ConfigError, DataError
 from llamatron.models import IGNORE_INDEX
 from llamatron.parallel.mesh import Mesh
 from llamatron.training.engine import build_engine
-from llamatron.training.step_runners import step_runner
+from llamatron.training.objective_hooks import step_runner
 from llamatron.training.validate import validate
 
 SETTINGS = {
@@ -142,6 +142,7 @@ def _env() -> dict[str, str]:
         ({"num_generations": 1}, ConfigError, "--num-generations 1 must be >= 2"),
         ({"reward": ["missing.py:f"]}, ConfigError, "--reward missing.py:f: no file missing.py"),
         ({"max_completion_length": 40}, DataError, "line 1: a prompt of 4 tokens and --max-completion-length 40"),
+        ({"seq_length": 200, "max_completion_length": 126}, DataError, "126 exceed the model's context of 128 tokens"),
         ({"global_batch_size": 6, "micro_batch_size": 2}, ConfigError, "must be a multiple of --num-generations"),
         ({"beta": 0.1}, ConfigError, "--beta > 0 needs LoRA"),
         ({"tp": 1, "pp": 2}, ConfigError, "--pp is not supported yet"),
@@ -185,3 +186,27 @@ def test_the_demo_runs_a_few_steps(tmp_path, monkeypatch, capsys):
     assert "step 3: loss" in out and ", reward " in out
     assert "greedy answers right:" in out and "of the 55 sums" in out
     assert (tmp_path / "runs/demo/grpo-checkpoint/step-3").is_dir()
+
+
+def test_conversational_prompts(task, tmp_path):
+    """A prompt given as messages is rendered in the chat format (ChatML for this tokenizer) with the assistant's
+    turn opened, its completions stop at the end of turn, and a reward function gets them as TRL gives them:
+    [{"role": "assistant", "content": ...}]."""
+    from llamatron.data.sft import ChatRenderer
+    from llamatron.data.tokenizer import load_tokenizer
+
+    messages = [{"role": "user", "content": "1+1="}]
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"prompt": messages, "answer": "2"}) + "\n")
+    check = tmp_path / "check.py"
+    check.write_text(
+        "def r(prompts, completions, **kw):\n"
+        "    assert all(p[0]['role'] == 'user' for p in prompts)\n"
+        "    return [float(c[0]['role'] == 'assistant' and isinstance(c[0]['content'], str)) for c in completions]\n"
+    )
+    _, runner = _engine(task, prompts=str(prompts), reward=[f"{check}:r"], seq_length=64, global_batch_size=4)
+    rendered = ChatRenderer(task["tokenizer"]).prompt(messages)
+    assert load_tokenizer(task["tokenizer"]).decode(runner.prompts.ids[0]) == rendered
+    assert rendered.endswith("<|im_start|>assistant\n") and runner.stop.strings == ["<|im_end|>"]
+    rollouts = runner._rollouts(0, 4)
+    assert rollouts.fields[f"rewards/{check}:r/mean"] == 1.0

@@ -72,22 +72,25 @@ def grpo_problems(cfg: RunConfig, dp: int) -> list[str]:
     return problems
 
 
-def load_grpo_inputs(cfg: RunConfig) -> tuple[Prompts, list[Reward]]:
+def load_grpo_inputs(cfg: RunConfig, context: int) -> tuple[Prompts, list[Reward]]:
     """The rewards and the encoded prompts (ConfigError / DataError, one line, for bad ones): read at validation,
-    before the model is built, and again by the run."""
+    before the model is built, and again by the run. context: the model's (the decoder's KV cache holds no more)."""
     ob = cfg.objective
     rewards = load_rewards(ob.reward, ob.reward_weights, ob.max_completion_length)
     needed = tuple(sorted({f for r in rewards for f in r.fields}))
     assert ob.prompts is not None and cfg.data.tokenizer is not None  # grpo_problems refused the run without
     records, lines = read_prompt_records(ob.prompts, needed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    prompts = encode_prompts(records, lines, tokenizer, ob.prompts, cfg.data.seq_length, ob.max_completion_length)
+    seq = cfg.data.seq_length
+    room = (seq, f"--seq-length {seq}") if seq <= context else (context, f"the model's context of {context} tokens")
+    prompts = encode_prompts(records, lines, tokenizer, ob.prompts, room, ob.max_completion_length)
     return prompts, rewards
 
 
-def check_grpo(cfg: RunConfig, dp: int) -> None:
+def check_grpo(cfg: RunConfig, dp: int, context: int) -> None:
+    """grpo_problems, then the prompts and rewards read (context: the model's)."""
     problems = grpo_problems(cfg, dp)
     if problems:
         raise ConfigError("; ".join(problems))
     if cfg.objective.objective == "grpo":
-        load_grpo_inputs(cfg)
+        load_grpo_inputs(cfg, context)

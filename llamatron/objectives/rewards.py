@@ -91,17 +91,23 @@ def same_answer(completion: str, answer: Any) -> bool:
     return " ".join(mine.split()).rstrip(".") == " ".join(theirs.split()).rstrip(".")
 
 
-def exact_answer(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
-    return [float(same_answer(c, a)) for c, a in zip(completions, answer)]
+def completion_text(completion: Any) -> str:
+    """A completion's text: itself, or a conversational one's last message's content (TRL's
+    [{"role": "assistant", "content": ...}])."""
+    return completion if isinstance(completion, str) else str(completion[-1]["content"])
 
 
-def format_reward(completions: Sequence[str], **_: Any) -> list[float]:
-    return [float(bool(_FORMAT.match(c))) for c in completions]
+def exact_answer(completions: Sequence[Any], answer: Sequence[Any], **_: Any) -> list[float]:
+    return [float(same_answer(completion_text(c), a)) for c, a in zip(completions, answer)]
+
+
+def format_reward(completions: Sequence[Any], **_: Any) -> list[float]:
+    return [float(bool(_FORMAT.match(completion_text(c)))) for c in completions]
 
 
 def _regex_reward(pattern: re.Pattern) -> RewardFunction:
-    def regex(completions: Sequence[str], **_: Any) -> list[float]:
-        return [float(bool(pattern.search(c))) for c in completions]
+    def regex(completions: Sequence[Any], **_: Any) -> list[float]:
+        return [float(bool(pattern.search(completion_text(c)))) for c in completions]
 
     return regex
 
@@ -173,8 +179,8 @@ def load_rewards(specs: Sequence[str], weights: Sequence[float], max_completion_
 
 def score(
     rewards: Sequence[Reward],
-    prompts: Sequence[str],
-    completions: Sequence[str],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
     completion_ids: Sequence[Sequence[int]],
     records: Sequence[dict[str, Any]],
     record_numbers: Sequence[int],

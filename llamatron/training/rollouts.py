@@ -101,10 +101,14 @@ class GRPOSteps:
         ob = engine.cfg.objective
         self.ob, self.group = ob, ob.num_generations
         self.order = np.random.RandomState(engine.cfg.train.seed).permutation(len(prompts.ids))
-        stops = tuple(i for i in (tokenizer.eod_id,) if i is not None)
-        self.stop_ids = stops
-        self.stop = StopStrings(tokenizer.decode, ob.stop_strings) if ob.stop_strings else None
+        # the tokenizer's end of sequence, and a chat format's end of turn for conversational prompts
+        self.stop_ids = tuple(i for i in (tokenizer.eod_id, prompts.end_of_turn_id) if i is not None)
+        strings = [*ob.stop_strings, *([prompts.end_of_turn] if prompts.end_of_turn else [])]
+        self.stop = StopStrings(tokenizer.decode, strings) if strings else None
         self.current: Rollouts | None = None
+        # one decoder for the run (on GPU its step is captured once): every prompt and completion fits its length
+        self.length = max(len(p) for p in prompts.ids) + ob.max_completion_length
+        self.decoder: RowKeyedDecoder | None = None
 
     def __call__(self, step: int, size: int) -> dict[str, Any]:
         """Optimizer step `step` (1-based) on a global batch of `size` completions: train_step's output, with the
@@ -144,10 +148,12 @@ class GRPOSteps:
         texts = [self.tokenizer.decode(c) for c in completions]
         if self.stop is not None:
             texts = [self.stop.cut(t) for t in texts]
+        # a conversational prompt's completion reaches the rewards as TRL gives it: [{"role": "assistant", ...}]
+        prompts = [self.prompts.records[r]["prompt"] for r in rows]
         values = score(
             self.rewards,
-            [self.prompts.records[r]["prompt"] for r in rows],
-            texts,
+            prompts,
+            [t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(prompts, texts)],
             completions,
             [self.prompts.records[r] for r in rows],
             [self.prompts.lines[r] for r in rows],
@@ -171,10 +177,11 @@ class GRPOSteps:
         """(each row's completion tokens, their behaviour log-probabilities, whether it ended before the limit)."""
         engine, ob = self.engine, self.ob
         model = engine.chunks[0]
-        longest = max(len(p) for p in prompt_ids)
-        sampling = Sampling(temperature=ob.temperature, top_p=ob.top_p)
-        length = longest + ob.max_completion_length
-        decoder = RowKeyedDecoder(model, len(prompt_ids), length, sampling, record_logps=True)
+        if self.decoder is None or self.decoder.batch != len(prompt_ids):  # (--rampup-batch-size: a new size)
+            sampling = Sampling(temperature=ob.temperature, top_p=ob.top_p)
+            self.decoder = RowKeyedDecoder(model, len(prompt_ids), self.length, sampling, record_logps=True)
+        decoder = self.decoder
+        decoder.made = 0
         # each row's key: the seed, the batch of rollouts and the row's place in the whole batch (not the rank's)
         first = engine.mesh.dp_rank * len(prompt_ids)
         decoder.keys = torch.tensor(

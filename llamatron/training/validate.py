@@ -171,7 +171,7 @@ def validate(
     layout, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
     _validate_run(cfg, model, device, dtype_name)
-    check_grpo(cfg, layout.dp)
+    check_grpo(cfg, layout.dp, model.max_seq_length)
     compile_layers = cfg.train.compile if cfg.train.compile is not None else device == "cuda"
     return Derived(layout, accum, device, dtype_name, compile_layers)
 
