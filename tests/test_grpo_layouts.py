@@ -15,11 +15,15 @@ from llamatron.data.tokenizer import train_bpe_tokenizer
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "all-linear"]
 SPEED = ("rollout_tokens_per_sec", "train_tokens_per_sec")
 
-# name -> (flags, processes)
+LORA_BETA = [*LORA, "--beta", "0.05"]
+
+# name -> (flags, processes, model, the single process's flags)
 LAYOUTS = {
-    "dp2-distopt": (["--distributed-optimizer"], 2),
-    "tp2": (["--tp", "2"], 2),
-    "lora-beta-dp2": ([*LORA, "--beta", "0.05"], 2),
+    "dp2-distopt": (["--distributed-optimizer"], 2, "llama-test", []),
+    "tp2": (["--tp", "2"], 2, "llama-test", []),
+    "lora-beta-dp2": (LORA_BETA, 2, "llama-test", LORA_BETA),
+    # a mixture of experts (no expert parallelism): its router losses ride along, its statistics are logged
+    "moe-dp2": ([], 2, "mixtral-test", []),
 }
 
 
@@ -39,13 +43,14 @@ def grpo(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(grpo, tmp_path_factory):
-    cache: dict[bool, list[dict]] = {}
+    cache: dict[tuple, list[dict]] = {}
 
-    def get(lora: bool) -> list[dict]:
-        if lora not in cache:
+    def get(model: str, flags: list[str]) -> list[dict]:
+        key = (model, *flags)
+        if key not in cache:
             d = tmp_path_factory.mktemp("grpo-single")
-            cache[lora] = run_train([*grpo, *([*LORA, "--beta", "0.05"] if lora else [])], 1, d, mock_data=False)
-        return cache[lora]
+            cache[key] = run_train([*grpo, *flags], 1, d, model=model, mock_data=False)
+        return cache[key]
 
     return get
 
@@ -56,10 +61,12 @@ def _without_speed(records: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_grpo_layout_matches_single_process(name, grpo, reference, tmp_path):
-    flags, nproc = LAYOUTS[name]
-    got = run_train([*grpo, *flags], nproc, tmp_path, mock_data=False)
-    single = reference(name.startswith("lora"))
+    flags, nproc, model, single_flags = LAYOUTS[name]
+    got = run_train([*grpo, *flags], nproc, tmp_path, model=model, mock_data=False)
+    single = reference(model, single_flags)
     assert_matches(_without_speed(single), _without_speed(got))
     assert any(r["grad_norm"] > 0 for r in single) and any(r["clip_ratio/region_mean"] > 0 for r in single)
     if name.startswith("lora"):
         assert single[-1]["kl"] > 0  # the reference (adapters off) and the policy part
+    if name.startswith("moe"):
+        assert single[-1]["moe_aux_loss"] > 0 and len(single[-1]["expert_token_share"]) == 4
