@@ -149,6 +149,7 @@ def _env() -> dict[str, str]:
         ({"prompts": None}, ConfigError, "--objective grpo needs --prompts"),
         ({"mock_data": True}, ConfigError, "drop --mock-data"),
         ({"num_iterations": 2, "save_interval": 3}, ConfigError, "--save-interval 3 must be a multiple"),
+        ({"rampup_batch_size": [4, 4, 8]}, ConfigError, "--rampup-batch-size is not supported"),
     ],
 )
 def test_bad_input_is_one_line_before_the_model(task, changes, error, message):

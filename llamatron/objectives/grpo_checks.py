@@ -53,6 +53,8 @@ def grpo_problems(cfg: RunConfig, dp: int) -> list[str]:
                 f"--objective grpo: {flag} is not supported yet (the rollouts decode on the training weights in "
                 "the run's layout: --tp and data parallelism do); drop it"
             )
+    if t.rampup_batch_size:
+        problems.append("--objective grpo: --rampup-batch-size is not supported (a batch of rollouts is whole groups)")
     if ob.beta > 0 and cfg.lora.lora_rank == 0:
         problems.append(
             "--objective grpo --beta > 0 needs LoRA (--lora-rank): the reference is the base with the adapters off "

@@ -177,7 +177,7 @@ class GRPOSteps:
         """(each row's completion tokens, their behaviour log-probabilities, whether it ended before the limit)."""
         engine, ob = self.engine, self.ob
         model = engine.chunks[0]
-        if self.decoder is None or self.decoder.batch != len(prompt_ids):  # (--rampup-batch-size: a new size)
+        if self.decoder is None:  # every batch of rollouts has the same rows (no --rampup-batch-size)
             sampling = Sampling(temperature=ob.temperature, top_p=ob.top_p)
             self.decoder = RowKeyedDecoder(model, len(prompt_ids), self.length, sampling, record_logps=True)
         decoder = self.decoder
