@@ -6,9 +6,11 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 
 import torch.distributed as dist
 
+from ..config.objective_settings import ObjectiveConfig
 from ..config.settings import add_config_arguments, load_config
 from ..errors import ConfigError
 from ..training.bench import format_row, run_bench
@@ -46,6 +48,8 @@ _TRAIN_ONLY = frozenset(
         "dpo_beta",
         "dpo_loss",
         "preference_data",
+        # GRPO's step trains on rollouts it samples first (objectives/grpo.py): not bench's step either
+        *(f.name for f in fields(ObjectiveConfig) if f.name not in ("objective", "dpo_beta", "dpo_loss")),
     }
 )
 

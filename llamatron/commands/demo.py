@@ -1,7 +1,8 @@
 """The demo: `llamatron train` with no data trains llama-tiny on a corpus that needs no download
 (data/demo_corpus.py builds it); `llamatron train --objective dpo` with no data then aligns that model with DPO
 on pairs built from the same corpus (the real continuation of a source file against the same continuation with
-a few tokens swapped, data/demo_preference.py).
+a few tokens swapped, data/demo_preference.py); `llamatron train --objective grpo` with no data trains a small
+model from initialisation by GRPO alone to answer single-digit sums (data/demo_grpo.py).
 
 The demos' own settings (`DEMO_DEFAULTS`, `DPO_DEMO_DEFAULTS`, where the user gave none), their checkpoint
 directories (a new demo run saves beside the previous ones: runs/demo/checkpoint, then checkpoint-2, ...; nothing
@@ -20,6 +21,7 @@ from typing import Any
 from ..checkpoint import step_dirs
 from ..config.settings import RunConfig, set_setting
 from ..data.demo_corpus import DEMO_DATA_DIR, DEMO_DIR, on_console, prepare_demo_data
+from ..data.demo_grpo import GRPO_DEMO_DEFAULTS, GRPO_DEMO_DIR, GRPO_DEMO_MODEL_OVERRIDES, prepare_grpo_demo
 from ..data.demo_preference import PAIRS_NAME, prepare_demo_pairs
 from ..data.tokenizer import load_tokenizer
 from ..inference.generate import load_for_generation, sample
@@ -64,16 +66,22 @@ def is_demo(cfg: RunConfig) -> bool:
     d = cfg.data
     if cfg.objective.objective == "dpo" and cfg.train.load and cfg.train.finetune:
         return False
-    return d.data is None and not d.mock_data and d.sft_data is None and d.preference_data is None
+    given = d.data or d.mock_data or d.sft_data or d.preference_data or cfg.objective.prompts
+    return not given
+
+
+def _demo_defaults(cfg: RunConfig) -> dict[str, Any]:
+    return {"dpo": DPO_DEMO_DEFAULTS, "grpo": GRPO_DEMO_DEFAULTS}.get(cfg.objective.objective, DEMO_DEFAULTS)
 
 
 def apply_demo_defaults(cfg: RunConfig) -> None:
-    dpo = cfg.objective.objective == "dpo"
-    for key, value in (DPO_DEMO_DEFAULTS if dpo else DEMO_DEFAULTS).items():
+    for key, value in _demo_defaults(cfg).items():
         if key not in cfg.explicit:
             set_setting(cfg, key, value)
-    if dpo:
+    if cfg.objective.objective == "dpo":
         _prepare_dpo_demo(cfg)
+    if cfg.objective.objective == "grpo":
+        _prepare_grpo_demo(cfg)
     if "save" not in cfg.explicit:
         cfg.train.save = _demo_save_dir(cfg)
 
@@ -144,10 +152,29 @@ def _prepare_dpo_demo(cfg: RunConfig) -> None:
         print(f"no language-model demo checkpoint in {base} (run `llamatron train` first): DPO from initialisation")
 
 
+def _prepare_grpo_demo(cfg: RunConfig) -> None:
+    """The task's tokenizer and prompts (every rank writes the same bytes), and the model's vocabulary cut to the
+    task's unless the user chose a model."""
+    if "model" not in cfg.explicit and not cfg.model_overrides:
+        cfg.model_overrides = dict(GRPO_DEMO_MODEL_OVERRIDES)
+    task = prepare_grpo_demo()
+    cfg.objective.prompts, cfg.data.tokenizer = task["prompts"], task["tokenizer"]
+
+
+def print_grpo_demo_summary(checkpoint: str) -> None:
+    """The saved policy's greedy answers to every sum of the task: the share right."""
+    model, _ = load_for_generation(checkpoint)
+    tok = load_tokenizer(os.path.join(GRPO_DEMO_DIR, "tokenizer"))
+    right = [(a + b, tok.decode(sample(model, tok.encode(f"{a}+{b}="), 1, temperature=0)))
+             for a in range(10) for b in range(10 - a)]  # fmt: skip
+    share = sum(str(s) == answer for s, answer in right) / len(right)
+    print(f"greedy answers right: {share:.0%} of the {len(right)} sums (1 in 16 by chance)\ncheckpoint: {checkpoint}")
+
+
 def demo_start_note(cfg: RunConfig) -> Callable[[], None]:
     """The line a demo run prints once its settings are checked: where it saves when earlier demo runs are
     kept beside it, and which checkpoint the DPO demo starts from."""
-    base = str((DPO_DEMO_DEFAULTS if cfg.objective.objective == "dpo" else DEMO_DEFAULTS)["save"])
+    base = str(_demo_defaults(cfg)["save"])
     save, load = str(cfg.train.save), cfg.train.load
 
     def note() -> None:

@@ -41,6 +41,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if is_demo and result.checkpoint and int(os.environ.get("RANK", "0")) == 0:
         if cfg.objective.objective == "dpo":
             demo.print_dpo_demo_summary(result.valid, result.checkpoint)
+        elif cfg.objective.objective == "grpo":
+            demo.print_grpo_demo_summary(result.checkpoint)
         else:
             demo.print_demo_summary(result.valid, result.checkpoint)
     return STOPPED_EARLY_EXIT if result.stopped_early else 0

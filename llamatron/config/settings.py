@@ -34,14 +34,12 @@ from .megatron_flags import (
     settings_from_aliases,
 )
 from .model_overrides import add_model_override_argument, did_you_mean, merged_overrides, parse_model_overrides
+from .objective_settings import ObjectiveConfig
 from .ranges import Range, above, at_least, problem, setting
 from .yaml_errors import yaml_error_line
 
 # --fp8's recipes (torchao.float8's names; training/fp8.py applies them)
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
-# --objective and --dpo-loss (objectives/: language_model.py, preference.py)
-OBJECTIVES = ("lm", "dpo")
-DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (llamatron/optim/'s registry)
 MUON_ADJUST_LR_HELP = "a Muon matrix's lr: --lr x 0.2 sqrt(max(rows, cols)) (its update's RMS AdamW's) or original"
 
@@ -279,24 +277,6 @@ class LoraConfig:
         None,
         "start the adapters from this PEFT adapter directory (adapter_config.json, adapter_model.safetensors) "
         "instead of PEFT's initialisation; its rank, alpha and targets must be the run's",
-    )
-
-
-@dataclass
-class ObjectiveConfig:
-    """What a step minimises (objectives/)."""
-
-    objective: str = _f(
-        "lm",
-        "lm: next-token cross entropy (pre-training, --sft-data); dpo: direct preference optimisation on "
-        "--preference-data against the starting weights as the reference (LoRA: the base, adapters off)",
-        OBJECTIVES,
-    )
-    dpo_beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference", allowed=above(0))
-    dpo_loss: str = _f(
-        "sigmoid",
-        "sigmoid: DPO's; ipo: IPO's squared loss on per-token log-ratios; sigmoid_norm: DPO on per-token log-ratios",
-        DPO_LOSSES,
     )
 
 

@@ -59,9 +59,11 @@ class Decoder:
         sampling: Sampling | None = None,
         cuda_graph: bool | None = None,
         compile: bool = False,
+        record_logps: bool = False,
     ):
         """cuda_graph: capture the step (default: on CUDA, for one device's dense model); compile: torch.compile
-        the step first. sampling: greedy by default."""
+        the step first. sampling: greedy by default. record_logps: keep each drawn token's log-probability under
+        the logits / temperature (GRPO's behaviour log-probabilities) in `logps` after `generate`."""
         self.sampling = sampling if sampling is not None else Sampling(temperature=0)
         cfg = model.cfg
         problems = self.sampling.problems()
@@ -92,6 +94,8 @@ class Decoder:
         needs_seen = self.sampling.needs_seen
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=self.device) if needs_seen else None
         self.noise = None if self.sampling.greedy else torch.ones(batch, vocab, device=self.device)
+        self.chosen_logps = torch.zeros(batch, device=self.device) if record_logps else None
+        self.logps: torch.Tensor | None = None  # (prompts, new tokens) of the last generate, with record_logps
         self._step_fn: Callable[[], None] = torch.compile(self._step, dynamic=False) if compile else self._step
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -100,9 +104,22 @@ class Decoder:
         logits = self.model(self.tokens, cache=self.cache)[:, -1]
         logits = gather_vocab(logits, self.model.parallel.vocab).float()
         chosen = next_tokens(logits, self.sampling, self.seen, self.noise)
+        self._record(logits, chosen)
         self.tokens.copy_(chosen[:, None])
         if self.seen is not None:
             self.seen.scatter_(1, chosen[:, None], True)
+
+    def _record(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        """With record_logps: the chosen tokens' log-probabilities under logits / temperature (no top-k or top-p
+        cut: the distribution training computes them from)."""
+        if self.chosen_logps is not None:
+            scaled = logits / max(self.sampling.temperature, 1e-6)
+            self.chosen_logps.copy_(torch.log_softmax(scaled, -1).gather(1, chosen[:, None])[:, 0])
+
+    def _draw_noise(self, generator: torch.Generator) -> None:
+        """The next token's sampling noise (a subclass may key it otherwise: GRPO's rollouts, per row)."""
+        assert self.noise is not None
+        draw_noise(self.noise, generator)
 
     def _capture(self) -> None:
         """Record the step in a CUDA graph, after warm-up runs on a side stream (Triton's and torch.compile's
@@ -133,8 +150,9 @@ class Decoder:
         logits = gather_vocab(logits, self.model.parallel.vocab).float()
         self.cache.continue_rows(lengths)
         if self.noise is not None:
-            draw_noise(self.noise, generator)
+            self._draw_noise(generator)
         first = next_tokens(logits, self.sampling, self.seen, self.noise)
+        self._record(logits, first)
         self.tokens.copy_(first[:, None])
         if self.seen is not None:
             self.seen.scatter_(1, first[:, None], True)
@@ -164,6 +182,9 @@ class Decoder:
         generator = torch.Generator(self.device).manual_seed(seed)
         out = torch.empty(self.batch, max_new_tokens, dtype=torch.long, device=self.device)
         out[:, 0] = self._prefill(prompts, generator)
+        logps = None if self.chosen_logps is None else torch.empty(out.shape, device=self.device)
+        if logps is not None and self.chosen_logps is not None:
+            logps[:, 0] = self.chosen_logps
         ends: list[int | None] = [None] * len(prompts)
         checked = [0] * len(prompts)
         every = self.check_every if stop_ids or stop is not None else max_new_tokens  # no rule: no reads on the way
@@ -174,13 +195,16 @@ class Decoder:
                 if made == max_new_tokens or all(e is not None for e in ends):
                     break
             if self.noise is not None:
-                draw_noise(self.noise, generator)
+                self._draw_noise(generator)
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._step_fn()
             out[:, made] = self.tokens[:, 0]
+            if logps is not None and self.chosen_logps is not None:
+                logps[:, made] = self.chosen_logps
             made += 1
+        self.logps = None if logps is None else logps[: len(prompts), :made]
         new = out[: len(prompts), :made].tolist()
         return [row if end is None else row[:end] for row, end in zip(new, ends)]
 

@@ -2,7 +2,9 @@
 
 The model returns logits (models/transformer.py); an objective turns a micro-batch's logits into its share of the
 step's loss. The engine owns one and uses it in the plain step, on the pipeline's last stage and in evaluation, so
-a new objective is one module beside language_model.py implementing `Objective`: preference.py (DPO) is one.
+a new objective is one module beside language_model.py implementing `Objective` (preference.py, DPO; grpo.py,
+GRPO), registered by name in registry.py; a pass it needs before training, or steps of its own (GRPO's rollouts),
+are registered in training/objective_hooks.py, so neither the engine nor the Trainer names an objective.
 """
 
 from __future__ import annotations

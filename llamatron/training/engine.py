@@ -31,8 +31,7 @@ from ..models.layers import Attention
 from ..models.moe import MoE
 from ..models.transformer import batch_inputs
 from ..objectives import Objective
-from ..objectives.language_model import LanguageModelObjective
-from ..objectives.preference import PreferenceObjective
+from ..objectives.registry import build_objective
 from ..optim import BuildArgs, DynamicLossScaler, SegmentOptimizer, hidden_matrices, lr_at, optimizer_kind
 from ..parallel.context import apply_context_parallel
 from ..parallel.expert import ExpertParallelDispatch, TensorParallelShards, apply_expert_parallel
@@ -243,7 +242,7 @@ def build_engine(cfg: RunConfig, derived: Derived, mesh: Mesh, model_cfg: ModelC
         buffers += [buffer(c, c_specs, True) for c, c_specs in zip(chunks, specs) if _trains_experts(c, c_specs)]
     optimizer = _optimizer(cfg, buffers, mesh, resolved.adamw, hidden_matrices(chunks, specs))
     scaler = DynamicLossScaler(device, cfg.train.initial_loss_scale) if dtype == torch.float16 else None
-    objective = _objective(cfg, chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
+    objective = build_objective(cfg.objective, chunks, model_cfg, mesh, device, kernels.cross_entropy, derived.compile)
     return Engine(
         cfg,
         derived,
@@ -312,21 +311,6 @@ def _buffer(
         specs=chunk_specs,
         select=None if experts is None else partial(_is_expert, experts),
     )
-
-
-def _objective(
-    cfg: RunConfig,
-    chunks: list[Transformer],
-    model_cfg: ModelConfig,
-    mesh: Mesh,
-    device: torch.device,
-    kernel: str,
-    compile: bool,
-) -> Objective:
-    ob = cfg.objective
-    if ob.objective == "dpo":
-        return PreferenceObjective.build(chunks, model_cfg, mesh, device, ob.dpo_beta, ob.dpo_loss, kernel, compile)
-    return LanguageModelObjective.build(chunks, model_cfg, mesh, device, kernel, compile)
 
 
 def _optimizer(

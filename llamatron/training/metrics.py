@@ -182,6 +182,7 @@ class MetricsLog:
                 "stats": objective_fields(self.engine, o) if i == last else {},
                 "consumed_samples": done,
                 "samples": n,
+                "extra": o.get("extra", {}),  # an objective's own step fields (GRPO's rollouts)
             }
             for i, ((s, o, n), loss, done) in enumerate(zip(self.pending, losses.tolist(), after))
         ]
@@ -208,6 +209,7 @@ class MetricsLog:
             "steps_in_record": len(steps),
             **_loss_scale(last),
             **last["stats"],  # the objective's statistics of the logged step
+            **last["extra"],
             **speed,
             "peak_mem_gib": peak_memory_gib(self.engine.device),
             "global_batch_size": last["samples"],  # the logged step's (--rampup-batch-size grows it)
@@ -225,12 +227,14 @@ class MetricsLog:
                 lr=f"{record['lr']:.2e}",
                 tok_s=f"{speed['tokens_per_sec']:.0f}",
                 mfu="n/a" if speed["mfu"] is None else f"{speed['mfu']:.1%}",
+                **({"reward": f"{record['reward']:.3f}"} if "reward" in record else {}),
             )
             self.progress.update(record["steps_in_record"])
         elif self.logging_rank:  # --no-progress (batch logs): one plain line per logged step
             mfu = "" if speed["mfu"] is None else f", mfu {speed['mfu']:.1%}"
+            reward = f", reward {record['reward']:.3f}" if "reward" in record else ""  # GRPO's rollouts
             self.echo(
-                f"step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                f"step {record['step']}: loss {record['loss']:.4f}{reward}, lr {record['lr']:.2e}, "
                 f"grad norm {record['grad_norm']:.3f}, {speed['tokens_per_sec']:.0f} tokens/s{mfu} | "
                 + self._progress_note(record["step"])
             )

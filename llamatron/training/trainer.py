@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from ..adapters.targets import adapter_shapes
 from ..checkpoint import check_checkpoint_fits, read_meta, read_model_config, step_dirs, step_number
-from ..checkpoint.reader import saved_lora_settings
 from ..checkpoint.save_lock import SaveDirLock
 from ..config.settings import Derived, RunConfig
 from ..data import demo_corpus, samples
@@ -22,7 +21,7 @@ from ..data.batch_rampup import BatchSizes
 from ..data.batches import Samples, micro_batches_for_rank, to_device
 from ..data.boundaries import DocumentBoundaries
 from ..data.mock import MockDataset
-from ..data.preference_dataset import PreferenceDataset, build_preference_datasets
+from ..data.preference_dataset import build_preference_datasets
 from ..data.sft_dataset import build_sft_datasets
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError
@@ -34,7 +33,7 @@ from .evaluation import Evaluation
 from .faults import NO_FAULTS, FaultGuard, FaultInjection, explain_collective_failure, restore_signal_handlers
 from .logging_sinks import build_metric_sinks
 from .metrics import MetricsLog
-from .reference_logps import REFERENCE_KEY, attach_reference
+from .objective_hooks import StepRunner, before_training, runs_own_steps, step_runner
 from .summary import startup_summary
 from .validate import validate
 
@@ -262,12 +261,13 @@ def _train_on_this_rank(
         print("\n".join(startup_summary(cfg, derived, model_cfg, model_label(cfg))), flush=True)
         _warn_if_metrics_file_has_another_run(cfg)
         _warn_if_beyond_trained_context(cfg, model_cfg)
-    datasets = build_datasets(cfg, model_cfg, mesh)
+    own_steps = runs_own_steps(cfg.objective.objective)  # its rollouts are its data
+    datasets = Datasets([], None, cfg.data.tokenizer) if own_steps else build_datasets(cfg, model_cfg, mesh)
     # TensorBoard / W&B start before the model is built: a W&B login failure costs no memory or time.
     sinks = build_metric_sinks(cfg) if mesh.is_logging_rank else []
     torch.manual_seed(t.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
-    start, inherited = RunStart(), {}
+    start, inherited, state = RunStart(), {}, {}
     if t.load:
         state = load_checkpoint(engine, t.load, weights_only=t.finetune)
         inherited = meta_to_inherit(state, t.load, cfg.lora.lora_rank > 0)
@@ -282,17 +282,10 @@ def _train_on_this_rank(
             )
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start.step)
-    if cfg.objective.objective == "dpo":  # the reference pass, before the first step (or read from its cache)
-        resumed = state.get(REFERENCE_KEY) if t.load and not t.finetune else None
-        preference = [ds for ds in (datasets.train, datasets.valid) if isinstance(ds, PreferenceDataset)]
-        zero = (
-            cfg.lora.lora_rank > 0
-            and not cfg.lora.lora_init_from
-            and not (t.load and saved_lora_settings(state).get("lora_rank"))
-        )
-        inherited[REFERENCE_KEY] = attach_reference(engine, preference, resumed, zero)
+    inherited.update(before_training(engine, [datasets.train, datasets.valid], state))
     try:
         trainer = Trainer(engine, datasets, start, Checkpointing(t, inherited, faults), faults, sinks)
+        trainer.step_runner = step_runner(engine)
         return trainer.run()
     except RuntimeError as e:  # a collective that timed out or lost a peer: name the ranks that went silent
         failure = explain_collective_failure(e, t.dist_timeout)
@@ -325,6 +318,7 @@ class Trainer:
         self.guard = FaultGuard(engine, faults, echo=self.log.echo)
         self.guard.skipped_total = start.skipped_steps  # skipped steps of the run this one resumes
         self.evaluation = Evaluation(engine, datasets.valid)
+        self.step_runner: StepRunner | None = None  # an objective's own steps (training/objective_hooks.py)
 
     def run(self) -> TrainResult:
         t = self.engine.cfg.train
@@ -353,9 +347,12 @@ class Trainer:
     def _train(self, step: int) -> None:
         t, mesh = self.engine.cfg.train, self.engine.mesh
         size = self.batch_sizes.at(self.consumed)
-        mbs = micro_batches_for_rank(self.train_data, self.consumed, size, t.micro_batch_size, mesh)
         self.guard.start_step(step)
-        out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
+        if self.step_runner is not None:
+            out = self.step_runner(step, size)
+        else:
+            mbs = micro_batches_for_rank(self.train_data, self.consumed, size, t.micro_batch_size, mesh)
+            out = train_step(self.engine, to_device(mbs, self.engine.device), step - 1)
         self.consumed += size
         self.log.add_step(step, out, size)
 

@@ -22,6 +22,7 @@ from ..models import ModelConfig
 from ..models.families import model_problems
 from ..models.moe_balance import balancing_run_problems
 from ..objectives.extra_heads import extra_heads_problems
+from ..objectives.grpo_checks import check_grpo
 from ..objectives.preference import preference_problems
 from ..optim import optimizer_problems
 from ..parallel.context import context_problems
@@ -170,6 +171,7 @@ def validate(
     layout, accum = _validate_layout(cfg, world_size, model, world_flag)
     device, dtype_name = resolve_device(cfg.train.device, cfg.train.precision, cuda_available)
     _validate_run(cfg, model, device, dtype_name)
+    check_grpo(cfg, layout.dp, model.max_seq_length)
     compile_layers = cfg.train.compile if cfg.train.compile is not None else device == "cuda"
     return Derived(layout, accum, device, dtype_name, compile_layers)
 
