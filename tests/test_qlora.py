@@ -1,0 +1,116 @@
+"""--base-precision nf4 (llamatron/adapters/nf4.py): the frozen base as torchao's NF4 against torchao itself and
+against transformers + PEFT's LoRA on the same NF4 weights; gradients reach the adapters and the input only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_fixtures import FAMILIES, make_random_model, random_tokens
+from test_hf_equivalence import llamatron_from_hf
+
+from llamatron.adapters.lora import LoraLinear
+from llamatron.adapters.nf4 import BLOCK, GROUP, NF4Linear, fused_rows, nf4_bytes, nf4_problems, quantize_base
+from llamatron.adapters.peft_format import load_peft_state
+from llamatron.adapters.targets import apply_lora, find_targets
+
+peft = pytest.importorskip("peft")
+torchao = pytest.importorskip("torchao")
+from torchao.quantization import to_nf4  # noqa: E402  (after the skip: torchao is in the test extra)
+
+RANK, ALPHA = 4, 8.0
+# Each of q, k, v, o, gate, up, down a whole number of 16,384-weight groups: 128 x 128, 256 x 128
+LLAMA = dict(FAMILIES["llama"][1], hidden_size=128, intermediate_size=256)
+HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _hf_linears(hf_model):
+    return {n: m for n, m in hf_model.named_modules() if n.rsplit(".", 1)[-1] in HF_LINEARS}
+
+
+def _pair(targets="all-linear"):
+    """transformers + PEFT (random adapters) whose base linears hold torchao's NF4 of their weights, and llamatron
+    with the same base and adapters, its base made NF4 by quantize_base."""
+    hf_model = make_random_model("Llama", LLAMA)
+    model, cfg = llamatron_from_hf(hf_model)
+    found = find_targets(model, cfg, targets.split(","))
+    apply_lora(model, found, RANK, ALPHA, 0.0)
+    torch.manual_seed(1)
+    names = list(HF_LINEARS) if targets == "all-linear" else [f"{t}_proj" for t in targets.split(",")]
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=names, init_lora_weights=False)
+    dense = {n: m.weight.detach().clone() for n, m in _hf_linears(hf_model).items()}
+    for m in _hf_linears(hf_model).values():  # F.linear on torchao's NF4 runs its LinearNF4
+        m.weight = torch.nn.Parameter(to_nf4(m.weight.detach()), requires_grad=False)
+    peft_model = peft.get_peft_model(hf_model, config).eval()
+    load_peft_state(model, found, peft.get_peft_model_state_dict(peft_model))
+    quantize_base(model, cfg, fused_rows(cfg))
+    return peft_model, model, cfg, dense
+
+
+def test_the_dequantised_base_is_torchaos_bitwise_and_holds_its_bytes():
+    _, model, cfg, dense = _pair("q,down")
+    hf = "model.layers.{}.{}.{}"
+    parts = {"attn.qkv": ("self_attn", "qkv"), "attn.o": ("self_attn", "o"), "mlp.gate_up": ("mlp", ("gate", "up"))}
+    parts["mlp.down"] = ("mlp", ("down",))
+    for i in range(cfg.num_layers):
+        for ours, (block, names) in parts.items():
+            m = model.get_submodule(f"layers.{i}.{ours}")
+            assert isinstance(m, (LoraLinear, NF4Linear))  # adapted or not, every decoder linear is NF4
+            reference = torch.cat(
+                [to_nf4(dense[hf.format(i, block, f"{n}_proj")]).get_original_weight() for n in names]
+            )
+            assert torch.equal(m.weight.dequantize(), reference)
+            numel = sum(dense[hf.format(i, block, f"{n}_proj")].numel() for n in names)
+            assert numel % GROUP == 0 and m.weight.nbytes() == sum(
+                nf4_bytes(dense[hf.format(i, block, f"{n}_proj")].numel(), 4) for n in names
+            )
+    assert not any(isinstance(p, type(to_nf4(torch.ones(GROUP)))) for p in model.parameters())
+    assert {n for n, p in model.named_parameters() if n.endswith("weight")} == {
+        "embed.weight",
+        "lm_head.weight",
+        "norm.weight",
+        *(f"layers.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "mlp_norm")),
+    }
+
+
+def test_nf4_bytes_is_half_a_byte_a_weight_plus_the_scales():
+    numel = 3 * GROUP
+    nf4 = to_nf4(torch.randn(numel // 128, 128, dtype=torch.bfloat16))
+    names, _ = nf4.__tensor_flatten__()
+    held = sum(getattr(nf4, n).numel() * getattr(nf4, n).element_size() for n in names)
+    # codes 0.5 B/weight, int8 scale per 64, bf16 factor per 256 scales, bf16 mean and 16-entry table
+    assert held == nf4_bytes(numel, 2) == numel // 2 + numel // BLOCK + 2 * (3 + 1 + 16)
+
+
+def test_logits_and_gradients_equal_peft_on_torchaos_nf4():
+    peft_model, model, _, _ = _pair()
+    tokens = random_tokens(2, 16)
+    expected = peft_model(tokens).logits
+    got = model(tokens)
+    with torch.no_grad(), peft_model.disable_adapter():
+        without = peft_model(tokens).logits
+    assert (expected - without).abs().max() > 1e-2  # the adapters change the logits: the check is not vacuous
+    assert (got - expected).abs().max().item() <= 1e-5
+    expected.pow(2).mean().backward()
+    got.pow(2).mean().backward()
+    theirs = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
+    ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(ours) == {n for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
+    # the first layer's q_proj adapter: its gradient went back through every later NF4 linear's input gradient
+    a = theirs["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    assert torch.allclose(ours["layers.0.attn.qkv.lora_a"][:RANK], a, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0, "base", {}, False, "none"), "but --lora-rank is 0: give --lora-rank R"),
+        ((4, None, {}, False, "none"), "give --load CHECKPOINT"),
+        ((4, "base", {"tp": 2}, False, "none"), "--base-precision nf4 with --tp 2 is not supported yet"),
+        ((4, "base", {}, True, "none"), "with --fsdp is not supported yet"),
+        ((4, "base", {}, False, "rowwise"), "--fp8 rowwise both replace the base's matmul"),
+    ],
+)
+def test_what_nf4_cannot_do_is_one_line(args, message):
+    (problem,) = nf4_problems("nf4", *args)
+    assert message in problem and "\n" not in problem
+    assert nf4_problems("same", *args) == []
