@@ -114,3 +114,35 @@ def test_what_nf4_cannot_do_is_one_line(args, message):
     (problem,) = nf4_problems("nf4", *args)
     assert message in problem and "\n" not in problem
     assert nf4_problems("same", *args) == []
+
+
+def _train(model, steps=3):
+    """A few AdamW steps on the adapters; returns them."""
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(adapters, lr=1e-2)
+    for step in range(steps):
+        tokens = random_tokens(2, 16, seed=step)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_training_on_the_nf4_base_equals_training_on_its_dequantisation():
+    _, model, cfg, dense = _pair("q,v,down")
+    hf_model = make_random_model("Llama", LLAMA)
+    with torch.no_grad():  # the same model, its linears holding torchao's dequantisation of their NF4
+        for n, m in _hf_linears(hf_model).items():
+            m.weight.copy_(to_nf4(dense[n]).get_original_weight())
+    reference, _ = llamatron_from_hf(hf_model)
+    found = find_targets(reference, cfg, ["q", "v", "down"])
+    apply_lora(reference, found, RANK, ALPHA, 0.0)
+    reference.load_state_dict(
+        {n: p for n, p in model.state_dict().items() if n.endswith(("lora_a", "lora_b"))}, strict=False
+    )
+    got, expected = _train(model.train()), _train(reference.train())
+    assert got.keys() == expected.keys() and len(got) == 8  # qkv (q, v) and down in 2 layers
+    for n in got:
+        assert torch.allclose(got[n], expected[n], rtol=1e-5, atol=1e-6), n
+

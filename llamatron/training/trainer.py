@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..adapters.nf4 import check_nf4_saves, quantize_frozen
 from ..adapters.targets import adapter_shapes
 from ..checkpoint import check_checkpoint_fits, read_meta, read_model_config, step_dirs, step_number
 from ..checkpoint.reader import saved_lora_settings
@@ -282,6 +283,9 @@ def _train_on_this_rank(
             )
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start.step)
+    if cfg.lora.base_precision == "nf4":  # after the load, so the dense base is freed (adapters/nf4.py)
+        check_nf4_saves(cfg.lora.base_precision, inherited)
+        engine.frozen[:] = quantize_frozen(engine.chunks, model_cfg, engine.frozen)
     if cfg.objective.objective == "dpo":  # the reference pass, before the first step (or read from its cache)
         resumed = state.get(REFERENCE_KEY) if t.load and not t.finetune else None
         preference = [ds for ds in (datasets.train, datasets.valid) if isinstance(ds, PreferenceDataset)]
