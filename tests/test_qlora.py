@@ -12,6 +12,9 @@ from llamatron.adapters.lora import LoraLinear
 from llamatron.adapters.nf4 import BLOCK, GROUP, NF4Linear, fused_rows, nf4_bytes, nf4_problems, quantize_base
 from llamatron.adapters.peft_format import load_peft_state
 from llamatron.adapters.targets import apply_lora, find_targets
+from llamatron.config.settings import config_from_values
+from llamatron.models import get_preset
+from llamatron.planning.plan import predict_peak_memory
 
 peft = pytest.importorskip("peft")
 torchao = pytest.importorskip("torchao")
@@ -146,3 +149,14 @@ def test_training_on_the_nf4_base_equals_training_on_its_dequantisation():
     for n in got:
         assert torch.allclose(got[n], expected[n], rtol=1e-5, atol=1e-6), n
 
+
+def test_plan_counts_the_nf4_base_as_half_a_byte_a_weight_plus_its_scales():
+    values = {"model": "llama-1b", "seq_length": 4096, "device": "cuda", "precision": "bf16", "lora_rank": 16}
+    dense = predict_peak_memory(config_from_values(values), 1)["weights"]
+    nf4 = predict_peak_memory(config_from_values({**values, "base_precision": "nf4", "load": "base"}), 1)["weights"]
+    m = get_preset("llama-1b")
+    kv = m.num_kv_heads * m.hidden_size // m.num_heads
+    # per layer q, o (h x h), k, v (kv x h), gate, up, down (ffn x h): each 16,384-weight groups, quantised alone
+    tensors = [m.hidden_size * n for n in (m.hidden_size, m.hidden_size, kv, kv, *[m.ffn_hidden_size] * 3)]
+    held = sum(n / 2 + n / 64 + 2 * (n / 16384 + 1 + 16) for n in tensors) * m.num_layers  # codes, scales, bf16 rest
+    assert dense - nf4 == 2 * sum(tensors) * m.num_layers - held

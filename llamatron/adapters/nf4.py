@@ -94,6 +94,17 @@ def nf4_bytes(numel: int, itemsize: int) -> int:
     return numel // 2 + numel // BLOCK + itemsize * (numel // GROUP + 1 + 16)
 
 
+def nf4_base_bytes(cfg: ModelConfig, itemsize: int) -> tuple[int, int]:
+    """(what a model's NF4 linears hold, what the same weights hold dense at `itemsize` bytes a weight)."""
+    rows, model = fused_rows(cfg), build_model(cfg, device="meta")
+    numels = [
+        len(r) * model.get_submodule(n).get_parameter("weight").shape[1]
+        for n in quantizable(model, rows)
+        for r in rows[n]
+    ]
+    return sum(nf4_bytes(n, itemsize) for n in numels), itemsize * sum(numels)
+
+
 class _NF4Linear(torch.autograd.Function):
     """x W^T (+ bias): the dequantised weight is made in forward and again in backward, never saved (LinearNF4's
     way); gradients go to the input and the bias, never to the weight."""
@@ -202,6 +213,7 @@ __all__ = [
     "SCALER_BLOCK",
     "check_nf4_saves",
     "fused_rows",
+    "nf4_base_bytes",
     "nf4_bytes",
     "nf4_linear",
     "nf4_problems",

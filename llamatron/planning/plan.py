@@ -40,8 +40,9 @@ Speed model: speed.py (the ranking model), llamatron/planning/simulator/ (the st
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from ..adapters.nf4 import nf4_base_bytes
 from ..config.settings import RunConfig
 from ..kernels.choices import KernelChoices
 from ..models import ModelConfig
@@ -316,6 +317,9 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
         run_config.data.seq_length,
         precision,
     )
+    if run_config.lora.base_precision == "nf4":  # the base's decoder linears held as NF4 (adapters/nf4.py)
+        held, dense = nf4_base_bytes(run_config.model_config(), 4 if derived.dtype_name == "fp32" else 2)
+        mem = replace(mem, weights=mem.weights - dense + held)
     return {
         "weights": mem.weights,
         "gradients": mem.gradients,
