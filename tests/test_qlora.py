@@ -106,17 +106,18 @@ def test_logits_and_gradients_equal_peft_on_torchaos_nf4():
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((0, "base", {}, False, "none"), "but --lora-rank is 0: give --lora-rank R"),
-        ((4, None, {}, False, "none"), "give --load CHECKPOINT"),
-        ((4, "base", {"tp": 2}, False, "none"), "--base-precision nf4 with --tp 2 is not supported yet"),
-        ((4, "base", {}, True, "none"), "with --fsdp is not supported yet"),
-        ((4, "base", {}, False, "rowwise"), "--fp8 rowwise both replace the base's matmul"),
+        ((0, "base", None, {}, False, "none"), "but --lora-rank is 0: give --lora-rank R"),
+        ((4, None, "out", {}, False, "none"), "give --load CHECKPOINT (e.g. --finetune of an import), or no --save"),
+        ((4, "base", None, {"tp": 2, "pp": 1}, False, "none"), "nf4 with --tp 2 is not supported yet"),
+        ((4, "base", None, {}, True, "none"), "with --fsdp is not supported yet"),
+        ((4, "base", None, {}, False, "rowwise"), "--fp8 rowwise both replace the base's matmul"),
     ],
 )
 def test_what_nf4_cannot_do_is_one_line(args, message):
     (problem,) = nf4_problems("nf4", *args)
     assert message in problem and "\n" not in problem
     assert nf4_problems("same", *args) == []
+    assert nf4_problems("nf4", 4, None, None, {"tp": 1}, False, "none") == []  # no saves: no base to name
 
 
 def _train(model, steps=3):

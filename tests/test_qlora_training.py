@@ -72,3 +72,11 @@ def test_merge_dequantises_the_base_and_the_adapter_exports_for_peft(runs, tmp_p
     assert torch.allclose(merged.read("model", "layers.1.attn.qkv.weight"), deq + 2.0 * update, atol=1e-6)
     summary = export_adapter(d / "nf4", tmp_path / "adapter", base_model=None)
     assert summary["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_a_flag_nf4_cannot_take_is_one_line_before_anything_is_built(tmp_path):
+    with pytest.raises(AssertionError, match="command failed") as err:
+        run_train([*NF4, "--save", str(tmp_path / "out")], 1, tmp_path)
+    (line,) = [x for x in str(err.value).splitlines() if "--base-precision nf4 saves only the adapters" in x]
+    assert "Traceback" not in str(err.value) and line.endswith("or no --save")
+    assert not (tmp_path / "out").exists()

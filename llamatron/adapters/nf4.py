@@ -39,17 +39,20 @@ def torchao_missing() -> bool:
 
 
 def nf4_problems(
-    precision: str, lora_rank: int, load: str | None, layout: dict[str, int], fsdp: bool, fp8: str
+    precision: str, lora_rank: int, load: str | None, save: str | None, layout: dict[str, int], fsdp: bool, fp8: str
 ) -> list[str]:
-    """--base-precision nf4's rules, before any memory is spent."""
+    """--base-precision nf4's rules, before any memory is spent (`layout`: tp, pp, cp, ep)."""
     if precision != "nf4":
         return []
     if lora_rank == 0:
         return ["--base-precision nf4 stores LoRA's frozen base in 4 bits, but --lora-rank is 0: give --lora-rank R"]
     if torchao_missing():
         return ["--base-precision nf4 needs torchao's NF4 tensor: pip install 'llamatron[qlora]'"]
-    if not load:  # the saves hold only the adapters and name the loaded checkpoint as their base
-        return ["--base-precision nf4 quantises a loaded base: give --load CHECKPOINT (e.g. --finetune of an import)"]
+    if save and not load:  # the saves hold only the adapters and name the loaded checkpoint as their base
+        return [
+            "--base-precision nf4 saves only the adapters, naming the loaded checkpoint as their base: give --load "
+            "CHECKPOINT (e.g. --finetune of an import), or no --save"
+        ]
     split = [f"--{k} {v}" for k, v in layout.items() if v > 1] + (["--fsdp"] if fsdp else [])
     if split:
         return [
@@ -120,6 +123,7 @@ class _NF4Linear(torch.autograd.Function):
         return grad @ w, None, None
 
 
+@torch.compiler.disable  # a compiled layer runs it eagerly: its weight is no tensor for the compiler to trace
 def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A LoraLinear's `base_matmul` over an NF4 weight."""
     return _NF4Linear.apply(x, weight, bias)
@@ -187,18 +191,20 @@ def quantize_base(model: nn.Module, cfg: ModelConfig, rows: dict[str, tuple[torc
     return gone
 
 
-def quantize_frozen(chunks: Sequence[nn.Module], cfg: ModelConfig, frozen: list) -> list:
+def quantize_frozen(precision: str, chunks: Sequence[nn.Module], cfg: ModelConfig, frozen: list) -> None:
     """--base-precision nf4 on a run's model chunks, whose loaded frozen weights are `frozen` ((parameter, spec)
-    pairs); returns those still dense, which the saves and loads keep (the NF4 ones are the base checkpoint's)."""
+    pairs): it keeps those still dense, which the saves and loads keep (the NF4 ones are the base checkpoint's)."""
+    if precision != "nf4":
+        return
     rows = fused_rows(cfg)
     gone = set().union(*(quantize_base(chunk, cfg, rows) for chunk in chunks))
-    return [(p, spec) for p, spec in frozen if id(p) not in gone]
+    frozen[:] = [(p, spec) for p, spec in frozen if id(p) not in gone]
 
 
-def check_nf4_saves(precision: str, inherited: dict) -> None:
+def check_nf4_saves(precision: str, save: str | None, inherited: dict) -> None:
     """An NF4 run's saves must name a base checkpoint (they hold no frozen weights): a LoRA checkpoint that holds
     its base itself has none to name."""
-    if precision == "nf4" and BASE_KEY not in inherited:
+    if precision == "nf4" and save and BASE_KEY not in inherited:
         raise ConfigError(
             "--base-precision nf4: the loaded checkpoint holds its frozen base itself, which an NF4 run cannot save "
             "again; --finetune --load the plain model's checkpoint it was trained from"

@@ -283,9 +283,8 @@ def _train_on_this_rank(
             )
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start.step)
-    if cfg.lora.base_precision == "nf4":  # after the load, so the dense base is freed (adapters/nf4.py)
-        check_nf4_saves(cfg.lora.base_precision, inherited)
-        engine.frozen[:] = quantize_frozen(engine.chunks, model_cfg, engine.frozen)
+    check_nf4_saves(cfg.lora.base_precision, t.save, inherited)  # --base-precision nf4: before any step
+    quantize_frozen(cfg.lora.base_precision, engine.chunks, model_cfg, engine.frozen)  # after the load: frees the base
     if cfg.objective.objective == "dpo":  # the reference pass, before the first step (or read from its cache)
         resumed = state.get(REFERENCE_KEY) if t.load and not t.finetune else None
         preference = [ds for ds in (datasets.train, datasets.valid) if isinstance(ds, PreferenceDataset)]

@@ -118,7 +118,7 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     _raise_if(balancing_run_problems(model, cfg.lora.lora_rank > 0, p.fsdp))
     _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit], p.tp))
     layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
-    _raise_if(nf4_problems(cfg.lora.base_precision, cfg.lora.lora_rank, t.load, layout, p.fsdp, t.fp8))
+    _raise_if(nf4_problems(cfg.lora.base_precision, cfg.lora.lora_rank, t.load, t.save, layout, p.fsdp, t.fp8))
     document_flags = [
         f"--{n.replace('_', '-')}"
         for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
