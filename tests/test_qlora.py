@@ -108,7 +108,8 @@ def test_logits_and_gradients_equal_peft_on_torchaos_nf4():
     [
         ((0, "base", None, {}, False, "none"), "but --lora-rank is 0: give --lora-rank R"),
         ((4, None, "out", {}, False, "none"), "give --load CHECKPOINT (e.g. --finetune of an import), or no --save"),
-        ((4, "base", None, {"tp": 2, "pp": 1}, False, "none"), "nf4 with --tp 2 is not supported yet"),
+        ((4, "base", None, {"tp": 2, "pp": 2}, False, "none"), "nf4 with --tp 2 is not supported yet"),
+        ((4, "base", None, {"cp": 2}, False, "none"), "nf4 with --cp 2 is not supported yet"),
         ((4, "base", None, {}, True, "none"), "with --fsdp is not supported yet"),
         ((4, "base", None, {}, False, "rowwise"), "--fp8 rowwise both replace the base's matmul"),
     ],
@@ -117,7 +118,7 @@ def test_what_nf4_cannot_do_is_one_line(args, message):
     (problem,) = nf4_problems("nf4", *args)
     assert message in problem and "\n" not in problem
     assert nf4_problems("same", *args) == []
-    assert nf4_problems("nf4", 4, None, None, {"tp": 1}, False, "none") == []  # no saves: no base to name
+    assert nf4_problems("nf4", 4, None, None, {"tp": 1, "pp": 2}, False, "none") == []  # no saves: no base to name
 
 
 def _train(model, steps=3):
@@ -161,3 +162,6 @@ def test_plan_counts_the_nf4_base_as_half_a_byte_a_weight_plus_its_scales():
     tensors = [m.hidden_size * n for n in (m.hidden_size, m.hidden_size, kv, kv, *[m.ffn_hidden_size] * 3)]
     held = sum(n / 2 + n / 64 + 2 * (n / 16384 + 1 + 16) for n in tensors) * m.num_layers  # codes, scales, bf16 rest
     assert dense - nf4 == 2 * sum(tensors) * m.num_layers - held
+    staged = {**values, "base_precision": "nf4", "pp": 2, "micro_batch_size": 1, "global_batch_size": 8}
+    halves = predict_peak_memory(config_from_values({**staged, "base_precision": "same"}), 2)["weights"]
+    assert halves - predict_peak_memory(config_from_values(staged), 2)["weights"] == (dense - nf4) / 2  # its layers

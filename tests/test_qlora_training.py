@@ -1,6 +1,6 @@
 """--base-precision nf4 through `llamatron train`: a QLoRA run saves only its adapters (its base is the loaded
-checkpoint), resumes exactly, runs data-parallel as on one process, exports a PEFT adapter, and --merge gives the
-base it trained on (torchao's dequantisation of the base checkpoint's weights) plus the update."""
+checkpoint), resumes exactly, runs data- and pipeline-parallel as on one process, exports a PEFT adapter, and
+--merge gives the base it trained on (torchao's dequantisation of the base checkpoint's weights) plus the update."""
 
 from __future__ import annotations
 
@@ -31,14 +31,16 @@ def runs(tmp_path_factory):
     out = {"nf4": run_train([*tune, "--save", str(d / "nf4"), "--save-interval", "2"], 1, d)}
     out["resumed"] = run_train([*NF4, "--load", str(d / "nf4" / "step-2")], 1, d)
     out["dp2"] = run_train(tune, 2, d)
+    out["pp2"] = run_train([*tune, "--pp", "2"], 2, d)
     out["bf16-base"] = run_train([*SHAPE, *LORA, "--load", str(d / "base"), "--finetune"], 1, d)
     return d, out
 
 
-def test_a_qlora_run_resumes_exactly_and_runs_data_parallel_as_on_one_process(runs):
+def test_a_qlora_run_resumes_exactly_and_runs_data_and_pipeline_parallel_as_on_one_process(runs):
     _, out = runs
     assert_matches([r for r in out["nf4"] if r["step"] > 2], out["resumed"], rtol=1e-6)
     assert_matches(out["nf4"], out["dp2"], rtol=1e-5)
+    assert_matches(out["nf4"], out["pp2"], rtol=1e-5)
     # the base is NF4: the first step (adapters B = 0, the base alone) differs from the dense base's
     first, dense = out["nf4"][0]["loss"], out["bf16-base"][0]["loss"]
     assert first != dense and abs(first - dense) < 0.05 * dense

@@ -16,7 +16,7 @@ number of 16,384-weight groups. It happens after the base is loaded, so the dens
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -53,12 +53,13 @@ def nf4_problems(
             "--base-precision nf4 saves only the adapters, naming the loaded checkpoint as their base: give --load "
             "CHECKPOINT (e.g. --finetune of an import), or no --save"
         ]
-    split = [f"--{k} {v}" for k, v in layout.items() if v > 1] + (["--fsdp"] if fsdp else [])
+    # pp: each stage quantises its layers' whole tensors; tp and FSDP shards would each be quantised on their own
+    split = [f"--{k} {v}" for k, v in layout.items() if v > 1 and k != "pp"] + (["--fsdp"] if fsdp else [])
     if split:
         return [
             f"--base-precision nf4 with {' '.join(split)} is not supported yet (each rank would quantise its own "
             "shard, whose scales differ from the whole tensor's; FSDP does not gather NF4 shards): run it on one "
-            "rank or with --dp"
+            "rank or with --dp or --pp"
         ]
     if fp8 != "none":
         return [f"--base-precision nf4 and --fp8 {fp8} both replace the base's matmul: drop one"]
@@ -97,14 +98,12 @@ def nf4_bytes(numel: int, itemsize: int) -> int:
     return numel // 2 + numel // BLOCK + itemsize * (numel // GROUP + 1 + 16)
 
 
-def nf4_base_bytes(cfg: ModelConfig, itemsize: int) -> tuple[int, int]:
-    """(what a model's NF4 linears hold, what the same weights hold dense at `itemsize` bytes a weight)."""
+def nf4_base_bytes(cfg: ModelConfig, itemsize: int, layers: Collection[int] | None = None) -> tuple[int, int]:
+    """(what a model's NF4 linears hold, what the same weights hold dense at `itemsize` bytes a weight); `layers`:
+    those of these decoder layers only (a pipeline stage's)."""
     rows, model = fused_rows(cfg), build_model(cfg, device="meta")
-    numels = [
-        len(r) * model.get_submodule(n).get_parameter("weight").shape[1]
-        for n in quantizable(model, rows)
-        for r in rows[n]
-    ]
+    names = [n for n in quantizable(model, rows) if layers is None or int(n.split(".")[1]) in layers]
+    numels = [len(r) * model.get_submodule(n).get_parameter("weight").shape[1] for n in names for r in rows[n]]
     return sum(nf4_bytes(n, itemsize) for n in numels), itemsize * sum(numels)
 
 
