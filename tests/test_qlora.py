@@ -8,7 +8,7 @@ import torch
 from hf_fixtures import FAMILIES, make_random_model, random_tokens
 from test_hf_equivalence import llamatron_from_hf
 
-from llamatron.adapters.lora import LoraLinear
+from llamatron.adapters.lora import LoraLinear, adapters_off
 from llamatron.adapters.nf4 import BLOCK, GROUP, NF4Linear, fused_rows, nf4_bytes, nf4_problems, quantize_base
 from llamatron.adapters.peft_format import load_peft_state
 from llamatron.adapters.targets import apply_lora, find_targets
@@ -93,6 +93,8 @@ def test_logits_and_gradients_equal_peft_on_torchaos_nf4():
         without = peft_model(tokens).logits
     assert (expected - without).abs().max() > 1e-2  # the adapters change the logits: the check is not vacuous
     assert (got - expected).abs().max().item() <= 1e-5
+    with torch.no_grad(), adapters_off([model]):  # DPO's reference pass: the NF4 base alone
+        assert (model(tokens) - without).abs().max().item() <= 1e-5
     expected.pow(2).mean().backward()
     got.pow(2).mean().backward()
     theirs = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}

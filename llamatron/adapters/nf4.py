@@ -2,7 +2,7 @@
 
 torchao's `to_nf4` quantises a weight in blocks of 64 values (each block: 4-bit codes of the NormalFloat table
 times its absmax) and the absmaxes again, in groups of 256, to int8 around their mean (double quantisation):
-0.5 byte per weight plus 1 byte per 64 weights, 4 bytes per 16,384 and one mean per tensor. Its
+0.5 byte per weight, 1 byte per 64 weights, a factor per 16,384, and a mean and the 16-value table per tensor. Its
 `get_original_weight` dequantises, and its linear (`LinearNF4`) multiplies by that dequantised weight in forward
 and again in backward, giving the input its gradient and the weight none.
 
@@ -53,13 +53,13 @@ def nf4_problems(
             "--base-precision nf4 saves only the adapters, naming the loaded checkpoint as their base: give --load "
             "CHECKPOINT (e.g. --finetune of an import), or no --save"
         ]
-    # pp: each stage quantises its layers' whole tensors; tp and FSDP shards would each be quantised on their own
+    # pp: each stage quantises its layers' whole tensors (tested); tp and FSDP would quantise each rank's shard
     split = [f"--{k} {v}" for k, v in layout.items() if v > 1 and k != "pp"] + (["--fsdp"] if fsdp else [])
     if split:
         return [
-            f"--base-precision nf4 with {' '.join(split)} is not supported yet (each rank would quantise its own "
-            "shard, whose scales differ from the whole tensor's; FSDP does not gather NF4 shards): run it on one "
-            "rank or with --dp or --pp"
+            f"--base-precision nf4 with {' '.join(split)} is not supported yet (under tp and FSDP each rank would "
+            "quantise its own shard, whose scales differ from the whole tensor's; cp and ep are untried): run it "
+            "on one rank or with --dp or --pp"
         ]
     if fp8 != "none":
         return [f"--base-precision nf4 and --fp8 {fp8} both replace the base's matmul: drop one"]
@@ -108,24 +108,24 @@ def nf4_base_bytes(cfg: ModelConfig, itemsize: int, layers: Collection[int] | No
 
 
 class _NF4Linear(torch.autograd.Function):
-    """x W^T (+ bias): the dequantised weight is made in forward and again in backward, never saved (LinearNF4's
-    way); gradients go to the input and the bias, never to the weight."""
+    """x W^T: the dequantised weight is made in forward and again in backward, never saved (LinearNF4's way); the
+    input gets its gradient, the weight none."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
         ctx.weight = weight
-        return nn.functional.linear(x, weight.dequantize().to(x.dtype), bias)
+        return x @ weight.dequantize().to(x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        w = ctx.weight.dequantize().to(grad.dtype)
-        return grad @ w, None, None
+        return grad @ ctx.weight.dequantize().to(grad.dtype), None
 
 
 @torch.compiler.disable  # a compiled layer runs it eagerly: its weight is no tensor for the compiler to trace
 def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A LoraLinear's `base_matmul` over an NF4 weight."""
-    return _NF4Linear.apply(x, weight, bias)
+    """A LoraLinear's `base_matmul` over an NF4 weight (the bias added as torchao's F.linear on NF4 adds it)."""
+    out = _NF4Linear.apply(x, weight)
+    return out if bias is None else out + bias
 
 
 class NF4Linear(nn.Module):
@@ -162,9 +162,7 @@ def quantizable(model: nn.Module, rows: dict[str, tuple[torch.Tensor, ...]]) -> 
 def quantize(weight: torch.Tensor, rows: Sequence[torch.Tensor]) -> NF4Weight:
     """`weight` (out, in) as NF4, each Hugging Face tensor (its `rows`) on its own."""
     if torchao_missing():
-        raise ConfigError(
-            "an NF4 base (--base-precision nf4) needs torchao's NF4 tensor: pip install 'llamatron[qlora]'"
-        )
+        raise ConfigError("an NF4 base (--base-precision nf4) needs torchao: pip install 'llamatron[qlora]'")
     from torchao.quantization import to_nf4
 
     parts = [(r.to(weight.device), to_nf4(weight[r.to(weight.device)].contiguous(), BLOCK, SCALER_BLOCK)) for r in rows]
