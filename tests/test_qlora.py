@@ -24,25 +24,40 @@ RANK, ALPHA = 4, 8.0
 # Each of q, k, v, o, gate, up, down a whole number of 16,384-weight groups: 128 x 128, 256 x 128
 LLAMA = dict(FAMILIES["llama"][1], hidden_size=128, intermediate_size=256)
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# kind, config, PEFT's all-linear: biases on every linear; Falcon's query_key_value (one Hugging Face tensor whose
+# rows llamatron's fused projection holds reordered: 256 x 128), dense, dense_h_to_4h and dense_4h_to_h
+MODELS = {
+    "llama": ("Llama", LLAMA, HF_LINEARS),
+    "llama-bias": ("Llama", dict(LLAMA, attention_bias=True, mlp_bias=True), HF_LINEARS),
+    "falcon-40b": (
+        "Falcon",
+        dict(FAMILIES["falcon-40b-layout"][1], hidden_size=128, num_attention_heads=8, num_kv_heads=4),
+        ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    ),
+}
 
 
-def _hf_linears(hf_model):
-    return {n: m for n, m in hf_model.named_modules() if n.rsplit(".", 1)[-1] in HF_LINEARS}
+def _hf_linears(hf_model, names=HF_LINEARS):
+    return {n: m for n, m in hf_model.named_modules() if n.rsplit(".", 1)[-1] in names}
 
 
-def _pair(targets="all-linear"):
+def _pair(targets="all-linear", model_name="llama"):
     """transformers + PEFT (random adapters) whose base linears hold torchao's NF4 of their weights, and llamatron
     with the same base and adapters, its base made NF4 by quantize_base."""
-    hf_model = make_random_model("Llama", LLAMA)
+    kind, kwargs, linears = MODELS[model_name]
+    hf_model = make_random_model(kind, kwargs)
     model, cfg = llamatron_from_hf(hf_model)
     found = find_targets(model, cfg, targets.split(","))
     apply_lora(model, found, RANK, ALPHA, 0.0)
     torch.manual_seed(1)
-    names = list(HF_LINEARS) if targets == "all-linear" else [f"{t}_proj" for t in targets.split(",")]
+    names = list(linears) if targets == "all-linear" else [f"{t}_proj" for t in targets.split(",")]
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=names, init_lora_weights=False)
-    dense = {n: m.weight.detach().clone() for n, m in _hf_linears(hf_model).items()}
-    for m in _hf_linears(hf_model).values():  # F.linear on torchao's NF4 runs its LinearNF4
-        m.weight = torch.nn.Parameter(to_nf4(m.weight.detach()), requires_grad=False)
+    dense = {n: m.weight.detach().clone() for n, m in _hf_linears(hf_model, linears).items()}
+    for m in _hf_linears(hf_model, linears).values():  # F.linear on torchao's NF4 runs its LinearNF4
+        nf4 = to_nf4(m.weight.detach())
+        # transformers' FalconLinear computes x @ W.T, which torchao's NF4 does not run (no permute): it holds
+        # torchao's dequantisation, the weight LinearNF4 multiplies by
+        m.weight = torch.nn.Parameter(nf4.get_original_weight() if kind == "Falcon" else nf4, requires_grad=False)
     peft_model = peft.get_peft_model(hf_model, config).eval()
     load_peft_state(model, found, peft.get_peft_model_state_dict(peft_model))
     quantize_base(model, cfg, fused_rows(cfg))
@@ -84,8 +99,10 @@ def test_nf4_bytes_is_half_a_byte_a_weight_plus_the_scales():
     assert held == nf4_bytes(numel, 2) == numel // 2 + numel // BLOCK + 2 * (3 + 1 + 16)
 
 
-def test_logits_and_gradients_equal_peft_on_torchaos_nf4():
-    peft_model, model, _, _ = _pair()
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_logits_and_gradients_equal_peft_on_torchaos_nf4(model_name):
+    peft_model, model, _, _ = _pair(model_name=model_name)
+    assert sum(isinstance(m, LoraLinear) and not isinstance(m.weight, torch.Tensor) for m in model.modules()) == 8
     tokens = random_tokens(2, 16)
     expected = peft_model(tokens).logits
     got = model(tokens)
@@ -100,8 +117,10 @@ def test_logits_and_gradients_equal_peft_on_torchaos_nf4():
     theirs = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(ours) == {n for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
-    # the first layer's q_proj adapter: its gradient went back through every later NF4 linear's input gradient
-    a = theirs["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    # the first layer's q_proj (Falcon: query_key_value) adapter: its gradient went back through every later NF4
+    # linear's input gradient
+    first = [n for n in theirs if ".layers.0." in n or ".h.0." in n]
+    (a,) = [theirs[n] for n in first if any(f"{m}.lora_A" in n for m in ("q_proj", "query_key_value"))]
     assert torch.allclose(ours["layers.0.attn.qkv.lora_a"][:RANK], a, atol=1e-6, rtol=1e-4)
 
 
