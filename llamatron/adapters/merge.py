@@ -9,7 +9,7 @@ saved --lora-targets (adapters/targets.py), as training applied them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from ..checkpoint.pieces import Box
 from ..checkpoint.reader import CheckpointReader, read_meta, resolve_checkpoint, saved_lora_settings
 from ..errors import CheckpointError
 from ..models import build_model, config_from_dict
+from .nf4 import fused_rows, quantizable, quantize
 from .targets import LoraTarget, find_targets, requested
 
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
@@ -32,6 +33,9 @@ class SavedLora:
     rank: int
     alpha: float
     targets: tuple[LoraTarget, ...]
+    # --base-precision nf4: each NF4 weight's rows per Hugging Face tensor, and the dtype it was quantised in
+    nf4: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    nf4_dtype: torch.dtype = torch.float32
 
     @property
     def scale(self) -> float:
@@ -44,8 +48,14 @@ def saved_lora(run_meta: dict[str, Any]) -> SavedLora | None:
     if not lora.get("lora_rank"):
         return None
     cfg = config_from_dict(run_meta["model_config"])
-    targets = find_targets(build_model(cfg, device="meta"), cfg, requested(lora["lora_targets"]))
-    return SavedLora(int(lora["lora_rank"]), float(lora["lora_alpha"]), tuple(targets))
+    model = build_model(cfg, device="meta")
+    targets = find_targets(model, cfg, requested(lora["lora_targets"]))
+    nf4, dtype = {}, torch.float32
+    if lora.get("base_precision") == "nf4":  # the base as trained: NF4, in the run's dtype
+        rows = fused_rows(cfg)
+        nf4 = {f"{name}.weight": rows[name] for name in quantizable(model, rows)}
+        dtype = getattr(torch, run_meta["layout"]["dtype"])
+    return SavedLora(int(lora["lora_rank"]), float(lora["lora_alpha"]), tuple(targets), nf4, dtype)
 
 
 def lora_update(a: torch.Tensor, b: torch.Tensor, target: LoraTarget, rank: int) -> torch.Tensor:
@@ -78,16 +88,23 @@ class MergedLoraReader(CheckpointReader):
         return super().read(ADAPTER_KIND, name)
 
     def read(self, kind: str, name: str, box: Box | None = None) -> torch.Tensor:
-        if kind != "model" or name not in self._targets:
+        if kind != "model" or (name not in self._targets and name not in self.lora.nf4):
             return super().read(kind, name, box)
         if name not in self._merged:
-            module, t = name.removesuffix(".weight"), self._targets[name]
-            a, b = (self.adapter(f"{module}{s}") for s in ADAPTER_SUFFIXES)
             weight = super().read(kind, name)
-            merged = weight.float() + self.lora.scale * lora_update(a, b, t, self.lora.rank)
+            merged = self._base(name, weight).float()
+            if name in self._targets:
+                module, t = name.removesuffix(".weight"), self._targets[name]
+                a, b = (self.adapter(f"{module}{s}") for s in ADAPTER_SUFFIXES)
+                merged += self.lora.scale * lora_update(a, b, t, self.lora.rank)
             self._merged[name] = merged.to(weight.dtype)
         merged = self._merged[name]
         return merged if box is None else merged[box.slices_within(Box.whole(tuple(merged.shape)))].clone()
+
+    def _base(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The frozen weight the adapters were trained on: an NF4 base's dequantised (adapters/nf4.py)."""
+        rows = self.lora.nf4.get(name)
+        return weight if rows is None else quantize(weight.to(self.lora.nf4_dtype), rows).dequantize()
 
 
 class LoraBaseReader(MergedLoraReader):

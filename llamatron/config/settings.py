@@ -278,6 +278,7 @@ class LoraConfig:
         "start the adapters from this PEFT adapter directory (adapter_config.json, adapter_model.safetensors) "
         "instead of PEFT's initialisation; its rank, alpha and targets must be the run's",
     )
+    base_precision: str = _f("same", "LoRA's frozen base: same (as --precision) or nf4 (QLoRA)", ("same", "nf4"))
 
 
 SECTIONS = {

@@ -42,12 +42,14 @@ Speed model: speed.py (the ranking model), llamatron/planning/simulator/ (the st
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from ..adapters.nf4 import nf4_base_bytes
 from ..config.settings import RunConfig
 from ..kernels.choices import KernelChoices
 from ..models import ModelConfig
 from ..parallel.layout import LayoutChoice, layout_values
+from ..parallel.pipeline import split_layers
 from ..parallel.tensor import padded_vocab_size
 from ..training.kernel_settings import kernel_choices
 from ..training.validate import validate
@@ -295,6 +297,16 @@ def run_layout(run_config: RunConfig, dp: int) -> Layout:
     )
 
 
+def _with_nf4_base(run_config: RunConfig, mem: Memory, itemsize: int) -> Memory:
+    """`mem` with its stage's decoder linears held as NF4 (adapters/nf4.py) instead of dense."""
+    model, p = run_config.model_config(), run_config.parallel
+    counts = split_layers(model.num_layers, p.pp, p.vpp, p.pp_layers)  # chunk c (model order) on rank c % pp
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    layers = {i for c in range(mem.stage, len(counts), p.pp) for i in range(starts[c], starts[c] + counts[c])}
+    held, dense = nf4_base_bytes(model, itemsize, layers)
+    return replace(mem, weights=mem.weights - dense + held)
+
+
 def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
     """Predicted peak memory per GPU (bytes) of a training run, for comparing with a measured peak.
 
@@ -320,6 +332,8 @@ def predict_peak_memory(run_config: RunConfig, world_size: int) -> dict:
         run_config.data.seq_length,
         precision,
     )
+    if run_config.lora.base_precision == "nf4":
+        mem = _with_nf4_base(run_config, mem, 4 if derived.dtype_name == "fp32" else 2)
     return {
         "weights": mem.weights,
         "gradients": mem.gradients,

@@ -20,6 +20,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
+from ..adapters.nf4 import quantize_frozen
 from ..config.settings import RunConfig
 from ..data.batches import micro_batches_for_rank, to_device
 from ..data.mock import MockDataset
@@ -44,6 +45,7 @@ def run_bench(cfg: RunConfig, steps: int, warmup: int) -> dict:
     model_cfg = cfg.model_config()
     torch.manual_seed(cfg.train.seed)
     engine = build_engine(cfg, derived, mesh, model_cfg)
+    quantize_frozen(cfg.lora.base_precision, engine.chunks, model_cfg, engine.frozen)  # QLoRA: the base to NF4
     t, device = cfg.train, engine.device
     real = cfg.data.data is not None or cfg.data.sft_data is not None
     data = (

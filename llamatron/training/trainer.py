@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..adapters.nf4 import check_nf4_saves, quantize_frozen
 from ..adapters.targets import adapter_shapes
 from ..checkpoint import check_checkpoint_fits, read_meta, read_model_config, step_dirs, step_number
 from ..checkpoint.save_lock import SaveDirLock
@@ -282,6 +283,8 @@ def _train_on_this_rank(
             )
             if not t.finetune:
                 _say_what_changed_on_resume(cfg, state, start.step)
+    check_nf4_saves(cfg.lora.base_precision, t.save, inherited)  # --base-precision nf4: before any step
+    quantize_frozen(cfg.lora.base_precision, engine.chunks, model_cfg, engine.frozen)  # after the load: frees the base
     inherited.update(before_training(engine, [datasets.train, datasets.valid], state))
     try:
         trainer = Trainer(engine, datasets, start, Checkpointing(t, inherited, faults), faults, sinks)

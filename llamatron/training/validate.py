@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict
 
+from ..adapters.nf4 import nf4_problems
 from ..adapters.problems import lora_problems
 from ..config.output_paths import check_output_directory
 from ..config.settings import Derived, RunConfig, range_problems
@@ -117,6 +118,8 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     )
     _raise_if(balancing_run_problems(model, cfg.lora.lora_rank > 0, p.fsdp))
     _raise_if(lora_problems(cfg.lora, model, [k for k in asdict(cfg.lora) if k in cfg.explicit], p.tp))
+    layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
+    _raise_if(nf4_problems(cfg.lora.base_precision, cfg.lora.lora_rank, t.load, t.save, layout, p.fsdp, t.fp8))
     document_flags = [
         f"--{n.replace('_', '-')}"
         for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
@@ -129,7 +132,6 @@ def _validate_run(cfg: RunConfig, model: ModelConfig, device: str, dtype_name: s
     ob = cfg.objective
     _raise_if(preference_problems(ob.objective, d.preference_data, other_data, t.micro_batch_size))
     resolve_eval_metrics(t.eval_metrics)
-    layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
     demo_corpus = not (d.data or d.mock_data or d.sft_data or d.preference_data)  # brings its own tokenizer
     _raise_if(eval_task_problems(t.eval_tasks, t.eval_include_path, t.eval_limit, layout, d.tokenizer, demo_corpus))
     check_sink_dependencies(t.tensorboard_dir, t.wandb_project)
