@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..kernels.swiglu_op import swiglu
+from .block_counts import PreNormCounts
 from .config import ModelConfig
 from .layer_input import LayerInput
 from .layers import Attention, RMSNorm
@@ -60,6 +61,11 @@ class DecoderBlock(nn.Module):
             self.mlp = MoE(cfg) if moe is None else moe
         else:
             self.mlp = SwiGLU(cfg, cfg.layer_ffn(index))
+
+    @property
+    def counts(self) -> PreNormCounts:
+        """What it saves outside its attention, for the planner (models/block_counts.py)."""
+        return PreNormCounts(self.attn_norm.weight.shape[0])
 
     def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
         attn = self.attn(self.attn_norm(x), inputs)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .attention_counts import AttentionCounts
+from .block_counts import BlockCounts, NormCounts
 from .blocks import SwiGLU
 from .config import ModelConfig, RopeScaling
 from .families import family_of
@@ -51,18 +52,19 @@ class Layer:
     """A decoder layer's parameters and the features the planner and the kernel settings read."""
 
     weights: tuple[Weight, ...]
-    norm: str  # "rmsnorm" or "layernorm"
-    norms: int  # norms on the residual stream (before attention and MLP), not the q/k norms
-    mlp: str  # "swiglu" or "gelu" (a mixture of experts: its experts')
+    norm: str  # "rmsnorm" or "layernorm" (named in messages; which kernels run it: block.rmsnorm_kernel)
+    mlp: str  # "swiglu" or "gelu" (a mixture of experts: its experts'; which kernels run it: block.swiglu_kernel)
     moe: bool
     qk_norm: bool
-    parallel_residual: bool  # attention and MLP both read the layer's input (Falcon)
     # The attention's width in the FLOP formula: (query·key width + probability·value width) / 2 over all heads,
     # heads·head_dim for the shared attention; the layer's attention module says (`flops_width`)
     attention_width: float
     # What its attention module declares for the planner (`counts`: models/attention_counts.py): saved activations
     # by kind, the context-parallel gather, the kernel's widths and the decode cache per token
     attention: AttentionCounts
+    # What the layer itself declares (`counts`: models/block_counts.py): its saved activations outside the
+    # attention (norms, MLP) and which Triton kernels run its norms and MLP
+    block: BlockCounts
 
     def params(self, kind: str | None = None) -> int:
         """All its parameters, or those of one kind (matmul, expert, router, norm, bias)."""
@@ -118,26 +120,27 @@ def _describe(layer: nn.Module, core: nn.Module | None = None) -> Layer:
     return Layer(
         weights=tuple(weights),
         norm="layernorm" if any(isinstance(m, nn.LayerNorm) for m in residual_norms) else "rmsnorm",
-        norms=len(residual_norms),
         mlp="swiglu" if isinstance(mlp, (SwiGLU, MoE)) else "gelu",
         moe=isinstance(mlp, MoE),
         qk_norm=any(n.endswith(("q_norm", "k_norm")) for n in modules),
-        parallel_residual=bool(getattr(type(core), "parallel_residual", False)),
         attention_width=float(getattr(attention, "flops_width", 0)),
-        attention=_counts(core, attention),
+        attention=cast(AttentionCounts, _counts(core, attention, "its attention", "attention_counts")),
+        block=cast(BlockCounts, _counts(core, core, "it", "block_counts")),
     )
 
 
-def _counts(layer: nn.Module, attention: nn.Module | None) -> AttentionCounts:
-    counts = getattr(attention, "counts", None)
+def _counts(layer: nn.Module, module: nn.Module | None, what: str, where: str) -> object:
+    counts = getattr(module, "counts", None)
     if counts is None:  # a programming error in a family's layer, not a user's input
-        raise TypeError(f"{type(layer).__name__}: its attention declares no counts (models/attention_counts.py)")
-    return cast(AttentionCounts, counts)
+        raise TypeError(f"{type(layer).__name__}: {what} declares no counts (models/{where}.py)")
+    return counts
 
 
 _FIELDS: dict[type, Callable[[ModelConfig], tuple]] = {}  # each config class's fields but rope_scaling, read at once
 _SCALING_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(RopeScaling)))  # its fields are scalars
-_CACHE: dict[tuple, tuple[tuple[Layer, ...], int, tuple[Layer, ...]]] = {}  # asked thousands of times a search
+_CACHE: dict[
+    tuple, tuple[tuple[Layer, ...], int, tuple[Layer, ...], NormCounts]
+] = {}  # asked thousands of times a search
 
 
 _UNCHANGED: dict[int, tuple[ModelConfig, tuple]] = {}  # id -> (config, key) inside unchanged_config
@@ -201,9 +204,9 @@ def _decoder_layer(module: nn.Module) -> nn.Module:
     return next(m for m in module.modules() if hasattr(getattr(m, "attn", None), "counts"))
 
 
-def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int, tuple[Layer, ...]]:
+def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int, tuple[Layer, ...], NormCounts]:
     """(every decoder layer, the final norm's parameters, each extra prediction head: its decoder layer's features
-    and all its weights) of `cfg`, built once on meta per configuration."""
+    and all its weights, what the final norm declares) of `cfg`, built once on meta per configuration."""
     key = config_key(cfg)
     if key not in _CACHE:
         family = family_of(cfg)
@@ -215,12 +218,14 @@ def _built(cfg: ModelConfig) -> tuple[tuple[Layer, ...], int, tuple[Layer, ...]]
                 if kind not in kinds:
                     kinds[kind] = _describe(family.block(cfg, i))
                 out.append(kinds[kind])
-            norm = sum(p.numel() for p in family.final_norm(cfg).parameters())
+            final_norm = family.final_norm(cfg)
+            norm = sum(p.numel() for p in final_norm.parameters())
+            norm_counts = cast(NormCounts, _counts(final_norm, final_norm, "it", "block_counts"))
             heads = family.extra_heads(cfg)
             extra = () if heads is None else tuple(_describe(m, _decoder_layer(m)) for m in heads.children())
         if len(_CACHE) > 256:
             _CACHE.clear()
-        _CACHE[key] = (tuple(out), norm, extra)
+        _CACHE[key] = (tuple(out), norm, extra, norm_counts)
     return _CACHE[key]
 
 
@@ -231,6 +236,11 @@ def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
 
 def final_norm_params(cfg: ModelConfig) -> int:
     return _built(cfg)[1]
+
+
+def final_norm_counts(cfg: ModelConfig) -> NormCounts:
+    """What the final norm declares (models/block_counts.py): the bytes it saves standing alone."""
+    return _built(cfg)[3]
 
 
 def extra_head_layers(cfg: ModelConfig) -> tuple[Layer, ...]:
@@ -353,6 +363,7 @@ __all__ = [
     "expert_params",
     "extra_head_layers",
     "extra_head_params",
+    "final_norm_counts",
     "final_norm_params",
     "flops_per_token",
     "input_embedding_params",

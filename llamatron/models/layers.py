@@ -17,6 +17,7 @@ from torch import nn
 from ..kernels import rmsnorm_op, rope_op, triton_check
 from .attention import attend
 from .attention_counts import GQACounts
+from .block_counts import RMSNormCounts
 from .config import ModelConfig, RopeScaling
 from .layer_input import LayerInput
 from .yarn import yarn_attention_factor, yarn_inv_freq
@@ -30,6 +31,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.backend = "auto"  # auto, triton or torch: this model's choice (models/kernels.py)
+
+    @property
+    def counts(self) -> RMSNormCounts:
+        """What it saves standing alone, for the planner (models/block_counts.py)."""
+        return RMSNormCounts(self.weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_check.kernels_on(self.backend, x):

@@ -48,7 +48,15 @@ from __future__ import annotations
 
 from ..models import ModelConfig
 from ..models.attention_counts import EAGER_TORCH, LayerKernels
-from ..models.inventory import experts_taken, extra_head_layers, layers, mean_mlp_width, moe_layer_share, per_config
+from ..models.inventory import (
+    experts_taken,
+    extra_head_layers,
+    final_norm_counts,
+    layers,
+    mean_mlp_width,
+    moe_layer_share,
+    per_config,
+)
 from ..parallel.schedules import max_alive
 
 
@@ -62,29 +70,21 @@ def layer_activation_terms(
 ) -> dict[str, float]:
     """Bytes one decoder layer saves for backward per token, by part (see the module docstring); cp > 1: the
     attention kernel attends to K/V gathered over cp context-parallel ranks (without recompute)."""
-    compiled = kernels.compiled
-    a, h = act_bytes, model.hidden_size
-    f = mean_mlp_width(model) / tp  # k experts' width in a MoE layer
     layer = layers(model)[0]
-    if layer.parallel_residual:  # Falcon: LayerNorms (mean, rstd) feeding attention and a GELU MLP in parallel
-        layer_norms = layer.norms
-        norm_inputs = a * h + 8 * (1 if compiled else layer_norms)
-        norm_outputs = a * h * (2 if sequence_parallel else 1 if compiled else layer_norms)
-        mlp = 2 * a * f
-    else:
-        norm_inputs = 2 * 4 + a * h if compiled else 2 * (a * h + 4) if kernels.norms else 2 * (4 * h + a * h + 4)
-        norm_outputs = 2 * a * h
-        mlp = (3 if compiled or kernels.swiglu else 4) * a * f
+    # the block's own terms (its norms and MLP) and its attention's, as each declares them (models/block_counts.py,
+    # models/attention_counts.py); ffn: k experts' width in a MoE layer
+    block = layer.block.saved(act_bytes, mean_mlp_width(model), tp, sequence_parallel, kernels)
     moe = 0.0
     if model.is_moe:  # in MoE layers, each token's dispatched copies and router scores
-        moe = (2 * a * experts_taken(model) * h + 4 * model.num_experts) * moe_layer_share(model)
-    # the attention's own terms, as its module declares them (models/attention_counts.py)
-    attention = layer.attention.saved(a, tp, kernels, cp)
+        moe = (2 * act_bytes * experts_taken(model) * model.hidden_size + 4 * model.num_experts) * moe_layer_share(
+            model
+        )
+    attention = layer.attention.saved(act_bytes, tp, kernels, cp)
     return {
-        "norm_inputs": norm_inputs / (tp if sequence_parallel else 1),
-        "norm_outputs": norm_outputs,
+        "norm_inputs": block["norm_inputs"],
+        "norm_outputs": block["norm_outputs"],
         **attention,
-        "mlp": mlp,
+        "mlp": block["mlp"],
         "moe_dispatch": moe,
     }
 
@@ -100,11 +100,9 @@ def gathered_kv_bytes(model: ModelConfig, act_bytes: int, tp: int, cp: int) -> f
 def final_norm_bytes(
     model: ModelConfig, act_bytes: int, tp: int, sequence_parallel: bool, fused_norms: bool = False
 ) -> float:
-    """The last chunk's final norm per token (eager), its output saved whole by the head."""
-    a, h = act_bytes, model.hidden_size
-    layer_norm = layers(model)[0].norm == "layernorm"
-    inputs = (a * h + 8) if layer_norm else (a * h + 4) if fused_norms else (4 * h + a * h + 4)
-    return inputs / (tp if sequence_parallel else 1) + a * h
+    """The last chunk's final norm per token (eager), its output saved whole by the head: what the final norm
+    declares (models/block_counts.py)."""
+    return final_norm_counts(model).saved(act_bytes, tp, sequence_parallel, fused_norms)
 
 
 @per_config

@@ -95,7 +95,7 @@ class Precision:
         layer = layers(model)[0]
         return LayerKernels(
             self.compiled,
-            self.fused_norms and layer.norm == "rmsnorm",
+            self.fused_norms and layer.block.rmsnorm_kernel,
             self.fused_rope and layer.attention.fused_rope,
-            self.fused_swiglu and layer.mlp == "swiglu",
+            self.fused_swiglu and layer.block.swiglu_kernel,
         )

@@ -25,7 +25,7 @@ def kernel_choices(flags: KernelChoices, tp: int, device: str, dtype_name: str, 
         return "triton" if setting != "torch" and triton_here and supported else "torch"
 
     layer = layers(model)[0]
-    swiglu, rmsnorm = layer.mlp == "swiglu", layer.norm == "rmsnorm"
+    swiglu, rmsnorm = layer.block.swiglu_kernel, layer.block.rmsnorm_kernel  # what the layer declares
     attention = flags.attention
     if attention == "auto" and device == "cuda" and fa4_problem(model.head_dim, dtype_name) is None:
         attention = "fa4"
@@ -72,11 +72,11 @@ def kernel_problems(flags: KernelChoices, tp: int, model: ModelConfig, device: s
     if problem is not None:
         out.append(f"--attention-backend fa4 {problem}")
     layer, family = layers(model)[0], family_of(model).description
-    if f.swiglu == "triton" and layer.mlp != "swiglu":
+    if f.swiglu == "triton" and not layer.block.swiglu_kernel:
         out.append(
             f"--swiglu-backend triton: {family} models use a {layer.mlp.upper()} MLP, not SwiGLU; leave it at auto"
         )
-    if f.rmsnorm == "triton" and layer.norm != "rmsnorm":
+    if f.rmsnorm == "triton" and not layer.block.rmsnorm_kernel:
         out.append(f"--rmsnorm-backend triton: {family} models use LayerNorm, not RMSNorm; leave it at auto")
     if f.rope == "triton" and layer.qk_norm:
         out.append(

@@ -14,6 +14,7 @@ from ...config import ModelConfig
 from ...layer_input import LayerInput
 from ...layers import Attention
 from .config import FalconConfig
+from .counts import LayerNormCounts, ParallelBlockCounts
 
 
 class GeluMLP(nn.Module):
@@ -29,7 +30,7 @@ class GeluMLP(nn.Module):
 
 
 class FalconBlock(nn.Module):
-    parallel_residual = True  # attention and MLP read the same residual (the planner's activation model reads it)
+    """x + attn(norm(x)) + mlp(norm(x)): attention and MLP read the same residual."""
 
     def __init__(self, cfg: FalconConfig):
         super().__init__()
@@ -37,6 +38,11 @@ class FalconBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.separate_mlp_norm else None
         self.attn = Attention(cfg)
         self.mlp = GeluMLP(cfg)
+
+    @property
+    def counts(self) -> ParallelBlockCounts:
+        """What it saves outside its attention, for the planner (counts.py)."""
+        return ParallelBlockCounts(self.attn_norm.normalized_shape[0], 1 if self.mlp_norm is None else 2)
 
     def forward(self, x: torch.Tensor, inputs: LayerInput) -> torch.Tensor:
         attn_in = self.attn_norm(x)
@@ -48,5 +54,13 @@ def falcon_block(cfg: FalconConfig, index: int) -> FalconBlock:
     return FalconBlock(cfg)
 
 
+class FinalLayerNorm(nn.LayerNorm):
+    """The LayerNorm before the head, declaring what it saves for the planner (counts.py)."""
+
+    @property
+    def counts(self) -> LayerNormCounts:
+        return LayerNormCounts(self.normalized_shape[0])
+
+
 def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return FinalLayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
