@@ -15,7 +15,13 @@ from llamatron.models.families import FAMILIES, families_with_field, get_preset,
 # Options that moved from the common config into their family's (the one family whose modules read them)
 FAMILY_ONLY = {
     "falcon": {"separate_mlp_norm"},
-    "llama4": {"nope_layer_interval", "attention_chunk_size", "qk_l2_norm", "attn_temperature_floor"},
+    "llama4": {
+        "nope_layer_interval",
+        "attention_chunk_size",
+        "qk_l2_norm",
+        "attn_temperature_floor",
+        "router_weights_input",
+    },
     "qwen": {"mlp_only_layers"},
     "deepseek_v3": {"kv_lora_rank", "q_lora_rank", "n_group", "first_k_dense_replace", "num_nextn_predict_layers"},
 }
@@ -90,6 +96,18 @@ def test_qwen_s_options_are_its_config_s_and_old_checkpoint_configs_still_load()
         config_from_dict({**old, "qk_norm": True})
     qwen = get_preset("qwen2-moe-test")
     assert qwen.qkv_bias and qwen.shared_expert_gate and config_from_dict(qwen.to_dict()) == qwen
+
+
+def test_router_weights_input_is_llama4s_and_old_checkpoint_configs_still_load():
+    """router_weights_input is Llama4Config's field (its MoE, families/llama4/moe.py, reads it). A meta.json written
+    while it was ModelConfig's loads: a Mixtral model's (it at its default) as before, set on it it is refused; a
+    llama4 model's keeps it."""
+    old = {**get_preset("mixtral-test").to_dict(), "router_weights_input": False}
+    assert config_from_dict(old) == get_preset("mixtral-test")
+    with pytest.raises(ValueError, match="router_weights_input"):
+        config_from_dict({**old, "router_weights_input": True})
+    llama4 = get_preset("llama4-test")
+    assert llama4.router_weights_input and config_from_dict(llama4.to_dict()) == llama4
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3-test", "mixtral-test", "qwen3-moe-test"])

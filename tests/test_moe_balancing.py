@@ -15,14 +15,19 @@ from layout import assert_matches, run_train
 
 from llamatron.errors import ConfigError
 from llamatron.models import get_preset
+from llamatron.models.families import family_of
 from llamatron.models.moe import Experts, MoE, MoEBalance, MoEStats, router_losses
 from llamatron.models.moe_balance import capacity_keep, expert_capacity, updated_expert_bias
 
 
 def _moe(preset: str = "mixtral-test", seed: int = 0, **changes) -> MoE:
+    """The MoE of the preset's family's first MoE layer (Llama 4's weights its experts' inputs)."""
     cfg = get_preset(preset).with_changes(changes)
     torch.manual_seed(seed)
-    moe = MoE(cfg)
+    index = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    with torch.device("meta"):
+        kind = type(family_of(cfg).block(cfg, index).mlp)
+    moe = kind(cfg)
     for name, p in moe.named_parameters():
         if name != "expert_bias":
             torch.nn.init.normal_(p, std=0.1)

@@ -26,7 +26,6 @@ MOE_SETTINGS = (
     "moe_layer_step",
     "dense_ffn_hidden_size",
     "router_score",
-    "router_weights_input",
     *BALANCING_SETTINGS,
 )
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -109,10 +108,8 @@ class ModelConfig:
     moe_layer_step: int = 1
     dense_ffn_hidden_size: int = 0
     # The chosen experts' weights: softmax over all experts (Mixtral, Qwen) or the sigmoid of each chosen logit
-    # (Llama 4, DeepSeek-V3); router_weights_input: the weight scales each expert's input instead of its output
-    # (Llama 4)
+    # (Llama 4, DeepSeek-V3)
     router_score: str = "softmax"
-    router_weights_input: bool = False
     # Balancing (models/moe.py says how each works): the load-balancing loss's expert loads counted per sequence or
     # over the whole global batch (Qwen3's global-batch balancing); DeepSeek-V3's auxiliary-loss-free balancing, a
     # per-expert bias added to the scores for the top-k choice only, moved by router_bias_update_rate after each

@@ -6,8 +6,8 @@ A shared expert (`shared_expert_ffn`) runs on every token beside the routed ones
 Routing picks the k experts of the highest router logits. Their weights are Mixtral's by default: the softmax
 over all experts, renormalised over the k to sum to 1 (without `moe_renormalize`, Qwen2-MoE's: the top k's softmax
 weights as they are); with `router_score` sigmoid, each chosen logit's sigmoid (Llama 4; renormalised as
-DeepSeek-V3's if `moe_renormalize`). A weight scales its expert's output, or with `router_weights_input` its input
-(Llama 4: expert(w · x) rather than w · expert(x)). It is
+DeepSeek-V3's if `moe_renormalize`). A weight scales its expert's output (a family's MoE may weight otherwise by
+overriding `MoE.run_experts`: Llama 4's scales the input, expert(w · x), families/llama4/moe.py). It is
 dropless by default: every token reaches its k experts, however unevenly they are chosen (`moe_capacity_factor`
 caps each expert's share of a sequence instead; DeepSeek-V3's balancing bias moves the top-k choice; both in
 models/moe_balance.py). The tokens are sorted by
@@ -342,7 +342,7 @@ class MoE(nn.Module):
         self.expert_bias: nn.Parameter | None = None
         if cfg.router_expert_bias:
             self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
-        self.sigmoid_scores, self.weights_input = cfg.router_score == "sigmoid", cfg.router_weights_input
+        self.sigmoid_scores = cfg.router_score == "sigmoid"
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size)
         self.shared: SharedExpert | None = self.shared_expert(cfg) if cfg.shared_expert_ffn else None
@@ -381,11 +381,7 @@ class MoE(nn.Module):
         weights, chosen = self.route(logits, probs)
         weights = weights.to(full.dtype)
         keep = None if self.capacity_factor is None else self._capacity_keep(chosen, weights, batch)
-        if self.weights_input:
-            out, routing = self._route_weighted_inputs(tokens, chosen, weights, keep)
-        else:
-            routing = route(chosen, self.num_experts, keep)
-            out = combine(self.dispatch(tokens, routing, self.experts), routing, weights)
+        out, routing = self.run_experts(tokens, chosen, weights, keep)
         if self.shared is not None:
             out = out + self.shared_output(self.shared(self.shared_input(full))).reshape(-1, hidden)
         # the router's choices, kept or dropped, over whole sequences: what the balancing counts
@@ -432,14 +428,14 @@ class MoE(nn.Module):
         _, chosen = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1)
         return scores.gather(-1, chosen), chosen
 
-    def _route_weighted_inputs(
+    def run_experts(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
     ) -> tuple[torch.Tensor, Routing]:
-        """Each (token, choice) its own row w · x, routed as one choice; the k outputs summed per token."""
-        rows = (tokens.unsqueeze(1) * weights.unsqueeze(-1)).flatten(0, 1)
-        routing = route(chosen.reshape(-1, 1), self.num_experts, None if keep is None else keep.reshape(-1, 1))
-        out = unpermute(self.dispatch(rows, routing, self.experts), routing.order, routing.choices)
-        return out.view(tokens.shape[0], self.top_k, -1).sum(1), routing  # its counts: the k choices' counts
+        """(each token's chosen experts' outputs, weighted and summed (tokens, hidden); the routing, whose counts
+        are the k choices' per expert): w · expert(x). A family's MoE weights otherwise by overriding this (Llama
+        4's scales the input)."""
+        routing = route(chosen, self.num_experts, keep)
+        return combine(self.dispatch(tokens, routing, self.experts), routing, weights), routing
 
     def _attach_router_losses(
         self,

@@ -30,8 +30,7 @@ FAMILY = Family(
     config_class=DeepseekV3Config,
     # the shared MoE's settings but those DeepSeek-V3's layers fix (an ungated shared expert, output weights,
     # every layer past the dense ones)
-    options=frozenset({"head_dim", "num_experts", *MOE_SETTINGS})
-    - {"shared_expert_gate", "router_weights_input", "moe_layer_step"},
+    options=frozenset({"head_dim", "num_experts", *MOE_SETTINGS}) - {"shared_expert_gate", "moe_layer_step"},
     problems=problems,
     extra_heads=deepseek_v3_mtp,
 )

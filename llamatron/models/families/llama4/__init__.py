@@ -1,8 +1,8 @@
 """The llama4 family: Llama 4 Scout and Maverick, text only (Llama4ForCausalLM). Pre-norm decoder layers of
-models/blocks.py with the shared mixture of experts (sigmoid-weighted inputs and a shared expert, interleaved with
-dense layers) and Llama 4's own attention (attention.py; its options in config.py): NoPE layers with attention
-temperature tuning; chunked local attention with an L2 q/k norm on the others (hf.py says which config.json key
-is which)."""
+models/blocks.py with the shared mixture of experts weighting its experts' inputs (moe.py: sigmoid weights, a
+shared expert, interleaved with dense layers) and Llama 4's own attention (attention.py; its options in
+config.py): NoPE layers with attention temperature tuning; chunked local attention with an L2 q/k norm on the
+others (hf.py says which config.json key is which)."""
 
 from __future__ import annotations
 

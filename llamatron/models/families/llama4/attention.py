@@ -1,6 +1,6 @@
 """Llama 4's attention and decoder layer: the shared pre-norm layer (models/blocks.py) whose attention, after the
 rotary embedding, RMS-normalises queries and keys (no weight) in its rotary layers and tunes the queries'
-temperature by position in its NoPE layers."""
+temperature by position in its NoPE layers; its MoE layers weight the experts' inputs (moe.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from ...blocks import DecoderBlock
 from ...layers import Attention
 from .config import Llama4Config
+from .moe import Llama4MoE
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,5 +50,7 @@ class Llama4Attention(Attention):
 
 
 def llama4_block(cfg: Llama4Config, index: int) -> DecoderBlock:
-    """Layer `index`: the pre-norm layer with Llama 4's attention (rotary and chunked, or NoPE)."""
-    return DecoderBlock(cfg, index, Llama4Attention(cfg, rope=cfg.layer_has_rope(index)))
+    """Layer `index`: the pre-norm layer with Llama 4's attention (rotary and chunked, or NoPE) and, in its MoE
+    layers, Llama 4's MoE."""
+    moe = Llama4MoE(cfg) if cfg.is_moe_layer(index) else None
+    return DecoderBlock(cfg, index, Llama4Attention(cfg, rope=cfg.layer_has_rope(index)), moe)

@@ -1,14 +1,18 @@
-"""The llama4 family's config: the common decoder config and Llama 4's own attention options."""
+"""The llama4 family's config: the common decoder config, Llama 4's own attention options (read by attention.py)
+and its experts' input weighting (read by moe.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ...config import ModelConfig
+from ...config import MOE_SETTINGS, ModelConfig
 
 
 @dataclass
 class Llama4Config(ModelConfig):
+    moe_settings: ClassVar[tuple[str, ...]] = (*MOE_SETTINGS, "router_weights_input")
+
     # Every nope_layer_interval-th layer has no rotary embedding (0: every layer has it); the other layers attend
     # within chunks of attention_chunk_size tokens (None: the whole causal context) and, with qk_l2_norm,
     # RMS-normalise (no weight) each query and key head after the rotary embedding. NoPE layers scale their queries
@@ -19,6 +23,8 @@ class Llama4Config(ModelConfig):
     qk_l2_norm: bool = False
     attn_temperature_floor: int = 0
     attn_temperature_scale: float = 0.1
+    # each chosen expert's router weight scales its input, expert(w · x), instead of its output (moe.py)
+    router_weights_input: bool = False
 
     def layer_has_rope(self, index: int) -> bool:
         return not (self.nope_layer_interval and (index + 1) % self.nope_layer_interval == 0)

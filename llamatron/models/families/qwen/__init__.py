@@ -32,7 +32,7 @@ FAMILY = Family(
     presets=PRESETS,
     hf=HFAdapter(("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"), hf.config_from_hf, hf.config_to_hf, hf.weight_rules),
     config_class=QwenConfig,
-    # Qwen's routing is softmax over the outputs (router_score and router_weights_input are Llama 4's)
-    options=frozenset({"head_dim", "num_experts", *MOE_SETTINGS}) - {"router_score", "router_weights_input"},
+    # Qwen's routing is softmax (router_score is Llama 4's and DeepSeek-V3's)
+    options=frozenset({"head_dim", "num_experts", *MOE_SETTINGS}) - {"router_score"},
     problems=problems,
 )
