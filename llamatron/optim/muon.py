@@ -88,6 +88,13 @@ def adjusted_lr(lr: float, how: str, shape: tuple[int, ...]) -> float:
     return lr * (0.2 * math.sqrt(max(rows, cols)) if how == "match_rms_adamw" else math.sqrt(max(1, rows / cols)))
 
 
+def is_hidden_matrix(kind: str, shape: tuple[int, ...]) -> bool:
+    """Whether a weight of this kind (models/inventory.weight_kind) and full shape is Muon's: a MoE's experts, or a
+    linear's weight with both sides above 1 (a 1-row matrix, a shared expert's gate, is a vector: Newton-Schulz
+    would only normalise it)."""
+    return kind == "expert" or (kind == "matmul" and len(shape) == 2 and min(shape) > 1)
+
+
 def hidden_matrices(chunks: Sequence[nn.Module], specs: Sequence[ParamSpecs]) -> frozenset[str]:
     """Global names of the decoder layers' matrices (linears' weights, a MoE's experts) that train: Muon's."""
     out = set()
@@ -99,8 +106,7 @@ def hidden_matrices(chunks: Sequence[nn.Module], specs: Sequence[ParamSpecs]) ->
                 kind = weight_kind(modules[owner], leaf, owner)
                 spec = chunk_specs[f"layers.{prefix}.{name}"]
                 shape = spec.full_shape  # not the shard's: every layout picks the same matrices
-                # a 1-row matrix (a shared expert's gate) is a vector: NS would only normalise it
-                if p.requires_grad and (kind == "expert" or (kind == "matmul" and len(shape) == 2 and min(shape) > 1)):
+                if p.requires_grad and is_hidden_matrix(kind, tuple(shape)):
                     out.add(spec.global_name)
     return frozenset(out)
 

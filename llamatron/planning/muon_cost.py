@@ -16,16 +16,12 @@ from dataclasses import dataclass
 
 from ..models import ModelConfig
 from ..models.inventory import config_key, layers
+from ..optim.muon import is_hidden_matrix
 from ..parallel.tensor import shard_numel
 from .layout import Layout, Precision
 
 NS_STEPS = 5  # --muon-ns-steps' default
 _MATRICES: dict[tuple, tuple[float, float, float]] = {}
-
-
-def _is_hidden(kind: str, shape: tuple[int, ...]) -> bool:
-    """As optim.hidden_matrices picks them: a linear's weight with both sides above 1, or a MoE's experts."""
-    return kind == "expert" or (kind == "matmul" and len(shape) == 2 and min(shape) > 1)
 
 
 def layer_matrices(model: ModelConfig, tp: int, index: int) -> tuple[float, float, float]:
@@ -35,7 +31,7 @@ def layer_matrices(model: ModelConfig, tp: int, index: int) -> tuple[float, floa
     if key not in _MATRICES:
         elements = dense_flops = expert_flops = 0.0
         for w in layers(model)[index].weights:
-            if not _is_hidden(w.kind, w.shape):
+            if not is_hidden_matrix(w.kind, tuple(w.shape)):
                 continue
             count, (rows, cols) = (w.shape[0], w.shape[1:]) if w.kind == "expert" else (1, w.shape)
             m, n = min(rows, cols), max(rows, cols)
